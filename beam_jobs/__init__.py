@@ -1,0 +1,1 @@
+"""Beam side of dp-fedemb: ingest, synthetic data, partitioning, dedup, evaluation."""

@@ -1,0 +1,1 @@
+"""TFX wiring, configuration and command line of dp-fedemb; owns no algorithm."""

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Creates .venv with Python 3.10 and installs exactly requirements/lock.txt with uv,
+# then the project in editable mode. Quick no-op when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+UV_VERSION=0.13.9
+export UV_PYTHON_DOWNLOADS=never   # never fetch a Python build: use the machine's 3.10
+
+die() { echo "setup: $*" >&2; exit 1; }
+
+works_as_310() {
+  [ -n "$1" ] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 10))' >/dev/null 2>&1
+}
+
+find_python() {
+  if [ -n "${PYTHON:-}" ]; then
+    works_as_310 "$PYTHON" || die "PYTHON=$PYTHON is not a working Python 3.10"
+    echo "$PYTHON"; return
+  fi
+  local candidate
+  for candidate in "$(command -v python3.10 || true)" \
+      "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.10*/bin/python3.10 \
+      /usr/bin/python3.10 /usr/local/bin/python3.10; do
+    if works_as_310 "$candidate"; then echo "$candidate"; return; fi
+  done
+  die "Python 3.10 not found: install it (e.g. 'pyenv install 3.10' or 'apt-get install python3.10') or set PYTHON=/path/to/python3.10"
+}
+
+find_uv() {
+  if command -v uv >/dev/null 2>&1; then command -v uv; return; fi
+  local boot=.cache/uv-bootstrap
+  if [ ! -x "$boot/bin/uv" ]; then
+    echo "setup: installing uv $UV_VERSION into $boot" >&2
+    "$1" -m venv "$boot" >&2 || die "could not create $boot with $1"
+    "$boot/bin/python" -m pip install -q "uv==$UV_VERSION" >&2 || die "could not install uv from the package index"
+  fi
+  echo "$boot/bin/uv"
+}
+
+PY="$(find_python)"
+UV="$(find_uv "$PY")"
+
+if ! works_as_310 .venv/bin/python; then
+  rm -rf .venv
+  "$UV" venv --quiet --python "$PY" .venv
+fi
+
+stamp=.venv/.dp-fedemb-installed
+want="$(cat requirements/lock.txt setup.py | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "setup: installing the locked environment into .venv" >&2
+"$UV" pip sync --quiet --python .venv/bin/python requirements/lock.txt
+"$UV" pip install --quiet --python .venv/bin/python --no-deps --no-build-isolation -e .
+echo "$want" > "$stamp"
