@@ -25,5 +25,5 @@ setuptools.setup(
         "apache-beam[gcp]==2.59.0",
         "absl-py",
     ],
-    entry_points={"console_scripts": ["dp-fedemb = pipeline.cli:main"]},
+    entry_points={"console_scripts": ["dp-fedemb = pipeline.cli:console_main"]},
 )

@@ -1,0 +1,63 @@
+"""The `dp-fedemb` command line (DESIGN.md section 6).
+
+Each subcommand lives in `pipeline.commands.<module>` and provides
+`define_flags(flag_values)` and `run(flag_values, args) -> int`. Flags are parsed
+into a fresh `absl.flags.FlagValues` per invocation, so subcommands may reuse
+flag names and can be called in-process by tests.
+
+Input errors (`ValueError`, `FileNotFoundError`, bad flags) end with one line on
+stderr and a non-zero exit; anything else is a bug and keeps its traceback.
+"""
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+from absl import flags
+
+# Subcommand name -> module implementing it.
+COMMANDS: dict[str, str] = {
+    "version": "pipeline.commands.version",
+}
+
+EXIT_USAGE = 2
+EXIT_INPUT_ERROR = 1
+
+
+def _usage() -> str:
+    names = "|".join(sorted(COMMANDS))
+    return f"usage: dp-fedemb {{{names}}} [--flags]   (dp-fedemb COMMAND --help for its flags)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+        print(_usage(), file=sys.stdout if len(argv) >= 2 else sys.stderr)
+        return 0 if len(argv) >= 2 else EXIT_USAGE
+    name = argv[1]
+    if name not in COMMANDS:
+        print(f"dp-fedemb: error: unknown command {name!r}; {_usage()}", file=sys.stderr)
+        return EXIT_USAGE
+    command = importlib.import_module(COMMANDS[name])
+    flag_values = flags.FlagValues()
+    command.define_flags(flag_values)
+    if any(a in ("-h", "--help", "--helpfull") for a in argv[2:]):
+        print(f"dp-fedemb {name}: {(command.__doc__ or '').strip().splitlines()[0]}")
+        print(flag_values.get_help())
+        return 0
+    try:
+        rest = flag_values([f"dp-fedemb {name}", *argv[2:]])
+        flag_values.validate_all_flags()
+    except flags.Error as e:
+        print(f"dp-fedemb {name}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(command.run(flag_values, rest[1:]) or 0)
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"dp-fedemb {name}: error: {message}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+
+
+def console_main() -> None:
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `dp-fedemb` subcommand; registered in `pipeline.cli.COMMANDS`."""
