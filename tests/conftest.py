@@ -1,0 +1,39 @@
+"""Session-wide test fixtures and the worker_binary leak check.
+
+Every process started by this test session (the TFF runtime's workers, CLI
+subprocesses and their workers) inherits `DP_FEDEMB_TEST_SESSION`, so at the end
+we can find any `worker_binary` this session left behind, including orphans that
+were re-parented to init, without confusing them with other sessions' workers.
+"""
+
+import os
+import uuid
+
+import pytest
+
+from tests import processes
+
+SESSION_MARKER = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+os.environ[processes.MARKER_ENV] = SESSION_MARKER
+
+
+@pytest.fixture(scope="session")
+def tff_runtime():
+    """One owned local TFF worker shared by the tests that run computations."""
+    from tff_algorithms import runtime
+
+    rt = runtime.start(runtime.RuntimeConfig(), handle_signals=False)
+    yield rt
+    runtime.stop()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    leaked = processes.worker_binaries_with_marker(SESSION_MARKER)
+    if leaked:
+        for pid in leaked:
+            processes.kill_quietly(pid)
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"FAILED leak check: worker_binary processes left running by this session: {leaked}"
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,135 @@
+"""The runtime owns its TFF workers: they stop on every way the parent can end."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow_federated as tff
+
+from tests import processes
+from tff_algorithms import runtime
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD = os.path.join(REPO, "tests", "runtime_child.py")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _start_child(mode: str) -> tuple[subprocess.Popen, int, str]:
+    child = subprocess.Popen(
+        [sys.executable, CHILD, mode],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    line = child.stdout.readline()
+    assert line.startswith("pid="), f"child did not report its worker: {line!r}"
+    fields = dict(part.split("=", 1) for part in line.split())
+    assert float(fields["sum"]) == 6.0
+    return child, int(fields["pid"]), fields["log"]
+
+
+@pytest.mark.parametrize("mode, expected_code", [("normal", 0), ("exception", 1)])
+def test_worker_stops_when_python_exits(mode, expected_code):
+    child, worker_pid, log_path = _start_child(mode)
+    # communicate() only returns when every holder of the pipe closed it: a
+    # worker that kept our stdout would make this time out.
+    child.communicate(timeout=120)
+    assert child.returncode == expected_code
+    assert _wait_gone(worker_pid), "worker_binary outlived its parent"
+    with open(log_path) as log:
+        assert "worker_binary --port=" in log.readline(), "worker log file not written"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_worker_stops_on_termination_signal(signum):
+    child, worker_pid, _ = _start_child("wait")
+    child.send_signal(signum)
+    child.communicate(timeout=120)
+    assert child.returncode == 128 + signum
+    assert _wait_gone(worker_pid)
+
+
+def test_worker_dies_with_a_killed_parent():
+    child, worker_pid, _ = _start_child("wait")
+    child.kill()
+    child.communicate(timeout=120)
+    assert _wait_gone(worker_pid), "worker_binary survived SIGKILL of its parent"
+
+
+def test_leak_detector_finds_an_orphaned_worker(tmp_path):
+    """The session-end check must be able to fail: an unowned worker is found."""
+    marker = "leak-detector-self-test"
+    env = dict(os.environ, **{processes.MARKER_ENV: marker})
+    orphan = subprocess.Popen(
+        [runtime.WORKER_BINARY, "--port=0"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while orphan.pid not in processes.worker_binaries_with_marker(marker):
+            assert time.monotonic() < deadline, "detector did not see the worker"
+            time.sleep(0.1)
+    finally:
+        orphan.kill()
+        orphan.wait()
+    assert processes.worker_binaries_with_marker(marker) == []
+
+
+@tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+def _federated_sum(values):
+    return tff.federated_sum(values)
+
+
+def test_two_remote_workers_give_the_one_worker_result(tmp_path):
+    values = [float(v) for v in range(1, 11)]
+    workers = [runtime.LocalWorker(str(tmp_path), -1) for _ in range(2)]
+    try:
+        with runtime.TffRuntime(runtime.RuntimeConfig(worker_addresses=(workers[0].address,))):
+            one = _federated_sum(values)
+        addresses = tuple(w.address for w in workers)
+        with runtime.TffRuntime(runtime.RuntimeConfig(worker_addresses=addresses)) as rt:
+            assert rt.addresses == addresses
+            two = _federated_sum(values)
+        # Connecting never stops workers that someone else started.
+        assert all(w.process.poll() is None for w in workers)
+    finally:
+        for w in workers:
+            w.stop()
+    assert one == two == sum(values)
+
+
+def test_stopped_runtime_refuses_to_run():
+    with runtime.TffRuntime():
+        assert _federated_sum([1.0]) == 1.0
+    with pytest.raises(RuntimeError, match="runtime was stopped"):
+        _federated_sum([1.0])
+
+
+@pytest.mark.parametrize("address", ["localhost", ":80", "host:port"])
+def test_bad_worker_address_is_rejected(address):
+    with pytest.raises(ValueError, match="host:port"):
+        runtime.RuntimeConfig(worker_addresses=(address,))

@@ -1,0 +1,312 @@
+"""Owns TFF execution: the C++ `worker_binary` processes and the execution context.
+
+TFF's default context starts a `worker_binary` whose cleanup lives in a `__del__`
+that fails at interpreter shutdown, so the worker outlives Python and keeps the
+parent's stdout/stderr open (DESIGN.md section 1). `TffRuntime` replaces that:
+
+* local workers are started here, with output to a log file (never our pipes);
+* each local worker dies with the process that started it, even on SIGKILL
+  (Linux `PR_SET_PDEATHSIG`), and is stopped on normal exit, on exceptions
+  (context manager / `atexit`) and on SIGTERM/SIGINT;
+* remote workers (addresses such as "10.0.0.5:8000", started by a cluster
+  scheduler) are only connected to, never started or stopped (DESIGN.md section 8).
+
+With one worker the context is TFF's synchronous remote-execution context. With
+several, computations are compiled to mergeable form and each round's clients are
+split across the workers (`MergeableCompExecutionContext`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import gc
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+import grpc
+import portpicker
+import tensorflow_federated as tff
+from absl import logging
+from tensorflow_federated.python.core.backends.native import compiler as native_compiler
+from tensorflow_federated.python.core.backends.native import mergeable_comp_compiler
+from tensorflow_federated.python.core.environments.tensorflow_frontend import (
+    tensorflow_computation,
+)
+
+WORKER_BINARY = os.path.join(os.path.dirname(tff.__file__), "data", "worker_binary")
+
+_GRPC_MAX_MESSAGE_BYTES = 2 * 1000 * 1000 * 1000
+_GRPC_CHANNEL_OPTIONS = (
+    ("grpc.max_message_length", _GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", _GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", _GRPC_MAX_MESSAGE_BYTES),
+)
+_PR_SET_PDEATHSIG = 1
+
+
+class WorkerStartError(RuntimeError):
+    """A worker did not become ready; the message carries the end of its log."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """How training reaches its TFF workers.
+
+    Attributes:
+      worker_addresses: "host:port" of workers started elsewhere. Empty means one
+        local worker started and owned by this process.
+      max_concurrent_computation_calls: per-worker limit on parallel calls of one
+        computation (bounds memory when a round has many clients); <= 0 means
+        unlimited. Applies to local workers; remote ones get it from their launcher.
+      default_num_clients: client cardinality used when TFF cannot infer it.
+      log_dir: where local workers write their logs (a temp dir when None).
+      ready_timeout_s: how long to wait for a worker to accept calls.
+    """
+
+    worker_addresses: tuple[str, ...] = ()
+    max_concurrent_computation_calls: int = -1
+    default_num_clients: int = 0
+    log_dir: str | None = None
+    ready_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for address in self.worker_addresses:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"worker address {address!r} is not of the form host:port")
+        if self.ready_timeout_s <= 0:
+            raise ValueError(f"ready_timeout_s must be positive, got {self.ready_timeout_s}")
+
+
+def _die_with_parent() -> None:
+    """Runs in the worker child before exec: SIGKILL it when its parent dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class LocalWorker:
+    """One `worker_binary` child process listening on localhost."""
+
+    def __init__(self, log_dir: str, max_concurrent_computation_calls: int) -> None:
+        self.port = portpicker.pick_unused_port()
+        self.log_path = os.path.join(log_dir, f"worker_{self.port}.log")
+        argv = [
+            WORKER_BINARY,
+            f"--port={self.port}",
+            f"--max_concurrent_computation_calls={max_concurrent_computation_calls}",
+        ]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._log.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(argv)}\n".encode())
+        self._log.flush()
+        self.process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+            close_fds=True,
+        )
+
+    @property
+    def address(self) -> str:
+        return f"localhost:{self.port}"
+
+    def log_tail(self, max_bytes: int = 2000) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode("utf-8", "replace")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def _wait_ready(
+    stub: tff.framework.RemoteExecutorGrpcStub,
+    address: str,
+    timeout_s: float,
+    worker: LocalWorker | None,
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not stub.is_ready:
+        if worker is not None and worker.process.poll() is not None:
+            raise WorkerStartError(
+                f"worker_binary at {address} exited with code {worker.process.returncode}; "
+                f"log {worker.log_path}:\n{worker.log_tail()}"
+            )
+        if time.monotonic() > deadline:
+            tail = f"; log {worker.log_path}:\n{worker.log_tail()}" if worker else ""
+            raise WorkerStartError(
+                f"TFF worker at {address} not ready after {timeout_s:.0f}s{tail}"
+            )
+        time.sleep(0.1)
+
+
+def _executor_factory(
+    stub: tff.framework.RemoteExecutorGrpcStub, default_num_clients: int
+) -> tff.framework.ResourceManagingExecutorFactory:
+    def stack_fn(cardinalities: dict) -> tff.framework.RemoteExecutor:
+        if cardinalities.get(tff.CLIENTS) is None:
+            cardinalities[tff.CLIENTS] = default_num_clients
+        executor = tff.framework.RemoteExecutor(stub)
+        executor.set_cardinalities(cardinalities)
+        return executor
+
+    return tff.framework.ResourceManagingExecutorFactory(executor_stack_fn=stack_fn)
+
+
+class TffRuntime:
+    """Starts (or connects to) TFF workers and installs the execution context.
+
+    Use as a context manager, or `start()`/`stop()`; `stop()` is idempotent and
+    also registered with `atexit`.
+    """
+
+    def __init__(self, config: RuntimeConfig = RuntimeConfig()) -> None:
+        self.config = config
+        self.local_workers: list[LocalWorker] = []
+        self.addresses: tuple[str, ...] = ()
+        self._channels: list[grpc.Channel] = []
+        self._started = False
+        self._lock = threading.Lock()
+
+    def start(self) -> TffRuntime:
+        with self._lock:
+            if self._started:
+                return self
+            self._started = True
+        atexit.register(self.stop)
+        try:
+            self._start_workers_and_context()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_workers_and_context(self) -> None:
+        config = self.config
+        if config.worker_addresses:
+            targets = [(address, None) for address in config.worker_addresses]
+        else:
+            log_dir = config.log_dir or tempfile.mkdtemp(prefix="dp_fedemb_tff_")
+            os.makedirs(log_dir, exist_ok=True)
+            worker = LocalWorker(log_dir, config.max_concurrent_computation_calls)
+            self.local_workers.append(worker)
+            logging.info("Started TFF worker_binary pid %d, log %s", worker.process.pid, worker.log_path)
+            targets = [(worker.address, worker)]
+        stubs = []
+        for address, worker in targets:
+            channel = grpc.insecure_channel(address, options=_GRPC_CHANNEL_OPTIONS)
+            self._channels.append(channel)
+            stub = tff.framework.RemoteExecutorGrpcStub(channel)
+            _wait_ready(stub, address, config.ready_timeout_s, worker)
+            stubs.append(stub)
+        self.addresses = tuple(address for address, _ in targets)
+        tff.framework.set_default_context(self._make_context(stubs))
+        # Drop TFF's import-time default context now, while the interpreter is
+        # intact, so its worker manager's __del__ does not fail at shutdown.
+        gc.collect()
+
+    def _make_context(self, stubs: Sequence[tff.framework.RemoteExecutorGrpcStub]):
+        n = self.config.default_num_clients
+        if len(stubs) == 1:
+            return tff.framework.SyncExecutionContext(
+                executor_fn=_executor_factory(stubs[0], n),
+                compiler_fn=native_compiler.desugar_and_transform_to_native,
+                transform_args=tensorflow_computation.transform_args,
+                transform_result=tensorflow_computation.transform_result,
+            )
+        async_contexts = [
+            tff.framework.AsyncExecutionContext(
+                executor_fn=_executor_factory(stub, n),
+                compiler_fn=native_compiler.desugar_and_transform_to_native,
+                transform_args=tensorflow_computation.transform_args,
+                transform_result=tensorflow_computation.transform_result,
+            )
+            for stub in stubs
+        ]
+        return tff.framework.MergeableCompExecutionContext(
+            async_contexts=async_contexts,
+            compiler_fn=mergeable_comp_compiler.compile_to_mergeable_comp_form,
+        )
+
+    def stop(self) -> None:
+        """Stops owned workers and leaves a context that fails loudly if used."""
+        with self._lock:
+            workers, self.local_workers = self.local_workers, []
+            channels, self._channels = self._channels, []
+        if not workers and not channels:
+            return
+        tff.framework.set_default_context(_StoppedContext())
+        for channel in channels:
+            channel.close()
+        for worker in workers:
+            worker.stop()
+            logging.info("Stopped TFF worker_binary pid %d", worker.process.pid)
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> TffRuntime:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class _StoppedContext(tff.framework.SyncContext):
+    def invoke(self, comp, arg):  # noqa: ANN001 - TFF's signature
+        raise RuntimeError("the TFF runtime was stopped; start a TffRuntime before running computations")
+
+
+_active: TffRuntime | None = None
+
+
+def _stop_on_signal(signum: int, frame: FrameType | None) -> None:
+    del frame
+    if _active is not None:
+        _active.stop()
+    # Exit the conventional way for the signal, running the remaining atexit hooks.
+    raise SystemExit(128 + signum)
+
+
+def start(config: RuntimeConfig = RuntimeConfig(), *, handle_signals: bool = True) -> TffRuntime:
+    """Starts the process-wide runtime (stopping a previous one) and returns it.
+
+    With `handle_signals`, SIGTERM and SIGINT stop the workers and exit with
+    128 + signal number. Signal handlers can only be installed from the main
+    thread; elsewhere the atexit hook and parent-death signal still apply.
+    """
+    global _active
+    if _active is not None:
+        _active.stop()
+    _active = TffRuntime(config).start()
+    if handle_signals and threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, _stop_on_signal)
+    return _active
+
+
+def stop() -> None:
+    """Stops the process-wide runtime, if any."""
+    global _active
+    if _active is not None:
+        _active.stop()
+        _active = None
+
+
+def active() -> TffRuntime | None:
+    return _active
