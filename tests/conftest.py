@@ -33,7 +33,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         for pid in leaked:
             processes.kill_quietly(pid)
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        message = f"FAILED leak check: worker_binary processes left running by this session: {leaked}"
+        message = (
+            f"FAILED leak check: worker_binary processes left running by this session: {leaked}"
+        )
         if reporter is not None:
             reporter.write_line(message, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -20,7 +20,10 @@ def federated_sum(values):
 def main(mode: str) -> None:
     rt = runtime.start()
     total = federated_sum([1.0, 2.0, 3.0])
-    print(f"pid={rt.local_workers[0].process.pid} sum={total} log={rt.local_workers[0].log_path}", flush=True)
+    print(
+        f"pid={rt.local_workers[0].process.pid} sum={total} log={rt.local_workers[0].log_path}",
+        flush=True,
+    )
     if mode == "exception":
         raise RuntimeError("deliberate failure after the runtime started")
     if mode == "wait":

@@ -207,7 +207,9 @@ class TffRuntime:
             os.makedirs(log_dir, exist_ok=True)
             worker = LocalWorker(log_dir, config.max_concurrent_computation_calls)
             self.local_workers.append(worker)
-            logging.info("Started TFF worker_binary pid %d, log %s", worker.process.pid, worker.log_path)
+            logging.info(
+                "Started TFF worker_binary pid %d, log %s", worker.process.pid, worker.log_path
+            )
             targets = [(worker.address, worker)]
         stubs = []
         for address, worker in targets:
@@ -269,7 +271,9 @@ class TffRuntime:
 
 class _StoppedContext(tff.framework.SyncContext):
     def invoke(self, comp, arg):  # noqa: ANN001 - TFF's signature
-        raise RuntimeError("the TFF runtime was stopped; start a TffRuntime before running computations")
+        raise RuntimeError(
+            "the TFF runtime was stopped; start a TffRuntime before running computations"
+        )
 
 
 _active: TffRuntime | None = None
