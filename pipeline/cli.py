@@ -18,6 +18,7 @@ from absl import flags
 # Subcommand name -> module implementing it.
 COMMANDS: dict[str, str] = {
     "version": "pipeline.commands.version",
+    "privacy": "pipeline.commands.privacy",
 }
 
 EXIT_USAGE = 2
@@ -49,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rest = flag_values([f"dp-fedemb {name}", *argv[2:]])
         flag_values.validate_all_flags()
     except flags.Error as e:
-        print(f"dp-fedemb {name}: error: {e}", file=sys.stderr)
+        # absl reports several bad flags on several lines; keep to one error line.
+        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"dp-fedemb {name}: error: {message}", file=sys.stderr)
         return EXIT_USAGE
     try:
         return int(command.run(flag_values, rest[1:]) or 0)

@@ -1,0 +1,150 @@
+"""Compute the user-level (epsilon, delta) of a training schedule, or calibrate its noise.
+
+`dp-fedemb privacy --users N --users-per-round M --noise-multiplier Z --rounds T --delta D`
+prints epsilon; `--target-epsilon E` instead of `--noise-multiplier` prints the smallest
+noise multiplier that reaches E. With `--json`, one JSON object on stdout (`epsilon`,
+`delta`, `zcdp_rho` (null unless dpftrl), the resolved schedule, and for calibration
+`target_epsilon`). An infinite epsilon (zero noise) is written as null.
+"""
+
+import json
+from collections.abc import Sequence
+
+from absl import flags
+
+from tff_algorithms import accounting
+
+
+def define_flags(flag_values: flags.FlagValues) -> None:
+    flags.DEFINE_integer(
+        "users", None, "Users in the training population (N).", flag_values=flag_values
+    )
+    flags.DEFINE_integer(
+        "users-per-round", None, "Users taking part in each round (M).", flag_values=flag_values
+    )
+    flags.DEFINE_integer("rounds", None, "Training rounds (T).", flag_values=flag_values)
+    flags.DEFINE_float("delta", None, "Target delta, in (0, 1).", flag_values=flag_values)
+    flags.DEFINE_float(
+        "noise-multiplier",
+        None,
+        "Noise standard deviation over the clip norm of one virtual client's update.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_float(
+        "target-epsilon",
+        None,
+        "Instead of --noise-multiplier: find the smallest noise multiplier reaching this.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_enum(
+        "mechanism",
+        accounting.Mechanism.DPSGD.value,
+        [m.value for m in accounting.Mechanism],
+        "dpsgd: independent Gaussian noise (DP-FedEmb, DP-FedAvg); "
+        "dpftrl: tree-aggregated noise (DP-FTRL-FedEmb).",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_integer(
+        "users-per-virtual-client",
+        1,
+        "Users grouped into one virtual client (K); K > 1 halves the effective noise "
+        "under add-or-remove relations.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_boolean(
+        "restart-every-epoch",
+        False,
+        "dpftrl: restart the tree every epoch.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_enum(
+        "sampling",
+        None,
+        [s.value for s in accounting.Sampling],
+        "How users are chosen; default: uniform for dpsgd (the paper's), epoch for dpftrl.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_enum(
+        "neighboring-relation",
+        None,
+        [r.value for r in accounting.NeighboringRelation],
+        "Default: replace_one for uniform, add_or_remove_one for poisson, replace_special "
+        "for epoch sampling.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_enum(
+        "accountant",
+        accounting.Accountant.RDP.value,
+        [a.value for a in accounting.Accountant],
+        "rdp (the paper's) or pld (poisson sampling and dpftrl only).",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_float(
+        "calibration-tolerance",
+        accounting.CALIBRATION_RELATIVE_TOLERANCE,
+        "With --target-epsilon: the calibrated noise exceeds the exact one by at most this "
+        "fraction.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_boolean(
+        "json", False, "Print one JSON object instead of a summary.", flag_values=flag_values
+    )
+    for name in ("users", "users-per-round", "rounds", "delta"):
+        flags.mark_flag_as_required(name, flag_values=flag_values)
+
+
+def _format_number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "infinite" if value == float("inf") else f"{value:.4g}"
+
+
+def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
+    if args:
+        raise ValueError(f"unexpected arguments: {' '.join(args)}")
+    noise = flag_values["noise-multiplier"].value
+    target_epsilon = flag_values["target-epsilon"].value
+    if (noise is None) == (target_epsilon is None):
+        raise ValueError("give exactly one of --noise-multiplier and --target-epsilon")
+    spec = accounting.AccountingSpec(
+        population=flag_values["users"].value,
+        users_per_round=flag_values["users-per-round"].value,
+        rounds=flag_values["rounds"].value,
+        noise_multiplier=1.0 if noise is None else noise,
+        delta=flag_values["delta"].value,
+        mechanism=flag_values["mechanism"].value,
+        users_per_virtual_client=flag_values["users-per-virtual-client"].value,
+        restart_every_epoch=flag_values["restart-every-epoch"].value,
+        sampling=flag_values["sampling"].value,
+        neighboring_relation=flag_values["neighboring-relation"].value,
+        accountant=flag_values["accountant"].value,
+    )
+    if target_epsilon is not None:
+        noise = accounting.calibrate_noise_multiplier(
+            spec, target_epsilon, flag_values["calibration-tolerance"].value
+        )
+        spec = spec.with_noise_multiplier(noise)
+    result = accounting.compute_privacy(spec)
+
+    if flag_values["json"].value:
+        output = {**spec.to_dict(), **result.to_dict()}
+        if target_epsilon is not None:
+            output["target_epsilon"] = target_epsilon
+        print(json.dumps(output, allow_nan=False))
+        return 0
+
+    order = f", order {result.rdp_order:g}" if result.rdp_order is not None else ""
+    print(
+        f"epsilon = {_format_number(result.epsilon)} at delta = {spec.delta:g}  "
+        f"({result.analysis}{order})"
+    )
+    if result.zcdp_rho is not None:
+        print(f"zCDP rho = {_format_number(result.zcdp_rho)}")
+    calibrated = f" (calibrated for epsilon {target_epsilon:g})" if target_epsilon else ""
+    print(
+        f"noise multiplier {spec.noise_multiplier:.6g}{calibrated}, effective "
+        f"{result.effective_noise_multiplier:.6g}; {spec.population} users, "
+        f"{spec.users_per_round} per round in virtual clients of "
+        f"{spec.users_per_virtual_client}, {spec.rounds} rounds"
+    )
+    return 0
