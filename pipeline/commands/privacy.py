@@ -51,6 +51,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "under add-or-remove relations.",
         flag_values=flag_values,
     )
+    flags.DEFINE_integer(
+        "min-separation",
+        None,
+        "dpftrl without restart: rounds strictly between two participations of a user "
+        "(default: rounds per epoch - 1, what the epoch schedule guarantees).",
+        flag_values=flag_values,
+    )
     flags.DEFINE_boolean(
         "restart-every-epoch",
         False,
@@ -118,6 +125,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         sampling=flag_values["sampling"].value,
         neighboring_relation=flag_values["neighboring-relation"].value,
         accountant=flag_values["accountant"].value,
+        min_separation=flag_values["min-separation"].value,
     )
     if target_epsilon is not None:
         noise = accounting.calibrate_noise_multiplier(
