@@ -55,7 +55,8 @@ def to_example(record: CanonicalRecord) -> tf.train.Example:
 
 
 def serialize(record: CanonicalRecord) -> bytes:
-    return to_example(record).SerializeToString()
+    # Deterministic: map fields sorted, so equal records have equal bytes everywhere.
+    return to_example(record).SerializeToString(deterministic=True)
 
 
 def _single_bytes(example: tf.train.Example, key: str) -> bytes:

@@ -18,6 +18,7 @@ from absl import flags
 # Subcommand name -> module implementing it.
 COMMANDS: dict[str, str] = {
     "version": "pipeline.commands.version",
+    "data": "pipeline.commands.data",
     "privacy": "pipeline.commands.privacy",
 }
 

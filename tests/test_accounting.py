@@ -370,3 +370,24 @@ def test_extrapolation_plot_of_zcdp_needs_trees(tmp_path):
         accounting.write_extrapolation_plot(
             {"sgd": points}, str(tmp_path / "x.png"), quantity="zcdp_rho"
         )
+
+
+def test_tree_accounting_uses_the_separation_the_schedule_guarantees():
+    """One convention: the accountant's default min separation is what the epoch
+    schedule of beam_jobs.schedule reports for the same population and round size."""
+    from beam_jobs import schedule
+
+    plan = schedule.VirtualClientSchedule(1000, 4, 25, seed=0, mode=schedule.EPOCH)
+    stats = plan.participation_stats(rounds=40)
+    spec = AccountingSpec(
+        stats.users,
+        stats.users_per_round,
+        stats.rounds,
+        2.0,
+        1e-5,
+        mechanism="dpftrl",
+        users_per_virtual_client=stats.users_per_virtual_client,
+    )
+    assert spec.rounds_per_epoch == stats.rounds_per_epoch
+    assert spec.tree_min_separation == stats.min_separation
+    assert spec.max_participations == stats.max_participations

@@ -1,0 +1,362 @@
+"""Deduplication of training (and public) data against evaluation (and private) data.
+
+Exact duplicates: equal SHA-256 of the decoded pixels (so a PNG re-compressed or
+re-encoded losslessly is still a duplicate). Near duplicates: perceptual hashes
+(imagehash.phash) joined by banded locality-sensitive hashing (each band, a fixed subset
+of hash bits, is a join key; CoGroupByKey brings together candidate pairs sharing any
+band) and verified by Hamming distance.
+
+Small images defeat plain phash: a one-pixel shift of a 28x28 image moves it about as
+far as an unrelated image. So hashes are taken of the image interior (a `max_shift`
+border removed, lightly blurred), and each reference image is also hashed at every
+integer offset up to `max_shift`: a shifted copy's interior then equals one reference
+interior exactly, leaving only re-encoding noise for the Hamming check.
+
+Only the candidate side (train, public) ever loses records; reference records (the
+evaluation splits, the private data) pass through untouched. Users or identities on both
+sides are an error: splits must be disjoint by user and identity.
+"""
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Iterator
+
+import apache_beam as beam
+import imagehash
+import numpy as np
+import tensorflow as tf
+from apache_beam.metrics import Metrics
+from PIL import Image, ImageFilter
+
+from beam_jobs import records_io, schema, splits
+
+REPORT_FILE = "dedup_report.json"
+METRICS_NAMESPACE = "dp_fedemb.dedup"
+EXACT = "exact"
+NEAR = "near"
+
+
+@dataclasses.dataclass(frozen=True)
+class DedupConfig:
+    hash_size: int = 8  # phash bits = hash_size ** 2
+    hamming_threshold: int = 8  # near duplicate when distance <= this
+    num_bands: int = 24
+    bits_per_band: int = 16
+    max_shift: int = 2  # pixels; reference probed at every offset in [-max_shift, max_shift]^2
+    examples_in_report: int = 20
+
+    def __post_init__(self) -> None:
+        bits = self.hash_size**2
+        if self.hash_size < 2 or not 0 <= self.hamming_threshold < bits:
+            raise ValueError(f"need hash size >= 2 and 0 <= hamming threshold < {bits}")
+        if self.num_bands < 1 or not 1 <= self.bits_per_band <= bits:
+            raise ValueError(f"need >= 1 band of 1..{bits} bits")
+        if self.max_shift < 0:
+            raise ValueError(f"max shift must be >= 0, got {self.max_shift}")
+
+    def band_bits(self) -> np.ndarray:
+        """[num_bands, bits_per_band] bit positions: fixed, so every worker agrees."""
+        rng = np.random.default_rng(0)
+        bits = self.hash_size**2
+        return np.stack(
+            [
+                np.sort(rng.choice(bits, self.bits_per_band, replace=False))
+                for _ in range(self.num_bands)
+            ]
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    record_id: str  # hash of the serialized record
+    user_id: str
+    identity: str
+    pixel_sha256: str
+    phashes: tuple[int, ...]  # candidates: one; references: one per probed offset
+
+
+def pixel_sha256(pixels: np.ndarray) -> str:
+    digest = hashlib.sha256(f"{pixels.shape}|{pixels.dtype}".encode())
+    digest.update(np.ascontiguousarray(pixels).tobytes())
+    return digest.hexdigest()
+
+
+def interior_phash(pixels: np.ndarray, config: DedupConfig, dx: int = 0, dy: int = 0) -> int:
+    """phash of the image minus a max_shift border, the window moved by (dx, dy)."""
+    border = min(config.max_shift, (min(pixels.shape[:2]) - 2) // 2)
+    height, width = pixels.shape[:2]
+    window = pixels[border + dy : height - border + dy, border + dx : width - border + dx]
+    # The blur keeps JPEG ringing and sensor-like noise out of the low frequencies.
+    image = Image.fromarray(np.ascontiguousarray(window)).filter(ImageFilter.GaussianBlur(0.8))
+    bits = imagehash.phash(image, hash_size=config.hash_size).hash.ravel()
+    return int.from_bytes(np.packbits(bits).tobytes(), "big")
+
+
+def fingerprint(serialized: bytes, config: DedupConfig, probe_offsets: bool) -> Fingerprint:
+    record = schema.parse(serialized)
+    pixels = schema.decode_image(record.image)
+    border = min(config.max_shift, (min(pixels.shape[:2]) - 2) // 2)
+    offsets = range(-border, border + 1) if probe_offsets else (0,)
+    phashes = tuple(interior_phash(pixels, config, dx, dy) for dx in offsets for dy in offsets)
+    return Fingerprint(
+        record_id=hashlib.blake2b(serialized, digest_size=16).hexdigest(),
+        user_id=record.user_id,
+        identity=record.identity,
+        pixel_sha256=pixel_sha256(pixels),
+        phashes=tuple(dict.fromkeys(phashes)),  # distinct, order kept
+    )
+
+
+def _band_keys(phash: int, band_bits: np.ndarray, hash_bits: int) -> Iterator[tuple[int, int]]:
+    bits = np.array([(phash >> (hash_bits - 1 - i)) & 1 for i in range(hash_bits)], dtype=np.uint8)
+    for band, positions in enumerate(band_bits):
+        yield band, int.from_bytes(np.packbits(bits[positions]).tobytes(), "big")
+
+
+def _pair(kind: str, distance: int, candidate: Fingerprint, reference: Fingerprint) -> dict:
+    return {
+        "kind": kind,
+        "hamming_distance": distance,
+        "candidate": {
+            "user_id": candidate.user_id,
+            "identity": candidate.identity,
+            "record": candidate.record_id,
+        },
+        "reference": {
+            "user_id": reference.user_id,
+            "identity": reference.identity,
+            "record": reference.record_id,
+        },
+    }
+
+
+def _exact_pairs(joined) -> Iterator[tuple[str, dict]]:
+    _, groups = joined
+    references = list(groups["reference"])
+    if references:
+        for candidate in groups["candidate"]:
+            yield candidate.record_id, _pair(EXACT, 0, candidate, references[0])
+
+
+def _near_pairs(joined, threshold: int) -> Iterator[tuple[str, dict]]:
+    _, groups = joined
+    references = list(groups["reference"])
+    for candidate in groups["candidate"] if references else ():
+        (phash,) = candidate.phashes
+        for reference in references:
+            distance = min((phash ^ other).bit_count() for other in reference.phashes)
+            Metrics.counter(METRICS_NAMESPACE, "pairs_verified").inc()
+            if distance <= threshold:
+                yield candidate.record_id, _pair(NEAR, distance, candidate, reference)
+
+
+def _closest(pairs: list[dict]) -> dict:
+    # Exact before near, then by distance, then by reference record for determinism.
+    return min(
+        pairs, key=lambda p: (p["kind"] != EXACT, p["hamming_distance"], p["reference"]["record"])
+    )
+
+
+def _keep_or_remove(joined):
+    _, groups = joined
+    matches = list(groups["match"])
+    for serialized in groups["record"]:
+        if matches:
+            Metrics.counter(METRICS_NAMESPACE, f"removed_{matches[0]['kind']}").inc()
+            yield beam.pvalue.TaggedOutput("removed", matches[0])
+        else:
+            yield serialized
+
+
+def _overlap_keys(fp: Fingerprint) -> list[tuple[str, str]]:
+    return [("user", fp.user_id), ("identity", fp.identity)]
+
+
+def _overlap_error(overlaps: list[tuple[str, str]], name: str) -> None:
+    if overlaps:
+        overlaps = sorted(overlaps)
+        kinds = sorted({kind for kind, _ in overlaps})
+        raise ValueError(
+            f"dedup {name}: {len(overlaps)} {'/'.join(kinds)} ids appear on both sides "
+            f"(e.g. {overlaps[0][0]} {overlaps[0][1]!r}); splits must be disjoint by user and identity"
+        )
+
+
+def _report(counts: dict, examples: list[dict], config: DedupConfig, name: str) -> dict:
+    removed = {kind: counts.get(f"removed_{kind}", 0) for kind in (EXACT, NEAR)}
+    return {
+        "name": name,
+        "candidate_records": counts.get("candidates", 0),
+        "reference_records": counts.get("references", 0),
+        "removed_exact": removed[EXACT],
+        "removed_near": removed[NEAR],
+        "kept": counts.get("kept", 0),
+        "thresholds": dataclasses.asdict(config),
+        "examples": sorted(examples, key=lambda p: p["candidate"]["record"]),
+    }
+
+
+class RemoveNearDuplicates(beam.PTransform):
+    """{"candidates", "reference"} serialized records -> {"kept", "removed", "report"}.
+
+    "kept" is the candidates minus those equal or near a reference image; "removed" the
+    matched pairs (one per removed candidate); "report" one dict. The reference side is
+    never filtered. A user or identity on both sides fails the pipeline.
+    """
+
+    def __init__(self, config: DedupConfig, name: str):
+        super().__init__()
+        self._config = config
+        self._name = name
+
+    def expand(self, inputs):
+        config, name = self._config, self._name
+        candidates, reference = inputs["candidates"], inputs["reference"]
+        keyed_candidates = candidates | "KeyCandidates" >> beam.Map(
+            lambda s: (hashlib.blake2b(s, digest_size=16).hexdigest(), s)
+        )
+        candidate_fps = candidates | "FingerprintCandidates" >> beam.Map(fingerprint, config, False)
+        reference_fps = reference | "FingerprintReference" >> beam.Map(fingerprint, config, True)
+
+        sides = {"candidate": candidate_fps, "reference": reference_fps}
+        shared_ids = (
+            {
+                side: fps
+                | f"Ids{side}" >> beam.FlatMap(_overlap_keys)
+                | f"Distinct{side}" >> beam.Distinct()
+                | f"KeyIds{side}" >> beam.Map(lambda key: (key, None))
+                for side, fps in sides.items()
+            }
+            | "JoinIds" >> beam.CoGroupByKey()
+            | "SharedIds"
+            >> beam.FlatMap(lambda kv: [kv[0]] if kv[1]["candidate"] and kv[1]["reference"] else [])
+            | "AllShared" >> beam.combiners.ToList()
+        )
+        overlap_check = shared_ids | "FailOnOverlap" >> beam.Map(_overlap_error, name)
+
+        exact = (
+            {
+                "candidate": candidate_fps
+                | "ExactKeyC" >> beam.Map(lambda fp: (fp.pixel_sha256, fp)),
+                "reference": reference_fps
+                | "ExactKeyR" >> beam.Map(lambda fp: (fp.pixel_sha256, fp)),
+            }
+            | "JoinExact" >> beam.CoGroupByKey()
+            | "ExactPairs" >> beam.FlatMap(_exact_pairs)
+        )
+        band_bits, hash_bits = config.band_bits(), config.hash_size**2
+
+        def candidate_bands(fp: Fingerprint):
+            return [(key, fp) for key in _band_keys(fp.phashes[0], band_bits, hash_bits)]
+
+        def reference_bands(fp: Fingerprint):
+            keys = {key for phash in fp.phashes for key in _band_keys(phash, band_bits, hash_bits)}
+            return [(key, fp) for key in sorted(keys)]
+
+        near = (
+            {
+                "candidate": candidate_fps | "BandsC" >> beam.FlatMap(candidate_bands),
+                "reference": reference_fps | "BandsR" >> beam.FlatMap(reference_bands),
+            }
+            | "JoinBands" >> beam.CoGroupByKey()
+            | "NearPairs" >> beam.FlatMap(_near_pairs, config.hamming_threshold)
+        )
+        best_match = (
+            (exact, near)
+            | "AllPairs" >> beam.Flatten()
+            | "GroupPairs" >> beam.GroupByKey()
+            | "Closest"
+            >> beam.MapTuple(lambda record_id, pairs: (record_id, _closest(list(pairs))))
+        )
+        split = (
+            {"record": keyed_candidates, "match": best_match}
+            | "JoinMatches" >> beam.CoGroupByKey()
+            | "KeepOrRemove" >> beam.FlatMap(_keep_or_remove).with_outputs("removed", main="kept")
+        )
+        kept, removed = split.kept, split.removed
+
+        def count(pcoll, label: str):
+            return (
+                pcoll
+                | f"Count{label}" >> beam.combiners.Count.Globally()
+                | f"Key{label}" >> beam.Map(lambda n: (label, n))
+            )
+
+        removed_by_kind = (
+            removed
+            | "RemovedKind" >> beam.Map(lambda p: f"removed_{p['kind']}")
+            | "CountKinds" >> beam.combiners.Count.PerElement()
+        )
+        counts = (
+            [
+                count(candidates, "candidates"),
+                count(reference, "references"),
+                count(kept, "kept"),
+                removed_by_kind,
+            ]
+            | "AllCounts" >> beam.Flatten()
+            | "CountsDict" >> beam.combiners.ToDict()
+        )
+        examples = removed | "Examples" >> beam.combiners.Top.Smallest(
+            config.examples_in_report, key=lambda p: p["candidate"]["record"]
+        )
+        # The overlap check is a side input so the report (and the job) fails with it.
+        report = counts | "Report" >> beam.Map(
+            lambda c, ex, _: _report(c, ex, config, name),
+            beam.pvalue.AsSingleton(examples),
+            beam.pvalue.AsSingleton(overlap_check),
+        )
+        return {"kept": kept, "removed": removed, "report": report}
+
+
+def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None) -> dict:
+    """Dedups SPLIT_DIR/<split>/records-* into OUT_DIR/<split>/records-*.
+
+    train loses records equal or near validation/test ones; public (when present) loses
+    records equal or near any private (train/validation/test) one; validation and test are
+    copied unchanged. Writes OUT_DIR/dedup_report.json and returns it.
+    """
+    present = [
+        s
+        for s in splits.SPLIT_PRIORITY
+        if tf.io.gfile.glob(records_io.records_pattern(os.path.join(split_dir, s)))
+    ]
+    for required in (splits.TRAIN, *splits.EVALUATION_SPLITS):
+        if required not in present:
+            raise ValueError(f"dedup needs a {required} split under {split_dir}")
+    report_path = os.path.join(out_dir, REPORT_FILE)
+    with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
+        data = {
+            s: pipeline | f"Read{s}" >> records_io.ReadRecords(os.path.join(split_dir, s))
+            for s in present
+        }
+        evaluation = [data[s] for s in splits.EVALUATION_SPLITS] | "Evaluation" >> beam.Flatten()
+        train = {
+            "candidates": data[splits.TRAIN],
+            "reference": evaluation,
+        } | "TrainVsEvaluation" >> RemoveNearDuplicates(config, "train_vs_evaluation")
+        reports = [train["report"]]
+        outputs = {splits.TRAIN: train["kept"], **{s: data[s] for s in splits.EVALUATION_SPLITS}}
+        if splits.PUBLIC in present:
+            private = [
+                data[s] for s in (splits.TRAIN, *splits.EVALUATION_SPLITS)
+            ] | "Private" >> beam.Flatten()
+            public = {
+                "candidates": data[splits.PUBLIC],
+                "reference": private,
+            } | "PublicVsPrivate" >> RemoveNearDuplicates(config, "public_vs_private")
+            reports.append(public["report"])
+            outputs[splits.PUBLIC] = public["kept"]
+        for split_name, records in outputs.items():
+            _ = records | f"Write{split_name}" >> records_io.WriteRecords(
+                os.path.join(out_dir, split_name)
+            )
+        _ = (
+            reports
+            | "Reports" >> beam.Flatten()
+            | "ReportsList" >> beam.combiners.ToList()
+            | "ByName" >> beam.Map(lambda rs: {r["name"]: r for r in rs})
+            | "WriteReport" >> records_io.WriteJson(report_path)
+        )
+    return records_io.read_json(report_path)

@@ -1,0 +1,449 @@
+"""Ingest raw inputs into canonical records (DESIGN.md section 3).
+
+Three readers, each a composite transform from the pipeline root to
+{"records": serialized canonical examples, "bad": BadInput}:
+- ReadImageFolder: ROOT/<user_id>/<identity>/<file>.{png,jpg,jpeg}
+- ReadCanonicalTFRecords: TFRecords that already hold canonical examples
+- ReadSqlClientData: the SQLite client-data files of TFF's datasets (tables `examples`
+  and `client_metadata`, one serialized tf.train.Example per row keyed by client id)
+
+IngestToCanonical flattens any number of readers and adds a summary (counts per bad
+reason, bad share, limit); run_ingest writes records and summary and fails with one
+clear line when the bad share is over the limit.
+"""
+
+import dataclasses
+import os
+import sqlite3
+from collections.abc import Sequence
+
+import apache_beam as beam
+import numpy as np
+import tensorflow as tf
+from apache_beam.metrics import Metrics
+
+from beam_jobs import records_io, schema
+
+BAD_TAG = "bad"
+_ROW_CLIENT_TAG = "row_client"
+METRICS_NAMESPACE = "dp_fedemb.ingest"
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
+
+# Bad-input reasons beyond the schema's own (missing_field, corrupt_image, ...).
+EMPTY_USER = "empty_user"
+UNREADABLE_FILE = "unreadable_file"
+MISPLACED_FILE = "misplaced_file"
+
+SUMMARY_FILE = "ingest_summary.json"
+_EXAMPLES_IN_SUMMARY = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class BadInput:
+    reason: str
+    source: str  # file, folder or "database#client" the bad input came from
+    detail: str
+
+
+def _count(name: str) -> None:
+    Metrics.counter(METRICS_NAMESPACE, name).inc()
+
+
+def _checked(record: schema.CanonicalRecord, source: str):
+    """Yields the serialized record if it validates, else a tagged BadInput."""
+    try:
+        schema.validate(record)
+    except schema.RecordError as e:
+        _count(e.reason)
+        yield beam.pvalue.TaggedOutput(BAD_TAG, BadInput(e.reason, source, str(e)))
+        return
+    _count("records")
+    yield schema.serialize(record)
+
+
+def _bad(reason: str, source: str, detail: str) -> beam.pvalue.TaggedOutput:
+    _count(reason)
+    return beam.pvalue.TaggedOutput(BAD_TAG, BadInput(reason, source, detail))
+
+
+def _list_user_folders(root: str) -> list[str]:
+    return sorted(
+        os.path.join(root, name)
+        for name in tf.io.gfile.listdir(root)
+        if not name.startswith(".") and tf.io.gfile.isdir(os.path.join(root, name))
+    )
+
+
+class _ReadUserFolderFn(beam.DoFn):
+    """One user's folder -> its records; an empty user or stray file is bad input."""
+
+    def process(self, user_folder: str):
+        user_id = os.path.basename(user_folder.rstrip("/"))
+        images = 0
+        for identity in sorted(tf.io.gfile.listdir(user_folder)):
+            identity = identity.rstrip("/")
+            path = os.path.join(user_folder, identity)
+            if identity.startswith("."):
+                continue
+            if not tf.io.gfile.isdir(path):
+                yield _bad(MISPLACED_FILE, path, "files must sit in ROOT/<user_id>/<identity>/")
+                continue
+            for name in sorted(tf.io.gfile.listdir(path)):
+                file_path = os.path.join(path, name)
+                if name.startswith("."):
+                    continue
+                if not name.lower().endswith(IMAGE_EXTENSIONS):
+                    yield _bad(
+                        schema.UNSUPPORTED_IMAGE_FORMAT, file_path, "not a .png/.jpg/.jpeg file"
+                    )
+                    continue
+                try:
+                    with tf.io.gfile.GFile(file_path, "rb") as f:
+                        image = f.read()
+                except (OSError, tf.errors.OpError) as e:
+                    yield _bad(UNREADABLE_FILE, file_path, str(e).splitlines()[0])
+                    continue
+                images += 1
+                yield from _checked(schema.CanonicalRecord(user_id, identity, image), file_path)
+        if images == 0:
+            yield _bad(EMPTY_USER, user_folder, "user folder holds no images")
+
+
+class ReadImageFolder(beam.PTransform):
+    """ROOT/<user_id>/<identity>/<file>.{png,jpg,jpeg} -> {"records", "bad"}."""
+
+    def __init__(self, root: str):
+        super().__init__()
+        if not tf.io.gfile.isdir(root):
+            raise ValueError(f"image folder {root} does not exist or is not a directory")
+        self._root = root
+
+    def expand(self, pbegin):
+        outputs = (
+            pbegin
+            | "Root" >> beam.Create([self._root])
+            | "ListUsers" >> beam.FlatMap(_list_user_folders)
+            # Users are listed by one worker; spread them before reading images.
+            | "Reshuffle" >> beam.Reshuffle()
+            | "ReadUsers" >> beam.ParDo(_ReadUserFolderFn()).with_outputs(BAD_TAG, main="records")
+        )
+        return {"records": outputs.records, "bad": outputs[BAD_TAG]}
+
+
+def _validate_serialized(serialized: bytes, source: str):
+    try:
+        record = schema.parse(serialized)
+    except schema.RecordError as e:
+        yield _bad(e.reason, source, str(e))
+        return
+    yield from _checked(record, source)
+
+
+class ReadCanonicalTFRecords(beam.PTransform):
+    """TFRecord files of canonical examples (validated) -> {"records", "bad"}."""
+
+    def __init__(self, file_pattern: str):
+        super().__init__()
+        records_io.require_matches(file_pattern, "TFRecord files")
+        self._file_pattern = file_pattern
+
+    def expand(self, pbegin):
+        pattern = self._file_pattern
+        outputs = (
+            pbegin
+            | "Read" >> beam.io.ReadFromTFRecord(pattern)
+            | "Validate"
+            >> beam.FlatMap(_validate_serialized, pattern).with_outputs(BAD_TAG, main="records")
+        )
+        return {"records": outputs.records, "bad": outputs[BAD_TAG]}
+
+
+# Feature names TFF's datasets use, in the order they are tried.
+_TFF_IDENTITY_FEATURES = ("identity", "label", "class")
+_TFF_ENCODED_IMAGE_FEATURES = (schema.IMAGE_KEY, "image/encoded_jpeg")
+_TFF_PIXEL_FEATURES = ("pixels", "image/decoded")
+
+
+def _feature_values(feature: tf.train.Feature) -> list:
+    kind = feature.WhichOneof("kind")
+    return list(getattr(feature, kind).value) if kind else []
+
+
+def _pixels_to_png(values: list) -> bytes:
+    """Flat pixel values (EMNIST floats in [0, 1] or uint8 ints) -> PNG.
+
+    TFF's serializer flattens the pixel tensor, so the shape is inferred: a square
+    grayscale or RGB image.
+    """
+    pixels = np.asarray(values, dtype=np.float64)
+    if pixels.size and pixels.max() <= 1.0:  # EMNIST-style floats
+        pixels = pixels * 255.0
+    for channels in (1, 3):
+        side = int(round((pixels.size / channels) ** 0.5))
+        if side > 0 and side * side * channels == pixels.size:
+            shape = (side, side) if channels == 1 else (side, side, 3)
+            return schema.encode_png(
+                np.clip(np.round(pixels), 0, 255).astype(np.uint8).reshape(shape)
+            )
+    raise schema.RecordError(
+        schema.MISSING_FIELD, f"{pixels.size} pixel values are not a square image"
+    )
+
+
+def tff_example_to_record(
+    client_id: str, serialized: bytes, identity_feature: str | None = None
+) -> schema.CanonicalRecord:
+    """One row of a TFF SQLite client-data file -> canonical record (not yet validated).
+
+    The user is the client id. The identity is `identity_feature` when given, else the
+    first of identity/label/class present. The image is encoded bytes when present, else
+    pixels (EMNIST floats, or decoded uint8 values) encoded to PNG.
+    """
+    example = tf.train.Example()
+    try:
+        example.ParseFromString(serialized)
+    except Exception as e:  # protobuf's DecodeError
+        raise schema.RecordError(schema.MISSING_FIELD, f"not a tf.train.Example: {e}") from e
+    features = example.features.feature
+    names = (identity_feature,) if identity_feature else _TFF_IDENTITY_FEATURES
+    identity_values = next((_feature_values(features[n]) for n in names if n in features), [])
+    if len(identity_values) != 1:
+        raise schema.RecordError(
+            schema.MISSING_FIELD, f"no single-valued identity feature among {names}"
+        )
+    identity = identity_values[0]
+    identity = identity.decode("utf-8") if isinstance(identity, bytes) else str(identity)
+    for name in _TFF_ENCODED_IMAGE_FEATURES:
+        if name in features and _feature_values(features[name]):
+            return schema.CanonicalRecord(client_id, identity, _feature_values(features[name])[0])
+    for name in _TFF_PIXEL_FEATURES:
+        if name in features and _feature_values(features[name]):
+            return schema.CanonicalRecord(
+                client_id, identity, _pixels_to_png(_feature_values(features[name]))
+            )
+    raise schema.RecordError(schema.MISSING_FIELD, "no image feature (image/encoded, pixels, ...)")
+
+
+def _rowid_ranges(database: str, rows_per_read: int) -> list[tuple[int, int]]:
+    # Ranges of the examples table's rowid b-tree: each read is an indexed range scan,
+    # where per-client queries would each scan the whole (unindexed) table.
+    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as connection:
+        low, high = connection.execute("SELECT MIN(rowid), MAX(rowid) FROM examples").fetchone()
+    if low is None:
+        return []
+    return [
+        (start, min(start + rows_per_read - 1, high))
+        for start in range(low, high + 1, rows_per_read)
+    ]
+
+
+def _split_clause(split_name: str | None) -> tuple[str, tuple]:
+    return (" AND split_name = ?", (split_name,)) if split_name is not None else ("", ())
+
+
+class _ReadSqlRowsFn(beam.DoFn):
+    def __init__(self, database: str, split_name: str | None, identity_feature: str | None):
+        self._database = database
+        self._split_name = split_name
+        self._identity_feature = identity_feature
+
+    def process(self, rowid_range: tuple[int, int]):
+        clause, params = _split_clause(self._split_name)
+        query = f"SELECT rowid, client_id, serialized_example_proto FROM examples WHERE rowid BETWEEN ? AND ?{clause}"
+        with sqlite3.connect(f"file:{self._database}?mode=ro", uri=True) as connection:
+            rows = connection.execute(query, (*rowid_range, *params)).fetchall()
+        for rowid, client_id, serialized in rows:
+            source = f"{self._database}#rowid={rowid}"
+            # Every row, good or bad, shows its client is not empty.
+            yield beam.pvalue.TaggedOutput(_ROW_CLIENT_TAG, str(client_id))
+            try:
+                record = tff_example_to_record(
+                    str(client_id), bytes(serialized), self._identity_feature
+                )
+            except schema.RecordError as e:
+                yield _bad(e.reason, source, str(e))
+                continue
+            yield from _checked(record, source)
+
+
+def _client_metadata(database: str, split_name: str | None) -> list[str]:
+    clause, params = _split_clause(split_name)
+    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as connection:
+        rows = connection.execute(
+            f"SELECT DISTINCT client_id FROM client_metadata WHERE 1=1{clause}", params
+        )
+        return [str(client_id) for (client_id,) in rows]
+
+
+def _empty_clients(joined: tuple[str, dict], database: str):
+    client_id, groups = joined
+    if groups["listed"] and not groups["examples"]:
+        _count(EMPTY_USER)
+        yield BadInput(EMPTY_USER, f"{database}#client={client_id}", "client has no examples")
+
+
+def _check_tff_database(database: str) -> None:
+    if not os.path.isfile(database):
+        raise ValueError(f"SQLite client-data file {database} does not exist")
+    try:
+        with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as connection:
+            tables = {
+                name
+                for (name,) in connection.execute(
+                    "SELECT name FROM sqlite_master WHERE type='table'"
+                )
+            }
+    except sqlite3.DatabaseError as e:
+        raise ValueError(f"{database} is not a SQLite database: {e}") from e
+    missing = {"examples", "client_metadata"} - tables
+    if missing:
+        raise ValueError(f"{database} lacks the TFF client-data tables {sorted(missing)}")
+
+
+class ReadSqlClientData(beam.PTransform):
+    """A TFF SQLite client-data file -> {"records", "bad"}; clients listed without
+    examples are empty users. The file must be readable locally by the workers."""
+
+    def __init__(
+        self,
+        database: str,
+        split_name: str | None = None,
+        identity_feature: str | None = None,
+        rows_per_read: int = 10_000,
+    ):
+        super().__init__()
+        _check_tff_database(database)
+        self._database = database
+        self._split_name = split_name
+        self._identity_feature = identity_feature
+        self._rows_per_read = rows_per_read
+
+    def expand(self, pbegin):
+        database, split_name = self._database, self._split_name
+        outputs = (
+            pbegin
+            | "Database" >> beam.Create([database])
+            | "RowRanges" >> beam.FlatMap(_rowid_ranges, self._rows_per_read)
+            | "Reshuffle" >> beam.Reshuffle()
+            | "ReadRows"
+            >> beam.ParDo(
+                _ReadSqlRowsFn(database, split_name, self._identity_feature)
+            ).with_outputs(BAD_TAG, _ROW_CLIENT_TAG, main="records")
+        )
+        seen_clients = (
+            outputs[_ROW_CLIENT_TAG]
+            | "DistinctClients" >> beam.Distinct()
+            | "KeySeen" >> beam.Map(lambda client_id: (client_id, None))
+        )
+        listed_clients = (
+            pbegin
+            | "MetadataSource" >> beam.Create([database])
+            | "ListedClients" >> beam.FlatMap(_client_metadata, split_name)
+            | "KeyListed" >> beam.Map(lambda client_id: (client_id, None))
+        )
+        empty_users = (
+            {"listed": listed_clients, "examples": seen_clients}
+            | "JoinClients" >> beam.CoGroupByKey()
+            | "EmptyClients" >> beam.FlatMap(_empty_clients, database)
+        )
+        bad = (outputs[BAD_TAG], empty_users) | "AllBad" >> beam.Flatten()
+        return {"records": outputs.records, "bad": bad}
+
+
+def reader_for(source: str, identity_feature: str | None = None) -> beam.PTransform:
+    """The reader for a source path: a directory is an image folder, a .sqlite/.sqlite3/
+    .db file is TFF client data (identity from `identity_feature`), anything else a
+    TFRecord file pattern."""
+    if tf.io.gfile.isdir(source):
+        return ReadImageFolder(source)
+    if source.endswith((".sqlite", ".sqlite3", ".db")):
+        return ReadSqlClientData(source, identity_feature=identity_feature)
+    return ReadCanonicalTFRecords(source)
+
+
+def _summary(
+    records: int, bad_counts: dict[str, int], bad_examples: list, max_bad_fraction: float
+) -> dict:
+    bad = sum(bad_counts.values())
+    total = records + bad
+    bad_fraction = bad / total if total else 0.0
+    return {
+        "records": records,
+        "bad": bad,
+        "bad_by_reason": dict(sorted(bad_counts.items())),
+        "bad_fraction": bad_fraction,
+        "max_bad_fraction": max_bad_fraction,
+        "within_limit": total > 0 and bad_fraction <= max_bad_fraction,
+        "bad_examples": sorted(
+            (dataclasses.asdict(b) for b in bad_examples), key=lambda b: b["source"]
+        ),
+    }
+
+
+class IngestToCanonical(beam.PTransform):
+    """Readers -> {"records", "bad", "summary"}; summary is one dict (see _summary)."""
+
+    def __init__(self, readers: Sequence[beam.PTransform], max_bad_fraction: float = 0.01):
+        super().__init__()
+        if not readers:
+            raise ValueError("ingest needs at least one input")
+        if not 0.0 <= max_bad_fraction <= 1.0:
+            raise ValueError(f"max bad fraction must be in [0, 1], got {max_bad_fraction}")
+        self._readers = list(readers)
+        self._max_bad_fraction = max_bad_fraction
+
+    def expand(self, pbegin):
+        outputs = [pbegin | f"Read{i}" >> reader for i, reader in enumerate(self._readers)]
+        records = [o["records"] for o in outputs] | "FlattenRecords" >> beam.Flatten()
+        bad = [o["bad"] for o in outputs] | "FlattenBad" >> beam.Flatten()
+        bad_counts = (
+            bad
+            | "BadReason" >> beam.Map(lambda b: b.reason)
+            | "CountReasons" >> beam.combiners.Count.PerElement()
+        )
+        bad_examples = bad | "BadExamples" >> beam.combiners.Sample.FixedSizeGlobally(
+            _EXAMPLES_IN_SUMMARY
+        )
+        summary = (
+            records
+            | "CountRecords" >> beam.combiners.Count.Globally()
+            | "Summary"
+            >> beam.Map(
+                _summary,
+                bad_counts=beam.pvalue.AsDict(bad_counts),
+                bad_examples=beam.pvalue.AsSingleton(bad_examples),
+                max_bad_fraction=self._max_bad_fraction,
+            )
+        )
+        return {"records": records, "bad": bad, "summary": summary}
+
+
+def run_ingest(
+    sources: Sequence[str],
+    out_dir: str,
+    max_bad_fraction: float = 0.01,
+    beam_args: Sequence[str] | None = None,
+    identity_feature: str | None = None,
+) -> dict:
+    """Ingests `sources` into OUT/records-*.tfrecord and OUT/ingest_summary.json.
+
+    Raises ValueError (one line) when the bad share exceeds `max_bad_fraction`; the
+    record shards are then removed so nothing downstream uses them, the summary stays.
+    """
+    readers = [reader_for(source, identity_feature) for source in sources]
+    summary_path = os.path.join(out_dir, SUMMARY_FILE)
+    with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
+        ingested = pipeline | "Ingest" >> IngestToCanonical(readers, max_bad_fraction)
+        _ = ingested["records"] | "WriteRecords" >> records_io.WriteRecords(out_dir)
+        _ = ingested["summary"] | "WriteSummary" >> records_io.WriteJson(summary_path)
+    summary = records_io.read_json(summary_path)
+    if not summary["within_limit"]:
+        records_io.remove_records(out_dir)
+        if summary["records"] + summary["bad"] == 0:
+            raise ValueError(f"ingest found no input records in {', '.join(sources)}")
+        reasons = ", ".join(f"{k}={v}" for k, v in summary["bad_by_reason"].items())
+        raise ValueError(
+            f"ingest: {summary['bad']} of {summary['records'] + summary['bad']} inputs are bad "
+            f"({summary['bad_fraction']:.1%} > limit {max_bad_fraction:.1%}): {reasons}; see {summary_path}"
+        )
+    return summary

@@ -1,0 +1,322 @@
+"""User-sharded partition of training records, and its reader.
+
+Layout under PARTITION_DIR:
+- shard-SSSSS-part-PPPPP.tfrecord: users hash into `num_shards` shards; within a shard
+  users are sorted and each user's records are contiguous; a shard rolls over to a new
+  part file past `max_part_bytes`, never splitting a user.
+- index/shard-SSSSS.jsonl: one line per user of the shard, sorted:
+  [user_id, part file, byte offset, byte length, record count].
+- manifest.json: shard count, users/records per shard, the hash that maps users to shards.
+- participation.json: ParticipationStats of the virtual-client schedule over this
+  population (beam_jobs.schedule), for the privacy accountant.
+
+A reader hashes the user to its shard, looks the user up in that shard's index (loaded
+once, cached) and reads exactly the user's byte range: loading a user or virtual client
+costs O(its data), and 10^6 users need only num_shards index files and a few part files
+per shard, never a file per user.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterable, Sequence
+
+import apache_beam as beam
+import google_crc32c
+import tensorflow as tf
+
+from beam_jobs import records_io, schedule, schema
+
+MANIFEST_FILE = "manifest.json"
+PARTICIPATION_FILE = "participation.json"
+INDEX_DIR = "index"
+SHARD_HASH = "blake2b-64 of UTF-8 user id, big endian, mod num_shards"
+
+
+def shard_of_user(user_id: str, num_shards: int) -> int:
+    digest = hashlib.blake2b(user_id.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % num_shards
+
+
+def _masked_crc32c(data: bytes) -> int:
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def tfrecord_frame(record: bytes) -> bytes:
+    """One record in the TFRecord wire format (readable by tf.data.TFRecordDataset)."""
+    length = struct.pack("<Q", len(record))
+    return (
+        length
+        + struct.pack("<I", _masked_crc32c(length))
+        + record
+        + struct.pack("<I", _masked_crc32c(record))
+    )
+
+
+def parse_tfrecord_frames(data: bytes) -> list[bytes]:
+    """Inverse of concatenated tfrecord_frame()s, checking both checksums."""
+    records, position = [], 0
+    while position < len(data):
+        (length,) = struct.unpack_from("<Q", data, position)
+        (length_crc,) = struct.unpack_from("<I", data, position + 8)
+        record = data[position + 12 : position + 12 + length]
+        (record_crc,) = struct.unpack_from("<I", data, position + 12 + length)
+        if length_crc != _masked_crc32c(
+            data[position : position + 8]
+        ) or record_crc != _masked_crc32c(record):
+            raise ValueError("partition data is corrupt (TFRecord checksum mismatch)")
+        records.append(record)
+        position += 16 + length
+    return records
+
+
+def _part_name(shard: int, part: int) -> str:
+    return f"shard-{shard:05d}-part-{part:05d}.tfrecord"
+
+
+def _index_path(partition_dir: str, shard: int) -> str:
+    return os.path.join(partition_dir, INDEX_DIR, f"shard-{shard:05d}.jsonl")
+
+
+class _WriteShardFn(beam.DoFn):
+    """(shard, records) -> part files and the shard index; yields the shard's counts.
+
+    Files are written under temporary names and renamed, so a retried bundle leaves
+    complete files only.
+    """
+
+    def __init__(self, partition_dir: str, max_part_bytes: int):
+        self._partition_dir = partition_dir
+        self._max_part_bytes = max_part_bytes
+
+    def process(self, shard_records: tuple[int, Iterable[tuple[str, bytes]]]):
+        shard, records = shard_records
+        # Sorting by (user, bytes) makes the files identical across runs.
+        ordered = sorted(records)
+        index_lines, part, part_bytes, writer, temporaries = [], 0, 0, None, []
+        position = 0
+        while position < len(ordered):
+            user_id = ordered[position][0]
+            end = position
+            while end < len(ordered) and ordered[end][0] == user_id:
+                end += 1
+            frames = b"".join(tfrecord_frame(r) for _, r in ordered[position:end])
+            if writer is None or (part_bytes and part_bytes + len(frames) > self._max_part_bytes):
+                if writer is not None:
+                    writer.close()
+                    part += 1
+                final = os.path.join(self._partition_dir, _part_name(shard, part))
+                temporaries.append((final + ".tmp", final))
+                writer, part_bytes = tf.io.gfile.GFile(final + ".tmp", "wb"), 0
+            writer.write(frames)
+            index_lines.append(
+                json.dumps(
+                    [user_id, _part_name(shard, part), part_bytes, len(frames), end - position]
+                )
+            )
+            part_bytes += len(frames)
+            position = end
+        writer.close()
+        index_temporary = _index_path(self._partition_dir, shard) + ".tmp"
+        with tf.io.gfile.GFile(index_temporary, "w") as f:
+            f.write("\n".join(index_lines) + "\n")
+        temporaries.append((index_temporary, _index_path(self._partition_dir, shard)))
+        for temporary, final in temporaries:
+            tf.io.gfile.rename(temporary, final, overwrite=True)
+        yield {
+            "shard": shard,
+            "users": len(index_lines),
+            "records": len(ordered),
+            "parts": part + 1,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSpec:
+    """Schedule parameters the partition job records participation statistics for."""
+
+    users_per_virtual_client: int
+    virtual_clients_per_round: int
+    rounds: int
+    mode: str = schedule.SAMPLED
+
+
+def _manifest(shard_counts: list[dict], num_shards: int, max_part_bytes: int) -> dict:
+    by_shard = {c["shard"]: c for c in shard_counts}
+    return {
+        "num_shards": num_shards,
+        "shard_hash": SHARD_HASH,
+        "max_part_bytes": max_part_bytes,
+        "users": sum(c["users"] for c in shard_counts),
+        "records": sum(c["records"] for c in shard_counts),
+        "shards": [
+            by_shard.get(s, {"shard": s, "users": 0, "records": 0, "parts": 0})
+            for s in range(num_shards)
+        ],
+    }
+
+
+def _participation(manifest: dict, spec: ScheduleSpec) -> dict:
+    # The seed does not change the statistics, and must not be published.
+    plan = schedule.VirtualClientSchedule(
+        manifest["users"],
+        spec.users_per_virtual_client,
+        spec.virtual_clients_per_round,
+        seed=0,
+        mode=spec.mode,
+    )
+    return plan.participation_stats(spec.rounds).to_dict()
+
+
+class PartitionByUser(beam.PTransform):
+    """Serialized canonical records -> files under partition_dir; returns the manifest
+    (and writes participation.json when a ScheduleSpec is given)."""
+
+    def __init__(
+        self,
+        partition_dir: str,
+        num_shards: int = 16,
+        max_part_bytes: int = 64 << 20,
+        schedule_spec: ScheduleSpec | None = None,
+    ):
+        super().__init__()
+        if num_shards < 1 or max_part_bytes < 1:
+            raise ValueError("num shards and max part bytes must be >= 1")
+        self._partition_dir = partition_dir
+        self._num_shards = num_shards
+        self._max_part_bytes = max_part_bytes
+        self._schedule_spec = schedule_spec
+
+    def expand(self, records):
+        num_shards, partition_dir = self._num_shards, self._partition_dir
+        tf.io.gfile.makedirs(os.path.join(partition_dir, INDEX_DIR))
+
+        def key_by_shard(serialized: bytes):
+            user_id = schema.parse(serialized).user_id
+            return shard_of_user(user_id, num_shards), (user_id, serialized)
+
+        manifest = (
+            records
+            | "KeyByShard" >> beam.Map(key_by_shard)
+            | "GroupByShard" >> beam.GroupByKey()
+            | "WriteShards" >> beam.ParDo(_WriteShardFn(partition_dir, self._max_part_bytes))
+            | "ShardCounts" >> beam.combiners.ToList()
+            | "Manifest" >> beam.Map(_manifest, num_shards, self._max_part_bytes)
+        )
+        _ = manifest | "WriteManifest" >> records_io.WriteJson(
+            os.path.join(partition_dir, MANIFEST_FILE)
+        )
+        if self._schedule_spec is not None:
+            _ = (
+                manifest
+                | "Participation" >> beam.Map(_participation, self._schedule_spec)
+                | "WriteParticipation"
+                >> records_io.WriteJson(os.path.join(partition_dir, PARTICIPATION_FILE))
+            )
+        return manifest
+
+
+def run_partition(
+    input_dir: str,
+    partition_dir: str,
+    num_shards: int = 16,
+    schedule_spec: ScheduleSpec | None = None,
+    max_part_bytes: int = 64 << 20,
+    beam_args: Sequence[str] | None = None,
+) -> dict:
+    """Partitions INPUT_DIR/records-* into PARTITION_DIR; returns the manifest."""
+    with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
+        _ = (
+            pipeline
+            | "Read" >> records_io.ReadRecords(input_dir)
+            | "Partition"
+            >> PartitionByUser(partition_dir, num_shards, max_part_bytes, schedule_spec)
+        )
+    return records_io.read_json(os.path.join(partition_dir, MANIFEST_FILE))
+
+
+@dataclasses.dataclass(frozen=True)
+class UserLocation:
+    part_file: str
+    offset: int
+    length: int
+    records: int
+
+
+class PartitionReader:
+    """Random access to one user's (or virtual client's) records in a partition."""
+
+    def __init__(self, partition_dir: str):
+        manifest_path = os.path.join(partition_dir, MANIFEST_FILE)
+        if not tf.io.gfile.exists(manifest_path):
+            raise ValueError(f"{partition_dir} is not a partition (no {MANIFEST_FILE})")
+        self._dir = partition_dir
+        self.manifest = records_io.read_json(manifest_path)
+        self._shard_index = functools.lru_cache(maxsize=None)(self._load_shard_index)
+
+    @property
+    def num_users(self) -> int:
+        return self.manifest["users"]
+
+    def _load_shard_index(self, shard: int) -> dict[str, UserLocation]:
+        path = _index_path(self._dir, shard)
+        if not tf.io.gfile.exists(path):
+            return {}
+        with tf.io.gfile.GFile(path) as f:
+            return {e[0]: UserLocation(*e[1:]) for e in map(json.loads, f.read().splitlines()) if e}
+
+    def location(self, user_id: str) -> UserLocation:
+        entry = self._shard_index(shard_of_user(user_id, self.manifest["num_shards"])).get(user_id)
+        if entry is None:
+            raise ValueError(f"user {user_id!r} is not in partition {self._dir}")
+        return entry
+
+    def user_examples(self, user_id: str) -> list[bytes]:
+        """The user's serialized canonical examples, read from its byte range only."""
+        entry = self.location(user_id)
+        with tf.io.gfile.GFile(os.path.join(self._dir, entry.part_file), "rb") as f:
+            f.seek(entry.offset)
+            data = f.read(entry.length)
+        return parse_tfrecord_frames(data)
+
+    def user_records(self, user_id: str) -> list[schema.CanonicalRecord]:
+        return [schema.parse(s) for s in self.user_examples(user_id)]
+
+    def virtual_client_examples(self, user_ids: Sequence[str]) -> list[bytes]:
+        return [example for user_id in user_ids for example in self.user_examples(user_id)]
+
+    def dataset(self, user_ids: Sequence[str]) -> tf.data.Dataset:
+        """tf.data of parsed canonical features (schema.FEATURE_SPEC) for these users."""
+        examples = self.virtual_client_examples(user_ids)
+        serialized = tf.data.Dataset.from_tensor_slices(
+            tf.constant(examples, dtype=tf.string, shape=[len(examples)])
+        )
+        return serialized.map(schema.parse_tf_example)
+
+    def user_ids(self) -> list[str]:
+        """All user ids, sorted: the canonical order the schedule's user indices refer to.
+
+        Loads every shard index (O(users)); per-round loading never needs it.
+        """
+        return sorted(u for s in range(self.manifest["num_shards"]) for u in self._shard_index(s))
+
+    def participation_stats(self) -> schedule.ParticipationStats:
+        path = os.path.join(self._dir, PARTICIPATION_FILE)
+        if not tf.io.gfile.exists(path):
+            raise ValueError(f"partition {self._dir} has no {PARTICIPATION_FILE}")
+        with tf.io.gfile.GFile(path) as f:
+            return schedule.ParticipationStats.from_json(f.read())
+
+
+@functools.lru_cache(maxsize=8)
+def _reader(partition_dir: str) -> PartitionReader:
+    return PartitionReader(partition_dir)
+
+
+def load_user_examples(partition_dir: str, user_id: str) -> list[bytes]:
+    """One user's serialized canonical examples (readers are cached per directory)."""
+    return _reader(partition_dir).user_examples(user_id)

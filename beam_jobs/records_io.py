@@ -1,0 +1,95 @@
+"""On-disk layout shared by the Beam jobs, and their pipeline options.
+
+Every job reads and writes canonical records (beam_jobs.schema) as TFRecord shards named
+DIR/records-SSSSS-of-NNNNN.tfrecord, and writes its summary or report as one JSON file.
+"""
+
+import json
+import os
+from collections.abc import Sequence
+
+import apache_beam as beam
+import tensorflow as tf
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+
+RECORDS_PREFIX = "records"
+RECORDS_SUFFIX = ".tfrecord"
+DEFAULT_RUNNER = "DirectRunner"
+
+
+def records_pattern(directory: str) -> str:
+    return os.path.join(directory, f"{RECORDS_PREFIX}-*{RECORDS_SUFFIX}")
+
+
+def pipeline_options(beam_args: Sequence[str] | None = None) -> PipelineOptions:
+    """Standard Beam options from command-line style args; the runner is always named.
+
+    Without `--runner` the DirectRunner is named explicitly, so a newer Beam never falls
+    back to a runner that downloads binaries at run time.
+    """
+    options = PipelineOptions(list(beam_args or []))
+    if not options.view_as(StandardOptions).runner:
+        options.view_as(StandardOptions).runner = DEFAULT_RUNNER
+    return options
+
+
+def require_matches(pattern: str, what: str) -> list[str]:
+    """Paths matching `pattern`; a clear ValueError when there are none."""
+    paths = [m.path for m in FileSystems.match([pattern])[0].metadata_list]
+    if not paths:
+        raise ValueError(f"no {what} found at {pattern}")
+    return sorted(paths)
+
+
+class ReadRecords(beam.PTransform):
+    """Reads serialized canonical records written by a previous job (trusted input)."""
+
+    def __init__(self, directory: str):
+        super().__init__()
+        self._pattern = records_pattern(directory)
+        require_matches(self._pattern, "record shards")
+
+    def expand(self, pbegin):
+        return pbegin | beam.io.ReadFromTFRecord(self._pattern)
+
+
+class WriteRecords(beam.PTransform):
+    """Writes serialized canonical records as DIR/records-*.tfrecord."""
+
+    def __init__(self, directory: str, num_shards: int = 0):
+        super().__init__()
+        self._directory = directory
+        self._num_shards = num_shards
+
+    def expand(self, records):
+        return records | beam.io.WriteToTFRecord(
+            os.path.join(self._directory, RECORDS_PREFIX),
+            file_name_suffix=RECORDS_SUFFIX,
+            num_shards=self._num_shards,
+        )
+
+
+class WriteJson(beam.PTransform):
+    """Writes a single-element PCollection of a JSON-able object to one exact path."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self._path = path
+
+    def expand(self, pcoll):
+        return (
+            pcoll
+            | "ToJson" >> beam.Map(lambda value: json.dumps(value, indent=2, sort_keys=True))
+            | "Write" >> beam.io.WriteToText(self._path, num_shards=1, shard_name_template="")
+        )
+
+
+def read_json(path: str) -> dict:
+    with tf.io.gfile.GFile(path) as f:
+        return json.load(f)
+
+
+def remove_records(directory: str) -> None:
+    for path in tf.io.gfile.glob(records_pattern(directory)):
+        tf.io.gfile.remove(path)

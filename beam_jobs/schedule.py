@@ -1,0 +1,225 @@
+"""The virtual-client schedule: which users form virtual client j of round r.
+
+The schedule is a pure function of (number of users, seed, round): users are indices into
+a canonical user-id sequence (beam_jobs.partition.PartitionReader.user_ids() gives it,
+sorted), and every round draws from a counter-based generator (Philox keyed by
+SeedSequence([seed, stream, round])), so any round is computed without the previous ones
+and costs O(users per round) (epoch mode: one O(N) permutation, cached).
+
+Modes:
+- "sampled" (DP-FedEmb, DP-FedAvg): each round samples users_per_round users uniformly
+  without replacement and groups them into virtual clients of k users.
+- "epoch" (DP-FTRL-FedEmb): one fixed permutation of users; round r takes the slice
+  r mod rounds_per_epoch of it, so each user participates at most once per epoch and
+  consecutive participations are exactly rounds_per_epoch rounds apart (the min
+  separation the tree accountant assumes; reshuffling each epoch would break it). The
+  grouping into virtual clients within a round is redrawn every round.
+- "fixed": virtual clients are fixed groups of k users (one permutation, chunked); each
+  round samples virtual_clients_per_round groups uniformly without replacement. The
+  privacy unit is then the group.
+
+No user is ever in two virtual clients of one round. ParticipationStats summarises what
+the privacy accountant needs; it deliberately omits the seed, whose secrecy the sampling
+amplification relies on.
+"""
+
+import dataclasses
+import functools
+import json
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+SAMPLED = "sampled"
+EPOCH = "epoch"
+FIXED = "fixed"
+MODES = (SAMPLED, EPOCH, FIXED)
+
+# Independent random streams per purpose, so e.g. the grouping never correlates with
+# the sampling of the same round.
+_SAMPLE_STREAM = 1
+_ORDER_STREAM = 2
+_GROUPING_STREAM = 3
+
+
+def _generator(seed: int, stream: int, *counter: int) -> np.random.Generator:
+    return np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, stream, *counter])))
+
+
+@functools.lru_cache(maxsize=4)
+def _fixed_order(seed: int, num_users: int) -> np.ndarray:
+    order = _generator(seed, _ORDER_STREAM).permutation(num_users)
+    order.flags.writeable = False  # shared by the cache
+    return order
+
+
+@dataclasses.dataclass(frozen=True)
+class ParticipationStats:
+    """What the privacy accountant needs to know about a schedule over `rounds` rounds.
+
+    sampling_units / units_per_round: the population and per-round draw of the sampling
+    (users for "sampled" and "epoch", fixed virtual clients for "fixed").
+    max_participations / min_separation: bounds for any single user over the rounds;
+    min_separation counts the rounds strictly between two participations (TF Privacy's
+    tree-accounting convention, which tff_algorithms.accounting consumes).
+    unscheduled_users: users the schedule never selects (remainders that do not fill an
+    epoch slice or a fixed group).
+    """
+
+    mode: str
+    users: int
+    users_per_virtual_client: int
+    virtual_clients_per_round: int
+    users_per_round: int
+    rounds: int
+    rounds_per_epoch: int
+    max_participations: int
+    min_separation: int
+    sampling_units: int
+    units_per_round: int
+    unscheduled_users: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ParticipationStats":
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - set(values)
+        if missing:
+            raise ValueError(f"participation statistics lack {sorted(missing)}")
+        return cls(**{name: values[name] for name in names})
+
+    @classmethod
+    def from_json(cls, text: str) -> "ParticipationStats":
+        return cls.from_dict(json.loads(text))
+
+
+@dataclasses.dataclass(frozen=True)
+class VirtualClientSchedule:
+    num_users: int
+    users_per_virtual_client: int
+    virtual_clients_per_round: int
+    seed: int
+    mode: str = SAMPLED
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"schedule mode must be one of {MODES}, got {self.mode!r}")
+        if self.users_per_virtual_client < 1 or self.virtual_clients_per_round < 1:
+            raise ValueError("users per virtual client and virtual clients per round must be >= 1")
+        if self.seed < 0:
+            raise ValueError(f"schedule seed must be >= 0, got {self.seed}")
+        if self.num_users < self.users_per_round:
+            raise ValueError(
+                f"{self.num_users} users cannot fill a round of {self.virtual_clients_per_round} "
+                f"virtual clients x {self.users_per_virtual_client} users"
+            )
+
+    @property
+    def users_per_round(self) -> int:
+        return self.users_per_virtual_client * self.virtual_clients_per_round
+
+    @property
+    def num_groups(self) -> int:
+        """Fixed virtual clients ("fixed" mode): whole groups of k users."""
+        return self.num_users // self.users_per_virtual_client
+
+    @property
+    def rounds_per_epoch(self) -> int:
+        if self.mode == FIXED:
+            return self.num_groups // self.virtual_clients_per_round
+        return self.num_users // self.users_per_round
+
+    def epoch_of_round(self, round_num: int) -> int:
+        return round_num // self.rounds_per_epoch
+
+    def round_user_indices(self, round_num: int) -> np.ndarray:
+        """User indices of round `round_num` as an int64 array [virtual clients, k]."""
+        if round_num < 0:
+            raise ValueError(f"round must be >= 0, got {round_num}")
+        m, k = self.virtual_clients_per_round, self.users_per_virtual_client
+        if self.mode == SAMPLED:
+            # choice(replace=False) is O(users_per_round) for small draws and returns the
+            # sample in random order, so consecutive chunks are random virtual clients.
+            users = _generator(self.seed, _SAMPLE_STREAM, round_num).choice(
+                self.num_users, self.users_per_round, replace=False
+            )
+            return users.astype(np.int64).reshape(m, k)
+        order = _fixed_order(self.seed, self.num_users)
+        if self.mode == EPOCH:
+            slot = round_num % self.rounds_per_epoch
+            users = order[slot * self.users_per_round : (slot + 1) * self.users_per_round]
+            regroup = _generator(self.seed, _GROUPING_STREAM, round_num).permutation(
+                self.users_per_round
+            )
+            return users[regroup].astype(np.int64).reshape(m, k)
+        groups = _generator(self.seed, _SAMPLE_STREAM, round_num).choice(
+            self.num_groups, m, replace=False
+        )
+        members = groups[:, None] * k + np.arange(k)[None, :]
+        return order[members].astype(np.int64)
+
+    def virtual_client_user_indices(self, round_num: int, virtual_client: int) -> np.ndarray:
+        if not 0 <= virtual_client < self.virtual_clients_per_round:
+            raise ValueError(
+                f"virtual client must be in [0, {self.virtual_clients_per_round}), got {virtual_client}"
+            )
+        return self.round_user_indices(round_num)[virtual_client]
+
+    def participation_stats(self, rounds: int) -> ParticipationStats:
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
+        if self.mode == EPOCH:
+            max_participations = math.ceil(rounds / self.rounds_per_epoch)
+            # The fixed order puts a user's participations rounds_per_epoch apart.
+            min_separation = self.rounds_per_epoch - 1
+            unscheduled = self.num_users - self.rounds_per_epoch * self.users_per_round
+        else:
+            # Uniform sampling bounds nothing: a user may be drawn every round.
+            max_participations, min_separation = rounds, 0
+            unscheduled = (
+                self.num_users - self.num_groups * self.users_per_virtual_client
+                if self.mode == FIXED
+                else 0
+            )
+        if self.mode == FIXED:
+            sampling_units, units_per_round = self.num_groups, self.virtual_clients_per_round
+        else:
+            sampling_units, units_per_round = self.num_users, self.users_per_round
+        return ParticipationStats(
+            mode=self.mode,
+            users=self.num_users,
+            users_per_virtual_client=self.users_per_virtual_client,
+            virtual_clients_per_round=self.virtual_clients_per_round,
+            users_per_round=self.users_per_round,
+            rounds=rounds,
+            rounds_per_epoch=self.rounds_per_epoch,
+            max_participations=max_participations,
+            min_separation=min_separation,
+            sampling_units=sampling_units,
+            units_per_round=units_per_round,
+            unscheduled_users=unscheduled,
+        )
+
+
+def virtual_clients_for_round(
+    user_ids: Sequence[str],
+    seed: int,
+    round_num: int,
+    users_per_virtual_client: int,
+    virtual_clients_per_round: int,
+    mode: str = SAMPLED,
+) -> list[list[str]]:
+    """The schedule as a pure function: the user ids of each virtual client of a round.
+
+    `user_ids` is the canonical order (the same sequence on every call).
+    """
+    schedule = VirtualClientSchedule(
+        len(user_ids), users_per_virtual_client, virtual_clients_per_round, seed, mode
+    )
+    return [[user_ids[i] for i in group] for group in schedule.round_user_indices(round_num)]

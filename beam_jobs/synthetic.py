@@ -1,0 +1,211 @@
+"""Synthetic identity dataset: the project's embedded default (DESIGN.md section 3).
+
+Each identity is a random composition of parts (filled ellipses, rings, strokes,
+rectangles) in a canonical frame, so identities differ in structure. Each image renders
+the identity under a random pose (rotation, translation, scale), per-part jitter and
+occlusion, a clutter part, lighting (gain, bias, gradient, gamma) and pixel noise, so a
+model must learn the structure to tell identities apart. Everything is a pure function of
+(seed, identity index, image index): adding identities never changes existing ones, and
+any slice can be rendered independently (the Beam transform renders slices in parallel).
+"""
+
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import apache_beam as beam
+import numpy as np
+
+from beam_jobs import schema
+
+_PART_KINDS = ("ellipse", "ring", "stroke", "rectangle")
+# Stream tags keep the structure and per-image random streams independent.
+_STRUCTURE_STREAM = 0
+_IMAGE_STREAM = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticConfig:
+    identities: int = 1000
+    images_per_identity: int = 20
+    image_size: int = 28
+    channels: int = 1  # 1: grayscale (small-CNN input), 3: RGB
+    identities_per_user: int = 1  # 1: faces-like; >1: landmarks-like
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.identities < 1:
+            raise ValueError(f"identities must be >= 1, got {self.identities}")
+        if self.images_per_identity < 1:
+            raise ValueError(f"images per identity must be >= 1, got {self.images_per_identity}")
+        if not 8 <= self.image_size <= 512:
+            raise ValueError(f"image size must be in [8, 512], got {self.image_size}")
+        if self.channels not in (1, 3):
+            raise ValueError(f"channels must be 1 or 3, got {self.channels}")
+        if self.identities_per_user < 1:
+            raise ValueError(f"identities per user must be >= 1, got {self.identities_per_user}")
+
+    @property
+    def users(self) -> int:
+        return -(-self.identities // self.identities_per_user)
+
+    def identity_name(self, identity_index: int) -> str:
+        return f"id{identity_index:0{len(str(self.identities - 1))}d}"
+
+    def user_name(self, identity_index: int) -> str:
+        # Consecutive identities share a user; the last user may hold fewer.
+        user_index = identity_index // self.identities_per_user
+        return f"u{user_index:0{len(str(self.users - 1))}d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    kind: str
+    center: np.ndarray  # (2,)
+    half_sizes: np.ndarray  # (2,) semi-axes / half-length and half-width
+    angle: float
+    thickness: float
+    color: np.ndarray  # (channels,) in [0, 1]
+
+
+def _random_part(rng: np.random.Generator, channels: int) -> _Part:
+    kind = _PART_KINDS[rng.integers(len(_PART_KINDS))]
+    if kind == "stroke":
+        half_sizes = np.array([rng.uniform(0.2, 0.5), 0.0])
+    else:
+        half_sizes = rng.uniform(0.1, 0.35, size=2)
+    return _Part(
+        kind=kind,
+        center=rng.uniform(-0.55, 0.55, size=2),
+        half_sizes=half_sizes,
+        angle=rng.uniform(0.0, np.pi),
+        thickness=rng.uniform(0.05, 0.12),
+        color=rng.uniform(0.35, 1.0, size=channels),
+    )
+
+
+def identity_parts(config: SyntheticConfig, identity_index: int) -> list[_Part]:
+    """The identity's structure: 4 to 7 parts, fixed by (seed, identity)."""
+    rng = np.random.default_rng([config.seed, _STRUCTURE_STREAM, identity_index])
+    return [_random_part(rng, config.channels) for _ in range(rng.integers(4, 8))]
+
+
+def _signed_distance(part: _Part, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Approximate signed distance (canonical units) from points to the part's outline."""
+    cos, sin = np.cos(part.angle), np.sin(part.angle)
+    dx, dy = x - part.center[0], y - part.center[1]
+    u, v = cos * dx + sin * dy, -sin * dx + cos * dy
+    a, b = part.half_sizes
+    if part.kind == "stroke":
+        along = np.clip(u, -a, a)
+        return np.hypot(u - along, v) - part.thickness / 2
+    if part.kind == "rectangle":
+        qx, qy = np.abs(u) - a, np.abs(v) - b
+        outside = np.hypot(np.maximum(qx, 0), np.maximum(qy, 0))
+        return outside + np.minimum(np.maximum(qx, qy), 0)
+    ellipse = (np.hypot(u / a, v / b) - 1.0) * min(a, b)
+    return np.abs(ellipse) - part.thickness / 2 if part.kind == "ring" else ellipse
+
+
+def render_image(config: SyntheticConfig, identity_index: int, image_index: int) -> np.ndarray:
+    """One image of an identity as uint8 pixels, HxW (grayscale) or HxWx3."""
+    rng = np.random.default_rng([config.seed, _IMAGE_STREAM, identity_index, image_index])
+    size, channels = config.image_size, config.channels
+    # Pose: map pixel centres back into the identity's canonical frame.
+    angle = rng.uniform(-0.5, 0.5)  # about +-29 degrees
+    scale = rng.uniform(0.8, 1.15)
+    shift = rng.uniform(-0.15, 0.15, size=2)
+    grid = (np.arange(size) + 0.5) / size * 2.0 - 1.0
+    gx, gy = np.meshgrid(grid, grid)
+    px, py = (gx - shift[0]) / scale, (gy - shift[1]) / scale
+    cos, sin = np.cos(angle), np.sin(angle)
+    x, y = cos * px + sin * py, -sin * px + cos * py
+    pixel_width = 2.0 / (size * scale)
+
+    background = rng.uniform(0.0, 0.25, size=channels)
+    canvas = np.broadcast_to(background, (size, size, channels)).copy()
+    parts = []
+    for part in identity_parts(config, identity_index):
+        if rng.random() < 0.1:  # occlusion: the part is missing from this view
+            continue
+        parts.append(
+            dataclasses.replace(
+                part,
+                center=part.center + rng.normal(0.0, 0.04, size=2),
+                half_sizes=part.half_sizes * rng.uniform(0.9, 1.1, size=2),
+                angle=part.angle + rng.normal(0.0, 0.1),
+                color=np.clip(part.color * rng.uniform(0.85, 1.15), 0.0, 1.0),
+            )
+        )
+    if rng.random() < 0.3:  # clutter that belongs to no identity
+        parts.insert(rng.integers(len(parts) + 1), _random_part(rng, channels))
+    for part in parts:
+        coverage = np.clip(0.5 - _signed_distance(part, x, y) / pixel_width, 0.0, 1.0)
+        canvas += coverage[..., None] * (part.color - canvas)
+
+    # Lighting: gain and bias, a directional gradient, then gamma.
+    direction = rng.uniform(0.0, 2 * np.pi)
+    gradient = rng.uniform(0.0, 0.35) * (np.cos(direction) * gx + np.sin(direction) * gy)
+    lit = canvas * rng.uniform(0.6, 1.3) + rng.uniform(-0.1, 0.15) + gradient[..., None]
+    lit = np.clip(lit, 0.0, 1.0) ** rng.uniform(0.7, 1.4)
+    noisy = lit + rng.normal(0.0, rng.uniform(0.02, 0.1), size=lit.shape)
+    pixels = np.round(np.clip(noisy, 0.0, 1.0) * 255).astype(np.uint8)
+    return pixels[..., 0] if channels == 1 else pixels
+
+
+def records_for_identities(
+    config: SyntheticConfig, start: int, stop: int
+) -> Iterator[schema.CanonicalRecord]:
+    """Canonical records of identities [start, stop), in order."""
+    for identity_index in range(start, min(stop, config.identities)):
+        user_id = config.user_name(identity_index)
+        identity = config.identity_name(identity_index)
+        for image_index in range(config.images_per_identity):
+            pixels = render_image(config, identity_index, image_index)
+            yield schema.CanonicalRecord(user_id, identity, schema.encode_png(pixels))
+
+
+class SyntheticRecords(beam.PTransform):
+    """PBegin -> serialized canonical records of the whole synthetic dataset."""
+
+    def __init__(self, config: SyntheticConfig, identities_per_bundle: int = 64):
+        super().__init__()
+        self._config = config
+        self._identities_per_bundle = identities_per_bundle
+
+    def expand(self, pbegin):
+        config, step = self._config, self._identities_per_bundle
+        return (
+            pbegin
+            | "IdentitySlices" >> beam.Create(range(0, config.identities, step))
+            # Spread slices over workers before the expensive rendering.
+            | "Reshuffle" >> beam.Reshuffle()
+            | "Render"
+            >> beam.FlatMap(
+                lambda start: (
+                    schema.serialize(r) for r in records_for_identities(config, start, start + step)
+                )
+            )
+        )
+
+
+def write_image_folder(out_dir: str, config: SyntheticConfig) -> dict:
+    """Writes OUT/<user_id>/<identity>/<image>.png (single process); returns a summary."""
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"output directory {out_dir} is not empty")
+    width = len(str(config.images_per_identity - 1))
+    for identity_index in range(config.identities):
+        folder = os.path.join(
+            out_dir, config.user_name(identity_index), config.identity_name(identity_index)
+        )
+        os.makedirs(folder, exist_ok=True)
+        for image_index in range(config.images_per_identity):
+            pixels = render_image(config, identity_index, image_index)
+            with open(os.path.join(folder, f"{image_index:0{width}d}.png"), "wb") as f:
+                f.write(schema.encode_png(pixels))
+    return {
+        "out": out_dir,
+        "users": config.users,
+        "images": config.identities * config.images_per_identity,
+        **dataclasses.asdict(config),
+    }

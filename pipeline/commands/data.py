@@ -1,0 +1,144 @@
+"""Data jobs: `dp-fedemb data {synth|ingest|split|dedup|partition} --flags`.
+
+synth      write the synthetic identity dataset as an image folder (--out)
+ingest     image folders / TFRecords / TFF SQLite files (--input, repeatable) -> --out
+split      --input records -> --out/{train,validation,test[,public]}
+dedup      --input split dir -> --out split dir without train/public near duplicates
+partition  --input records -> --out user-sharded partition + participation statistics
+
+Beam jobs run on the DirectRunner unless --runner names another; --beam-args passes
+further standard pipeline options (e.g. "--project=p --region=r").
+"""
+
+import json
+import shlex
+from collections.abc import Sequence
+
+from absl import flags
+
+VERBS = ("synth", "ingest", "split", "dedup", "partition")
+
+
+def define_flags(flag_values: flags.FlagValues) -> None:
+    def define(kind, name, default, help_text):
+        getattr(flags, f"DEFINE_{kind}")(name, default, help_text, flag_values=flag_values)
+
+    define("string", "out", None, "output directory")
+    define("multi_string", "input", [], "input directory, file or pattern (repeatable for ingest)")
+    define("integer", "seed", 0, "seed for synthesis, splits and the schedule")
+    # synth
+    define("integer", "identities", 1000, "synth: number of identities")
+    define("integer", "images-per-identity", 20, "synth: images per identity")
+    define("integer", "image-size", 28, "synth: image side in pixels")
+    define("integer", "channels", 1, "synth: 1 (grayscale) or 3 (RGB)")
+    define(
+        "integer",
+        "identities-per-user",
+        1,
+        "synth: identities per user (1 faces-like, >1 landmarks-like)",
+    )
+    # ingest
+    define(
+        "float", "max-bad-fraction", 0.01, "ingest: fail when the share of bad inputs exceeds this"
+    )
+    define(
+        "string",
+        "identity-feature",
+        None,
+        "ingest: feature holding the identity in TFF SQLite files",
+    )
+    # split
+    define("float", "validation-fraction", 0.1, "split: share of identities for validation")
+    define("float", "test-fraction", 0.1, "split: share of identities for test")
+    define(
+        "float", "public-fraction", 0.0, "split: share of identities for a public pretraining split"
+    )
+    # dedup
+    define("integer", "hamming-threshold", 8, "dedup: near duplicate when phash distance <= this")
+    define("integer", "max-shift", 2, "dedup: pixel shifts probed on reference images")
+    # partition
+    define("integer", "num-shards", 16, "partition: number of user shards")
+    define("integer", "users-per-virtual-client", 1, "partition: users per virtual client (k)")
+    define("integer", "virtual-clients-per-round", 1, "partition: virtual clients per round")
+    define("integer", "rounds", 1, "partition: rounds the participation statistics cover")
+    flags.DEFINE_enum(
+        "schedule",
+        "sampled",
+        ["sampled", "epoch", "fixed"],
+        "partition: virtual-client schedule",
+        flag_values=flag_values,
+    )
+    # Beam
+    define("string", "runner", "DirectRunner", "Beam runner (named explicitly)")
+    define("string", "beam-args", "", "further Beam pipeline options, shell-quoted")
+
+
+def _required(flag_values: flags.FlagValues, *names: str) -> None:
+    for name in names:
+        if not flag_values[name].value:
+            raise ValueError(f"--{name} is required")
+
+
+def _single_input(flag_values: flags.FlagValues) -> str:
+    _required(flag_values, "input")
+    if len(flag_values["input"].value) != 1:
+        raise ValueError("exactly one --input is expected")
+    return flag_values["input"].value[0]
+
+
+def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
+    if len(args) != 1 or args[0] not in VERBS:
+        raise ValueError(
+            f"usage: dp-fedemb data {{{'|'.join(VERBS)}}} --flags (got {' '.join(args) or 'nothing'})"
+        )
+    verb = args[0]
+    value = {name: flag_values[name].value for name in flag_values}
+    _required(flag_values, "out")
+    beam_args = [f"--runner={value['runner']}", *shlex.split(value["beam-args"])]
+    # Imported here so `dp-fedemb data --help` stays fast.
+    from beam_jobs import dedup, ingest, partition, splits, synthetic
+
+    if verb == "synth":
+        config = synthetic.SyntheticConfig(
+            identities=value["identities"],
+            images_per_identity=value["images-per-identity"],
+            image_size=value["image-size"],
+            channels=value["channels"],
+            identities_per_user=value["identities-per-user"],
+            seed=value["seed"],
+        )
+        result = synthetic.write_image_folder(value["out"], config)
+    elif verb == "ingest":
+        _required(flag_values, "input")
+        result = ingest.run_ingest(
+            value["input"],
+            value["out"],
+            value["max-bad-fraction"],
+            beam_args,
+            value["identity-feature"],
+        )
+    elif verb == "split":
+        config = splits.SplitConfig(
+            value["validation-fraction"],
+            value["test-fraction"],
+            value["public-fraction"],
+            value["seed"],
+        )
+        result = splits.run_split(_single_input(flag_values), value["out"], config, beam_args)
+    elif verb == "dedup":
+        config = dedup.DedupConfig(
+            hamming_threshold=value["hamming-threshold"], max_shift=value["max-shift"]
+        )
+        result = dedup.run_dedup(_single_input(flag_values), value["out"], config, beam_args)
+    else:
+        spec = partition.ScheduleSpec(
+            value["users-per-virtual-client"],
+            value["virtual-clients-per-round"],
+            value["rounds"],
+            value["schedule"],
+        )
+        result = partition.run_partition(
+            _single_input(flag_values), value["out"], value["num-shards"], spec, beam_args=beam_args
+        )
+    print(json.dumps(result, sort_keys=True))
+    return 0

@@ -1,0 +1,191 @@
+"""Ingest: image folders, canonical TFRecords, TFF SQLite client data, bad-input accounting."""
+
+import os
+import sqlite3
+
+import apache_beam as beam
+import numpy as np
+import pytest
+import tensorflow as tf
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from beam_jobs import ingest, records_io, schema
+
+
+def _png(value: int) -> bytes:
+    return schema.encode_png(np.full((6, 6), value, dtype=np.uint8))
+
+
+def _write(path, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    root = tmp_path / "raw"
+    for user, identity, name, value in [
+        ("alice", "a", "0.png", 1),
+        ("alice", "a", "1.png", 2),
+        ("bob", "b", "0.png", 3),
+    ]:
+        _write(str(root / user / identity / name), _png(value))
+    _write(str(root / "bob" / "b" / "broken.jpg"), b"\xff\xd8\xff not really a jpeg")
+    _write(str(root / "bob" / "b" / "notes.txt"), b"hello")
+    os.makedirs(root / "carol" / "c")  # a user without images
+    return str(root)
+
+
+def _summary_without_examples(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if k != "bad_examples"}
+
+
+def test_image_folder_records_and_bad_input_accounting(image_folder):
+    expected_records = [
+        schema.serialize(schema.CanonicalRecord(u, i, _png(v)))
+        for u, i, v in [("alice", "a", 1), ("alice", "a", 2), ("bob", "b", 3)]
+    ]
+    with TestPipeline(options=records_io.pipeline_options()) as pipeline:
+        outputs = pipeline | ingest.IngestToCanonical(
+            [ingest.ReadImageFolder(image_folder)], max_bad_fraction=0.5
+        )
+        assert_that(outputs["records"], equal_to(expected_records), label="Records")
+        summary = outputs["summary"] | "Strip" >> beam.Map(_summary_without_examples)
+        assert_that(
+            summary,
+            equal_to(
+                [
+                    {
+                        "records": 3,
+                        "bad": 3,
+                        "bad_by_reason": {
+                            "corrupt_image": 1,
+                            "empty_user": 1,
+                            "unsupported_image_format": 1,
+                        },
+                        "bad_fraction": 0.5,
+                        "max_bad_fraction": 0.5,
+                        "within_limit": True,
+                    }
+                ]
+            ),
+            label="Summary",
+        )
+
+
+def test_run_ingest_fails_over_the_limit_and_leaves_no_records(image_folder, tmp_path):
+    out = str(tmp_path / "out")
+    with pytest.raises(ValueError, match=r"3 of 6 inputs are bad \(50.0% > limit 10.0%\)") as error:
+        ingest.run_ingest([image_folder], out, max_bad_fraction=0.1)
+    assert "\n" not in str(error.value)
+    assert not tf.io.gfile.glob(records_io.records_pattern(out))
+    assert records_io.read_json(os.path.join(out, ingest.SUMMARY_FILE))["bad"] == 3
+
+
+def test_missing_folder_is_one_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        ingest.ReadImageFolder(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="no TFRecord files found"):
+        ingest.reader_for(str(tmp_path / "nope"))
+
+
+def test_canonical_tfrecords_with_missing_fields(tmp_path):
+    good = schema.serialize(schema.CanonicalRecord("u", "i", _png(9)))
+    no_identity = schema.to_example(schema.CanonicalRecord("u", "i", _png(9)))
+    del no_identity.features.feature[schema.IDENTITY_KEY]
+    path = str(tmp_path / "in.tfrecord")
+    with tf.io.TFRecordWriter(path) as writer:
+        for record in (good, no_identity.SerializeToString(), b"garbage"):
+            writer.write(record)
+    out = str(tmp_path / "out")
+    summary = ingest.run_ingest([path], out, max_bad_fraction=0.7)
+    assert summary["records"] == 1 and summary["bad_by_reason"] == {"missing_field": 2}
+    written = [
+        r.numpy()
+        for r in tf.data.TFRecordDataset(tf.io.gfile.glob(records_io.records_pattern(out)))
+    ]
+    assert written == [good]
+
+
+def _tff_database(
+    path: str, rows: list[tuple[str, bytes]], metadata: list[tuple[str, int]]
+) -> None:
+    """A file laid out like tff.simulation.datasets.sql_client_data_utils writes it."""
+    with sqlite3.connect(path) as connection:
+        connection.execute(
+            "CREATE TABLE examples (split_name TEXT NOT NULL, client_id TEXT NOT NULL, serialized_example_proto BLOB NOT NULL);"
+        )
+        connection.execute(
+            "CREATE TABLE client_metadata (client_id TEXT NOT NULL, split_name TEXT NOT NULL, num_examples INTEGER NOT NULL);"
+        )
+        connection.executemany("INSERT INTO examples VALUES ('train', ?, ?)", rows)
+        connection.executemany("INSERT INTO client_metadata VALUES (?, 'train', ?)", metadata)
+
+
+def _emnist_example(pixels: np.ndarray, label: int) -> bytes:
+    example = tf.train.Example()
+    example.features.feature["pixels"].float_list.value.extend(pixels.ravel().tolist())
+    example.features.feature["label"].int64_list.value.append(label)
+    return example.SerializeToString()
+
+
+def test_sql_client_data_emnist_layout(tmp_path):
+    database = str(tmp_path / "emnist.sqlite")
+    pixels = np.linspace(0.0, 1.0, 28 * 28, dtype=np.float32).reshape(28, 28)
+    no_pixels = tf.train.Example()
+    no_pixels.features.feature["label"].int64_list.value.append(3)
+    rows = [
+        ("f0000_14", _emnist_example(pixels, 7)),
+        ("f0000_14", _emnist_example(1.0 - pixels, 2)),
+        ("f0001_41", no_pixels.SerializeToString()),
+    ]
+    _tff_database(database, rows, [("f0000_14", 2), ("f0001_41", 1), ("f0002_02", 0)])
+    expected_png = schema.encode_png(np.round(pixels * 255).astype(np.uint8))
+    with TestPipeline(options=records_io.pipeline_options()) as pipeline:
+        outputs = pipeline | ingest.IngestToCanonical(
+            [ingest.ReadSqlClientData(database, rows_per_read=2)], 0.5
+        )
+        records = outputs["records"] | "Parse" >> beam.Map(schema.parse)
+        assert_that(
+            records | "Keys" >> beam.Map(lambda r: (r.user_id, r.identity)),
+            equal_to([("f0000_14", "7"), ("f0000_14", "2")]),
+            label="CheckKeys",
+        )
+        assert_that(
+            records
+            | "Seven" >> beam.Filter(lambda r: r.identity == "7")
+            | "Image" >> beam.Map(lambda r: r.image),
+            equal_to([expected_png]),
+            label="CheckPixels",
+        )
+        assert_that(
+            outputs["bad"] | "Reasons" >> beam.Map(lambda b: b.reason),
+            equal_to(["missing_field", "empty_user"]),
+            label="CheckBad",
+        )
+
+
+def test_sql_client_data_with_encoded_images_and_class(tmp_path):
+    database = str(tmp_path / "gld.sqlite")
+    example = tf.train.Example()
+    example.features.feature["image/encoded_jpeg"].bytes_list.value.append(_png(5))
+    example.features.feature["class"].int64_list.value.append(42)
+    _tff_database(database, [("photographer", example.SerializeToString())], [("photographer", 1)])
+    out = str(tmp_path / "out")
+    summary = ingest.run_ingest([database], out)
+    assert summary["records"] == 1 and summary["bad"] == 0
+    (written,) = [
+        r.numpy()
+        for r in tf.data.TFRecordDataset(tf.io.gfile.glob(records_io.records_pattern(out)))
+    ]
+    assert schema.parse(written) == schema.CanonicalRecord("photographer", "42", _png(5))
+
+
+def test_not_a_tff_database_is_one_clear_error(tmp_path):
+    database = str(tmp_path / "other.sqlite")
+    with sqlite3.connect(database) as connection:
+        connection.execute("CREATE TABLE things (x)")
+    with pytest.raises(ValueError, match="lacks the TFF client-data tables"):
+        ingest.reader_for(database)

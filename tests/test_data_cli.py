@@ -1,0 +1,99 @@
+"""`dp-fedemb data ...`: the whole data path from the command line, and its errors."""
+
+import json
+import os
+
+import pytest
+
+from beam_jobs import partition, schedule
+from pipeline import cli
+
+
+def _run(capsys, *args: str) -> tuple[int, dict | None, str]:
+    code = cli.main(["dp-fedemb", "data", *args])
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    return code, json.loads(lines[-1]) if code == 0 and lines else None, captured.err
+
+
+def test_synth_ingest_split_dedup_partition(tmp_path, capsys):
+    root = str(tmp_path)
+    code, synth, _ = _run(
+        capsys,
+        "synth",
+        "--out",
+        f"{root}/raw",
+        "--identities",
+        "40",
+        "--images-per-identity",
+        "3",
+        "--seed",
+        "2",
+    )
+    assert code == 0 and synth["images"] == 120 and len(os.listdir(f"{root}/raw")) == 40
+    code, ingested, _ = _run(
+        capsys,
+        "ingest",
+        "--input",
+        f"{root}/raw",
+        "--out",
+        f"{root}/ingested",
+        "--runner",
+        "DirectRunner",
+    )
+    assert code == 0 and ingested["records"] == 120 and ingested["bad"] == 0
+    code, split, _ = _run(
+        capsys,
+        "split",
+        "--input",
+        f"{root}/ingested",
+        "--out",
+        f"{root}/split",
+        "--seed",
+        "1",
+        "--validation-fraction",
+        "0.2",
+        "--test-fraction",
+        "0.2",
+    )
+    assert code == 0 and sum(split["records"].values()) == 120
+    code, report, _ = _run(capsys, "dedup", "--input", f"{root}/split", "--out", f"{root}/dedup")
+    assert code == 0 and report["train_vs_evaluation"]["kept"] == split["records"]["train"]
+    code, manifest, _ = _run(
+        capsys,
+        "partition",
+        "--input",
+        f"{root}/dedup/train",
+        "--out",
+        f"{root}/part",
+        "--num-shards",
+        "4",
+        "--users-per-virtual-client",
+        "2",
+        "--virtual-clients-per-round",
+        "3",
+        "--rounds",
+        "10",
+        "--schedule",
+        "epoch",
+    )
+    assert code == 0 and manifest["users"] == split["users"]["train"]
+    stats = partition.PartitionReader(f"{root}/part").participation_stats()
+    assert stats.mode == schedule.EPOCH and stats.users_per_round == 6
+
+
+def test_errors_are_one_line_with_nonzero_exit(tmp_path, capsys):
+    code, _, err = _run(
+        capsys, "ingest", "--input", str(tmp_path / "missing"), "--out", str(tmp_path / "o")
+    )
+    assert code != 0 and err.count("\n") == 1 and "no TFRecord files found" in err
+    code, _, err = _run(capsys, "synth", "--out", str(tmp_path / "s"), "--identities", "0")
+    assert code != 0 and "identities must be >= 1" in err
+    code, _, err = _run(capsys, "frobnicate", "--out", str(tmp_path))
+    assert code != 0 and "usage: dp-fedemb data" in err
+
+
+@pytest.mark.parametrize("flag", ["--image-size=4", "--channels=2"])
+def test_synth_rejects_bad_shapes(tmp_path, capsys, flag):
+    code, _, err = _run(capsys, "synth", "--out", str(tmp_path / "s"), flag)
+    assert code == 1 and err.startswith("dp-fedemb data: error:")
