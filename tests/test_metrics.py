@@ -1,0 +1,109 @@
+"""Exact recall@FAR against brute force, tie rule, ROC and the minibatch approximation."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tff_algorithms import metrics
+
+
+def _brute_force(embeddings, labels, fars):
+    """All pairs in one matrix; accept s > threshold, threshold = (floor(FAR·n)+1)-th largest impostor."""
+    e = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
+    similarity = e @ e.T
+    i, j = np.triu_indices(len(e), k=1)
+    same = np.asarray(labels)[i] == np.asarray(labels)[j]
+    genuine, impostors = similarity[i, j][same], np.sort(similarity[i, j][~same])[::-1]
+    result = {}
+    for far in fars:
+        allowed = int(np.floor(far * len(impostors)))
+        threshold = -np.inf if allowed >= len(impostors) else impostors[allowed]
+        assert np.sum(impostors > threshold) <= far * len(impostors)
+        result[far] = np.mean(genuine > threshold)
+    return result
+
+
+def _clustered(rng, identities, per_identity, dim, spread):
+    centers = rng.normal(size=(identities, dim))
+    labels = np.repeat(np.arange(identities), per_identity)
+    return centers[labels] + spread * rng.normal(size=(len(labels), dim)), labels
+
+
+def test_exact_equals_brute_force_across_blocks():
+    rng = np.random.default_rng(0)
+    embeddings, labels = _clustered(rng, 40, 5, 8, 0.8)
+    fars = (0.5, 0.1, 0.01, 1e-3, 1e-4)
+    expected = _brute_force(embeddings, labels, fars)
+    for block_size in (7, 64, 1000):
+        result = metrics.recall_at_far(embeddings, labels, fars, block_size=block_size)
+        assert result.recall == pytest.approx(expected, abs=1e-12)
+        assert (
+            result.num_genuine_pairs == 40 * 10
+            and result.num_impostor_pairs == 200 * 199 // 2 - 400
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    n=st.integers(4, 40),
+    identities=st.integers(2, 6),
+    quantize=st.booleans(),
+    block_size=st.integers(1, 16),
+    far=st.sampled_from([1.0, 0.3, 0.1, 0.05, 0.01, 1e-3]),
+)
+def test_exact_equals_brute_force_property(seed, n, identities, quantize, block_size, far):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, identities, n)
+    labels[:2] = 0  # at least one genuine pair
+    labels[2] = 1  # and one impostor pair
+    embeddings = rng.normal(size=(n, 3))
+    if quantize:  # many exact ties between similarities
+        embeddings = np.round(embeddings)
+        embeddings[np.all(embeddings == 0, axis=1)] = 1.0
+    result = metrics.recall_at_far(embeddings, labels, [far], block_size=block_size)
+    assert result.recall[far] == pytest.approx(
+        _brute_force(embeddings, labels, [far])[far], abs=1e-12
+    )
+
+
+def test_tie_rule_rejects_pairs_tied_with_the_threshold():
+    # Four identical embeddings of two identities: every similarity is 1.
+    embeddings = np.ones((4, 2))
+    labels = np.array(["a", "a", "b", "b"])
+    result = metrics.recall_at_far(embeddings, labels, [0.5, 1.0])
+    assert result.recall[0.5] == 0.0  # threshold 1.0, nothing strictly above it
+    assert result.recall[1.0] == 1.0  # every impostor may be accepted: threshold -inf
+    assert result.as_json_dict() == {"0.5": 0.0, "1": 1.0}
+
+
+def test_roc_is_monotonic_and_matches_exact_points():
+    rng = np.random.default_rng(1)
+    embeddings, labels = _clustered(rng, 30, 4, 6, 1.0)
+    fars, recalls = metrics.roc_curve(embeddings, labels)
+    assert len(fars) == 61 and np.all(np.diff(recalls) >= 0)
+    exact = metrics.recall_at_far(embeddings, labels, [1e-2]).recall[1e-2]
+    assert recalls[np.argmin(np.abs(fars - 1e-2))] == pytest.approx(exact)
+
+
+def test_minibatch_approximation_is_exact_with_one_batch_and_close_with_several():
+    rng = np.random.default_rng(2)
+    embeddings, labels = _clustered(rng, 60, 8, 8, 0.9)
+    fars = (0.1, 0.01)
+    exact = metrics.recall_at_far(embeddings, labels, fars).recall
+    whole = metrics.approximate_recall_at_far(
+        embeddings, labels, fars, minibatch_size=len(labels)
+    ).recall
+    assert whole == pytest.approx(exact, abs=1e-12)
+    approx = metrics.approximate_recall_at_far(embeddings, labels, fars, minibatch_size=160).recall
+    assert approx == pytest.approx(exact, abs=0.1)
+
+
+def test_degenerate_inputs_are_rejected():
+    with pytest.raises(ValueError, match="genuine"):
+        metrics.recall_at_far(np.eye(3), ["a", "b", "c"])
+    with pytest.raises(ValueError, match="impostor"):
+        metrics.recall_at_far(np.eye(3), ["a", "a", "a"])
+    with pytest.raises(ValueError, match="FAR"):
+        metrics.recall_at_far(np.eye(3), ["a", "a", "b"], [0.0])

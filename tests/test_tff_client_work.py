@@ -1,0 +1,241 @@
+"""DP-FedEmb client work: local head, learning rates, remapping, losses, non-finite updates."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tff_algorithms import client_work, models
+
+BACKBONE = models.BackboneConfig(models.SMALL_CNN, (28, 28, 1), embedding_size=8)
+CONFIG = client_work.ClientConfig(
+    backbone_learning_rate=0.05,
+    head_learning_rate_scale=10.0,
+    head_capacity=4,
+    batch_size=3,
+    shuffle_buffer=1,  # keeps the loader's order, so the hand computation sees the same batches
+    head_seed=5,
+)
+IDENTITIES = np.array(["b", "a", "c", "a", "b", "c"])
+CLIENT_ID = "round0/vc0"
+
+
+def _images(seed):
+    return np.random.default_rng(seed).random((len(IDENTITIES), 28, 28, 1), dtype=np.float32)
+
+
+def _client_dataset(images, identities, config=CONFIG, client_id=CLIENT_ID):
+    examples = tf.data.Dataset.from_tensor_slices({"image": images, "identity": identities})
+    return client_work.make_client_dataset(examples, client_id, config)
+
+
+def _backbone_fn():
+    return models.build_backbone(BACKBONE)
+
+
+@pytest.fixture(scope="module")
+def initial_weights():
+    return models.backbone_weights(models.build_backbone(BACKBONE, seed=3))
+
+
+@pytest.fixture(scope="module")
+def fedemb_work(tff_runtime):
+    return client_work.build_fedemb_client_work(
+        _backbone_fn,
+        models.backbone_weights_type(BACKBONE),
+        client_work.client_element_spec(BACKBONE.image_shape),
+        CONFIG,
+    )
+
+
+def _hand_computed_update(weights, images, identities, config, round_num=0):
+    """Plain eager SGD on the backbone (β1) and local head (β2) over the same batches."""
+    backbone = models.build_backbone(BACKBONE)
+    models.assign_backbone_weights(backbone, weights)
+    keys = client_work.identity_keys(tf.constant(identities))
+    vocabulary = tf.sort(tf.unique(keys).y)
+    seed = client_work.local_head_seed(
+        config.head_seed, round_num, client_work.client_seed_from_id(tf.constant(CLIENT_ID))
+    )
+    head = models.initial_head_kernel(seed, BACKBONE.embedding_size, config.head_capacity)
+    theta = [tf.constant(w) for w in weights.trainable]
+    for start in range(0, len(identities), config.batch_size):
+        batch_keys = keys[start : start + config.batch_size]
+        labels, usable = client_work.labels_in_vocabulary(
+            batch_keys, vocabulary, config.head_capacity
+        )
+        with tf.GradientTape() as tape:
+            tape.watch(head)
+            embeddings = backbone(images[start : start + config.batch_size], training=True)
+            logits = client_work.head_logits(
+                embeddings, head, labels, config.head_loss, tf.size(vocabulary)
+            )
+            loss = client_work.head_loss(logits, labels, usable)
+        grads, head_grad = tape.gradient(loss, (backbone.trainable_weights, head))
+        for variable, grad in zip(backbone.trainable_weights, grads):
+            variable.assign_sub(config.backbone_learning_rate * grad)
+        head = head - config.head_learning_rate * head_grad
+    return [t.numpy() - v.numpy() for t, v in zip(theta, backbone.trainable_weights)]
+
+
+def test_update_matches_hand_computed_sgd_with_head_lr_scale(fedemb_work, initial_weights):
+    images = _images(0)
+    output = fedemb_work.next(
+        fedemb_work.initialize(), [initial_weights], [_client_dataset(images, IDENTITIES)]
+    )
+    (result,) = output.result
+    expected = _hand_computed_update(initial_weights, images, IDENTITIES, CONFIG)
+    for got, want in zip(result.update, expected):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6)
+    # The head learning rate matters: the same steps with β2 = β1 give another update.
+    unscaled = _hand_computed_update(
+        initial_weights,
+        images,
+        IDENTITIES,
+        client_work.ClientConfig(**{**CONFIG.__dict__, "head_learning_rate_scale": 1.0}),
+    )
+    assert not all(
+        np.allclose(got, other, rtol=1e-3, atol=1e-5) for got, other in zip(result.update, unscaled)
+    )
+    assert result.update_weight == 1.0
+    assert output.measurements["num_examples"] == len(IDENTITIES)
+    assert output.measurements["non_finite_updates"] == 0
+    assert output.state["round_num"] == 1
+
+
+def test_update_carries_only_the_backbone(fedemb_work):
+    backbone_type = models.backbone_weights_type(BACKBONE)
+    update_type = fedemb_work.next.type_signature.result.result.member.update
+    assert update_type.is_equivalent_to(backbone_type.trainable)
+    head_shape = (BACKBONE.embedding_size, CONFIG.head_capacity)
+    assert head_shape not in [tuple(t.shape) for t in backbone_type.trainable]
+    # Nothing the client work keeps at the server can hold a head.
+    state_type = fedemb_work.initialize.type_signature.result.member
+    assert all(len(t.shape) == 0 for t in state_type)
+
+
+def test_head_is_fresh_per_round_and_virtual_client(fedemb_work, initial_weights):
+    images = _images(1)
+    state = fedemb_work.initialize()
+    first = fedemb_work.next(state, [initial_weights], [_client_dataset(images, IDENTITIES)])
+    second = fedemb_work.next(first.state, [initial_weights], [_client_dataset(images, IDENTITIES)])
+    assert not np.allclose(first.result[0].update[-1], second.result[0].update[-1])
+    seed = client_work.local_head_seed
+    kernel = models.initial_head_kernel
+    assert np.array_equal(kernel(seed(5, 0, 1), 8, 4), kernel(seed(5, 0, 1), 8, 4))
+    for other in (seed(5, 1, 1), seed(5, 0, 2), seed(6, 0, 1)):
+        assert not np.allclose(kernel(seed(5, 0, 1), 8, 4), kernel(other, 8, 4))
+
+
+def test_non_finite_update_becomes_zero(fedemb_work, initial_weights):
+    images = _images(2)
+    images[0, 0, 0, 0] = np.nan
+    output = fedemb_work.next(
+        fedemb_work.initialize(), [initial_weights], [_client_dataset(images, IDENTITIES)]
+    )
+    assert output.measurements["non_finite_updates"] == 1
+    assert all(not np.any(u) for u in output.result[0].update)
+    assert output.result[0].update_weight == 1.0
+
+
+def test_identities_beyond_head_capacity_are_dropped_and_counted(tff_runtime, initial_weights):
+    config = client_work.ClientConfig(backbone_learning_rate=0.05, head_capacity=2, batch_size=4)
+    work = client_work.build_fedemb_client_work(
+        _backbone_fn,
+        models.backbone_weights_type(BACKBONE),
+        client_work.client_element_spec(BACKBONE.image_shape, tf.int64),
+        config,
+    )
+    identities = np.array(
+        [30, 10, 20, 10, 30, 30], np.int64
+    )  # local ranks: 10 -> 0, 20 -> 1, 30 -> dropped
+    output = work.next(
+        work.initialize(), [initial_weights], [_client_dataset(_images(3), identities, config)]
+    )
+    assert output.measurements["examples_over_head_capacity"] == 3
+    assert output.measurements["num_examples"] == 3
+
+
+def test_labels_are_ranks_among_the_clients_identities():
+    vocabulary = tf.constant([10, 20, 30], tf.int64)
+    labels, usable = client_work.labels_in_vocabulary(
+        tf.constant([30, 10, 25, 99, 20], tf.int64), vocabulary, 3
+    )
+    np.testing.assert_array_equal(usable, [True, True, False, False, True])
+    np.testing.assert_array_equal(labels.numpy()[usable.numpy()], [2, 0, 1])
+
+
+def test_masked_rows_get_zero_probability():
+    embeddings = tf.random.stateless_normal([5, 8], seed=[1, 2])
+    kernel = tf.random.stateless_normal([8, 6], seed=[3, 4])
+    labels = tf.constant([0, 1, 2, 0, 1])
+    for loss in client_work.HEAD_LOSSES:
+        logits = client_work.head_logits(
+            embeddings, kernel, labels, client_work.HeadLossConfig(loss), 3
+        )
+        probabilities = tf.nn.softmax(logits).numpy()
+        assert np.all(probabilities[:, 3:] == 0.0)
+        np.testing.assert_allclose(probabilities[:, :3].sum(axis=1), 1.0, rtol=1e-5)
+
+
+def test_margin_logits_match_their_definitions():
+    embeddings = tf.random.stateless_normal([4, 8], seed=[5, 6])
+    kernel = tf.random.stateless_normal([8, 3], seed=[7, 8])
+    labels = tf.constant([0, 2, 1, 2])
+    e = tf.math.l2_normalize(embeddings, axis=1).numpy()
+    w = tf.math.l2_normalize(kernel, axis=0).numpy()
+    cosine = e @ w
+    onehot = np.eye(3)[labels.numpy()] > 0
+    scale, margin = 16.0, 0.3
+
+    cosface = client_work.head_logits(
+        embeddings, kernel, labels, client_work.HeadLossConfig("cosface", scale, margin)
+    )
+    np.testing.assert_allclose(
+        cosface, scale * np.where(onehot, cosine - margin, cosine), rtol=1e-5, atol=1e-5
+    )
+
+    arcface = client_work.head_logits(
+        embeddings, kernel, labels, client_work.HeadLossConfig("arcface", scale, margin)
+    )
+    theta = np.arccos(np.clip(cosine, -1, 1))
+    target = np.where(
+        theta + margin < math.pi,
+        np.cos(theta + margin),
+        cosine - math.sin(math.pi - margin) * margin,
+    )
+    np.testing.assert_allclose(
+        arcface, scale * np.where(onehot, target, cosine), rtol=1e-4, atol=1e-4
+    )
+
+    softmax = client_work.head_logits(embeddings, kernel, labels, client_work.HeadLossConfig())
+    np.testing.assert_allclose(softmax, embeddings.numpy() @ kernel.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_client_dataset_element_spec_and_cap():
+    config = client_work.ClientConfig(backbone_learning_rate=0.1, batch_size=4, max_examples=5)
+    dataset = _client_dataset(_images(4), IDENTITIES, config)
+    assert dataset.element_spec == client_work.client_element_spec(BACKBONE.image_shape)
+    batches = list(dataset)
+    assert [len(b["identity"]) for b in batches] == [4, 1]
+    seeds = {int(b["client_seed"]) for b in batches}
+    assert seeds == {int(client_work.client_seed_from_id(tf.constant(CLIENT_ID)))}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(backbone_learning_rate=0.0),
+        dict(backbone_learning_rate=0.1, head_capacity=0),
+        dict(backbone_learning_rate=0.1, momentum=1.0),
+    ],
+)
+def test_nonsense_client_config_is_rejected(kwargs):
+    with pytest.raises(ValueError):
+        client_work.ClientConfig(**kwargs)
+
+
+def test_identity_vocabulary_is_sorted_and_distinct():
+    vocabulary = client_work.identity_keys_vocabulary(["x", "y", "z", "x"])
+    assert len(vocabulary) == 3 and np.all(np.diff(vocabulary) > 0)

@@ -1,0 +1,205 @@
+"""Learning processes end to end on tiny models: privacy structure and server behaviour."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_algorithms import aggregators, client_work, models, processes
+
+BACKBONE = models.BackboneConfig(models.SMALL_CNN, (28, 28, 1), embedding_size=8)
+CONFIG = client_work.ClientConfig(backbone_learning_rate=0.05, head_capacity=5, batch_size=4)
+
+
+def _client_dataset(seed, identities, client_id=None):
+    images = np.random.default_rng(seed).random((len(identities), 28, 28, 1), dtype=np.float32)
+    examples = tf.data.Dataset.from_tensor_slices(
+        {"image": images, "identity": np.array(identities)}
+    )
+    return client_work.make_client_dataset(examples, client_id or f"vc{seed}", CONFIG)
+
+
+def _nan_dataset():
+    images = np.full((4, 28, 28, 1), np.nan, np.float32)
+    examples = tf.data.Dataset.from_tensor_slices(
+        {"image": images, "identity": np.array(["p", "q", "p", "q"])}
+    )
+    return client_work.make_client_dataset(examples, "nan", CONFIG)
+
+
+def _backbone(process, state):
+    return processes.backbone_model_weights(process.get_model_weights(state))
+
+
+def _delta(process, before, after):
+    return [
+        a - b
+        for a, b in zip(_backbone(process, after).trainable, _backbone(process, before).trainable)
+    ]
+
+
+@pytest.fixture(scope="module")
+def fedemb_process(tff_runtime):
+    # No noise, server SGD with lr 1 and no momentum: the global step is exactly the
+    # negated mean of the clipped client updates.
+    return processes.build_dp_fedemb_process(
+        BACKBONE,
+        CONFIG,
+        noise_multiplier=0.0,
+        clip=0.01,
+        clients_per_round=2,
+        noise_seed=1,
+        server_learning_rate=1.0,
+        server_momentum=0.0,
+    )
+
+
+def test_no_head_in_state_broadcast_or_aggregate(fedemb_process):
+    head_shape = f"float32[{BACKBONE.embedding_size},{CONFIG.head_capacity}]"
+    signature = fedemb_process.next.type_signature
+    for tff_type in (
+        fedemb_process.initialize.type_signature.result,
+        signature.parameter,
+        signature.result,
+    ):
+        assert head_shape not in str(tff_type)
+    weights_type = fedemb_process.get_model_weights.type_signature.result
+    assert weights_type.is_equivalent_to(models.backbone_weights_type(BACKBONE))
+
+
+def test_each_virtual_client_moves_the_backbone_at_most_clip(fedemb_process):
+    state = fedemb_process.initialize()
+    output = fedemb_process.next(
+        state, [_client_dataset(0, ["a", "b", "a", "c"]), _client_dataset(1, ["d"] * 4)]
+    )
+    step = _delta(fedemb_process, state, output.state)
+    norm = np.sqrt(sum(np.sum(d.astype(np.float64) ** 2) for d in step))
+    # Two clipped updates of norm <= 0.01 each, divided by 2: the step is at most 0.01.
+    assert 0.0 < norm <= 0.01 * (1 + 1e-5)
+
+
+def test_non_finite_client_contributes_zero_and_still_counts(fedemb_process):
+    state = fedemb_process.initialize()
+    good = _client_dataset(2, ["a", "b", "a", "b"])
+    with_nan = fedemb_process.next(state, [good, _nan_dataset()])
+    assert with_nan.metrics["client_work"]["non_finite_updates"] == 1
+    alone = fedemb_process.next(state, [_client_dataset(2, ["a", "b", "a", "b"])])
+    # Same divisor (the planned 2 clients) whether the NaN client is there or absent.
+    for a, b in zip(
+        _delta(fedemb_process, state, with_nan.state), _delta(fedemb_process, state, alone.state)
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+    both = fedemb_process.next(
+        state, [good, _client_dataset(2, ["a", "b", "a", "b"], client_id="vc2")]
+    )
+    for a, b in zip(
+        _delta(fedemb_process, state, both.state), _delta(fedemb_process, state, alone.state)
+    ):
+        # Deltas are differences of float32 weights up to ~1: compare at their resolution.
+        np.testing.assert_allclose(a, 2 * b, rtol=1e-4, atol=3e-7)
+
+
+def test_noise_reaches_the_global_backbone_with_std_z_gamma_over_m(tff_runtime):
+    z, clip, planned = 2.0, 0.5, 4
+    process = processes.build_dp_fedemb_process(
+        BACKBONE,
+        CONFIG,
+        noise_multiplier=z,
+        clip=clip,
+        clients_per_round=planned,
+        noise_seed=3,
+        server_learning_rate=1.0,
+        server_momentum=0.0,
+    )
+    state = process.initialize()
+    output = process.next(state, [_client_dataset(3, ["a", "b", "a", "b"])])
+    step = np.concatenate([d.ravel() for d in _delta(process, state, output.state)])
+    # The client's clipped signal has norm <= 0.5/4 spread over ~30k coordinates: negligible.
+    assert step.std() / (z * clip / planned) == pytest.approx(1.0, abs=0.03)
+
+
+def test_dataset_loaded_inside_tff_from_virtual_client_ids(tff_runtime):
+    def load_examples(virtual_client_id):
+        seed = tf.stack([tf.strings.to_hash_bucket_fast(virtual_client_id, 1 << 30), 0])
+        images = tf.random.stateless_uniform([6, 28, 28, 1], seed=seed)
+        identities = tf.strings.join(
+            [virtual_client_id, tf.strings.as_string(tf.range(6) % 3)], "/"
+        )
+        return tf.data.Dataset.from_tensor_slices({"image": images, "identity": identities})
+
+    base = processes.build_fedemb_process(
+        BACKBONE,
+        CONFIG,
+        aggregators.no_dp(clients_per_round=2),
+        tff.learning.optimizers.build_sgdm(learning_rate=1.0),
+    )
+    process = processes.compose_with_client_loader(base, load_examples, CONFIG)
+    assert str(process.next.type_signature.parameter[1]) == "{str}@CLIENTS"
+    output = process.next(process.initialize(), ["r0/vc0", "r0/vc1"])
+    assert output.metrics["client_work"]["num_examples"] == 12
+    assert output.metrics["client_work"]["examples_over_head_capacity"] == 0
+
+
+def test_dp_ftrl_process_runs_with_tree_noise_and_restarts(tff_runtime):
+    process = processes.build_dp_ftrl_fedemb_process(
+        BACKBONE,
+        CONFIG,
+        noise_multiplier=0.5,
+        clip=1.0,
+        clients_per_round=2,
+        noise_seed=4,
+        server_learning_rate=0.1,
+        restart_every_rounds=2,
+    )
+    state = process.initialize()
+    for seed in range(3):
+        state = process.next(state, [_client_dataset(seed, ["a", "b", "a", "b"])]).state
+    assert "float32[8,5]" not in str(process.next.type_signature)
+    assert all(np.all(np.isfinite(w)) for w in _backbone(process, state).trainable)
+
+
+def test_dp_fedavg_aggregates_and_noises_the_global_head(tff_runtime):
+    vocabulary = client_work.identity_keys_vocabulary(["a", "b", "c"])
+    process = processes.build_dp_fedavg_process(
+        BACKBONE,
+        CONFIG,
+        vocabulary,
+        noise_multiplier=0.0,
+        clip=100.0,
+        clients_per_round=1,
+        noise_seed=5,
+        server_learning_rate=1.0,
+        server_momentum=0.0,
+    )
+    state = process.initialize()
+    weights = process.get_model_weights(state)
+    assert weights.trainable["head"][0].shape == (BACKBONE.embedding_size, 3)
+    output = process.next(state, [_client_dataset(5, ["a", "b", "c", "zzz"])])
+    assert (
+        output.metrics["client_work"]["examples_over_head_capacity"] == 1
+    )  # "zzz" is not a training identity
+    new_head = process.get_model_weights(output.state).trainable["head"][0]
+    assert not np.allclose(new_head, weights.trainable["head"][0])
+    assert len(_backbone(process, output.state).trainable) == len(
+        models.build_backbone(BACKBONE).trainable_weights
+    )
+
+
+def test_centralized_oracle_reduces_its_loss():
+    rng = np.random.default_rng(6)
+    identities = np.array(["a", "b", "c"] * 8)
+    means = {"a": 0.2, "b": 0.5, "c": 0.8}
+    images = np.stack(
+        [np.clip(rng.normal(means[i], 0.05, (28, 28, 1)), 0, 1) for i in identities]
+    ).astype(np.float32)
+    examples = tf.data.Dataset.from_tensor_slices({"image": images, "identity": identities})
+    backbone, head, losses = processes.train_centralized(
+        BACKBONE,
+        examples,
+        client_work.identity_keys_vocabulary(["a", "b", "c"]),
+        learning_rate=0.05,
+        epochs=4,
+        batch_size=8,
+    )
+    assert head.shape == (BACKBONE.embedding_size, 3)
+    assert losses[-1] < losses[0]

@@ -1,0 +1,509 @@
+"""Client work of DP-FedEmb (paper Alg. 1) and of the DP-FedAvg baseline (Alg. 2).
+
+A virtual client (k users' data) starts from the broadcast backbone θ and, for
+DP-FedEmb, a freshly initialised LOCAL head: `head_capacity` bias-free rows, one
+per local identity. It fine-tunes the backbone with learning rate β1 and the head
+with β2 = head_learning_rate_scale·β1 (SGD, optional momentum), and returns only
+the backbone update. The local head never leaves the client computation.
+
+Client dataset: one element is one batch of one virtual client::
+
+    OrderedDict(
+        image=float32[None, H, W, C],       # values in [0, 1]
+        identity=int64[None] | string[None], # the raw identity: a name or a global id
+        client_seed=int64[],                 # the same in every batch of a virtual client
+    )
+
+`make_client_dataset(examples, virtual_client_id, config)` builds it from per-example
+elements `{"image": float32[H, W, C], "identity": string or int64 scalar}` (what a
+data loader produces for the users of one virtual client): it caps the examples,
+shuffles, batches and attaches `client_seed`, a hash of the virtual-client id.
+Virtual-client ids are expected to be unique per round (the schedule regroups users
+every round), so seeds differ across rounds; the round number is folded in as well.
+
+Identity remapping happens inside the client: identities become int64 keys (the
+integer itself, or a 62-bit hash of the string), a first pass over the virtual
+client's data collects the sorted distinct keys, and an identity's local label is
+its rank among them. Head rows at or beyond the number of local identities are
+masked out of the softmax. Examples of identities beyond `head_capacity` are
+dropped from the loss and counted in `examples_over_head_capacity` (the training
+program should treat a non-zero count as a configuration error). For DP-FedAvg the
+head is global: keys are looked up in the sorted keys of all training identities,
+and unknown identities are dropped and counted the same way.
+
+Update convention (TFF's): the update is `initial - final` weights, so the server
+optimizer SGD with learning rate 1 reproduces plain averaging. A non-finite update
+becomes all zeros with weight 1: it still counts in the fixed DP denominator.
+
+Client measurements (losses, counts) are computed on training users WITHOUT
+privacy; they are for monitoring only and must not be released.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_algorithms import models
+
+SOFTMAX = "softmax"
+COSFACE = "cosface"
+ARCFACE = "arcface"
+HEAD_LOSSES = (SOFTMAX, COSFACE, ARCFACE)
+
+_KEY_BUCKETS = 2**62
+# Logit for masked head rows: exp() underflows to exactly 0 without producing NaNs.
+_MASKED_LOGIT = -1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLossConfig:
+    """The loss on head logits.
+
+    `softmax`: cross-entropy on <ω_j, f(x)>. `cosface`: s·(cos θ_j − m·[j = y]).
+    `arcface`: s·cos(θ_y + m) for the true row, s·cos θ_j for the others. The
+    margins use unit-norm embeddings and unit-norm head rows.
+    """
+
+    loss: str = SOFTMAX
+    scale: float = 30.0
+    margin: float = 0.35
+
+    def __post_init__(self) -> None:
+        if self.loss not in HEAD_LOSSES:
+            raise ValueError(f"loss must be one of {HEAD_LOSSES}, got {self.loss!r}")
+        if self.loss != SOFTMAX and (self.scale <= 0 or not 0 <= self.margin < math.pi / 2):
+            raise ValueError(f"margin losses need scale > 0 and 0 <= margin < pi/2, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """Local training of one virtual client (paper section 3.3 defaults in brackets).
+
+    Attributes:
+      backbone_learning_rate: β1 [2e-3].
+      head_learning_rate_scale: β2 / β1 [100].
+      momentum: client SGD momentum, for backbone and head [0.9 in the paper].
+      head_capacity: rows of the local head; at least the most identities any
+        virtual client holds (DP-FedEmb only).
+      epochs: passes over the virtual client's data.
+      batch_size: local batch size [32].
+      max_examples: cap on examples per virtual client [2048].
+      shuffle_buffer: local shuffle buffer [2048].
+      head_loss: loss on the head logits.
+      head_seed: base seed of the local heads' initialisation.
+    """
+
+    backbone_learning_rate: float
+    head_learning_rate_scale: float = 100.0
+    momentum: float = 0.0
+    head_capacity: int = 64
+    epochs: int = 1
+    batch_size: int = 32
+    max_examples: int = 2048
+    shuffle_buffer: int = 2048
+    head_loss: HeadLossConfig = HeadLossConfig()
+    head_seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("backbone_learning_rate", "head_learning_rate_scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        for name in ("head_capacity", "epochs", "batch_size", "max_examples", "shuffle_buffer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def head_learning_rate(self) -> float:
+        return self.backbone_learning_rate * self.head_learning_rate_scale
+
+
+def client_element_spec(
+    image_shape: Sequence[int], identity_dtype: tf.DType = tf.string
+) -> collections.OrderedDict:
+    """The `tf.TensorSpec`s of one client batch (see module docstring)."""
+    return collections.OrderedDict(
+        image=tf.TensorSpec([None, *image_shape], tf.float32),
+        identity=tf.TensorSpec([None], identity_dtype),
+        client_seed=tf.TensorSpec([], tf.int64),
+    )
+
+
+def client_seed_from_id(virtual_client_id: tf.Tensor) -> tf.Tensor:
+    """int64 seed of a virtual client, from its string id."""
+    return tf.strings.to_hash_bucket_fast(virtual_client_id, _KEY_BUCKETS)
+
+
+def make_client_dataset(
+    examples: tf.data.Dataset, virtual_client_id: tf.Tensor | str, config: ClientConfig
+) -> tf.data.Dataset:
+    """Per-example `{image, identity}` of one virtual client -> its client batches.
+
+    Takes the first `max_examples` examples (the loader decides their order),
+    shuffles them with a seed derived from the virtual-client id (reshuffled in
+    every local epoch) and batches them. Usable inside a TFF dataset computation.
+    """
+    seed = client_seed_from_id(tf.convert_to_tensor(virtual_client_id, tf.string))
+    return (
+        examples.map(lambda e: collections.OrderedDict(image=e["image"], identity=e["identity"]))
+        .take(config.max_examples)
+        .shuffle(config.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+        .batch(config.batch_size)
+        .map(
+            lambda b: collections.OrderedDict(
+                image=b["image"], identity=b["identity"], client_seed=seed
+            )
+        )
+    )
+
+
+def local_head_seed(
+    head_seed: tf.Tensor, round_num: tf.Tensor, client_seed: tf.Tensor
+) -> tf.Tensor:
+    """Stateless seed of a local head, from (base seed, round, virtual client)."""
+    base = tf.stack([tf.cast(head_seed, tf.int64), tf.cast(round_num, tf.int64)])
+    return tf.random.experimental.stateless_fold_in(base, tf.cast(client_seed, tf.int64))
+
+
+def identity_keys(identity: tf.Tensor) -> tf.Tensor:
+    """int64 keys of identities: integers as they are, strings as 62-bit hashes."""
+    if identity.dtype == tf.string:
+        return tf.strings.to_hash_bucket_fast(identity, _KEY_BUCKETS)
+    return tf.cast(identity, tf.int64)
+
+
+def identity_keys_vocabulary(identities: Sequence[str] | Sequence[int]) -> np.ndarray:
+    """Sorted distinct int64 keys of all training identities (the global head's rows)."""
+    keys = identity_keys(tf.constant(list(identities))).numpy()
+    vocabulary = np.unique(keys)
+    if len(vocabulary) != len(set(identities)):
+        raise ValueError("identity hashes collide; rename identities or use integer ids")
+    return vocabulary
+
+
+def labels_in_vocabulary(
+    keys: tf.Tensor, vocabulary: tf.Tensor, num_rows: int
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """(row index, usable) of each key in a sorted vocabulary; unusable = unknown or row >= num_rows."""
+    index = tf.searchsorted(vocabulary, keys, side="left", out_type=tf.int32)
+    safe_index = tf.minimum(index, tf.maximum(tf.size(vocabulary) - 1, 0))
+    known = tf.logical_and(
+        index < tf.size(vocabulary), tf.equal(tf.gather(vocabulary, safe_index), keys)
+    )
+    usable = tf.logical_and(known, index < num_rows)
+    return tf.where(usable, index, 0), usable
+
+
+def head_logits(
+    embeddings: tf.Tensor,
+    kernel: tf.Tensor,
+    labels: tf.Tensor,
+    loss_config: HeadLossConfig,
+    num_active_rows: tf.Tensor | int | None = None,
+) -> tf.Tensor:
+    """Logits [B, rows] of the head loss; rows >= `num_active_rows` are masked out."""
+    if loss_config.loss == SOFTMAX:
+        logits = tf.matmul(embeddings, kernel)
+    else:
+        cosine = tf.matmul(
+            tf.math.l2_normalize(embeddings, axis=1), tf.math.l2_normalize(kernel, axis=0)
+        )
+        is_label = tf.one_hot(labels, tf.shape(kernel)[1], dtype=cosine.dtype) > 0
+        margin = loss_config.margin
+        if loss_config.loss == COSFACE:
+            target = cosine - margin
+        else:
+            # cos(θ + m) is only decreasing in θ up to π − m; beyond that use the
+            # CosFace-like linear continuation so the target logit stays monotonic.
+            sine = tf.sqrt(tf.maximum(1.0 - tf.square(cosine), 0.0))
+            shifted = cosine * math.cos(margin) - sine * math.sin(margin)
+            target = tf.where(
+                cosine > math.cos(math.pi - margin),
+                shifted,
+                cosine - math.sin(math.pi - margin) * margin,
+            )
+        logits = loss_config.scale * tf.where(is_label, target, cosine)
+    if num_active_rows is not None:
+        active = tf.range(tf.shape(kernel)[1]) < tf.cast(num_active_rows, tf.int32)
+        logits = tf.where(active[tf.newaxis, :], logits, _MASKED_LOGIT)
+    return logits
+
+
+def head_loss(logits: tf.Tensor, labels: tf.Tensor, example_mask: tf.Tensor) -> tf.Tensor:
+    """Mean cross-entropy over the examples where `example_mask` is true (0 if none)."""
+    per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    weights = tf.cast(example_mask, per_example.dtype)
+    return tf.reduce_sum(per_example * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
+
+
+def zero_if_not_finite(structure: object) -> tuple[object, tf.Tensor]:
+    """(structure, 0) if all finite, else (zeros of the same structure, 1)."""
+    flat = tf.nest.flatten(structure)
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in flat])
+    zeroed = [tf.where(finite, t, tf.zeros_like(t)) for t in flat]
+    return tf.nest.pack_sequence_as(structure, zeroed), tf.cast(tf.logical_not(finite), tf.int32)
+
+
+def _client_measurements_type() -> tff.Type:
+    return tff.StructWithPythonType(
+        [
+            ("num_examples", np.int64),
+            ("examples_over_head_capacity", np.int64),
+            ("non_finite_updates", np.int32),
+            ("loss", np.float32),
+        ],
+        collections.OrderedDict,
+    )
+
+
+def _client_state_type() -> tff.Type:
+    return tff.StructWithPythonType(
+        [("round_num", np.int64), ("head_seed", np.int64)], collections.OrderedDict
+    )
+
+
+class _LocalTrainer:
+    """The per-virtual-client training loop (built inside a TFF computation).
+
+    With `global_head_vocabulary` None the head is local (DP-FedEmb); otherwise
+    the head is the broadcast global head with one row per vocabulary key.
+    """
+
+    def __init__(
+        self,
+        backbone_fn: Callable[[], tf.keras.Model],
+        config: ClientConfig,
+        global_head_vocabulary: np.ndarray | None,
+    ) -> None:
+        self.backbone = backbone_fn()
+        self.config = config
+        self.embedding_size = int(self.backbone.output_shape[-1])
+        self.vocabulary = global_head_vocabulary
+        self.num_head_rows = (
+            config.head_capacity if global_head_vocabulary is None else len(global_head_vocabulary)
+        )
+        self.head = tf.Variable(
+            tf.zeros([self.embedding_size, self.num_head_rows]), name="head_kernel"
+        )
+        self.backbone_optimizer = tff.learning.optimizers.build_sgdm(
+            learning_rate=config.backbone_learning_rate, momentum=config.momentum or None
+        )
+        self.head_optimizer = tff.learning.optimizers.build_sgdm(
+            learning_rate=config.head_learning_rate, momentum=config.momentum or None
+        )
+
+    def _local_vocabulary(self, dataset: tf.data.Dataset) -> tuple[tf.Tensor, tf.Tensor]:
+        """First pass: sorted distinct identity keys, and the client seed."""
+
+        def collect(state, batch):
+            keys, _ = state
+            return tf.concat([keys, identity_keys(batch["identity"])], 0), batch["client_seed"]
+
+        keys, client_seed = dataset.reduce(
+            (tf.zeros([0], tf.int64), tf.constant(0, tf.int64)), collect
+        )
+        return tf.sort(tf.unique(keys).y), client_seed
+
+    def train(self, initial_weights, dataset, client_state):  # noqa: ANN001, ANN201 - TFF structures
+        backbone_variables = list(self.backbone.trainable_weights)
+        for variable, value in zip(
+            backbone_variables + list(self.backbone.non_trainable_weights),
+            _backbone_trainable(initial_weights) + _backbone_non_trainable(initial_weights),
+        ):
+            variable.assign(value)
+        if self.vocabulary is None:
+            vocabulary, client_seed = self._local_vocabulary(dataset)
+            seed = local_head_seed(
+                client_state["head_seed"], client_state["round_num"], client_seed
+            )
+            self.head.assign(
+                models.initial_head_kernel(seed, self.embedding_size, self.num_head_rows)
+            )
+            num_active_rows = tf.minimum(tf.size(vocabulary), self.num_head_rows)
+        else:
+            vocabulary = tf.constant(self.vocabulary, tf.int64)
+            self.head.assign(initial_weights.trainable["head"][0])
+            num_active_rows = self.num_head_rows
+
+        def step(state, batch):
+            backbone_opt_state, head_opt_state, num_examples, num_dropped, loss_sum, num_batches = (
+                state
+            )
+            labels, usable = labels_in_vocabulary(
+                identity_keys(batch["identity"]), vocabulary, self.num_head_rows
+            )
+            with tf.GradientTape() as tape:
+                embeddings = self.backbone(batch["image"], training=True)
+                logits = head_logits(
+                    embeddings, self.head, labels, self.config.head_loss, num_active_rows
+                )
+                loss = head_loss(logits, labels, usable)
+            backbone_grads, head_grad = tape.gradient(loss, (backbone_variables, self.head))
+            backbone_opt_state, new_backbone = self.backbone_optimizer.next(
+                backbone_opt_state, tuple(backbone_variables), tuple(backbone_grads)
+            )
+            head_opt_state, new_head = self.head_optimizer.next(
+                head_opt_state, tf.identity(self.head), head_grad
+            )
+            for variable, value in zip(backbone_variables, new_backbone):
+                variable.assign(value)
+            self.head.assign(new_head)
+            num_usable = tf.reduce_sum(tf.cast(usable, tf.int64))
+            return (
+                backbone_opt_state,
+                head_opt_state,
+                num_examples + num_usable,
+                num_dropped + tf.size(usable, out_type=tf.int64) - num_usable,
+                loss_sum + loss,
+                num_batches + 1,
+            )
+
+        initial_state = (
+            self.backbone_optimizer.initialize(
+                tuple(tf.TensorSpec(v.shape, v.dtype) for v in backbone_variables)
+            ),
+            self.head_optimizer.initialize(tf.TensorSpec(self.head.shape, self.head.dtype)),
+            tf.constant(0, tf.int64),
+            tf.constant(0, tf.int64),
+            tf.constant(0.0),
+            tf.constant(0.0),
+        )
+        _, _, num_examples, num_dropped, loss_sum, num_batches = dataset.repeat(
+            self.config.epochs
+        ).reduce(initial_state, step)
+        backbone_update = [
+            a - b for a, b in zip(_backbone_trainable(initial_weights), backbone_variables)
+        ]
+        if self.vocabulary is None:
+            update = backbone_update
+        else:
+            update = collections.OrderedDict(
+                backbone=backbone_update, head=[initial_weights.trainable["head"][0] - self.head]
+            )
+        update, non_finite = zero_if_not_finite(update)
+        measurements = collections.OrderedDict(
+            num_examples=num_examples,
+            examples_over_head_capacity=num_dropped,
+            non_finite_updates=non_finite,
+            loss=loss_sum / tf.maximum(num_batches, 1.0),
+        )
+        return tff.learning.templates.ClientResult(
+            update=update, update_weight=tf.constant(1.0)
+        ), measurements
+
+
+def _backbone_trainable(weights) -> list:  # noqa: ANN001 - ModelWeights of either layout
+    trainable = weights.trainable
+    return list(
+        trainable["backbone"] if isinstance(trainable, collections.abc.Mapping) else trainable
+    )
+
+
+def _backbone_non_trainable(weights) -> list:  # noqa: ANN001
+    non_trainable = weights.non_trainable
+    return list(
+        non_trainable["backbone"]
+        if isinstance(non_trainable, collections.abc.Mapping)
+        else non_trainable
+    )
+
+
+def _build_client_work(
+    backbone_fn: Callable[[], tf.keras.Model],
+    weights_type: tff.Type,
+    element_spec: collections.OrderedDict,
+    config: ClientConfig,
+    global_head_vocabulary: np.ndarray | None,
+) -> tff.learning.templates.ClientWorkProcess:
+    data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
+    state_type = _client_state_type()
+
+    @tff.tensorflow.computation(weights_type, data_type, state_type)
+    def client_update(initial_weights, dataset, client_state):
+        trainer = _LocalTrainer(backbone_fn, config, global_head_vocabulary)
+        return tf.function(trainer.train)(initial_weights, dataset, client_state)
+
+    @tff.tensorflow.computation
+    def initial_state():
+        return collections.OrderedDict(
+            round_num=tf.constant(0, tf.int64), head_seed=tf.constant(config.head_seed, tf.int64)
+        )
+
+    @tff.tensorflow.computation(state_type)
+    def advance_round(state):
+        return collections.OrderedDict(
+            round_num=state["round_num"] + 1, head_seed=state["head_seed"]
+        )
+
+    @tff.federated_computation
+    def init_fn():
+        return tff.federated_eval(initial_state, tff.SERVER)
+
+    @tff.federated_computation(
+        tff.FederatedType(state_type, tff.SERVER),
+        tff.FederatedType(weights_type, tff.CLIENTS),
+        tff.FederatedType(data_type, tff.CLIENTS),
+    )
+    def next_fn(state, weights, client_data):
+        client_result, client_measurements = tff.federated_map(
+            client_update, (weights, client_data, tff.federated_broadcast(state))
+        )
+        measurements = collections.OrderedDict(
+            num_examples=tff.federated_sum(client_measurements.num_examples),
+            examples_over_head_capacity=tff.federated_sum(
+                client_measurements.examples_over_head_capacity
+            ),
+            non_finite_updates=tff.federated_sum(client_measurements.non_finite_updates),
+            mean_client_loss=tff.federated_mean(client_measurements.loss),
+        )
+        return tff.templates.MeasuredProcessOutput(
+            tff.federated_map(advance_round, state), client_result, tff.federated_zip(measurements)
+        )
+
+    return tff.learning.templates.ClientWorkProcess(init_fn, next_fn)
+
+
+def build_fedemb_client_work(
+    backbone_fn: Callable[[], tf.keras.Model],
+    backbone_weights_type: tff.Type,
+    element_spec: collections.OrderedDict,
+    config: ClientConfig,
+) -> tff.learning.templates.ClientWorkProcess:
+    """DP-FedEmb client work: local head, backbone-only update.
+
+    Args:
+      backbone_fn: no-arg function building a fresh backbone (its initial values
+        are overwritten by the broadcast weights).
+      backbone_weights_type: `ModelWeights(trainable=[...], non_trainable=[...])`
+        type of the backbone (`models.backbone_weights_type`).
+      element_spec: client batch spec (`client_element_spec`).
+      config: local training configuration.
+    """
+    return _build_client_work(backbone_fn, backbone_weights_type, element_spec, config, None)
+
+
+def build_fedavg_client_work(
+    backbone_fn: Callable[[], tf.keras.Model],
+    model_weights_type: tff.Type,
+    element_spec: collections.OrderedDict,
+    config: ClientConfig,
+    identity_vocabulary: np.ndarray,
+) -> tff.learning.templates.ClientWorkProcess:
+    """DP-FedAvg client work: the broadcast global head is trained and its update returned.
+
+    `model_weights_type` is `ModelWeights(trainable=OrderedDict(backbone=[...],
+    head=[kernel]), non_trainable=OrderedDict(backbone=[...]))`; the update has the
+    `trainable` structure. `identity_vocabulary` is `identity_keys_vocabulary` of
+    all training identities (one head row each, in that order).
+    """
+    return _build_client_work(
+        backbone_fn, model_weights_type, element_spec, config, np.asarray(identity_vocabulary)
+    )

@@ -1,0 +1,217 @@
+"""Verification metrics on embeddings: exact all-pairs recall@FAR, ROC, minibatch approximation.
+
+Pairs are all unordered pairs {i, j}, i != j, of the evaluation images. A pair is
+genuine when both images have the same identity, impostor otherwise. Its score is
+the cosine similarity of the two embeddings.
+
+Tie rule (stated once, used everywhere): a pair is ACCEPTED when its similarity is
+STRICTLY GREATER than the threshold. For a target FAR with n impostor pairs, at most
+a = floor(FAR·n) impostors may be accepted; the threshold is the (a+1)-th largest
+impostor similarity (or -inf when a >= n). Impostors tied with the threshold are
+rejected, so the achieved false-accept rate is always <= FAR, and it is the most
+permissive such threshold among impostor similarities. recall@FAR is the fraction
+of genuine pairs accepted (genuine pairs tied with the threshold are rejected too).
+
+The exact computation streams over blocks of the similarity matrix twice and never
+holds the N×N matrix: the first pass stores the genuine similarities (their number
+grows with images per identity, not with N²) and a fine histogram of impostor
+similarities; the second pass collects only the impostors in the histogram bins
+around each threshold and selects it exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+DEFAULT_FARS = (1e-1, 1e-2, 1e-3)
+_NUM_BINS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallAtFar:
+    """recall and threshold per target FAR, with the pair counts they come from."""
+
+    recall: dict[float, float]
+    threshold: dict[float, float]
+    num_genuine_pairs: int
+    num_impostor_pairs: int
+
+    def as_json_dict(self) -> dict[str, float]:
+        """{"0.001": recall, ...}: FAR keys as the strings metrics.json uses."""
+        return {format(far, "g"): value for far, value in self.recall.items()}
+
+
+def _normalized(embeddings: np.ndarray) -> np.ndarray:
+    embeddings = np.asarray(embeddings, np.float64)
+    if embeddings.ndim != 2:
+        raise ValueError(f"embeddings must be [N, d], got shape {embeddings.shape}")
+    norms = np.linalg.norm(embeddings, axis=1, keepdims=True)
+    return embeddings / np.maximum(norms, 1e-12)
+
+
+def _label_codes(labels: Sequence | np.ndarray, n: int) -> np.ndarray:
+    labels = np.asarray(labels)
+    if labels.shape != (n,):
+        raise ValueError(f"labels must have shape ({n},), got {labels.shape}")
+    return np.unique(labels, return_inverse=True)[1]
+
+
+def _pair_blocks(
+    embeddings: np.ndarray, codes: np.ndarray, block_size: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(genuine, impostor) similarities of the pairs i < j, one block at a time."""
+    n = len(embeddings)
+    for r0 in range(0, n, block_size):
+        r1 = min(n, r0 + block_size)
+        for c0 in range(r0, n, block_size):
+            c1 = min(n, c0 + block_size)
+            similarity = embeddings[r0:r1] @ embeddings[c0:c1].T
+            same = codes[r0:r1, None] == codes[None, c0:c1]
+            if c0 == r0:
+                upper = np.triu(np.ones(similarity.shape, bool), k=1)
+                yield similarity[upper & same], similarity[upper & ~same]
+            else:
+                yield similarity[same], similarity[~same]
+
+
+def _bin_index(similarity: np.ndarray) -> np.ndarray:
+    scaled = np.floor((similarity + 1.0) * (_NUM_BINS / 2.0)).astype(np.int64)
+    return np.clip(scaled, 0, _NUM_BINS - 1)
+
+
+def _allowed_false_accepts(far: float, num_impostors: int) -> int:
+    return int(np.floor(far * num_impostors))
+
+
+def _threshold_from_sorted(impostors_descending: np.ndarray, far: float) -> float:
+    allowed = _allowed_false_accepts(far, len(impostors_descending))
+    if allowed >= len(impostors_descending):
+        return -np.inf
+    return float(impostors_descending[allowed])
+
+
+def _recall(genuine_sorted: np.ndarray, threshold: float) -> float:
+    accepted = len(genuine_sorted) - np.searchsorted(genuine_sorted, threshold, side="right")
+    return float(accepted / len(genuine_sorted))
+
+
+def _check_fars(fars: Sequence[float]) -> tuple[float, ...]:
+    fars = tuple(float(f) for f in fars)
+    if not fars or not all(0.0 < f <= 1.0 for f in fars):
+        raise ValueError(f"FARs must be in (0, 1], got {fars}")
+    return fars
+
+
+def _result(genuine: np.ndarray, thresholds: dict[float, float], num_impostors: int) -> RecallAtFar:
+    genuine_sorted = np.sort(genuine)
+    return RecallAtFar(
+        recall={far: _recall(genuine_sorted, t) for far, t in thresholds.items()},
+        threshold=thresholds,
+        num_genuine_pairs=len(genuine),
+        num_impostor_pairs=num_impostors,
+    )
+
+
+def _check_counts(num_genuine: int, num_impostors: int) -> None:
+    if num_genuine == 0:
+        raise ValueError("no genuine pairs: recall needs at least one identity with two images")
+    if num_impostors == 0:
+        raise ValueError("no impostor pairs: FAR needs at least two identities")
+
+
+def recall_at_far(
+    embeddings: np.ndarray,
+    labels: Sequence | np.ndarray,
+    fars: Sequence[float] = DEFAULT_FARS,
+    block_size: int = 2048,
+) -> RecallAtFar:
+    """Exact all-pairs recall@FAR (tie rule in the module docstring), blockwise.
+
+    Memory is O(block_size² + genuine pairs + impostors near the thresholds).
+    """
+    fars = _check_fars(fars)
+    embeddings = _normalized(embeddings)
+    codes = _label_codes(labels, len(embeddings))
+
+    genuine_parts = []
+    impostor_histogram = np.zeros(_NUM_BINS, np.int64)
+    for genuine, impostors in _pair_blocks(embeddings, codes, block_size):
+        genuine_parts.append(genuine)
+        impostor_histogram += np.bincount(_bin_index(impostors), minlength=_NUM_BINS)
+    genuine = np.concatenate(genuine_parts) if genuine_parts else np.zeros(0)
+    num_impostors = int(impostor_histogram.sum())
+    _check_counts(len(genuine), num_impostors)
+
+    # Per FAR: the rank (from the top) of the threshold and the bin holding it.
+    count_from_top = np.cumsum(impostor_histogram[::-1])
+    targets = {}
+    for far in fars:
+        allowed = _allowed_false_accepts(far, num_impostors)
+        if allowed < num_impostors:
+            rank = allowed + 1
+            targets[far] = (rank, _NUM_BINS - 1 - int(np.searchsorted(count_from_top, rank)))
+
+    # Second pass: impostors in the bins next to each threshold bin. A neighbour
+    # bin on each side absorbs any last-bit difference between the two passes.
+    thresholds = {far: -np.inf for far in fars}
+    if targets:
+        windows = {
+            far: (max(b - 1, 0), min(b + 1, _NUM_BINS - 1)) for far, (_, b) in targets.items()
+        }
+        candidates = {far: [] for far in targets}
+        above = dict.fromkeys(targets, 0)
+        for _, impostors in _pair_blocks(embeddings, codes, block_size):
+            bins = _bin_index(impostors)
+            for far, (low, high) in windows.items():
+                above[far] += int(np.count_nonzero(bins > high))
+                candidates[far].append(impostors[(bins >= low) & (bins <= high)])
+        for far, (rank, _) in targets.items():
+            window = np.sort(np.concatenate(candidates[far]))[::-1]
+            thresholds[far] = float(window[rank - above[far] - 1])
+    return _result(genuine, thresholds, num_impostors)
+
+
+def roc_curve(
+    embeddings: np.ndarray,
+    labels: Sequence | np.ndarray,
+    fars: Sequence[float] | None = None,
+    block_size: int = 2048,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(FARs, exact recalls) on a log grid of FARs (default 1e-6 .. 1, 10 per decade)."""
+    if fars is None:
+        fars = np.logspace(-6, 0, 61)
+    result = recall_at_far(embeddings, labels, fars, block_size)
+    grid = np.asarray(list(result.recall.keys()))
+    return grid, np.asarray([result.recall[f] for f in grid])
+
+
+def approximate_recall_at_far(
+    embeddings: np.ndarray,
+    labels: Sequence | np.ndarray,
+    fars: Sequence[float] = DEFAULT_FARS,
+    minibatch_size: int = 512,
+    seed: int = 0,
+) -> RecallAtFar:
+    """recall@FAR from pairs within random minibatches only (paper's "approx").
+
+    Images are shuffled with `seed` and split into minibatches; only pairs inside a
+    minibatch are scored, then pooled and thresholded with the same tie rule.
+    """
+    fars = _check_fars(fars)
+    embeddings = _normalized(embeddings)
+    codes = _label_codes(labels, len(embeddings))
+    order = np.random.default_rng(seed).permutation(len(embeddings))
+    genuine_parts, impostor_parts = [], []
+    for start in range(0, len(order), minibatch_size):
+        batch = order[start : start + minibatch_size]
+        for genuine, impostors in _pair_blocks(embeddings[batch], codes[batch], minibatch_size):
+            genuine_parts.append(genuine)
+            impostor_parts.append(impostors)
+    genuine = np.concatenate(genuine_parts)
+    impostors = np.sort(np.concatenate(impostor_parts))[::-1]
+    _check_counts(len(genuine), len(impostors))
+    thresholds = {far: _threshold_from_sorted(impostors, far) for far in fars}
+    return _result(genuine, thresholds, len(impostors))

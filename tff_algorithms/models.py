@@ -1,0 +1,254 @@
+"""Backbones (image -> embedding) and the identity head, as separate weight structures.
+
+The backbone θ is a Keras model from float images in [0, 1] of shape
+`BackboneConfig.image_shape` to an (unnormalised) embedding of size
+`embedding_size`; `embed` L2-normalises it for inference. Every normalisation
+layer is GroupNormalization: BatchNorm mixes examples (and users) inside a batch
+and keeps running statistics, both of which break per-user sensitivity.
+
+The head ω (one proxy row per identity, no bias) is never a Keras layer of the
+backbone: it is a plain kernel built by `initial_head_kernel`, so no process
+that carries backbone weights can carry it by accident.
+
+Randomness is explicit: `build_backbone(config, seed)` seeds every random
+initialiser (seeded Keras initialisers are stateless) (unseeded Keras initialisers inside a TFF
+computation return the same values on every call, DESIGN.md section 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+SMALL_CNN = "small_cnn"
+MOBILENET_V2 = "mobilenet_v2"
+RESNET50 = "resnet50"
+ARCHITECTURES = (SMALL_CNN, MOBILENET_V2, RESNET50)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackboneConfig:
+    """Which backbone to build.
+
+    Attributes:
+      architecture: one of `ARCHITECTURES`.
+      image_shape: (height, width, channels) of the float [0, 1] input.
+      embedding_size: size of the embedding vector.
+      max_groups: GroupNormalization uses the largest divisor of the channel
+        count that is at most this.
+    """
+
+    architecture: str = SMALL_CNN
+    image_shape: tuple[int, int, int] = (28, 28, 1)
+    embedding_size: int = 128
+    max_groups: int = 32
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}"
+            )
+        if len(self.image_shape) != 3 or min(self.image_shape) < 1:
+            raise ValueError(
+                f"image_shape must be (height, width, channels), got {self.image_shape}"
+            )
+        if self.embedding_size < 1:
+            raise ValueError(f"embedding_size must be positive, got {self.embedding_size}")
+        if self.architecture != SMALL_CNN and min(self.image_shape[:2]) < 32:
+            raise ValueError(
+                f"{self.architecture} needs images of at least 32x32, got {self.image_shape}"
+            )
+
+
+def _num_groups(channels: int, max_groups: int) -> int:
+    return max(g for g in range(1, min(channels, max_groups) + 1) if channels % g == 0)
+
+
+class _Seeder:
+    """Hands out distinct seeds derived from one seed, one per initialiser."""
+
+    def __init__(self, seed: int) -> None:
+        self._seed = seed
+        self._count = 0
+
+    def next_seed(self) -> int:
+        self._count += 1
+        return (self._seed * 1_000_003 + self._count) % (2**31 - 1)
+
+    def seed_layer_config(self, config: dict) -> dict:
+        """Gives every seedable initialiser in a layer config its own seed."""
+        config = dict(config)
+        for key, value in config.items():
+            if key.endswith("_initializer") and isinstance(value, dict):
+                init_config = dict(value.get("config", {}))
+                if "seed" in init_config:
+                    init_config["seed"] = self.next_seed()
+                    config[key] = {**value, "config": init_config}
+        return config
+
+    def glorot(self) -> tf.keras.initializers.Initializer:
+        return tf.keras.initializers.GlorotUniform(seed=self.next_seed())
+
+
+def _group_norm(channels: int, max_groups: int, name: str | None = None) -> tf.keras.layers.Layer:
+    return tf.keras.layers.GroupNormalization(
+        groups=_num_groups(channels, max_groups), epsilon=1e-3, name=name
+    )
+
+
+def _small_cnn(config: BackboneConfig, seeder: _Seeder) -> tf.keras.Model:
+    """LeNet-like: two 5x5 conv blocks, then a dense embedding (paper, EMNIST)."""
+    inputs = tf.keras.Input(shape=config.image_shape, name="image")
+    x = inputs
+    for i, filters in enumerate((32, 64)):
+        x = tf.keras.layers.Conv2D(
+            filters, 5, padding="same", kernel_initializer=seeder.glorot(), name=f"conv{i}"
+        )(x)
+        x = _group_norm(filters, config.max_groups, name=f"gn{i}")(x)
+        x = tf.keras.layers.ReLU()(x)
+        x = tf.keras.layers.MaxPool2D(2)(x)
+    x = tf.keras.layers.Flatten()(x)
+    outputs = tf.keras.layers.Dense(
+        config.embedding_size, kernel_initializer=seeder.glorot(), name="embedding"
+    )(x)
+    return tf.keras.Model(inputs, outputs, name=SMALL_CNN)
+
+
+def _clone_layer(
+    layer: tf.keras.layers.Layer, config: BackboneConfig, seeder: _Seeder
+) -> tf.keras.layers.Layer:
+    """Clones with seeded initialisers, and GroupNorm in place of BatchNorm."""
+    if isinstance(layer, tf.keras.layers.BatchNormalization):
+        return _group_norm(int(layer.gamma.shape[0]), config.max_groups, name=layer.name)
+    return layer.__class__.from_config(seeder.seed_layer_config(layer.get_config()))
+
+
+def _application(config: BackboneConfig, seeder: _Seeder) -> tf.keras.Model:
+    """A Keras application trunk with GroupNorm, global pooling and a dense embedding."""
+    builders = {
+        MOBILENET_V2: tf.keras.applications.MobileNetV2,
+        RESNET50: tf.keras.applications.ResNet50,
+    }
+    # The application is only a template (its own initial values are discarded):
+    # it is cloned layer by layer with seeded initialisers and GroupNorm.
+    template = builders[config.architecture](
+        include_top=False, weights=None, input_shape=config.image_shape, pooling="avg"
+    )
+    trunk = tf.keras.models.clone_model(
+        template, clone_function=lambda layer: _clone_layer(layer, config, seeder)
+    )
+    inputs = tf.keras.Input(shape=config.image_shape, name="image")
+    # Inputs are in [0, 1]; the trunks are designed for roughly zero-centred inputs.
+    x = tf.keras.layers.Rescaling(2.0, offset=-1.0)(inputs)
+    x = trunk(x)
+    outputs = tf.keras.layers.Dense(
+        config.embedding_size, kernel_initializer=seeder.glorot(), name="embedding"
+    )(x)
+    return tf.keras.Model(inputs, outputs, name=config.architecture)
+
+
+def all_layers(model: tf.keras.Model) -> list[tf.keras.layers.Layer]:
+    """Leaf layers of a model, descending into nested models."""
+    layers = []
+    for layer in model.layers:
+        if isinstance(layer, tf.keras.Model):
+            layers.extend(all_layers(layer))
+        else:
+            layers.append(layer)
+    return layers
+
+
+def build_backbone(config: BackboneConfig, seed: int = 0) -> tf.keras.Model:
+    """Builds a backbone whose initial values depend only on `seed`.
+
+    Every random initialiser is seeded (Keras seeded initialisers are stateless),
+    so the same seed gives the same weights eagerly and inside TFF computations.
+    """
+    seeder = _Seeder(seed)
+    if config.architecture == SMALL_CNN:
+        return _small_cnn(config, seeder)
+    return _application(config, seeder)
+
+
+def embed(model: tf.keras.Model, images: tf.Tensor) -> tf.Tensor:
+    """Unit-norm embeddings for inference."""
+    return tf.math.l2_normalize(model(images, training=False), axis=-1)
+
+
+def backbone_weights(model: tf.keras.Model) -> tff.learning.models.ModelWeights:
+    """The backbone's weights as (trainable, non_trainable) lists of numpy arrays."""
+    return tff.learning.models.ModelWeights(
+        trainable=[v.numpy() for v in model.trainable_weights],
+        non_trainable=[v.numpy() for v in model.non_trainable_weights],
+    )
+
+
+def assign_backbone_weights(
+    model: tf.keras.Model, weights: tff.learning.models.ModelWeights
+) -> None:
+    """Assigns (trainable, non_trainable) weights, e.g. from a TFF state, to a backbone."""
+    variables = list(model.trainable_weights) + list(model.non_trainable_weights)
+    values = list(weights.trainable) + list(weights.non_trainable)
+    if len(variables) != len(values):
+        raise ValueError(f"backbone has {len(variables)} variables, got {len(values)} values")
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def backbone_weights_type(config: BackboneConfig) -> tff.Type:
+    """TFF type of `ModelWeights(trainable=[...], non_trainable=[...])` of the backbone."""
+    with tf.Graph().as_default():
+        model = build_backbone(config)
+        specs = tff.learning.models.ModelWeights(
+            trainable=[tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_weights],
+            non_trainable=[tf.TensorSpec(v.shape, v.dtype) for v in model.non_trainable_weights],
+        )
+    return tff.types.tensorflow_to_type(specs)
+
+
+def load_pretrained_backbone(config: BackboneConfig, path: str) -> tf.keras.Model:
+    """Builds a backbone and loads pretrained weights from `path`.
+
+    `path` is a Keras weights file (`.h5`, `.weights.h5`), a TF checkpoint prefix,
+    a Keras SavedModel directory of a backbone with the same variable shapes, or a
+    serving SavedModel written by `tff_algorithms.export` (which keeps its backbone
+    variables in order as `backbone_variables`).
+    """
+    model = build_backbone(config)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "saved_model.pb")):
+        loaded = tf.saved_model.load(path)
+        if hasattr(loaded, "backbone_variables"):
+            values = [v.numpy() for v in loaded.backbone_variables]
+        else:
+            keras_model = tf.keras.models.load_model(path, compile=False)
+            values = [
+                w.numpy() for w in keras_model.trainable_weights + keras_model.non_trainable_weights
+            ]
+        variables = list(model.trainable_weights) + list(model.non_trainable_weights)
+        expected = [tuple(v.shape) for v in variables]
+        found = [tuple(np.shape(v)) for v in values]
+        if expected != found:
+            raise ValueError(
+                f"pretrained model at {path} does not match {config}: "
+                f"{len(found)} variables {found[:3]}..., expected {len(expected)} {expected[:3]}..."
+            )
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+    else:
+        model.load_weights(path)
+    return model
+
+
+def initial_head_kernel(seed: tf.Tensor, embedding_size: int, num_rows: int) -> tf.Tensor:
+    """A fresh head kernel [embedding_size, num_rows] (Glorot uniform) from a stateless seed.
+
+    `seed` is a shape-[2] integer tensor (a TF stateless seed).
+    """
+    limit = tf.sqrt(6.0 / float(embedding_size + num_rows))
+    return tf.random.stateless_uniform(
+        [embedding_size, num_rows], seed=seed, minval=-limit, maxval=limit, dtype=tf.float32
+    )

@@ -1,0 +1,341 @@
+"""Learning processes: DP-FedEmb, DP-FTRL-FedEmb, DP-FedAvg, and the centralized oracle.
+
+Each builder composes, like `tff.learning.algorithms`,
+`compose_learning_process(initial_weights_fn, broadcast, client_work, aggregator,
+finalizer)`. The server optimizer is `tff.learning.optimizers.build_sgdm`: SGD
+with momentum; with tree-aggregated noise and a constant learning rate this is
+DP-FTRL with momentum.
+
+Global model weights:
+- DP-FedEmb / DP-FTRL-FedEmb: the backbone only,
+  `ModelWeights(trainable=[...], non_trainable=[...])` in Keras variable order.
+  No head exists anywhere in the server state, broadcast or aggregate.
+- DP-FedAvg: `ModelWeights(trainable=OrderedDict(backbone=[...], head=[kernel]),
+  non_trainable=OrderedDict(backbone=[...]))`; the global head has one row per
+  training identity and is aggregated and noised with the backbone.
+`backbone_model_weights` extracts the backbone from either layout.
+
+Initial weights come from `backbone_seed`; to start from a pretrained backbone,
+call `process.set_model_weights(state, weights)` with
+`models.backbone_weights(models.load_pretrained_backbone(...))`.
+
+Client data is a CLIENTS-placed sequence of client batches
+(`client_work.client_element_spec`); `compose_with_client_loader` turns this into
+a process whose `next` takes virtual-client ids and loads the data inside TFF.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_algorithms import aggregators, client_work, models
+
+_SOFTMAX_LOSS = client_work.HeadLossConfig()
+
+
+def _backbone_fn(config: models.BackboneConfig) -> Callable[[], tf.keras.Model]:
+    return lambda: models.build_backbone(config)
+
+
+def _initial_backbone_weights_fn(config: models.BackboneConfig, seed: int) -> tff.Computation:
+    @tff.tensorflow.computation
+    def initial_weights():
+        model = models.build_backbone(config, seed)
+        return tff.learning.models.ModelWeights(
+            trainable=[v.read_value() for v in model.trainable_weights],
+            non_trainable=[v.read_value() for v in model.non_trainable_weights],
+        )
+
+    return initial_weights
+
+
+def _initial_fedavg_weights_fn(
+    config: models.BackboneConfig, seed: int, num_identities: int
+) -> tff.Computation:
+    @tff.tensorflow.computation
+    def initial_weights():
+        model = models.build_backbone(config, seed)
+        head = models.initial_head_kernel(
+            tf.constant([seed, -1], tf.int64), config.embedding_size, num_identities
+        )
+        return tff.learning.models.ModelWeights(
+            trainable=collections.OrderedDict(
+                backbone=[v.read_value() for v in model.trainable_weights], head=[head]
+            ),
+            non_trainable=collections.OrderedDict(
+                backbone=[v.read_value() for v in model.non_trainable_weights]
+            ),
+        )
+
+    return initial_weights
+
+
+def _compose(
+    initial_weights_fn: tff.Computation,
+    client_work_process: tff.learning.templates.ClientWorkProcess,
+    aggregator_factory: tff.aggregators.UnweightedAggregationFactory,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+) -> tff.learning.templates.LearningProcess:
+    weights_type = initial_weights_fn.type_signature.result
+    # DP aggregation is unweighted: every virtual client counts once, and the
+    # denominator is the planned number of clients, never the reported weights.
+    aggregator = tff.aggregators.as_weighted_aggregator(aggregator_factory).create(
+        weights_type.trainable, tff.TensorType(np.float32)
+    )
+    return tff.learning.templates.compose_learning_process(
+        initial_weights_fn,
+        tff.learning.templates.build_broadcast_process(weights_type),
+        client_work_process,
+        aggregator,
+        tff.learning.templates.build_apply_optimizer_finalizer(server_optimizer, weights_type),
+    )
+
+
+def build_fedemb_process(
+    backbone_config: models.BackboneConfig,
+    client_config: client_work.ClientConfig,
+    aggregator_factory: tff.aggregators.UnweightedAggregationFactory,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+    *,
+    identity_dtype: tf.DType = tf.string,
+    backbone_seed: int = 0,
+) -> tff.learning.templates.LearningProcess:
+    """FedEmb with any aggregator (e.g. `aggregators.no_dp` or `gaussian_adaptive`)."""
+    initial_weights_fn = _initial_backbone_weights_fn(backbone_config, backbone_seed)
+    work = client_work.build_fedemb_client_work(
+        _backbone_fn(backbone_config),
+        initial_weights_fn.type_signature.result,
+        client_work.client_element_spec(backbone_config.image_shape, identity_dtype),
+        client_config,
+    )
+    return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer)
+
+
+def build_dp_fedemb_process(
+    backbone_config: models.BackboneConfig,
+    client_config: client_work.ClientConfig,
+    *,
+    noise_multiplier: float,
+    clip: float,
+    clients_per_round: int,
+    noise_seed: int,
+    server_learning_rate: float,
+    server_momentum: float = 0.9,
+    identity_dtype: tf.DType = tf.string,
+    backbone_seed: int = 0,
+) -> tff.learning.templates.LearningProcess:
+    """DP-FedEmb (paper Alg. 1): fixed clip, independent Gaussian noise, server SGDM."""
+    return build_fedemb_process(
+        backbone_config,
+        client_config,
+        aggregators.gaussian_fixed(
+            noise_multiplier=noise_multiplier,
+            clip=clip,
+            clients_per_round=clients_per_round,
+            noise_seed=noise_seed,
+        ),
+        tff.learning.optimizers.build_sgdm(
+            learning_rate=server_learning_rate, momentum=server_momentum or None
+        ),
+        identity_dtype=identity_dtype,
+        backbone_seed=backbone_seed,
+    )
+
+
+def build_dp_ftrl_fedemb_process(
+    backbone_config: models.BackboneConfig,
+    client_config: client_work.ClientConfig,
+    *,
+    noise_multiplier: float,
+    clip: float,
+    clients_per_round: int,
+    noise_seed: int,
+    server_learning_rate: float,
+    server_momentum: float = 0.9,
+    restart_every_rounds: int | None = None,
+    use_efficient_tree: bool = True,
+    identity_dtype: tf.DType = tf.string,
+    backbone_seed: int = 0,
+) -> tff.learning.templates.LearningProcess:
+    """DP-FTRL-FedEmb: FedEmb client work, tree-aggregated noise, constant-lr server SGDM.
+
+    `restart_every_rounds` is the number of rounds per epoch when users are
+    assigned epoch-wise and the tree restarts at epoch boundaries.
+    """
+    backbone_type = _initial_backbone_weights_fn(
+        backbone_config, backbone_seed
+    ).type_signature.result
+    return build_fedemb_process(
+        backbone_config,
+        client_config,
+        aggregators.tree_aggregation(
+            noise_multiplier=noise_multiplier,
+            clip=clip,
+            clients_per_round=clients_per_round,
+            record_specs=tff.types.type_to_tf_tensor_specs(backbone_type.trainable),
+            noise_seed=noise_seed,
+            restart_every_rounds=restart_every_rounds,
+            use_efficient=use_efficient_tree,
+        ),
+        tff.learning.optimizers.build_sgdm(
+            learning_rate=server_learning_rate, momentum=server_momentum or None
+        ),
+        identity_dtype=identity_dtype,
+        backbone_seed=backbone_seed,
+    )
+
+
+def build_fedavg_process(
+    backbone_config: models.BackboneConfig,
+    client_config: client_work.ClientConfig,
+    identity_vocabulary: np.ndarray,
+    aggregator_factory: tff.aggregators.UnweightedAggregationFactory,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+    *,
+    identity_dtype: tf.DType = tf.string,
+    backbone_seed: int = 0,
+) -> tff.learning.templates.LearningProcess:
+    """FedAvg with a global head over `identity_vocabulary`, with any aggregator.
+
+    `identity_vocabulary` is `client_work.identity_keys_vocabulary(all training identities)`.
+    """
+    initial_weights_fn = _initial_fedavg_weights_fn(
+        backbone_config, backbone_seed, len(identity_vocabulary)
+    )
+    work = client_work.build_fedavg_client_work(
+        _backbone_fn(backbone_config),
+        initial_weights_fn.type_signature.result,
+        client_work.client_element_spec(backbone_config.image_shape, identity_dtype),
+        client_config,
+        identity_vocabulary,
+    )
+    return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer)
+
+
+def build_dp_fedavg_process(
+    backbone_config: models.BackboneConfig,
+    client_config: client_work.ClientConfig,
+    identity_vocabulary: np.ndarray,
+    *,
+    noise_multiplier: float,
+    clip: float,
+    clients_per_round: int,
+    noise_seed: int,
+    server_learning_rate: float,
+    server_momentum: float = 0.9,
+    identity_dtype: tf.DType = tf.string,
+    backbone_seed: int = 0,
+) -> tff.learning.templates.LearningProcess:
+    """DP-FedAvg (paper Alg. 2): backbone and global head clipped together, Gaussian noise."""
+    return build_fedavg_process(
+        backbone_config,
+        client_config,
+        identity_vocabulary,
+        aggregators.gaussian_fixed(
+            noise_multiplier=noise_multiplier,
+            clip=clip,
+            clients_per_round=clients_per_round,
+            noise_seed=noise_seed,
+        ),
+        tff.learning.optimizers.build_sgdm(
+            learning_rate=server_learning_rate, momentum=server_momentum or None
+        ),
+        identity_dtype=identity_dtype,
+        backbone_seed=backbone_seed,
+    )
+
+
+def compose_with_client_loader(
+    process: tff.learning.templates.LearningProcess,
+    load_examples: Callable[[tf.Tensor], tf.data.Dataset],
+    client_config: client_work.ClientConfig,
+) -> tff.learning.templates.LearningProcess:
+    """A process whose `next(state, virtual_client_ids)` loads client data inside TFF.
+
+    `load_examples` maps a virtual-client id (scalar tf.string) to a dataset of
+    per-example `{"image", "identity"}` elements; it must be traceable by
+    `tf.function` (e.g. read the virtual client's shard files with tf.data).
+    """
+
+    @tff.tensorflow.computation(tff.TensorType(np.str_))
+    def client_dataset(virtual_client_id):
+        return client_work.make_client_dataset(
+            load_examples(virtual_client_id), virtual_client_id, client_config
+        )
+
+    return tff.simulation.compose_dataset_computation_with_learning_process(client_dataset, process)
+
+
+def backbone_model_weights(
+    model_weights: tff.learning.models.ModelWeights,
+) -> tff.learning.models.ModelWeights:
+    """The backbone part of a process's global model weights (either layout)."""
+    if isinstance(model_weights.trainable, collections.abc.Mapping):
+        return tff.learning.models.ModelWeights(
+            trainable=list(model_weights.trainable["backbone"]),
+            non_trainable=list(model_weights.non_trainable["backbone"]),
+        )
+    return tff.learning.models.ModelWeights(
+        trainable=list(model_weights.trainable), non_trainable=list(model_weights.non_trainable)
+    )
+
+
+def train_centralized(
+    backbone_config: models.BackboneConfig,
+    examples: tf.data.Dataset,
+    identity_vocabulary: np.ndarray,
+    *,
+    learning_rate: float,
+    epochs: int,
+    batch_size: int = 32,
+    momentum: float = 0.9,
+    shuffle_buffer: int = 10_000,
+    head_loss: client_work.HeadLossConfig = _SOFTMAX_LOSS,
+    seed: int = 0,
+) -> tuple[tf.keras.Model, np.ndarray, list[float]]:
+    """Non-private oracle: the same backbone and a global head, plain SGD with momentum.
+
+    Args:
+      examples: per-example `{"image", "identity"}` of all training users.
+      identity_vocabulary: `client_work.identity_keys_vocabulary` of the training identities.
+
+    Returns:
+      (backbone, head kernel, mean loss per epoch).
+    """
+    backbone = models.build_backbone(backbone_config, seed)
+    vocabulary = tf.constant(identity_vocabulary, tf.int64)
+    head = tf.Variable(
+        models.initial_head_kernel(
+            tf.constant([seed, -1], tf.int64), backbone_config.embedding_size, len(vocabulary)
+        )
+    )
+    optimizer = tf.keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum)
+    variables = list(backbone.trainable_weights) + [head]
+
+    @tf.function
+    def train_step(batch):
+        keys = client_work.identity_keys(batch["identity"])
+        labels, usable = client_work.labels_in_vocabulary(
+            keys, vocabulary, len(identity_vocabulary)
+        )
+        with tf.GradientTape() as tape:
+            embeddings = backbone(batch["image"], training=True)
+            loss = client_work.head_loss(
+                client_work.head_logits(embeddings, head, labels, head_loss), labels, usable
+            )
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+
+    epoch_losses = []
+    batches = examples.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True).batch(
+        batch_size
+    )
+    for _ in range(epochs):
+        losses = [float(train_step(batch)) for batch in batches]
+        epoch_losses.append(float(np.mean(losses)) if losses else float("nan"))
+    return backbone, head.numpy(), epoch_losses
