@@ -1,6 +1,6 @@
 """Child process for the runtime tests: starts the runtime, reports, then ends as told.
 
-usage: runtime_child.py normal|exception|wait
+usage: runtime_child.py normal|exception|wait|stopped
 """
 
 import sys
@@ -26,6 +26,13 @@ def main(mode: str) -> None:
     )
     if mode == "exception":
         raise RuntimeError("deliberate failure after the runtime started")
+    if mode == "stopped":
+        runtime.stop()
+        try:
+            federated_sum([1.0])
+        except RuntimeError as e:
+            print(f"refused: {e}", flush=True)
+            sys.exit(3)
     if mode == "wait":
         time.sleep(600)
 

@@ -122,11 +122,20 @@ def test_two_remote_workers_give_the_one_worker_result(tmp_path):
     assert one == two == sum(values)
 
 
-def test_stopped_runtime_refuses_to_run():
-    with runtime.TffRuntime():
-        assert _federated_sum([1.0]) == 1.0
-    with pytest.raises(RuntimeError, match="runtime was stopped"):
-        _federated_sum([1.0])
+def test_stopping_a_runtime_reinstates_the_one_started_before():
+    with runtime.TffRuntime() as outer:
+        with runtime.TffRuntime() as inner:
+            assert tff.framework.get_context_stack().current is inner._context
+            assert _federated_sum([1.0]) == 1.0
+        assert tff.framework.get_context_stack().current is outer._context
+        assert _federated_sum([2.0]) == 2.0
+
+
+def test_computations_fail_loudly_once_no_runtime_runs():
+    child, _, _ = _start_child("stopped")
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 3
+    assert "refused: the TFF runtime was stopped" in out
 
 
 @pytest.mark.parametrize("address", ["localhost", ":80", "host:port"])

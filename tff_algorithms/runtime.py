@@ -219,7 +219,10 @@ class TffRuntime:
             _wait_ready(stub, address, config.ready_timeout_s, worker)
             stubs.append(stub)
         self.addresses = tuple(address for address, _ in targets)
-        tff.framework.set_default_context(self._make_context(stubs))
+        self._context = self._make_context(stubs)
+        tff.framework.set_default_context(self._context)
+        with _running_lock:
+            _running.append(self)
         # Drop TFF's import-time default context now, while the interpreter is
         # intact, so its worker manager's __del__ does not fail at shutdown.
         gc.collect()
@@ -248,13 +251,18 @@ class TffRuntime:
         )
 
     def stop(self) -> None:
-        """Stops owned workers and leaves a context that fails loudly if used."""
+        """Stops owned workers and gives the context back to the runtime started before
+        this one if it still runs (runtimes nest), else to one that fails loudly."""
         with self._lock:
             workers, self.local_workers = self.local_workers, []
             channels, self._channels = self._channels, []
         if not workers and not channels:
             return
-        tff.framework.set_default_context(_StoppedContext())
+        with _running_lock:
+            if self in _running:
+                _running.remove(self)
+            previous = _running[-1]._context if _running else _StoppedContext()
+        tff.framework.set_default_context(previous)
         for channel in channels:
             channel.close()
         for worker in workers:
@@ -277,6 +285,9 @@ class _StoppedContext(tff.framework.SyncContext):
 
 
 _active: TffRuntime | None = None
+# Started and not yet stopped, oldest first: stopping one reinstates the one before.
+_running: list[TffRuntime] = []
+_running_lock = threading.Lock()
 
 
 def _stop_on_signal(signum: int, frame: FrameType | None) -> None:
