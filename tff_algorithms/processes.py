@@ -285,6 +285,76 @@ def backbone_model_weights(
     )
 
 
+class CentralizedTrainer:
+    """Non-private oracle: the backbone and a global head, plain SGD with momentum.
+
+    One `train_epoch` call is one pass over all training examples, shuffled with a seed
+    that depends only on (seed, epoch), so a run restored from a checkpoint of
+    `checkpoint_objects()` after epoch e continues exactly as an uninterrupted run.
+
+    Args:
+      identity_vocabulary: `client_work.identity_keys_vocabulary` of the training identities.
+      initial_backbone: start from these backbone weights (e.g. pretrained) instead of
+        the seeded initialisation.
+    """
+
+    def __init__(
+        self,
+        backbone_config: models.BackboneConfig,
+        identity_vocabulary: np.ndarray,
+        *,
+        learning_rate: float,
+        batch_size: int = 32,
+        momentum: float = 0.9,
+        shuffle_buffer: int = 10_000,
+        head_loss: client_work.HeadLossConfig = _SOFTMAX_LOSS,
+        seed: int = 0,
+        initial_backbone: tff.learning.models.ModelWeights | None = None,
+    ) -> None:
+        self.backbone = models.build_backbone(backbone_config, seed)
+        if initial_backbone is not None:
+            models.assign_backbone_weights(self.backbone, initial_backbone)
+        self._vocabulary = tf.constant(identity_vocabulary, tf.int64)
+        self._num_rows = len(identity_vocabulary)
+        self.head = tf.Variable(
+            models.initial_head_kernel(
+                tf.constant([seed, -1], tf.int64), backbone_config.embedding_size, self._num_rows
+            )
+        )
+        self.optimizer = tf.keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum)
+        self._batch_size = batch_size
+        self._shuffle_buffer = shuffle_buffer
+        self._head_loss = head_loss
+        self._seed = seed
+        self._variables = list(self.backbone.trainable_weights) + [self.head]
+        self._train_step = tf.function(self._step)
+
+    def checkpoint_objects(self) -> dict[str, object]:
+        """What a `tf.train.Checkpoint` must hold to resume: weights and optimizer state."""
+        return {"backbone": self.backbone, "head": self.head, "optimizer": self.optimizer}
+
+    def _step(self, batch: dict[str, tf.Tensor]) -> tf.Tensor:
+        keys = client_work.identity_keys(batch["identity"])
+        labels, usable = client_work.labels_in_vocabulary(keys, self._vocabulary, self._num_rows)
+        with tf.GradientTape() as tape:
+            embeddings = self.backbone(batch["image"], training=True)
+            loss = client_work.head_loss(
+                client_work.head_logits(embeddings, self.head, labels, self._head_loss),
+                labels,
+                usable,
+            )
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self._variables), self._variables))
+        return loss
+
+    def train_epoch(self, examples: tf.data.Dataset, epoch: int) -> float:
+        """One pass over per-example `{"image", "identity"}`; returns the mean batch loss."""
+        batches = examples.shuffle(self._shuffle_buffer, seed=self._seed * 1_000_003 + epoch).batch(
+            self._batch_size
+        )
+        losses = [float(self._train_step(batch)) for batch in batches]
+        return float(np.mean(losses)) if losses else float("nan")
+
+
 def train_centralized(
     backbone_config: models.BackboneConfig,
     examples: tf.data.Dataset,
@@ -298,7 +368,7 @@ def train_centralized(
     head_loss: client_work.HeadLossConfig = _SOFTMAX_LOSS,
     seed: int = 0,
 ) -> tuple[tf.keras.Model, np.ndarray, list[float]]:
-    """Non-private oracle: the same backbone and a global head, plain SGD with momentum.
+    """Non-private oracle in one call (`CentralizedTrainer` for checkpointed runs).
 
     Args:
       examples: per-example `{"image", "identity"}` of all training users.
@@ -307,35 +377,15 @@ def train_centralized(
     Returns:
       (backbone, head kernel, mean loss per epoch).
     """
-    backbone = models.build_backbone(backbone_config, seed)
-    vocabulary = tf.constant(identity_vocabulary, tf.int64)
-    head = tf.Variable(
-        models.initial_head_kernel(
-            tf.constant([seed, -1], tf.int64), backbone_config.embedding_size, len(vocabulary)
-        )
+    trainer = CentralizedTrainer(
+        backbone_config,
+        identity_vocabulary,
+        learning_rate=learning_rate,
+        batch_size=batch_size,
+        momentum=momentum,
+        shuffle_buffer=shuffle_buffer,
+        head_loss=head_loss,
+        seed=seed,
     )
-    optimizer = tf.keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum)
-    variables = list(backbone.trainable_weights) + [head]
-
-    @tf.function
-    def train_step(batch):
-        keys = client_work.identity_keys(batch["identity"])
-        labels, usable = client_work.labels_in_vocabulary(
-            keys, vocabulary, len(identity_vocabulary)
-        )
-        with tf.GradientTape() as tape:
-            embeddings = backbone(batch["image"], training=True)
-            loss = client_work.head_loss(
-                client_work.head_logits(embeddings, head, labels, head_loss), labels, usable
-            )
-        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-        return loss
-
-    epoch_losses = []
-    batches = examples.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True).batch(
-        batch_size
-    )
-    for _ in range(epochs):
-        losses = [float(train_step(batch)) for batch in batches]
-        epoch_losses.append(float(np.mean(losses)) if losses else float("nan"))
-    return backbone, head.numpy(), epoch_losses
+    epoch_losses = [trainer.train_epoch(examples, epoch) for epoch in range(epochs)]
+    return trainer.backbone, trainer.head.numpy(), epoch_losses

@@ -325,3 +325,18 @@ def stop() -> None:
 
 def active() -> TffRuntime | None:
     return _active
+
+
+def release_import_time_context() -> None:
+    """Drops TFF's import-time default context unless a runtime is active.
+
+    For processes that import TFF without starting a runtime (e.g. a command that fails
+    on bad input first): the dropped context's worker manager is collected now, while
+    the interpreter is intact, instead of failing noisily in `__del__` at exit.
+    Computations then fail loudly until `start()`.
+    """
+    with _running_lock:
+        if _running:
+            return
+    tff.framework.set_default_context(_StoppedContext())
+    gc.collect()

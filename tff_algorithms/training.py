@@ -115,6 +115,7 @@ def train(
     config: TrainingProgramConfig,
     evaluate: Callable[[Any, int], Mapping[str, Any]] | None = None,
     initial_state: Any = None,
+    on_round: Callable[[Mapping[str, Any], Any], None] | None = None,
 ) -> tuple[TrainingResult, Ledger]:
     """Runs (or resumes) training until `config.total_rounds` rounds are done.
 
@@ -128,6 +129,9 @@ def train(
       evaluate: (state, rounds completed) -> metrics on held-out identities.
       initial_state: state to start from instead of `process.initialize()` (e.g. a
         pretrained backbone); ignored when a checkpoint exists.
+      on_round: (history record, the process's training-user metrics) after each
+        round, before it is saved: for progress and configuration checks. The metrics
+        are not private. An exception it raises stops training without saving the round.
 
     Returns:
       The result (final state, history) and the ledger after the last round.
@@ -190,6 +194,8 @@ def train(
             f", eval {record['eval']}" if "eval" in record else "",
         )
         logging.debug("round %d training-user metrics (not private): %s", done, output.metrics)
+        if on_round is not None:
+            on_round(record, output.metrics)
         if last or done % config.checkpoint_every == 0:
             _run(manager.save(_program_state(state, ledger, history), version=done))
     result = TrainingResult(

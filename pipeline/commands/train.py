@@ -1,0 +1,235 @@
+"""Train an embedding model with user-level DP (or the centralized oracle) on a dataset.
+
+`dp-fedemb train --data DIR --output OUT [--algorithm ... --rounds ...]`. DIR is an image
+folder ROOT/<user_id>/<identity>/<image> or a directory of canonical TFRecords
+(*.tfrecord*). The data is prepared under OUT/data with the Beam jobs (ingest, split by
+identity and user, user-sharded partition of the train split), once: a re-run reuses it.
+Training evaluates on OUT/data/split/validation; OUT/data/split/test stays untouched for
+`dp-fedemb evaluate`. Outputs: OUT/metrics.json, OUT/saved_model, OUT/ledger.json.
+Running the same command again resumes from the last checkpoint. Progress goes to stderr,
+one line per round; the last stdout line is a JSON summary.
+"""
+
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from absl import flags
+
+# Flag name -> TrainJobConfig field, for the hyperparameters passed straight through.
+_CONFIG_FLAGS = {
+    "algorithm": "algorithm",
+    "rounds": "rounds",
+    "noise-multiplier": "noise_multiplier",
+    "clip-norm": "clip_norm",
+    "users-per-virtual-client": "users_per_virtual_client",
+    "virtual-clients-per-round": "virtual_clients_per_round",
+    "client-lr": "client_learning_rate",
+    "client-momentum": "client_momentum",
+    "server-lr": "server_learning_rate",
+    "server-momentum": "server_momentum",
+    "head-lr-scale": "head_lr_scale",
+    "local-epochs": "local_epochs",
+    "batch-size": "batch_size",
+    "max-examples-per-client": "max_examples_per_client",
+    "head-capacity": "head_capacity",
+    "architecture": "architecture",
+    "embedding-size": "embedding_size",
+    "image-size": "image_size",
+    "channels": "channels",
+    "delta": "delta",
+    "evaluate-every": "evaluate_every",
+    "seed": "seed",
+    "noise-seed": "noise_seed",
+    "restart-every-epoch": "restart_every_epoch",
+    "max-epsilon": "max_epsilon",
+}
+PREPARED_FILE = "prepared.json"
+
+
+def define_flags(flag_values: flags.FlagValues) -> None:
+    # Hyperparameter flags default to None, meaning TrainJobConfig's default (see
+    # tff_algorithms/train_job.py); naming them here would import TensorFlow for --help.
+    def define(kind: str, name: str, help_text: str, default: Any = None) -> None:
+        getattr(flags, f"DEFINE_{kind}")(name, default, help_text, flag_values=flag_values)
+
+    define("string", "data", "image folder or directory of canonical TFRecords")
+    define("string", "output", "output directory (re-running with it resumes)")
+    define("string", "algorithm", "dp-fedemb | dp-fedavg | dp-ftrl-fedemb | centralized")
+    define("integer", "rounds", "training rounds (epochs for centralized)")
+    define("float", "noise-multiplier", "noise std / clip norm of a virtual client's update")
+    define("float", "clip-norm", "L2 clip of each virtual client's backbone update")
+    define("integer", "users-per-virtual-client", "users grouped into one virtual client (k)")
+    define("integer", "virtual-clients-per-round", "virtual clients per round (M)")
+    define("float", "client-lr", "client (backbone) learning rate beta1")
+    define("float", "client-momentum", "client SGD momentum")
+    define("float", "server-lr", "server learning rate (centralized: its learning rate)")
+    define("float", "server-momentum", "server SGD momentum")
+    define("float", "head-lr-scale", "head learning rate / backbone learning rate")
+    define("integer", "local-epochs", "local epochs per virtual client")
+    define("integer", "batch-size", "local batch size")
+    define("integer", "max-examples-per-client", "cap on examples per virtual client")
+    define("integer", "head-capacity", "local head rows (default: users per virtual client)")
+    define("string", "architecture", "small_cnn | mobilenet_v2 | resnet50")
+    define("integer", "embedding-size", "embedding size")
+    define("integer", "image-size", "backbone input side in pixels")
+    define("integer", "channels", "backbone input channels (1 or 3)")
+    define("float", "delta", "target delta (default: training users ^ -1.1)")
+    define("integer", "evaluate-every", "evaluate on validation identities every N rounds")
+    define("integer", "seed", "schedule, initialisation and local-head seed (kept secret)")
+    define("integer", "noise-seed", "fixed DP noise seed, for tests only (default: OS entropy)")
+    define("boolean", "restart-every-epoch", "dp-ftrl-fedemb: restart the noise tree every epoch")
+    define("float", "max-epsilon", "privacy budget: refuse to start when the plan costs more")
+    define("string", "pretrained", "pretrained backbone (SavedModel or weights file)")
+    define("float", "validation-fraction", "share of identities held out for validation", 0.1)
+    define("float", "test-fraction", "share of identities held out for test", 0.1)
+    define("integer", "split-seed", "seed of the identity split", 0)
+    define("integer", "num-shards", "user shards of the training partition", 16)
+    define("list", "workers", "host:port of remote TFF workers (default: one local worker)", [])
+    define("string", "runner", "Beam runner for data preparation", "DirectRunner")
+    define("string", "beam-args", "further Beam pipeline options, shell-quoted", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedData:
+    partition_dir: str
+    validation_dir: str
+    test_dir: str
+
+
+def _beam_source(data: str) -> str:
+    """The ingest source: a TFRecord pattern for a directory of TFRecords, else the folder."""
+    import tensorflow as tf
+
+    if tf.io.gfile.glob(os.path.join(data, "*.tfrecord*")):
+        return os.path.join(data, "*.tfrecord*")
+    return data
+
+
+def prepare_data(
+    data: str, data_dir: str, split: Mapping[str, Any], num_shards: int, beam_args: list[str]
+) -> PreparedData:
+    """Ingest -> split by identity and user -> partition of train, unless already prepared."""
+    from beam_jobs import ingest, partition, splits
+
+    prepared = PreparedData(
+        os.path.join(data_dir, "partition"),
+        os.path.join(data_dir, "split", splits.VALIDATION),
+        os.path.join(data_dir, "split", splits.TEST),
+    )
+    request = {"data": os.path.abspath(data), "split": dict(split), "num_shards": num_shards}
+    marker = os.path.join(data_dir, PREPARED_FILE)
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) != request:
+                raise ValueError(
+                    f"{data_dir} was prepared from other data or split settings; use a new --output"
+                )
+        return prepared
+    # A preparation killed midway leaves no marker: start it again from scratch.
+    shutil.rmtree(data_dir, ignore_errors=True)
+    ingest.run_ingest([_beam_source(data)], os.path.join(data_dir, "ingested"), beam_args=beam_args)
+    splits.run_split(
+        os.path.join(data_dir, "ingested"),
+        os.path.join(data_dir, "split"),
+        splits.SplitConfig(**split),
+        beam_args,
+    )
+    partition.run_partition(
+        os.path.join(data_dir, "split", splits.TRAIN),
+        prepared.partition_dir,
+        num_shards,
+        beam_args=beam_args,
+    )
+    with open(marker, "w") as f:
+        json.dump(request, f)
+    return prepared
+
+
+def _print_progress(total_rounds: int):
+    def progress(record: Mapping[str, Any]) -> None:
+        epsilon = record["epsilon"]
+        parts = [
+            f"round {record['round']}/{total_rounds}",
+            f"{record['round_seconds']:.2f}s",
+            f"epsilon {epsilon:.4g}" if epsilon != float("inf") else "epsilon inf (non-private)",
+        ]
+        if "eval" in record:
+            parts.append(f"recall@FAR=1e-3 {record['eval']['recall_at_far']['0.001']:.4f}")
+        print("  ".join(parts), file=sys.stderr, flush=True)
+
+    return progress
+
+
+def _config_values(value: Mapping[str, Any]) -> dict[str, Any]:
+    """The TrainJobConfig fields given on the command line (others keep their defaults)."""
+    given = {field: value[name] for name, field in _CONFIG_FLAGS.items() if value[name] is not None}
+    if not value["restart-every-epoch"]:
+        given.pop("restart_every_epoch", None)
+    return given
+
+
+def _train(value: Mapping[str, Any]) -> dict[str, Any]:
+    from tff_algorithms import train_job
+
+    config = train_job.TrainJobConfig(**_config_values(value))
+    if not os.path.isdir(value["data"]):
+        raise ValueError(f"--data {value['data']} is not a directory")
+    split = {
+        "validation_fraction": value["validation-fraction"],
+        "test_fraction": value["test-fraction"],
+        "public_fraction": 0.0,
+        "seed": value["split-seed"],
+    }
+    beam_args = [f"--runner={value['runner']}", *shlex.split(value["beam-args"])]
+    prepared = prepare_data(
+        value["data"], os.path.join(value["output"], "data"), split, value["num-shards"], beam_args
+    )
+    result = train_job.run_train_job(
+        config,
+        prepared.partition_dir,
+        prepared.validation_dir,
+        value["output"],
+        value["pretrained"],
+        progress=_print_progress(config.rounds),
+    )
+    summary = {
+        key: result.metrics[key]
+        for key in ("algorithm", "recall_at_far", "epsilon", "delta", "private", "rounds")
+    }
+    summary.update(
+        metrics=result.metrics_path,
+        saved_model=result.saved_model_dir,
+        ledger=result.ledger_path,
+        test_data=prepared.test_dir,
+        resumed_from_round=result.metrics["resumed_from_round"],
+    )
+    return summary
+
+
+def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
+    if args:
+        raise ValueError(f"unexpected arguments: {' '.join(args)}")
+    value = {name: flag_values[name].value for name in flag_values}
+    for name in ("data", "output"):
+        if not value[name]:
+            raise ValueError(f"--{name} is required")
+    from tff_algorithms import runtime
+
+    # Started before anything can fail, so TFF's own import-time context never lingers
+    # (its worker manager fails noisily at exit); SIGTERM/SIGINT stop the workers.
+    owns_runtime = runtime.active() is None
+    if owns_runtime:
+        runtime.start(runtime.RuntimeConfig(worker_addresses=tuple(value["workers"])))
+    try:
+        summary = _train(value)
+    finally:
+        if owns_runtime:
+            runtime.stop()
+    print(json.dumps(summary, sort_keys=True))
+    return 0

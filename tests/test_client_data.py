@@ -1,0 +1,147 @@
+"""Virtual-client data read inside TFF from ids: same bytes as PartitionReader, own range only."""
+
+import shutil
+
+import apache_beam as beam
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from beam_jobs import partition, records_io, schedule, schema, synthetic
+from tff_algorithms import client_data, export
+
+IMAGE_SHAPE = (28, 28, 1)
+SYNTH = synthetic.SyntheticConfig(identities=12, images_per_identity=3, identities_per_user=2)
+
+
+@pytest.fixture(scope="module")
+def partition_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("partition"))
+    records = [
+        schema.serialize(r) for r in synthetic.records_for_identities(SYNTH, 0, SYNTH.identities)
+    ]
+    # Small parts: several users share a part file, and there are several part files.
+    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
+        _ = (
+            pipeline
+            | beam.Create(records)
+            | partition.PartitionByUser(directory, num_shards=2, max_part_bytes=12000)
+        )
+    return directory
+
+
+def _ids(partition_dir: str, round_num: int, users_per_virtual_client: int = 2) -> list[str]:
+    user_ids = partition.PartitionReader(partition_dir).user_ids()
+    plan = schedule.VirtualClientSchedule(len(user_ids), users_per_virtual_client, 2, seed=3)
+    return client_data.VirtualClientIds(partition_dir, plan, user_ids).for_round(round_num)
+
+
+@tff.tensorflow.computation(np.str_)
+def _records_in_tff(virtual_client_id):
+    return (
+        client_data.read_virtual_client_records(virtual_client_id)
+        .batch(1 << 20)
+        .get_single_element()
+    )
+
+
+def _users_of(partition_dir: str, round_num: int, virtual_client: int) -> list[str]:
+    user_ids = partition.PartitionReader(partition_dir).user_ids()
+    plan = schedule.VirtualClientSchedule(len(user_ids), 2, 2, seed=3)
+    return [user_ids[i] for i in plan.virtual_client_user_indices(round_num, virtual_client)]
+
+
+def test_loader_inside_tff_returns_what_partition_reader_returns(tff_runtime, partition_dir):
+    reader = partition.PartitionReader(partition_dir)
+    for round_num in (0, 1):
+        for j, virtual_client_id in enumerate(_ids(partition_dir, round_num)):
+            expected = reader.virtual_client_examples(_users_of(partition_dir, round_num, j))
+            assert [bytes(r) for r in _records_in_tff(virtual_client_id)] == expected
+
+
+def test_examples_are_decoded_like_the_serving_model(partition_dir):
+    virtual_client_id = _ids(partition_dir, 0)[0]
+    reader = partition.PartitionReader(partition_dir)
+    expected = reader.virtual_client_examples(_users_of(partition_dir, 0, 0))
+    loaded = list(client_data.load_examples(tf.constant(virtual_client_id), IMAGE_SHAPE))
+    assert len(loaded) == len(expected) == 2 * 2 * SYNTH.images_per_identity
+    for example, serialized in zip(loaded, expected, strict=True):
+        record = schema.parse(serialized)
+        assert example["identity"].numpy().decode() == record.identity
+        np.testing.assert_array_equal(
+            example["image"], export.decode_image(tf.constant(record.image), IMAGE_SHAPE)
+        )
+
+
+def test_reading_a_user_never_touches_other_users_bytes(tff_runtime, partition_dir, tmp_path):
+    corrupted_dir = str(tmp_path / "corrupted")
+    shutil.copytree(partition_dir, corrupted_dir)
+    reader = partition.PartitionReader(corrupted_dir)
+    locations = {u: reader.location(u) for u in reader.user_ids()}
+    # Two users in the same part file: corrupt every byte of one, read the other.
+    by_file: dict[str, list[str]] = {}
+    for user, location in locations.items():
+        by_file.setdefault(location.part_file, []).append(user)
+    victim, neighbour = next(users for users in by_file.values() if len(users) >= 2)[:2]
+    expected = reader.user_examples(neighbour)
+    victim_location = locations[victim]
+    with open(f"{corrupted_dir}/{victim_location.part_file}", "r+b") as f:
+        f.seek(victim_location.offset)
+        f.write(b"\xff" * victim_location.length)
+
+    plan = schedule.VirtualClientSchedule(len(locations), 1, 1, seed=0)
+    ids = client_data.VirtualClientIds(corrupted_dir, plan, sorted(locations))
+    neighbour_id = client_data.virtual_client_id(0, 0, [ids.user_range(neighbour)])
+    assert [bytes(r) for r in _records_in_tff(neighbour_id)] == expected
+    # The corrupted user itself fails loudly rather than yielding garbage examples.
+    victim_id = client_data.virtual_client_id(0, 0, [ids.user_range(victim)])
+    with pytest.raises(tf.errors.OpError):
+        list(client_data.read_virtual_client_records(tf.constant(victim_id)))
+
+
+def test_a_rewritten_part_file_is_refused(partition_dir, tmp_path):
+    changed_dir = str(tmp_path / "changed")
+    shutil.copytree(partition_dir, changed_dir)
+    reader = partition.PartitionReader(changed_dir)
+    user = reader.user_ids()[0]
+    plan = schedule.VirtualClientSchedule(len(reader.user_ids()), 1, 1, seed=0)
+    ids = client_data.VirtualClientIds(changed_dir, plan, reader.user_ids())
+    virtual_client_id = client_data.virtual_client_id(0, 0, [ids.user_range(user)])
+    with open(f"{changed_dir}/{reader.location(user).part_file}", "ab") as f:
+        f.write(b"appended after indexing")
+    with pytest.raises(tf.errors.OpError):
+        list(client_data.read_virtual_client_records(tf.constant(virtual_client_id)))
+
+
+def test_ids_carry_the_round_and_only_that_rounds_users(partition_dir):
+    round0, round1 = _ids(partition_dir, 0), _ids(partition_dir, 1)
+    assert len(round0) == 2 and all(i.startswith("round=0;virtual_client=") for i in round0)
+    assert all(i.startswith("round=1;") for i in round1)
+    users_per_id = [len(i.split(client_data.USER_SEPARATOR)) - 1 for i in round0]
+    assert users_per_id == [2, 2]
+    user_range = client_data.VirtualClientIds(
+        partition_dir,
+        schedule.VirtualClientSchedule(6, 1, 1, seed=0),
+        partition.PartitionReader(partition_dir).user_ids(),
+    ).user_range("u0")
+    # Same users in another round: another id, so another local-head seed.
+    assert client_data.virtual_client_id(0, 0, [user_range]) != client_data.virtual_client_id(
+        1, 0, [user_range]
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"path": "a\x1fb"},
+        {"offset": -1},
+        {"length": 0},
+        {"offset": 90, "length": 20},
+        {"records": 0},
+    ],
+)
+def test_byte_range_rejects_nonsense(kwargs):
+    values = {"path": "/p", "offset": 0, "length": 10, "file_size": 100, "records": 1, **kwargs}
+    with pytest.raises(ValueError):
+        client_data.UserByteRange(**values)

@@ -1,0 +1,133 @@
+"""`dp-fedemb train` / `evaluate` through the console script: end to end, resume, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from beam_jobs import synthetic
+from pipeline import cli
+
+CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
+SYNTH = synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
+SPLIT_FLAGS = ["--validation-fraction", "0.2", "--test-fraction", "0.2"]
+TRAIN_FLAGS = [
+    "--rounds=3",
+    "--users-per-virtual-client=2",
+    "--virtual-clients-per-round=3",
+    "--noise-multiplier=0.5",
+    "--client-lr=0.05",
+    "--server-lr=1.0",
+    "--head-lr-scale=10",
+    "--batch-size=8",
+    "--embedding-size=16",
+    "--evaluate-every=2",
+    "--noise-seed=3",
+    *SPLIT_FLAGS,
+]
+
+
+def _train_command(data: str, output: str, *extra: str) -> list[str]:
+    return [CONSOLE_SCRIPT, "train", "--data", data, "--output", output, *TRAIN_FLAGS, *extra]
+
+
+def _wait_for(path: str, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        assert process.poll() is None, "training ended before its first checkpoint"
+        assert time.monotonic() < deadline, f"no {path} after {timeout_s}s"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A training run stopped by SIGTERM after its first checkpoint, then re-run to the end."""
+    root = tmp_path_factory.mktemp("cli")
+    data, output = str(root / "raw"), str(root / "out")
+    synthetic.write_image_folder(data, SYNTH)
+    with open(root / "first.log", "wb") as log:
+        first = subprocess.Popen(_train_command(data, output), stdout=log, stderr=log)
+        try:
+            _wait_for(os.path.join(output, "checkpoints", "round_1"), first, 300)
+        finally:
+            first.send_signal(signal.SIGTERM)
+            first.wait(60)
+    second = subprocess.run(_train_command(data, output), capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = json.loads(second.stdout.strip().splitlines()[-1])
+    return data, output, first.returncode, summary, second.stderr
+
+
+def test_rerunning_train_resumes_and_finishes(trained):
+    _, output, first_code, summary, progress = trained
+    assert first_code != 0  # stopped, not finished
+    assert summary["resumed_from_round"] >= 1 and summary["rounds"] == 3
+    metrics = json.loads(open(os.path.join(output, "metrics.json")).read())
+    assert set(metrics["recall_at_far"]) == {"0.1", "0.01", "0.001"}
+    assert metrics["epsilon"] > 0 and metrics["rounds"] == 3 and metrics["wall_seconds"] > 0
+    assert os.path.exists(os.path.join(output, "saved_model", "saved_model.pb"))
+    ledger = json.loads(open(os.path.join(output, "ledger.json")).read())
+    assert [entry["round"] for entry in ledger["history"]] == [1, 2, 3]
+    # Progress: one line per round trained in this run, ending with the last round.
+    assert "round 3/3" in progress
+
+
+def test_evaluate_loads_the_trained_model(trained):
+    _, output, _, summary, _ = trained
+    result = subprocess.run(
+        [
+            CONSOLE_SCRIPT,
+            "evaluate",
+            "--model",
+            summary["saved_model"],
+            "--data",
+            summary["test_data"],
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    evaluation = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(evaluation["recall_at_far"]) == {"0.1", "0.01", "0.001"}
+    assert evaluation["images"] > 0 and evaluation["genuine_pairs"] > 0
+    assert "Exception ignored" not in result.stderr
+
+
+def _error_line(capsys, *args: str) -> tuple[int, str]:
+    code = cli.main(["dp-fedemb", *args])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    return code, lines
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--virtual-clients-per-round=100"], "cannot fill a round"),
+        (["--max-epsilon=0.5"], "over budget"),
+        (["--noise-multiplier=-1"], "noise_multiplier must be"),
+        (["--algorithm=fedsgd"], "algorithm must be one of"),
+    ],
+)
+def test_bad_hyperparameters_give_one_error_line(trained, capsys, extra, message):
+    data, output, _, _, _ = trained
+    code, lines = _error_line(
+        capsys, "train", "--data", data, "--output", output, *TRAIN_FLAGS, *extra
+    )
+    assert code != 0
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_missing_inputs_give_one_error_line(tmp_path, capsys):
+    code, lines = _error_line(
+        capsys, "train", "--data", str(tmp_path / "missing"), "--output", str(tmp_path / "o")
+    )
+    assert code != 0 and len(lines) == 1 and "not a directory" in lines[0], lines
+    code, lines = _error_line(
+        capsys, "evaluate", "--model", str(tmp_path / "none"), "--data", str(tmp_path)
+    )
+    assert code != 0 and len(lines) == 1 and "not a SavedModel" in lines[0], lines

@@ -1,0 +1,202 @@
+"""The training job: resume equals an uninterrupted run, no head anywhere, outputs, refusals."""
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+
+import apache_beam as beam
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from beam_jobs import partition, records_io, schema, synthetic
+from tff_algorithms import accounting, train_job
+
+SYNTH = synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
+TRAIN_IDENTITIES = 32  # identities (= users) 0..31 train, 32..39 held out
+CONFIG = train_job.TrainJobConfig(
+    algorithm=train_job.DP_FEDEMB,
+    rounds=3,
+    noise_multiplier=0.5,
+    clip_norm=1.0,
+    users_per_virtual_client=2,
+    virtual_clients_per_round=3,
+    client_learning_rate=0.05,
+    server_learning_rate=1.0,
+    head_lr_scale=10.0,
+    batch_size=8,
+    head_capacity=7,
+    embedding_size=16,
+    evaluate_every=2,
+    seed=1,
+    noise_seed=11,
+)
+HEAD_SHAPE = (CONFIG.embedding_size, CONFIG.head_capacity)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    train = [
+        schema.serialize(r) for r in synthetic.records_for_identities(SYNTH, 0, TRAIN_IDENTITIES)
+    ]
+    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
+        _ = (
+            pipeline
+            | beam.Create(train)
+            | partition.PartitionByUser(str(root / "partition"), num_shards=2)
+        )
+    os.makedirs(root / "eval")
+    with tf.io.TFRecordWriter(str(root / "eval" / "records-00000-of-00001.tfrecord")) as writer:
+        for record in synthetic.records_for_identities(SYNTH, TRAIN_IDENTITIES, SYNTH.identities):
+            writer.write(schema.serialize(record))
+    return str(root / "partition"), str(root / "eval")
+
+
+@pytest.fixture(scope="module")
+def straight_run(tff_runtime, data, tmp_path_factory):
+    output_dir = str(tmp_path_factory.mktemp("straight"))
+    return train_job.run_train_job(CONFIG, *data, output_dir)
+
+
+def _saved_backbone(saved_model_dir: str) -> list[np.ndarray]:
+    return [v.numpy() for v in tf.saved_model.load(saved_model_dir).backbone_variables]
+
+
+def _without_timing(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in record.items() if k != "round_seconds"} for record in history]
+
+
+def test_metrics_ledger_and_saved_model_are_written(straight_run):
+    summary = json.loads(open(straight_run.metrics_path).read())
+    assert set(summary["recall_at_far"]) == {"0.1", "0.01", "0.001"}
+    assert all(0.0 <= v <= 1.0 for v in summary["recall_at_far"].values())
+    assert summary["rounds"] == 3 and summary["private"] is True
+    assert summary["wall_seconds"] > 0
+    # Epsilon is the accountant's for the planned schedule, at the documented default delta.
+    spec = train_job.accounting_spec_for(CONFIG, TRAIN_IDENTITIES)
+    assert summary["delta"] == pytest.approx(TRAIN_IDENTITIES**-1.1)
+    assert summary["epsilon"] == pytest.approx(accounting.compute_privacy(spec).epsilon)
+    assert [r["round"] for r in summary["history"] if "eval" in r] == [2, 3]
+    # The schedule and noise seeds are never published.
+    assert "seed" not in summary["config"] and "noise_seed" not in summary["config"]
+    ledger = json.loads(open(straight_run.ledger_path).read())
+    assert [e["round"] for e in ledger["history"]] == [1, 2, 3]
+    assert ledger["history"][-1]["epsilon"] == pytest.approx(summary["epsilon"])
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(tff_runtime, data, straight_run, tmp_path):
+    # What a kill after round 2 leaves behind: the checkpoints of rounds 1 and 2 only.
+    resumed_dir = str(tmp_path / "resumed")
+    shutil.copytree(straight_run.output_dir, resumed_dir)
+    shutil.rmtree(os.path.join(resumed_dir, train_job.CHECKPOINT_DIR, "round_3"))
+    shutil.rmtree(os.path.join(resumed_dir, train_job.SAVED_MODEL_DIR))
+    for name in (train_job.METRICS_FILE, train_job.LEDGER_FILE):
+        os.remove(os.path.join(resumed_dir, name))
+
+    resumed = train_job.run_train_job(CONFIG, *data, resumed_dir)
+
+    assert resumed.metrics["resumed_from_round"] == 2
+    for a, b in zip(
+        _saved_backbone(straight_run.saved_model_dir),
+        _saved_backbone(resumed.saved_model_dir),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert open(resumed.ledger_path).read() == open(straight_run.ledger_path).read()
+    assert _without_timing(resumed.metrics["history"]) == _without_timing(
+        straight_run.metrics["history"]
+    )
+    assert resumed.recall_at_far == straight_run.recall_at_far
+
+
+def test_no_head_variable_in_checkpoint_or_export(straight_run):
+    checkpoint = os.path.join(
+        straight_run.output_dir, train_job.CHECKPOINT_DIR, "round_3", "variables", "variables"
+    )
+    exported = os.path.join(straight_run.saved_model_dir, "variables", "variables")
+    for path in (checkpoint, exported):
+        shapes = {tuple(shape) for _, shape in tf.train.list_variables(path)}
+        assert (3136, CONFIG.embedding_size) in shapes  # the backbone's embedding layer is there
+        assert HEAD_SHAPE not in shapes and HEAD_SHAPE[::-1] not in shapes
+
+
+def test_serving_evaluation_matches_training_evaluation(straight_run, data):
+    evaluation = train_job.evaluate_saved_model(straight_run.saved_model_dir, data[1])
+    assert evaluation["images"] == 8 * SYNTH.images_per_identity
+    assert evaluation["identities"] == 8
+    for far, recall in straight_run.recall_at_far.items():
+        assert evaluation["recall_at_far"][far] == pytest.approx(recall, abs=1e-6)
+    assert len(evaluation["roc"]["far"]) == len(evaluation["roc"]["recall"])
+
+
+def test_centralized_oracle_writes_the_same_outputs_marked_non_private(data, tmp_path):
+    config = dataclasses.replace(
+        CONFIG, algorithm=train_job.CENTRALIZED, rounds=2, server_learning_rate=0.05
+    )
+    result = train_job.run_train_job(config, *data, str(tmp_path / "central"))
+    summary = json.loads(open(result.metrics_path).read())
+    assert summary["epsilon"] is None and summary["private"] is False
+    assert summary["privacy"].startswith("non-private")
+    assert math.isinf(result.epsilon)
+    assert set(summary["recall_at_far"]) == {"0.1", "0.01", "0.001"}
+    assert os.path.exists(os.path.join(result.saved_model_dir, "saved_model.pb"))
+    assert [e["epsilon"] for e in json.loads(open(result.ledger_path).read())["history"]] == [
+        None,
+        None,
+    ]
+
+
+def test_over_budget_job_refuses_to_start(data, tmp_path):
+    config = dataclasses.replace(CONFIG, max_epsilon=0.5)
+    output_dir = str(tmp_path / "refused")
+    with pytest.raises(ValueError, match="over budget"):
+        train_job.run_train_job(config, *data, output_dir)
+    assert not os.path.exists(output_dir)
+    with pytest.raises(ValueError, match="infinite"):
+        train_job.run_train_job(
+            dataclasses.replace(config, noise_multiplier=0.0), *data, output_dir
+        )
+
+
+def test_a_different_job_in_the_same_output_dir_is_refused(data, straight_run):
+    changed = dataclasses.replace(CONFIG, noise_multiplier=0.7)
+    with pytest.raises(ValueError, match="different noise_multiplier"):
+        train_job.run_train_job(changed, *data, straight_run.output_dir)
+
+
+def test_too_few_users_for_a_round_is_refused(data, tmp_path):
+    config = dataclasses.replace(CONFIG, virtual_clients_per_round=20)
+    with pytest.raises(ValueError, match="cannot fill a round"):
+        train_job.run_train_job(config, *data, str(tmp_path / "x"))
+
+
+def test_config_round_trips_and_keeps_paper_momentum():
+    assert train_job.TrainJobConfig.from_dict(CONFIG.to_dict()) == CONFIG
+    assert train_job.TrainJobConfig().client_momentum == 0.9
+    with pytest.raises(ValueError, match="unknown training config fields: bogus"):
+        train_job.TrainJobConfig.from_dict({"bogus": 1})
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"algorithm": "fedsgd"}, "algorithm"),
+        ({"noise_multiplier": -1.0}, "noise_multiplier"),
+        ({"noise_multiplier": float("nan")}, "noise_multiplier"),
+        ({"clip_norm": 0.0}, "clip_norm"),
+        ({"rounds": 0}, "rounds"),
+        ({"client_momentum": 1.0}, "client_momentum"),
+        ({"delta": 1.0}, "delta"),
+        ({"head_capacity": 0}, "head_capacity"),
+        ({"max_epsilon": 0.0}, "max_epsilon"),
+        ({"restart_every_epoch": True}, "restart_every_epoch"),
+        ({"architecture": "mobilenet_v2"}, "32x32"),
+        ({"users_per_virtual_client": 2.5}, "integer"),
+    ],
+)
+def test_config_rejects_nonsense(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(CONFIG, **changes)

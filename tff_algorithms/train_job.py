@@ -1,0 +1,800 @@
+"""One training job: partition in, serving SavedModel + privacy ledger + metrics out.
+
+`run_train_job(config, partition_dir, eval_records, output_dir)` is what `dp-fedemb
+train` and the TFX trainer component call. It
+
+1. builds the virtual-client schedule from the partition's user ids (mode "sampled"
+   for DP-FedEmb / DP-FedAvg, "epoch" for DP-FTRL-FedEmb), the accounting spec from the
+   schedule's participation statistics, and refuses to start when the planned rounds
+   cost more than `max_epsilon`;
+2. trains with `training.train` (TFF; data loaded inside TFF from virtual-client ids,
+   `client_data`), checkpointing under OUTPUT/checkpoints, so re-running the same job
+   resumes where it stopped and ends bit-for-bit where an uninterrupted run ends;
+3. evaluates exact recall@FAR (1e-1, 1e-2, 1e-3) on the held-out `eval_records` every
+   `evaluate_every` rounds and after the last;
+4. writes OUTPUT/saved_model (backbone only, `export`), OUTPUT/ledger.json and
+   OUTPUT/metrics.json.
+
+`algorithm="centralized"` is the non-private oracle (also the pipeline's non-private
+pretraining on public data): SGD with momentum over all training examples, one "round"
+per epoch, learning rate and momentum from `server_learning_rate` / `server_momentum`
+(the paper lists the centralized learning rate in its server column); the DP fields
+are ignored. Its outputs have the same layout, with epsilon null and `private: false`.
+
+delta: `TrainJobConfig.delta=None` resolves to N^-1.1 for N training users, which is
+below 1/N as (epsilon, delta)-DP needs (N=6800 gives 6.1e-5, N=10M gives 2e-8).
+
+What is published: metrics.json holds only held-out evaluation and privacy figures;
+training-user losses (not private) are never written. It omits the schedule seed and
+the noise seed: sampling amplification assumes the sample is secret, and whoever knows
+the noise seed can subtract the noise. OUTPUT/train_job.json and the checkpoints hold
+both, so keep them as private as the training data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from beam_jobs import partition, schedule, schema
+from tff_algorithms import (
+    accounting,
+    aggregators,
+    client_data,
+    client_work,
+    export,
+    metrics,
+    models,
+    processes,
+    runtime,
+    training,
+)
+from tff_algorithms.ledger import PrivacyLedger
+
+DP_FEDEMB = "dp-fedemb"
+DP_FEDAVG = "dp-fedavg"
+DP_FTRL_FEDEMB = "dp-ftrl-fedemb"
+CENTRALIZED = "centralized"
+ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, CENTRALIZED)
+
+CHECKPOINT_DIR = "checkpoints"
+SAVED_MODEL_DIR = "saved_model"
+METRICS_FILE = "metrics.json"
+LEDGER_FILE = "ledger.json"
+JOB_FILE = "train_job.json"
+JOB_FORMAT = "dp-fedemb-train-job/1"
+
+_EMBED_BATCH = 256
+# Fields that may differ when a job is re-run on the same output directory.
+_RESUMABLE_CHANGES = frozenset({"evaluate_every", "max_epsilon"})
+# Never published (module docstring).
+_SECRET_FIELDS = ("seed", "noise_seed")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_number(name: str, value: Any, low: float, high: float, *, low_open: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    above_low = value > low if low_open else value >= low
+    if not (math.isfinite(value) and above_low and value < high):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g})"
+        raise ValueError(f"{name} must be finite and in {interval}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainJobConfig:
+    """Hyperparameters of one training job (defaults: paper, EMNIST small CNN, appendix D).
+
+    Attributes:
+      algorithm: one of `ALGORITHMS`.
+      rounds: training rounds (epochs for `centralized`).
+      noise_multiplier: z, noise std over the clip norm of one virtual client's update.
+      clip_norm: γ, L2 clip of each virtual client's update.
+      users_per_virtual_client: k.
+      virtual_clients_per_round: M, also the fixed denominator of the aggregate.
+      client_learning_rate: β1 (backbone); the head uses head_lr_scale·β1.
+      client_momentum: client SGD momentum (paper: 0.9).
+      server_learning_rate / server_momentum: server SGD with momentum (paper: 0.9).
+      head_lr_scale: β2 / β1 (paper: 100).
+      local_epochs, batch_size, max_examples_per_client: local training (paper: 1, 32, 2048).
+      head_capacity: rows of the local head; None means users_per_virtual_client, exact
+        when every user holds one identity (faces). A round with examples beyond it stops
+        the job with an error naming this field.
+      architecture, embedding_size, image_size, channels: the backbone and its input.
+      delta: None resolves to N^-1.1 (module docstring).
+      evaluate_every: evaluate every this many rounds (0: only after the last).
+      seed: schedule, backbone initialisation and local-head seeds.
+      noise_seed: DP noise seed; None draws one from OS entropy (production). A fixed
+        seed makes runs reproducible: for tests and benchmarks only.
+      restart_every_epoch: DP-FTRL only: restart the noise tree every epoch.
+      max_epsilon: privacy budget; the job refuses to start when the planned rounds
+        would cost more. None: no budget.
+    """
+
+    algorithm: str = DP_FEDEMB
+    rounds: int = 200
+    noise_multiplier: float = 0.62
+    clip_norm: float = 1.0
+    users_per_virtual_client: int = 8
+    virtual_clients_per_round: int = 32
+    client_learning_rate: float = 5e-3
+    client_momentum: float = 0.9
+    server_learning_rate: float = 0.02
+    server_momentum: float = 0.9
+    head_lr_scale: float = 100.0
+    local_epochs: int = 1
+    batch_size: int = 32
+    max_examples_per_client: int = 2048
+    head_capacity: int | None = None
+    architecture: str = models.SMALL_CNN
+    embedding_size: int = 128
+    image_size: int = 28
+    channels: int = 1
+    delta: float | None = None
+    evaluate_every: int = 10
+    seed: int = 0
+    noise_seed: int | None = None
+    restart_every_epoch: bool = False
+    max_epsilon: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        for name in (
+            "rounds",
+            "users_per_virtual_client",
+            "virtual_clients_per_round",
+            "local_epochs",
+            "batch_size",
+            "max_examples_per_client",
+            "embedding_size",
+            "image_size",
+        ):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("evaluate_every", "seed"):
+            _check_int(name, getattr(self, name), 0)
+        if self.head_capacity is not None:
+            _check_int("head_capacity", self.head_capacity, 1)
+        if self.noise_seed is not None:
+            _check_int("noise_seed", self.noise_seed, 0)
+        if self.channels not in (1, 3):
+            raise ValueError(f"channels must be 1 or 3, got {self.channels!r}")
+        _check_number("noise_multiplier", self.noise_multiplier, 0, math.inf, low_open=False)
+        for name in ("clip_norm", "client_learning_rate", "server_learning_rate", "head_lr_scale"):
+            _check_number(name, getattr(self, name), 0, math.inf, low_open=True)
+        for name in ("client_momentum", "server_momentum"):
+            _check_number(name, getattr(self, name), 0, 1, low_open=False)
+        if self.delta is not None:
+            _check_number("delta", self.delta, 0, 1, low_open=True)
+        if self.max_epsilon is not None:
+            _check_number("max_epsilon", self.max_epsilon, 0, math.inf, low_open=True)
+        if not isinstance(self.restart_every_epoch, bool):
+            raise ValueError(
+                f"restart_every_epoch must be a boolean, got {self.restart_every_epoch!r}"
+            )
+        if self.restart_every_epoch and self.algorithm != DP_FTRL_FEDEMB:
+            raise ValueError("restart_every_epoch applies only to dp-ftrl-fedemb")
+        # Checks the architecture against the input size.
+        _ = self.backbone_config
+
+    @property
+    def backbone_config(self) -> models.BackboneConfig:
+        return models.BackboneConfig(
+            self.architecture,
+            (self.image_size, self.image_size, self.channels),
+            self.embedding_size,
+        )
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (self.image_size, self.image_size, self.channels)
+
+    @property
+    def private(self) -> bool:
+        return self.algorithm != CENTRALIZED and self.noise_multiplier > 0
+
+    def client_config(self) -> client_work.ClientConfig:
+        return client_work.ClientConfig(
+            backbone_learning_rate=self.client_learning_rate,
+            head_learning_rate_scale=self.head_lr_scale,
+            momentum=self.client_momentum,
+            head_capacity=self.head_capacity or self.users_per_virtual_client,
+            epochs=self.local_epochs,
+            batch_size=self.batch_size,
+            max_examples=self.max_examples_per_client,
+            shuffle_buffer=self.max_examples_per_client,
+            head_seed=self.seed,
+        )
+
+    def resolved_delta(self, num_users: int) -> float:
+        return self.delta if self.delta is not None else float(num_users) ** -1.1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def public_dict(self) -> dict[str, Any]:
+        """`to_dict` without the seeds (module docstring)."""
+        return {k: v for k, v in self.to_dict().items() if k not in _SECRET_FIELDS}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainJobConfig:
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown training config fields: {', '.join(unknown)}")
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainJobResult:
+    """Where a finished job wrote its outputs, and its metrics.json content."""
+
+    output_dir: str
+    saved_model_dir: str
+    metrics_path: str
+    ledger_path: str
+    metrics: dict[str, Any]
+
+    @property
+    def epsilon(self) -> float:
+        value = self.metrics["epsilon"]
+        return math.inf if value is None else value
+
+    @property
+    def recall_at_far(self) -> dict[str, float]:
+        return self.metrics["recall_at_far"]
+
+
+def schedule_for(config: TrainJobConfig, num_users: int) -> schedule.VirtualClientSchedule:
+    """The virtual-client schedule of a federated job over `num_users` users."""
+    mode = schedule.EPOCH if config.algorithm == DP_FTRL_FEDEMB else schedule.SAMPLED
+    return schedule.VirtualClientSchedule(
+        num_users,
+        config.users_per_virtual_client,
+        config.virtual_clients_per_round,
+        config.seed,
+        mode,
+    )
+
+
+def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.AccountingSpec:
+    """The accounting spec of the planned job (centralized: every user every epoch, no noise)."""
+    delta = config.resolved_delta(num_users)
+    if config.algorithm == CENTRALIZED:
+        return accounting.AccountingSpec(num_users, num_users, config.rounds, 0.0, delta)
+    stats = schedule_for(config, num_users).participation_stats(config.rounds)
+    is_tree = config.algorithm == DP_FTRL_FEDEMB
+    return accounting.AccountingSpec(
+        population=stats.sampling_units,
+        users_per_round=stats.units_per_round,
+        rounds=stats.rounds,
+        noise_multiplier=config.noise_multiplier,
+        delta=delta,
+        mechanism=accounting.Mechanism.DPFTRL if is_tree else accounting.Mechanism.DPSGD,
+        users_per_virtual_client=config.users_per_virtual_client,
+        restart_every_epoch=config.restart_every_epoch,
+        min_separation=stats.min_separation if is_tree and not config.restart_every_epoch else None,
+    )
+
+
+def _check_budget(config: TrainJobConfig, planned: accounting.PrivacyResult) -> None:
+    if config.max_epsilon is not None and not planned.epsilon <= config.max_epsilon:
+        cost = "infinite (no noise)" if math.isinf(planned.epsilon) else f"{planned.epsilon:.4g}"
+        raise ValueError(
+            f"over budget: {config.rounds} rounds of {config.algorithm} cost epsilon {cost} at "
+            f"delta {planned.delta:.3g}, more than max_epsilon {config.max_epsilon:g}; refusing "
+            "to start"
+        )
+
+
+# Records and evaluation.
+
+
+def record_files(records: str) -> list[str]:
+    """TFRecord files of `records`: a directory (records-*, or files named *tfrecord*) or a glob."""
+    if tf.io.gfile.isdir(records):
+        files = tf.io.gfile.glob(os.path.join(records, "records-*"))
+        if not files:
+            files = [
+                os.path.join(records, name)
+                for name in tf.io.gfile.listdir(records)
+                if "tfrecord" in name and not tf.io.gfile.isdir(os.path.join(records, name))
+            ]
+    else:
+        files = tf.io.gfile.glob(records)
+    if not files:
+        raise ValueError(f"no TFRecord files found at {records}")
+    return sorted(files)
+
+
+def _image_folder_files(root: str) -> list[tuple[str, str]]:
+    """(identity, path) of ROOT/<user>/<identity>/<image> files."""
+    pattern = os.path.join(root, "*", "*", "*")
+    return sorted(
+        (path.split(os.sep)[-2], path)
+        for path in tf.io.gfile.glob(pattern)
+        if path.lower().endswith((".png", ".jpg", ".jpeg"))
+    )
+
+
+def encoded_images(records: str) -> tf.data.Dataset:
+    """(identity, encoded image) pairs from canonical TFRecords or an image folder."""
+    if tf.io.gfile.isdir(records) and not tf.io.gfile.glob(os.path.join(records, "*tfrecord*")):
+        files = _image_folder_files(records)
+        if not files:
+            raise ValueError(
+                f"{records} holds neither TFRecords nor ROOT/user/identity/image files"
+            )
+        identities, paths = zip(*files)
+        return tf.data.Dataset.from_tensor_slices((list(identities), list(paths))).map(
+            lambda identity, path: (identity, tf.io.read_file(path))
+        )
+    files = record_files(records)
+    compression = "GZIP" if files[0].endswith(".gz") else ""
+    parsed = tf.data.TFRecordDataset(files, compression_type=compression).map(
+        lambda s: tf.io.parse_single_example(s, schema.FEATURE_SPEC)
+    )
+    return parsed.map(lambda f: (f[schema.IDENTITY_KEY], f[schema.IMAGE_KEY]))
+
+
+def _identities(records: str) -> np.ndarray:
+    labels = np.array(
+        [
+            identity
+            for identity, _ in encoded_images(records).map(lambda i, _: (i, 0)).as_numpy_iterator()
+        ]
+    )
+    if len(labels) < 2 or len(np.unique(labels)) < 2:
+        raise ValueError(
+            f"evaluation needs at least two identities with images, {records} has fewer"
+        )
+    return labels
+
+
+class HeldOutEvaluator:
+    """Exact recall@FAR of backbone weights on held-out records, streamed in batches.
+
+    The Keras backbone is built per call: building TFF computations creates Keras
+    models in graph mode, which invalidates eager Keras models made before them.
+    """
+
+    def __init__(self, backbone_config: models.BackboneConfig, records: str) -> None:
+        self.records = records
+        self.labels = _identities(records)
+        self._backbone_config = backbone_config
+        self._images = encoded_images(records).map(
+            lambda _, encoded: export.decode_image(encoded, backbone_config.image_shape)
+        )
+
+    def embeddings(self, weights: tff.learning.models.ModelWeights) -> np.ndarray:
+        backbone = models.build_backbone(self._backbone_config)
+        models.assign_backbone_weights(backbone, weights)
+        return np.concatenate(
+            [models.embed(backbone, batch).numpy() for batch in self._images.batch(_EMBED_BATCH)]
+        )
+
+    def __call__(self, weights: tff.learning.models.ModelWeights) -> dict[str, Any]:
+        result = metrics.recall_at_far(self.embeddings(weights), self.labels)
+        return {"recall_at_far": result.as_json_dict()}
+
+
+def evaluate_saved_model(model_dir: str, records: str) -> dict[str, Any]:
+    """Exact all-pairs recall@FAR and ROC points of a serving SavedModel on `records`.
+
+    `records`: canonical TFRecords (directory or glob) or an image folder. Images go
+    through the model's own preprocessing (encoded bytes in).
+    """
+    if not tf.io.gfile.exists(os.path.join(model_dir, "saved_model.pb")):
+        raise ValueError(f"{model_dir} is not a SavedModel (no saved_model.pb)")
+    serve = tf.saved_model.load(model_dir).signatures[export.SIGNATURE]
+    pairs = encoded_images(records).batch(_EMBED_BATCH)
+    labels, embeddings = [], []
+    for identity, encoded in pairs:
+        labels.append(identity.numpy())
+        embeddings.append(serve(**{export.INPUT_KEY: encoded})[export.OUTPUT_KEY].numpy())
+    if not labels:
+        raise ValueError(f"no images in {records}")
+    labels_array, embeddings_array = np.concatenate(labels), np.concatenate(embeddings)
+    result = metrics.recall_at_far(embeddings_array, labels_array)
+    far_grid, recall_grid = metrics.roc_curve(embeddings_array, labels_array)
+    return {
+        "model": model_dir,
+        "records": records,
+        "images": int(len(labels_array)),
+        "identities": int(len(np.unique(labels_array))),
+        "recall_at_far": result.as_json_dict(),
+        "thresholds": {format(k, "g"): v for k, v in result.threshold.items()},
+        "genuine_pairs": result.num_genuine_pairs,
+        "impostor_pairs": result.num_impostor_pairs,
+        "roc": {"far": far_grid.tolist(), "recall": recall_grid.tolist()},
+    }
+
+
+# Training.
+
+
+@dataclasses.dataclass
+class _Outcome:
+    backbone: tff.learning.models.ModelWeights
+    ledger: PrivacyLedger
+    history: list[dict[str, Any]]
+    resumed_from_round: int
+
+
+def _training_identity_vocabulary(
+    reader: partition.PartitionReader, user_ids: list[str]
+) -> np.ndarray:
+    # The global head of DP-FedAvg and the oracle has one row per training identity:
+    # O(training data) once, inherent to those baselines.
+    identities = {
+        reader_record.identity for u in user_ids for reader_record in reader.user_records(u)
+    }
+    return client_work.identity_keys_vocabulary(sorted(identities))
+
+
+def _build_process(
+    config: TrainJobConfig,
+    plan: schedule.VirtualClientSchedule,
+    reader: partition.PartitionReader,
+    user_ids: list[str],
+) -> tff.learning.templates.LearningProcess:
+    client_config = config.client_config()
+    common = dict(
+        noise_multiplier=float(config.noise_multiplier),
+        clip=float(config.clip_norm),
+        clients_per_round=config.virtual_clients_per_round,
+        noise_seed=config.noise_seed
+        if config.noise_seed is not None
+        else aggregators.fresh_noise_seed(),
+        server_learning_rate=config.server_learning_rate,
+        server_momentum=config.server_momentum,
+        backbone_seed=config.seed,
+    )
+    if config.algorithm == DP_FEDEMB:
+        base = processes.build_dp_fedemb_process(config.backbone_config, client_config, **common)
+    elif config.algorithm == DP_FTRL_FEDEMB:
+        base = processes.build_dp_ftrl_fedemb_process(
+            config.backbone_config,
+            client_config,
+            restart_every_rounds=plan.rounds_per_epoch if config.restart_every_epoch else None,
+            **common,
+        )
+    else:
+        vocabulary = _training_identity_vocabulary(reader, user_ids)
+        base = processes.build_dp_fedavg_process(
+            config.backbone_config, client_config, vocabulary, **common
+        )
+    image_shape = config.image_shape
+    return processes.compose_with_client_loader(
+        base, lambda vc_id: client_data.load_examples(vc_id, image_shape), client_config
+    )
+
+
+def _with_backbone(
+    process: tff.learning.templates.LearningProcess,
+    state: Any,
+    backbone: tff.learning.models.ModelWeights,
+) -> Any:
+    weights = process.get_model_weights(state)
+    if isinstance(weights.trainable, Mapping):  # DP-FedAvg: keep the initial global head
+        weights = tff.learning.models.ModelWeights(
+            trainable={**weights.trainable, "backbone": list(backbone.trainable)},
+            non_trainable={**weights.non_trainable, "backbone": list(backbone.non_trainable)},
+        )
+    else:
+        weights = backbone
+    return process.set_model_weights(state, weights)
+
+
+def _head_capacity_check(config: TrainJobConfig) -> Callable[[Mapping[str, Any], Any], None]:
+    capacity = config.client_config().head_capacity
+
+    def check(record: Mapping[str, Any], training_metrics: Any) -> None:
+        dropped = int(training_metrics["client_work"]["examples_over_head_capacity"])
+        if dropped:
+            cause = (
+                f"exceed the local head capacity {capacity}; raise head_capacity"
+                if config.algorithm != DP_FEDAVG
+                else "have identities outside the training vocabulary"
+            )
+            raise ValueError(f"round {record['round']}: {dropped} training examples {cause}")
+
+    return check
+
+
+def _train_federated(
+    config: TrainJobConfig,
+    partition_dir: str,
+    reader: partition.PartitionReader,
+    user_ids: list[str],
+    spec: accounting.AccountingSpec,
+    evaluator: HeldOutEvaluator,
+    checkpoint_dir: str,
+    pretrained: tff.learning.models.ModelWeights | None,
+    progress: Callable[[Mapping[str, Any]], None] | None,
+) -> _Outcome:
+    plan = schedule_for(config, len(user_ids))
+    process = _build_process(config, plan, reader, user_ids)
+    ids = client_data.VirtualClientIds(partition_dir, plan, user_ids)
+    initial_state = None
+    if pretrained is not None:
+        initial_state = _with_backbone(process, process.initialize(), pretrained)
+    check_head = _head_capacity_check(config)
+
+    def on_round(record: Mapping[str, Any], training_metrics: Any) -> None:
+        check_head(record, training_metrics)
+        if progress is not None:
+            progress(record)
+
+    result, ledger = training.train(
+        process,
+        ids.for_round,
+        PrivacyLedger(spec),
+        lambda text: PrivacyLedger.from_json(text, expected_spec=spec),
+        training.TrainingProgramConfig(
+            config.rounds, checkpoint_dir, evaluate_every=config.evaluate_every
+        ),
+        evaluate=lambda state, _: evaluator(
+            processes.backbone_model_weights(process.get_model_weights(state))
+        ),
+        initial_state=initial_state,
+        on_round=on_round,
+    )
+    backbone = processes.backbone_model_weights(process.get_model_weights(result.state))
+    return _Outcome(backbone, ledger, result.history, result.resumed_from_round)
+
+
+def _all_training_examples(
+    reader: partition.PartitionReader, partition_dir: str, image_shape
+) -> tf.data.Dataset:  # noqa: ANN001
+    parts = sorted({reader.location(u).part_file for u in reader.user_ids()})
+    files = [os.path.join(partition_dir, p) for p in parts]
+    return tf.data.TFRecordDataset(files).map(lambda s: client_data.parse_example(s, image_shape))
+
+
+def _train_centralized(
+    config: TrainJobConfig,
+    partition_dir: str,
+    reader: partition.PartitionReader,
+    user_ids: list[str],
+    spec: accounting.AccountingSpec,
+    evaluator: HeldOutEvaluator,
+    checkpoint_dir: str,
+    pretrained: tff.learning.models.ModelWeights | None,
+    progress: Callable[[Mapping[str, Any]], None] | None,
+) -> _Outcome:
+    trainer = processes.CentralizedTrainer(
+        config.backbone_config,
+        _training_identity_vocabulary(reader, user_ids),
+        learning_rate=config.server_learning_rate,
+        batch_size=config.batch_size,
+        momentum=config.server_momentum,
+        seed=config.seed,
+        initial_backbone=pretrained,
+    )
+    examples = _all_training_examples(reader, partition_dir, config.image_shape)
+    epoch = tf.Variable(0, dtype=tf.int64)
+    ledger_text = tf.Variable(PrivacyLedger(spec).to_json())
+    history_text = tf.Variable("[]")
+    # Ledger and history live in the checkpoint, so they are saved atomically with the weights.
+    checkpoint = tf.train.Checkpoint(
+        **trainer.checkpoint_objects(), epoch=epoch, ledger=ledger_text, history=history_text
+    )
+    manager = tf.train.CheckpointManager(checkpoint, checkpoint_dir, max_to_keep=2)
+    if manager.latest_checkpoint:
+        checkpoint.restore(manager.latest_checkpoint)
+    ledger = PrivacyLedger.from_json(ledger_text.numpy().decode(), expected_spec=spec)
+    history = json.loads(history_text.numpy().decode())
+    start = int(epoch.numpy())
+    for e in range(start, config.rounds):
+        began = time.perf_counter()
+        trainer.train_epoch(examples, e)
+        done = e + 1
+        ledger.record_round(done)
+        record: dict[str, Any] = {
+            "round": done,
+            "epsilon": ledger.epsilon,
+            "round_seconds": time.perf_counter() - began,
+        }
+        if done == config.rounds or (config.evaluate_every and done % config.evaluate_every == 0):
+            record["eval"] = evaluator(models.backbone_weights(trainer.backbone))
+        history.append(record)
+        if progress is not None:
+            progress(record)
+        epoch.assign(done)
+        ledger_text.assign(ledger.to_json())
+        history_text.assign(json.dumps(history))
+        manager.save(checkpoint_number=done)
+    return _Outcome(models.backbone_weights(trainer.backbone), ledger, history, start)
+
+
+# Outputs.
+
+
+def _json_ready(value: Any) -> Any:
+    """Strict JSON: non-finite floats (infinite epsilon) become null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    return value
+
+
+def _write_text(path: str, text: str) -> None:
+    temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with tf.io.gfile.GFile(temporary, "w") as f:
+        f.write(text)
+    tf.io.gfile.rename(temporary, path, overwrite=True)
+
+
+def _export(
+    config: TrainJobConfig, backbone: tff.learning.models.ModelWeights, output_dir: str
+) -> str:
+    final = os.path.join(output_dir, SAVED_MODEL_DIR)
+    temporary = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+    export.export_serving_model(config.backbone_config, backbone, temporary)
+    if tf.io.gfile.exists(final):
+        tf.io.gfile.rmtree(final)
+    tf.io.gfile.rename(temporary, final)
+    return final
+
+
+def _job_record(config: TrainJobConfig, reader: partition.PartitionReader) -> dict[str, Any]:
+    return {
+        "format": JOB_FORMAT,
+        "config": config.to_dict(),
+        "partition": {"users": reader.manifest["users"], "records": reader.manifest["records"]},
+    }
+
+
+def _claim_output_dir(output_dir: str, job: dict[str, Any]) -> None:
+    """Records the job in OUTPUT, or checks that a re-run is the same job (resume)."""
+    path = os.path.join(output_dir, JOB_FILE)
+    if tf.io.gfile.exists(path):
+        with tf.io.gfile.GFile(path) as f:
+            previous = json.load(f)
+        changed = sorted(
+            name
+            for name in set(previous.get("config", {})) | set(job["config"])
+            if previous.get("config", {}).get(name) != job["config"].get(name)
+            and name not in _RESUMABLE_CHANGES
+        )
+        if previous.get("partition") != job["partition"]:
+            changed.append("partition (users/records)")
+        if changed:
+            raise ValueError(
+                f"{output_dir} holds a training job with different {', '.join(changed)}; "
+                "use a new output directory"
+            )
+    tf.io.gfile.makedirs(output_dir)
+    _write_text(path, json.dumps(job, indent=1, sort_keys=True))
+
+
+def _privacy_summary(
+    config: TrainJobConfig, ledger: PrivacyLedger, analysis: str
+) -> dict[str, Any]:
+    epsilon = ledger.epsilon
+    private = config.private and math.isfinite(epsilon)
+    if config.algorithm == CENTRALIZED:
+        guarantee = "non-private: centralized oracle (no clipping, no noise)"
+    elif not private:
+        guarantee = "non-private: noise multiplier 0 (no DP guarantee)"
+    else:
+        guarantee = f"user-level ({epsilon:.4g}, {ledger.delta:.3g})-DP; {analysis}"
+    return {
+        "private": private,
+        "privacy": guarantee,
+        "epsilon": epsilon,
+        "delta": ledger.delta,
+        "zcdp_rho": ledger.history[-1].zcdp_rho if ledger.history else None,
+    }
+
+
+def run_train_job(
+    config: TrainJobConfig,
+    partition_dir: str,
+    eval_records: str,
+    output_dir: str,
+    pretrained_backbone: str | None = None,
+    *,
+    progress: Callable[[Mapping[str, Any]], None] | None = None,
+) -> TrainJobResult:
+    """Trains (or resumes) one job and writes its outputs (module docstring).
+
+    Args:
+      config: hyperparameters.
+      partition_dir: training users, partitioned by `beam_jobs.partition`.
+      eval_records: held-out canonical records (directory or glob; `record_files`).
+      output_dir: checkpoints, saved_model, ledger.json, metrics.json.
+      pretrained_backbone: path accepted by `models.load_pretrained_backbone`.
+      progress: called with each round's history record (round, epsilon, seconds, eval).
+
+    Raises:
+      ValueError: bad input (not a partition, no evaluation records, too few users for a
+        round, over budget, a different job already in `output_dir`, ...).
+    """
+    started = time.perf_counter()
+    reader = partition.PartitionReader(partition_dir)
+    user_ids = reader.user_ids()
+    spec = accounting_spec_for(config, len(user_ids))
+    planned = accounting.compute_privacy(spec)
+    _check_budget(config, planned)
+    evaluator = HeldOutEvaluator(config.backbone_config, eval_records)
+    pretrained = (
+        models.backbone_weights(
+            models.load_pretrained_backbone(config.backbone_config, pretrained_backbone)
+        )
+        if pretrained_backbone
+        else None
+    )
+    _claim_output_dir(output_dir, _job_record(config, reader))
+    checkpoint_dir = os.path.join(output_dir, CHECKPOINT_DIR)
+    arguments = (
+        config,
+        partition_dir,
+        reader,
+        user_ids,
+        spec,
+        evaluator,
+        checkpoint_dir,
+        pretrained,
+        progress,
+    )
+    if config.algorithm == CENTRALIZED:
+        outcome = _train_centralized(*arguments)
+    else:
+        owns_runtime = runtime.active() is None
+        if owns_runtime:
+            runtime.start(handle_signals=False)
+        try:
+            outcome = _train_federated(*arguments)
+        finally:
+            if owns_runtime:
+                runtime.stop()
+    saved_model_dir = _export(config, outcome.backbone, output_dir)
+    ledger_path = os.path.join(output_dir, LEDGER_FILE)
+    _write_text(ledger_path, outcome.ledger.to_json())
+    final_eval = outcome.history[-1]["eval"]
+    summary = {
+        "algorithm": config.algorithm,
+        "recall_at_far": final_eval["recall_at_far"],
+        **_privacy_summary(config, outcome.ledger, planned.analysis),
+        "rounds": outcome.ledger.rounds_recorded,
+        "rounds_are": "epochs over all training users"
+        if config.algorithm == CENTRALIZED
+        else "federated rounds",
+        "resumed_from_round": outcome.resumed_from_round,
+        "wall_seconds": time.perf_counter() - started,
+        "evaluation": {
+            "records": eval_records,
+            "images": int(len(evaluator.labels)),
+            "identities": int(len(np.unique(evaluator.labels))),
+            "held_out": "identities and users never in training",
+        },
+        "training_users": len(user_ids),
+        "history": outcome.history,
+        "config": config.public_dict(),
+        "saved_model": saved_model_dir,
+        "ledger": ledger_path,
+    }
+    summary = _json_ready(summary)
+    metrics_path = os.path.join(output_dir, METRICS_FILE)
+    _write_text(metrics_path, json.dumps(summary, indent=1, allow_nan=False))
+    return TrainJobResult(output_dir, saved_model_dir, metrics_path, ledger_path, summary)
