@@ -22,3 +22,9 @@ lock: setup
 
 clean:
 	rm -rf .venv .cache .pytest_cache
+
+.PHONY: run
+RUN_ARGS ?=
+# The whole TFX pipeline on the built-in synthetic data (README "The pipeline").
+run: setup
+	.venv/bin/dp-fedemb run $(RUN_ARGS)

@@ -20,6 +20,10 @@ COMMANDS: dict[str, str] = {
     "version": "pipeline.commands.version",
     "data": "pipeline.commands.data",
     "privacy": "pipeline.commands.privacy",
+    "train": "pipeline.commands.train",
+    "evaluate": "pipeline.commands.evaluate",
+    "run": "pipeline.commands.run",
+    "compile": "pipeline.commands.compile",
 }
 
 EXIT_USAGE = 2

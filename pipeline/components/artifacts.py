@@ -1,0 +1,50 @@
+"""Artifact types the dp-fedemb pipeline adds to ML Metadata (namespaced, as KFP V2 requires).
+
+Standard TFX types (Examples, Model, ModelBlessing, ModelEvaluation, PushedModel)
+are used where they fit; these types name what the standard ones cannot. Custom
+properties that lineage queries read (epsilon, delta) are written by the
+components as MLMD custom properties, so no file has to be opened to find them.
+"""
+
+from tfx import types
+
+
+class DedupReport(types.Artifact):
+    """dedup_report.json: exact and near duplicates removed from train and public data."""
+
+    TYPE_NAME = "dp_fedemb.DedupReport"
+
+
+class VirtualClientPartition(types.Artifact):
+    """User-sharded training records (beam_jobs.partition layout) for virtual clients."""
+
+    TYPE_NAME = "dp_fedemb.VirtualClientPartition"
+
+
+class ScheduleStatistics(types.Artifact):
+    """participation.json: what the privacy accountant needs to know of the schedule."""
+
+    TYPE_NAME = "dp_fedemb.ScheduleStatistics"
+
+
+class PrivacyLedger(types.Artifact):
+    """ledger.json of a private training run; custom properties epsilon and delta."""
+
+    TYPE_NAME = "dp_fedemb.PrivacyLedger"
+
+
+class TrainingMetrics(types.Artifact):
+    """metrics.json of a training run (held-out recall@FAR, epsilon, rounds, time)."""
+
+    TYPE_NAME = "dp_fedemb.TrainingMetrics"
+
+
+class PipelineReport(types.Artifact):
+    """index.html with plots: ROC, recall during training, ledger, extrapolation."""
+
+    TYPE_NAME = "dp_fedemb.PipelineReport"
+
+
+# Custom property names shared by the components and the lineage query.
+EPSILON = "epsilon"
+DELTA = "delta"

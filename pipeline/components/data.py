@@ -1,0 +1,169 @@
+"""Data components: canonical ExampleGen, dedup, virtual-client partition and schedule.
+
+Thin wrappers over beam_jobs: each stages its inputs, calls one library job with the
+pipeline's Beam arguments, publishes the outputs into its artifacts and copies the
+numbers a reader of ML Metadata wants (counts) into custom properties.
+"""
+
+import json
+import os
+
+import tensorflow as tf
+from tensorflow_metadata.proto.v0 import anomalies_pb2
+from tfx import v1 as tfx
+from tfx.types import standard_artifacts
+
+from pipeline.components import artifacts, layout
+
+_STAGING = "_staging"
+
+
+@tfx.dsl.components.component
+def CanonicalExampleGen(
+    examples: tfx.dsl.components.OutputArtifact[standard_artifacts.Examples],
+    input_sources: tfx.dsl.components.Parameter[str],
+    synthetic_config: tfx.dsl.components.Parameter[str],
+    split_config: tfx.dsl.components.Parameter[str],
+    max_bad_fraction: tfx.dsl.components.Parameter[float],
+    identity_feature: tfx.dsl.components.Parameter[str],
+    beam_args: tfx.dsl.components.Parameter[str],
+    code_fingerprint: tfx.dsl.components.Parameter[str],
+) -> None:
+    """Ingests inputs into canonical records split by identity and user (Split-<name>).
+
+    With no input sources the embedded synthetic dataset is rendered first (an image
+    folder, read by the same loader a user's folder would be). Parameters holding
+    lists or mappings are JSON.
+    """
+    from beam_jobs import ingest, splits, synthetic
+
+    del code_fingerprint  # a cache key only (pipeline.fingerprint)
+    staging = os.path.join(examples.uri, _STAGING)
+    sources = json.loads(input_sources)
+    if not sources:
+        folder = os.path.join(staging, "synthetic")
+        synthetic.write_image_folder(
+            folder, synthetic.SyntheticConfig(**json.loads(synthetic_config))
+        )
+        sources = [folder]
+    arguments = json.loads(beam_args)
+    ingest_summary = ingest.run_ingest(
+        sources,
+        os.path.join(staging, "ingested"),
+        max_bad_fraction,
+        arguments,
+        identity_feature or None,
+    )
+    config = splits.SplitConfig(**json.loads(split_config))
+    split_summary = splits.run_split(
+        os.path.join(staging, "ingested"), os.path.join(staging, "split"), config, arguments
+    )
+    layout.publish_splits(os.path.join(staging, "split"), list(config.splits), examples)
+    with tf.io.gfile.GFile(os.path.join(examples.uri, "summary.json"), "w") as f:
+        f.write(
+            json.dumps({"ingest": ingest_summary, "split": split_summary}, indent=1, sort_keys=True)
+        )
+    layout.remove_tree(staging)
+    examples.set_int_custom_property("records", ingest_summary["records"])
+    examples.set_int_custom_property("bad_inputs", ingest_summary["bad"])
+    for split in config.splits:
+        examples.set_int_custom_property(f"users_{split}", split_summary["users"][split])
+
+
+def _anomalies_found(anomalies: standard_artifacts.ExampleAnomalies) -> list[str]:
+    found = []
+    for split in layout.split_names(anomalies):
+        path = os.path.join(layout.split_dir(anomalies, split), "SchemaDiff.pb")
+        report = anomalies_pb2.Anomalies()
+        with tf.io.gfile.GFile(path, "rb") as f:
+            report.ParseFromString(f.read())
+        found.extend(f"{split}:{feature}" for feature in report.anomaly_info)
+    return sorted(found)
+
+
+@tfx.dsl.components.component
+def DeduplicateSplits(
+    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
+    anomalies: tfx.dsl.components.InputArtifact[standard_artifacts.ExampleAnomalies],
+    deduplicated_examples: tfx.dsl.components.OutputArtifact[standard_artifacts.Examples],
+    dedup_report: tfx.dsl.components.OutputArtifact[artifacts.DedupReport],
+    dedup_config: tfx.dsl.components.Parameter[str],
+    beam_args: tfx.dsl.components.Parameter[str],
+    code_fingerprint: tfx.dsl.components.Parameter[str],
+) -> None:
+    """Removes train (and public) images equal or near to evaluation (and private) ones.
+
+    Refuses data the ExampleValidator found anomalies in: validation gates what trains.
+    """
+    from beam_jobs import dedup
+
+    del code_fingerprint
+    found = _anomalies_found(anomalies)
+    if found:
+        raise ValueError(
+            f"ExampleValidator found anomalies in {', '.join(found)}; see {anomalies.uri}"
+        )
+    staging = os.path.join(deduplicated_examples.uri, _STAGING)
+    layout.stage_splits(examples, os.path.join(staging, "input"))
+    report = dedup.run_dedup(
+        os.path.join(staging, "input"),
+        os.path.join(staging, "output"),
+        dedup.DedupConfig(**json.loads(dedup_config)),
+        json.loads(beam_args),
+    )
+    layout.publish_splits(
+        os.path.join(staging, "output"), layout.split_names(examples), deduplicated_examples
+    )
+    tf.io.gfile.rename(
+        os.path.join(staging, "output", dedup.REPORT_FILE),
+        os.path.join(dedup_report.uri, dedup.REPORT_FILE),
+    )
+    layout.remove_tree(staging)
+    for name, part in report.items():
+        dedup_report.set_int_custom_property(
+            f"{name}_removed", part["removed_exact"] + part["removed_near"]
+        )
+
+
+@tfx.dsl.components.component
+def PartitionVirtualClients(
+    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
+    partition: tfx.dsl.components.OutputArtifact[artifacts.VirtualClientPartition],
+    schedule_statistics: tfx.dsl.components.OutputArtifact[artifacts.ScheduleStatistics],
+    num_shards: tfx.dsl.components.Parameter[int],
+    users_per_virtual_client: tfx.dsl.components.Parameter[int],
+    virtual_clients_per_round: tfx.dsl.components.Parameter[int],
+    rounds: tfx.dsl.components.Parameter[int],
+    schedule_mode: tfx.dsl.components.Parameter[str],
+    beam_args: tfx.dsl.components.Parameter[str],
+    code_fingerprint: tfx.dsl.components.Parameter[str],
+) -> None:
+    """Shards the private train split by user and records the schedule's participation."""
+    from beam_jobs import partition as partition_job
+    from beam_jobs import schedule, splits
+
+    del code_fingerprint
+    spec = partition_job.ScheduleSpec(
+        users_per_virtual_client, virtual_clients_per_round, rounds, schedule_mode
+    )
+    partition_job.run_partition(
+        layout.split_dir(examples, splits.TRAIN),
+        partition.uri,
+        num_shards,
+        spec,
+        beam_args=json.loads(beam_args),
+    )
+    source = os.path.join(partition.uri, partition_job.PARTICIPATION_FILE)
+    with tf.io.gfile.GFile(source) as f:
+        stats = schedule.ParticipationStats.from_json(f.read())
+    tf.io.gfile.copy(
+        source,
+        os.path.join(schedule_statistics.uri, partition_job.PARTICIPATION_FILE),
+        overwrite=True,
+    )
+    partition.set_int_custom_property("users", stats.users)
+    for name, value in stats.to_dict().items():
+        if isinstance(value, int):
+            schedule_statistics.set_int_custom_property(name, value)
+        else:
+            schedule_statistics.set_string_custom_property(name, str(value))

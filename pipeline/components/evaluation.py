@@ -1,0 +1,133 @@
+"""EvaluateAndBless: exact recall@FAR on held-out identities, ROC, and the blessing gates.
+
+A model is blessed only if
+- its privacy ledger's epsilon is finite and within the configured budget (a model over
+  budget is never blessed, whatever its recall), and
+- its recall at the gate FAR is no worse (up to `max_recall_regression`) than that of
+  the last blessed model, which the standard LatestBlessedModelStrategy resolver gives.
+The blessing follows the TFX Evaluator contract the standard Pusher checks: custom
+properties `blessed`, `current_model`, `current_model_id`, and a BLESSED or NOT_BLESSED
+file.
+"""
+
+import json
+import math
+import os
+
+import tensorflow as tf
+from tfx import types
+from tfx import v1 as tfx
+from tfx.types import standard_artifacts
+
+from pipeline.components import artifacts, layout
+
+EVALUATION_FILE = "evaluation.json"
+
+
+def _verification(model_dir: str, records_dir: str) -> dict:
+    from tff_algorithms import train_job
+
+    return train_job.evaluate_saved_model(model_dir, records_dir)
+
+
+def _far_key(far: float) -> str:
+    return format(far, "g")
+
+
+def _blessing_decision(
+    epsilon: float,
+    budget: float,
+    candidate_recall: float,
+    baseline_recall: float | None,
+    max_regression: float,
+) -> list[str]:
+    """Reasons not to bless; empty when the model is blessed."""
+    reasons = []
+    if not math.isfinite(epsilon):
+        reasons.append("epsilon is infinite (no privacy)")
+    elif epsilon > budget:
+        reasons.append(f"epsilon {epsilon:.4g} exceeds the privacy budget {budget:.4g}")
+    if baseline_recall is not None and candidate_recall < baseline_recall - max_regression:
+        reasons.append(
+            f"recall {candidate_recall:.4f} is below the last blessed model's {baseline_recall:.4f}"
+        )
+    return reasons
+
+
+@tfx.dsl.components.component
+def EvaluateAndBless(
+    model: tfx.dsl.components.InputArtifact[standard_artifacts.Model],
+    privacy_ledger: tfx.dsl.components.InputArtifact[artifacts.PrivacyLedger],
+    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
+    evaluation: tfx.dsl.components.OutputArtifact[standard_artifacts.ModelEvaluation],
+    blessing: tfx.dsl.components.OutputArtifact[standard_artifacts.ModelBlessing],
+    privacy_budget_epsilon: tfx.dsl.components.Parameter[float],
+    gate_far: tfx.dsl.components.Parameter[float],
+    max_recall_regression: tfx.dsl.components.Parameter[float],
+    code_fingerprint: tfx.dsl.components.Parameter[str],
+    baseline_model: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
+    pretrained_backbone: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
+) -> None:
+    """Evaluates on the test split (identities and users never seen in training)."""
+    from beam_jobs import splits
+
+    del code_fingerprint
+    test_dir = layout.split_dir(examples, splits.TEST)
+    epsilon = privacy_ledger.get_float_custom_property(artifacts.EPSILON)
+    if model.get_float_custom_property(artifacts.EPSILON) != epsilon:
+        raise ValueError("the privacy ledger given is not the one of the model evaluated")
+    candidate = _verification(layout.serving_model_dir(model), test_dir)
+    report = {
+        "model": {"uri": model.uri, "id": model.id, **candidate},
+        "epsilon": epsilon,
+        "delta": privacy_ledger.get_float_custom_property(artifacts.DELTA),
+        "privacy_budget_epsilon": privacy_budget_epsilon,
+        "gate_far": gate_far,
+    }
+    baseline_recall = None
+    if baseline_model is not None:
+        if baseline_model.id == model.id:
+            baseline = candidate
+        else:
+            baseline = _verification(layout.serving_model_dir(baseline_model), test_dir)
+        baseline_recall = baseline["recall_at_far"][_far_key(gate_far)]
+        report["baseline"] = {"uri": baseline_model.uri, "id": baseline_model.id, **baseline}
+    if pretrained_backbone is not None:
+        pretrained = _verification(layout.serving_model_dir(pretrained_backbone), test_dir)
+        report["pretrained"] = {"uri": pretrained_backbone.uri, **pretrained}
+    reasons = _blessing_decision(
+        epsilon,
+        privacy_budget_epsilon,
+        candidate["recall_at_far"][_far_key(gate_far)],
+        baseline_recall,
+        max_recall_regression,
+    )
+    report["blessed"] = not reasons
+    report["not_blessed_because"] = reasons
+    with tf.io.gfile.GFile(os.path.join(evaluation.uri, EVALUATION_FILE), "w") as f:
+        f.write(json.dumps(report, indent=1))
+    _mark(blessing, model, baseline_model, blessed=not reasons, reasons=reasons)
+    for far, recall in candidate["recall_at_far"].items():
+        evaluation.set_float_custom_property(f"recall_at_far_{far}", recall)
+    evaluation.set_float_custom_property(artifacts.EPSILON, epsilon)
+
+
+def _mark(
+    blessing: types.Artifact,
+    model: types.Artifact,
+    baseline: types.Artifact | None,
+    blessed: bool,
+    reasons: list[str],
+) -> None:
+    with tf.io.gfile.GFile(
+        os.path.join(blessing.uri, "BLESSED" if blessed else "NOT_BLESSED"), "w"
+    ):
+        pass
+    blessing.set_int_custom_property("blessed", int(blessed))
+    blessing.set_string_custom_property("current_model", model.uri)
+    blessing.set_int_custom_property("current_model_id", model.id)
+    if baseline is not None:
+        blessing.set_string_custom_property("baseline_model", baseline.uri)
+        blessing.set_int_custom_property("baseline_model_id", baseline.id)
+    if reasons:
+        blessing.set_string_custom_property("not_blessed_because", "; ".join(reasons))

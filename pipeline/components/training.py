@@ -1,0 +1,178 @@
+"""Training components: non-private pretraining on public data, and private training.
+
+Both call `tff_algorithms.train_job.run_train_job` in a work directory (checkpoints
+there let a killed run resume on retry) and publish only the serving SavedModel
+(backbone only: per-virtual-client heads never leave the job), metrics.json and, for
+private training, the privacy ledger. A private model never leaves the component
+without its epsilon: the Model, PrivacyLedger and TrainingMetrics artifacts all carry
+epsilon and delta as MLMD custom properties.
+"""
+
+import hashlib
+import json
+import os
+from typing import TYPE_CHECKING
+
+import tensorflow as tf
+from tfx import types
+from tfx import v1 as tfx
+from tfx.types import standard_artifacts
+
+from pipeline.components import artifacts, layout
+
+if TYPE_CHECKING:  # imported lazily at run time: TFF is slow to import
+    from tff_algorithms import train_job
+
+# File names inside the TrainingMetrics and PrivacyLedger artifacts.
+METRICS_FILE = "metrics.json"
+LEDGER_FILE = "ledger.json"
+
+
+def _work_dir(output: types.Artifact, *keys: str) -> str:
+    """A directory that survives a failed execution, keyed by what the run depends on.
+
+    Output URIs are new for every execution, so a retry of the same run finds its
+    checkpoints here (PIPELINE_ROOT/<component>/.work/<key>) instead.
+    """
+    component_root = os.path.dirname(os.path.dirname(output.uri))
+    key = hashlib.sha256("\x00".join(keys).encode()).hexdigest()[:16]
+    return os.path.join(component_root, ".work", key)
+
+
+def _run_job(
+    job_config: str,
+    partition_dir: str,
+    eval_records: str,
+    work_dir: str,
+    pretrained_backbone: types.Artifact | None,
+) -> "train_job.TrainJobResult":
+    from tff_algorithms import train_job
+
+    config = train_job.TrainJobConfig.from_dict(json.loads(job_config))
+    backbone_dir = layout.serving_model_dir(pretrained_backbone) if pretrained_backbone else None
+    # The job owns its TFF worker (started and stopped inside, DESIGN.md section 1).
+    return train_job.run_train_job(
+        config, partition_dir, eval_records, work_dir, pretrained_backbone=backbone_dir
+    )
+
+
+def _publish_model(
+    result: "train_job.TrainJobResult", model: types.Artifact, metrics: types.Artifact
+) -> None:
+    """Moves the serving SavedModel where the Pusher looks, and copies metrics.json."""
+    tf.io.gfile.rename(result.saved_model_dir, os.path.join(model.uri, layout.SERVING_MODEL_DIR))
+    tf.io.gfile.copy(result.metrics_path, os.path.join(metrics.uri, METRICS_FILE), overwrite=True)
+
+
+def _set_recall_properties(artifact: types.Artifact, metrics: dict) -> None:
+    for far, recall in metrics["recall_at_far"].items():
+        artifact.set_float_custom_property(f"recall_at_far_{far}", float(recall))
+
+
+@tfx.dsl.components.component
+def PretrainBackbone(
+    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
+    backbone: tfx.dsl.components.OutputArtifact[standard_artifacts.Model],
+    training_metrics: tfx.dsl.components.OutputArtifact[artifacts.TrainingMetrics],
+    train_job_config: tfx.dsl.components.Parameter[str],
+    num_shards: tfx.dsl.components.Parameter[int],
+    beam_args: tfx.dsl.components.Parameter[str],
+    code_fingerprint: tfx.dsl.components.Parameter[str],
+) -> None:
+    """Non-private (centralized) training on the public split only.
+
+    Public users are disjoint from private ones (split by identity and user) and
+    deduplicated against private data, so this model costs no privacy budget.
+    """
+    from beam_jobs import partition, splits
+
+    del code_fingerprint
+    work_dir = _work_dir(backbone, train_job_config, examples.uri)
+    public_partition = os.path.join(work_dir, "public_partition")
+    if not tf.io.gfile.exists(os.path.join(public_partition, partition.MANIFEST_FILE)):
+        partition.run_partition(
+            layout.split_dir(examples, splits.PUBLIC),
+            public_partition,
+            num_shards,
+            beam_args=json.loads(beam_args),
+        )
+    result = _run_job(
+        train_job_config,
+        public_partition,
+        layout.split_dir(examples, splits.VALIDATION),
+        work_dir,
+        pretrained_backbone=None,
+    )
+    _publish_model(result, backbone, training_metrics)
+    layout.remove_tree(work_dir)
+    backbone.set_string_custom_property("trained_on", "public")
+    _set_recall_properties(training_metrics, result.metrics)
+
+
+def _check_schedule(job: dict, statistics: types.Artifact) -> None:
+    """The partition's participation statistics must describe this training schedule."""
+    expected = {
+        "users_per_virtual_client": job["users_per_virtual_client"],
+        "virtual_clients_per_round": job["virtual_clients_per_round"],
+        "rounds": job["rounds"],
+    }
+    for name, value in expected.items():
+        recorded = statistics.get_int_custom_property(name)
+        if recorded != value:
+            raise ValueError(
+                f"schedule statistics were made for {name}={recorded}, training uses {value}"
+            )
+
+
+@tfx.dsl.components.component
+def PrivateTrain(
+    partition: tfx.dsl.components.InputArtifact[artifacts.VirtualClientPartition],
+    schedule_statistics: tfx.dsl.components.InputArtifact[artifacts.ScheduleStatistics],
+    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
+    model: tfx.dsl.components.OutputArtifact[standard_artifacts.Model],
+    privacy_ledger: tfx.dsl.components.OutputArtifact[artifacts.PrivacyLedger],
+    training_metrics: tfx.dsl.components.OutputArtifact[artifacts.TrainingMetrics],
+    train_job_config: tfx.dsl.components.Parameter[str],
+    code_fingerprint: tfx.dsl.components.Parameter[str],
+    pretrained_backbone: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
+) -> None:
+    """User-level DP training (DP-FedEmb, DP-FTRL-FedEmb or DP-FedAvg, by config).
+
+    Recall during training is measured on the validation split (held-out identities
+    and users); the final evaluation uses the test split (EvaluateAndBless).
+    """
+    from beam_jobs import splits
+    from tff_algorithms import ledger as ledger_lib
+
+    del code_fingerprint
+    job = json.loads(train_job_config)
+    _check_schedule(job, schedule_statistics)
+    keys = [train_job_config, partition.uri, examples.uri]
+    if pretrained_backbone is not None:
+        keys.append(pretrained_backbone.uri)
+    work_dir = _work_dir(model, *keys)
+    result = _run_job(
+        train_job_config,
+        partition.uri,
+        layout.split_dir(examples, splits.VALIDATION),
+        work_dir,
+        pretrained_backbone,
+    )
+    with tf.io.gfile.GFile(result.ledger_path) as f:
+        ledger_json = f.read()
+    ledger = ledger_lib.PrivacyLedger.from_json(ledger_json)
+    if ledger.rounds_recorded != job["rounds"]:
+        raise ValueError(
+            f"privacy ledger records {ledger.rounds_recorded} rounds, training ran {job['rounds']}"
+        )
+    with tf.io.gfile.GFile(os.path.join(privacy_ledger.uri, LEDGER_FILE), "w") as f:
+        f.write(ledger_json)
+    _publish_model(result, model, training_metrics)
+    layout.remove_tree(work_dir)
+    for artifact in (model, privacy_ledger, training_metrics):
+        artifact.set_float_custom_property(artifacts.EPSILON, ledger.epsilon)
+        artifact.set_float_custom_property(artifacts.DELTA, ledger.delta)
+    model.set_string_custom_property("algorithm", job["algorithm"])
+    privacy_ledger.set_int_custom_property("rounds", ledger.rounds_recorded)
+    privacy_ledger.set_string_custom_property("mechanism", ledger.spec.mechanism.value)
+    _set_recall_properties(training_metrics, result.metrics)

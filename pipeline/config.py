@@ -1,0 +1,366 @@
+"""The one typed configuration of a pipeline run: file (JSON or YAML) plus overrides.
+
+`load_config(path, overrides)` reads the file, applies `section.key=value` overrides
+(values in YAML syntax: `train.rounds=5`, `data.inputs=[/data/a, /data/b]`), checks
+every key and type, and validates the values by building the library objects they
+configure (SyntheticConfig, SplitConfig, DedupConfig, TrainJobConfig, ...). Every
+problem is a ValueError with one line, raised before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+ALGORITHMS = ("dp-fedemb", "dp-fedavg", "dp-ftrl-fedemb")
+PRETRAIN_SOURCES = ("public", "import", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSection:
+    name: str = "dp-fedemb"
+    # Where the pipeline root, the MLMD store, the serving directory and the report go.
+    output_dir: str = "dp-fedemb-run"
+    enable_cache: bool = True
+    # Container image of the components when compiled for Kubeflow or Airflow.
+    image: str = "dp-fedemb:latest"
+    beam_args: tuple[str, ...] = ("--runner=DirectRunner", "--direct_num_workers=1")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSection:
+    """The embedded synthetic dataset, used when data.inputs is empty."""
+
+    identities: int = 600
+    images_per_identity: int = 10
+    image_size: int = 28
+    channels: int = 1
+    identities_per_user: int = 1
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    # Image folders, canonical TFRecords or TFF SQLite files; empty: synthetic data.
+    inputs: tuple[str, ...] = ()
+    max_bad_fraction: float = 0.01
+    identity_feature: str | None = None
+    synthetic: SyntheticSection = SyntheticSection()
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSection:
+    validation_fraction: float = 0.1
+    test_fraction: float = 0.15
+    # Identities (and their users) for non-private pretraining.
+    public_fraction: float = 0.25
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DedupSection:
+    hamming_threshold: int = 8
+    max_shift: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionSection:
+    num_shards: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainSection:
+    # public: train non-privately on the public split; import: use backbone_dir;
+    # none: private training starts from a random backbone.
+    source: str = "public"
+    backbone_dir: str = ""
+    # TrainJobConfig fields for the centralized run (rounds are epochs; it uses the
+    # server learning rate and momentum), over those of `train`.
+    job: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: {"rounds": 8, "evaluate_every": 2}
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateSection:
+    # A model whose epsilon exceeds this is never blessed.
+    privacy_budget_epsilon: float = 10.0
+    # The FAR whose recall is compared with the last blessed model: one of those the
+    # evaluation reports (tff_algorithms.metrics.DEFAULT_FARS).
+    gate_far: float = 0.01
+    # Blessed only if recall@gate_far >= baseline recall - this.
+    max_recall_regression: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PushSection:
+    # Versioned serving directory; empty: OUTPUT/serving.
+    serving_dir: str = ""
+
+
+def _default_train() -> dict[str, Any]:
+    return {
+        "algorithm": "dp-fedemb",
+        "rounds": 30,
+        # epsilon 7.2 at delta 1e-4 for the default data's ~280 training users.
+        "noise_multiplier": 1.0,
+        "clip_norm": 1.0,
+        "users_per_virtual_client": 2,
+        "virtual_clients_per_round": 16,
+        "delta": 1e-4,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    pipeline: PipelineSection = PipelineSection()
+    data: DataSection = DataSection()
+    split: SplitSection = SplitSection()
+    dedup: DedupSection = DedupSection()
+    partition: PartitionSection = PartitionSection()
+    pretrain: PretrainSection = PretrainSection()
+    # TrainJobConfig fields (tff_algorithms.train_job) of the private training run.
+    train: Mapping[str, Any] = dataclasses.field(default_factory=_default_train)
+    evaluate: EvaluateSection = EvaluateSection()
+    push: PushSection = PushSection()
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @property
+    def serving_dir(self) -> str:
+        return self.push.serving_dir or os.path.join(self.pipeline.output_dir, "serving")
+
+    def train_job_dict(self) -> dict[str, Any]:
+        """The private run's TrainJobConfig as a dict (validated)."""
+        return _train_job_config(dict(self.train), "train").to_dict()
+
+    def pretrain_job_dict(self) -> dict[str, Any]:
+        """The centralized pretraining run's TrainJobConfig: train, then pretrain.job."""
+        # Public data costs no budget: a train.max_epsilon must not stop the (noiseless) run.
+        values = {
+            **self.train,
+            **self.pretrain.job,
+            "algorithm": "centralized",
+            "max_epsilon": None,
+        }
+        return _train_job_config(values, "pretrain.job").to_dict()
+
+
+# Reading and checking.
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """`value` as `annotation`, or a one-line ValueError naming `key`."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [o for o in options if o is not type(None)]
+        return _coerce(value, inner, key)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, Mapping):
+            raise ValueError(f"config {key} must be a mapping, got {value!r}")
+        return _build_section(annotation, value, key)
+    if origin is tuple:
+        (item,) = {a for a in typing.get_args(annotation) if a is not Ellipsis}
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise ValueError(f"config {key} must be a list, got {value!r}")
+        return tuple(_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin in (Mapping, dict) or annotation is Mapping:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"config {key} must be a mapping, got {value!r}")
+        return dict(value)
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"config {key} must be true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config {key} must be an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config {key} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"config {key} must be finite, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ValueError(f"config {key} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config annotation {_type_name(annotation)} at {key}")
+
+
+def _build_section(section_type: type, values: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(section_type)
+    names = [f.name for f in dataclasses.fields(section_type)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ValueError(
+            f"unknown config key {where}{unknown[0]} (known in {prefix or 'the top level'}: "
+            f"{', '.join(names)})"
+        )
+    kwargs = {
+        name: _coerce(values[name], hints[name], f"{prefix}.{name}" if prefix else name)
+        for name in names
+        if name in values
+    }
+    return section_type(**kwargs)
+
+
+def _train_job_config(values: Mapping[str, Any], key: str) -> Any:
+    from tff_algorithms import train_job
+
+    names = [f.name for f in dataclasses.fields(train_job.TrainJobConfig)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"unknown config key {key}.{unknown[0]} (known: {', '.join(names)})")
+    try:
+        return train_job.TrainJobConfig.from_dict(dict(values))
+    except (TypeError, ValueError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"config {key}: {message}") from None
+
+
+def _set_dotted(values: dict[str, Any], dotted_key: str, value: Any) -> None:
+    *parents, leaf = dotted_key.split(".")
+    node = values
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(
+                f"config override {dotted_key}: {'.'.join(parents[: i + 1])} is not a section"
+            )
+        node = child
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`section.key=value` (value in YAML syntax) -> (dotted key, value)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override must look like section.key=value, got {text!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        raise ValueError(f"override {key}: cannot parse value {raw!r}") from None
+    return key.strip(), value
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        first = str(e).splitlines()[0]
+        raise ValueError(
+            f"config file {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {first}"
+        ) from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a mapping of sections")
+    return values
+
+
+def config_from_dict(values: Mapping[str, Any]) -> PipelineConfig:
+    config = _build_section(PipelineConfig, values, "")
+    validate(config)
+    return config
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> PipelineConfig:
+    """The validated config from an optional file and `section.key=value` overrides."""
+    values = read_config_file(path) if path else {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(values, key, value)
+    return config_from_dict(values)
+
+
+def validate(config: PipelineConfig) -> None:
+    """Checks values by building the library objects they configure; one-line errors."""
+    from beam_jobs import dedup, splits, synthetic
+
+    def check(what: str, build) -> None:
+        try:
+            build()
+        except ValueError as e:
+            raise ValueError(f"config {what}: {str(e).splitlines()[0]}") from None
+
+    if not config.pipeline.name.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(
+            f"config pipeline.name must be letters, digits, - or _, got {config.pipeline.name!r}"
+        )
+    if not config.pipeline.output_dir:
+        raise ValueError("config pipeline.output_dir must not be empty")
+    for source in config.data.inputs:
+        if not os.path.exists(source) and "://" not in source:
+            raise ValueError(f"config data.inputs: {source} does not exist")
+    if not 0.0 <= config.data.max_bad_fraction <= 1.0:
+        raise ValueError(
+            f"config data.max_bad_fraction must be in [0, 1], got {config.data.max_bad_fraction}"
+        )
+    check(
+        "data.synthetic",
+        lambda: synthetic.SyntheticConfig(**dataclasses.asdict(config.data.synthetic)),
+    )
+    check("split", lambda: splits.SplitConfig(**dataclasses.asdict(config.split)))
+    check("dedup", lambda: dedup.DedupConfig(**dataclasses.asdict(config.dedup)))
+    if config.partition.num_shards < 1:
+        raise ValueError(
+            f"config partition.num_shards must be >= 1, got {config.partition.num_shards}"
+        )
+    train = config.train_job_dict()
+    if train["algorithm"] not in ALGORITHMS:
+        raise ValueError(
+            f"config train.algorithm must be one of {', '.join(ALGORITHMS)} (private training), "
+            f"got {train['algorithm']!r}"
+        )
+    pretrain = config.pretrain
+    if pretrain.source not in PRETRAIN_SOURCES:
+        raise ValueError(
+            f"config pretrain.source must be one of {', '.join(PRETRAIN_SOURCES)}, got {pretrain.source!r}"
+        )
+    if pretrain.source == "import" and not os.path.isdir(pretrain.backbone_dir):
+        raise ValueError(
+            f"config pretrain.backbone_dir {pretrain.backbone_dir!r} is not a directory (pretrain.source is import)"
+        )
+    if pretrain.source == "public":
+        if config.split.public_fraction <= 0:
+            raise ValueError("config pretrain.source is public but split.public_fraction is 0")
+        config.pretrain_job_dict()
+    evaluate = config.evaluate
+    if not evaluate.privacy_budget_epsilon > 0:
+        raise ValueError(
+            f"config evaluate.privacy_budget_epsilon must be > 0, got {evaluate.privacy_budget_epsilon}"
+        )
+    from tff_algorithms import metrics
+
+    if evaluate.gate_far not in metrics.DEFAULT_FARS:
+        raise ValueError(
+            f"config evaluate.gate_far must be one of {list(metrics.DEFAULT_FARS)}, "
+            f"got {evaluate.gate_far}"
+        )
+    if not 0 <= evaluate.max_recall_regression <= 1:
+        raise ValueError(
+            f"config evaluate.max_recall_regression must be in [0, 1], got {evaluate.max_recall_regression}"
+        )

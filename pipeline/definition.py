@@ -1,0 +1,183 @@
+"""The dp-fedemb TFX pipeline (DESIGN.md section 7), built from a validated PipelineConfig.
+
+CanonicalExampleGen -> StatisticsGen -> SchemaGen -> ExampleValidator -> DeduplicateSplits
+-> PartitionVirtualClients -> [PretrainBackbone | backbone Importer] -> PrivateTrain
+-> EvaluateAndBless (+ latest blessed model resolver) -> Pusher -> RenderReport.
+
+The same function serves every orchestrator: LocalDagRunner runs it, the Kubeflow V2
+and Airflow targets compile it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from tfx import v1 as tfx
+from tfx.types import standard_artifacts
+
+from pipeline import config as config_lib
+from pipeline import fingerprint
+from pipeline.components import data, evaluation, reporting, training
+
+# Node ids, used by partial runs and tests.
+EXAMPLE_GEN = "CanonicalExampleGen"
+STATISTICS_GEN = "StatisticsGen"
+SCHEMA_GEN = "SchemaGen"
+EXAMPLE_VALIDATOR = "ExampleValidator"
+DEDUP = "DeduplicateSplits"
+PARTITION = "PartitionVirtualClients"
+PRETRAIN = "PretrainBackbone"
+BACKBONE_IMPORTER = "BackboneImporter"
+PRIVATE_TRAIN = "PrivateTrain"
+BASELINE_RESOLVER = "LatestBlessedModelResolver"
+EVALUATE = "EvaluateAndBless"
+PUSHER = "Pusher"
+REPORT = "RenderReport"
+
+# The schedule each algorithm trains with (as tff_algorithms.train_job.schedule_for), so
+# the participation statistics published describe the real schedule.
+SCHEDULE_MODES = {"dp-fedemb": "sampled", "dp-fedavg": "sampled", "dp-ftrl-fedemb": "epoch"}
+
+
+def pipeline_root(config: config_lib.PipelineConfig) -> str:
+    return os.path.join(os.path.abspath(config.pipeline.output_dir), "pipeline_root")
+
+
+def metadata_path(config: config_lib.PipelineConfig) -> str:
+    return os.path.join(os.path.abspath(config.pipeline.output_dir), "metadata.sqlite")
+
+
+def _code(component_factory) -> str:
+    return fingerprint.code_fingerprint(component_factory.__module__)
+
+
+def build_components(config: config_lib.PipelineConfig) -> list:
+    beam_args = json.dumps(list(config.pipeline.beam_args))
+    train_job = config.train_job_dict()
+
+    example_gen = data.CanonicalExampleGen(
+        input_sources=json.dumps([os.path.abspath(s) for s in config.data.inputs]),
+        synthetic_config=json.dumps(dataclasses.asdict(config.data.synthetic), sort_keys=True),
+        split_config=json.dumps(dataclasses.asdict(config.split), sort_keys=True),
+        max_bad_fraction=config.data.max_bad_fraction,
+        identity_feature=config.data.identity_feature or "",
+        beam_args=beam_args,
+        code_fingerprint=_code(data.CanonicalExampleGen),
+    ).with_id(EXAMPLE_GEN)
+    statistics_gen = tfx.components.StatisticsGen(examples=example_gen.outputs["examples"]).with_id(
+        STATISTICS_GEN
+    )
+    schema_gen = tfx.components.SchemaGen(
+        statistics=statistics_gen.outputs["statistics"], infer_feature_shape=False
+    ).with_id(SCHEMA_GEN)
+    example_validator = tfx.components.ExampleValidator(
+        statistics=statistics_gen.outputs["statistics"], schema=schema_gen.outputs["schema"]
+    ).with_id(EXAMPLE_VALIDATOR)
+    dedup = data.DeduplicateSplits(
+        examples=example_gen.outputs["examples"],
+        anomalies=example_validator.outputs["anomalies"],
+        dedup_config=json.dumps(dataclasses.asdict(config.dedup), sort_keys=True),
+        beam_args=beam_args,
+        code_fingerprint=_code(data.DeduplicateSplits),
+    ).with_id(DEDUP)
+    examples = dedup.outputs["deduplicated_examples"]
+    partition = data.PartitionVirtualClients(
+        examples=examples,
+        num_shards=config.partition.num_shards,
+        users_per_virtual_client=train_job["users_per_virtual_client"],
+        virtual_clients_per_round=train_job["virtual_clients_per_round"],
+        rounds=train_job["rounds"],
+        schedule_mode=SCHEDULE_MODES[train_job["algorithm"]],
+        beam_args=beam_args,
+        code_fingerprint=_code(data.PartitionVirtualClients),
+    ).with_id(PARTITION)
+    components = [example_gen, statistics_gen, schema_gen, example_validator, dedup, partition]
+
+    backbone = None
+    if config.pretrain.source == "public":
+        pretrain = training.PretrainBackbone(
+            examples=examples,
+            train_job_config=json.dumps(config.pretrain_job_dict(), sort_keys=True),
+            num_shards=config.partition.num_shards,
+            beam_args=beam_args,
+            code_fingerprint=_code(training.PretrainBackbone),
+        ).with_id(PRETRAIN)
+        components.append(pretrain)
+        backbone = pretrain.outputs["backbone"]
+    elif config.pretrain.source == "import":
+        importer = tfx.dsl.Importer(
+            source_uri=os.path.abspath(config.pretrain.backbone_dir),
+            artifact_type=standard_artifacts.Model,
+        ).with_id(BACKBONE_IMPORTER)
+        components.append(importer)
+        backbone = importer.outputs["result"]
+
+    private_train = training.PrivateTrain(
+        partition=partition.outputs["partition"],
+        schedule_statistics=partition.outputs["schedule_statistics"],
+        examples=examples,
+        pretrained_backbone=backbone,
+        train_job_config=json.dumps(train_job, sort_keys=True),
+        code_fingerprint=_code(training.PrivateTrain),
+    ).with_id(PRIVATE_TRAIN)
+    baseline_resolver = tfx.dsl.Resolver(
+        strategy_class=tfx.dsl.experimental.LatestBlessedModelStrategy,
+        model=tfx.dsl.Channel(type=standard_artifacts.Model),
+        model_blessing=tfx.dsl.Channel(type=standard_artifacts.ModelBlessing),
+    ).with_id(BASELINE_RESOLVER)
+    evaluate = evaluation.EvaluateAndBless(
+        model=private_train.outputs["model"],
+        privacy_ledger=private_train.outputs["privacy_ledger"],
+        examples=examples,
+        baseline_model=baseline_resolver.outputs["model"],
+        pretrained_backbone=backbone,
+        privacy_budget_epsilon=config.evaluate.privacy_budget_epsilon,
+        gate_far=config.evaluate.gate_far,
+        max_recall_regression=config.evaluate.max_recall_regression,
+        code_fingerprint=_code(evaluation.EvaluateAndBless),
+    ).with_id(EVALUATE)
+    pusher = tfx.components.Pusher(
+        model=private_train.outputs["model"],
+        model_blessing=evaluate.outputs["blessing"],
+        push_destination=tfx.proto.PushDestination(
+            filesystem=tfx.proto.PushDestination.Filesystem(
+                base_directory=os.path.abspath(config.serving_dir)
+            )
+        ),
+    ).with_id(PUSHER)
+    report = reporting.RenderReport(
+        model_evaluation=evaluate.outputs["evaluation"],
+        privacy_ledger=private_train.outputs["privacy_ledger"],
+        training_metrics=private_train.outputs["training_metrics"],
+        schedule_statistics=partition.outputs["schedule_statistics"],
+        dedup_report=dedup.outputs["dedup_report"],
+        pushed_model=pusher.outputs["pushed_model"],
+        code_fingerprint=_code(reporting.RenderReport),
+    ).with_id(REPORT)
+    return components + [private_train, baseline_resolver, evaluate, pusher, report]
+
+
+def build_pipeline(
+    config: config_lib.PipelineConfig,
+    root: str | None = None,
+    metadata_connection_config=None,
+) -> tfx.dsl.Pipeline:
+    """The pipeline; root and MLMD default to OUTPUT/pipeline_root and OUTPUT/metadata.sqlite.
+
+    Compiled targets pass metadata_connection_config=None and their own root: the
+    orchestrator there owns ML Metadata.
+    """
+    return tfx.dsl.Pipeline(
+        pipeline_name=config.pipeline.name,
+        pipeline_root=root or pipeline_root(config),
+        components=build_components(config),
+        enable_cache=config.pipeline.enable_cache,
+        metadata_connection_config=metadata_connection_config,
+        beam_pipeline_args=list(config.pipeline.beam_args),
+    )
+
+
+def local_metadata_config(config: config_lib.PipelineConfig):
+    return tfx.orchestration.metadata.sqlite_metadata_connection_config(metadata_path(config))

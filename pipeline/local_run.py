@@ -1,0 +1,150 @@
+"""Runs the pipeline with LocalDagRunner and a real ML Metadata store, with progress.
+
+LocalDagRunner runs the nodes one after another in this process and says so in its
+absl log ("Component X is running.", "A cached execution N is used."); a log handler
+turns those lines into one progress line per component, so the console shows the
+pipeline's progress without TFX's INFO flood.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import TextIO
+
+from absl import logging as absl_logging
+from ml_metadata.metadata_store import metadata_store
+from tfx import v1 as tfx
+from tfx.orchestration import pipeline as tfx_pipeline
+
+from pipeline import config as config_lib
+from pipeline import definition, lineage
+from pipeline.components import artifacts, evaluation, reporting
+
+
+class ComponentProgress(logging.Handler):
+    """Prints "[i/n] Component ... done in 12.3 s" (or "reused from cache") lines."""
+
+    def __init__(self, node_ids: list[str], stream: TextIO):
+        super().__init__(level=logging.INFO)
+        self._node_ids = node_ids
+        self._stream = stream
+        self._current: str | None = None
+        self._cached = False
+        self._started = 0.0
+
+    def _line(self, text: str) -> None:
+        self._stream.write(text + "\n")
+        self._stream.flush()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.msg
+        if message == "Component %s is running.":
+            self._current, self._cached, self._started = record.args[0], False, time.monotonic()
+        elif message == "A cached execution %d is used.":
+            self._cached = True
+        elif message == "Component %s is finished." and self._current:
+            position = self._node_ids.index(self._current) + 1
+            outcome = (
+                "reused from cache"
+                if self._cached
+                else f"done in {time.monotonic() - self._started:.1f} s"
+            )
+            self._line(f"[{position}/{len(self._node_ids)}] {self._current}: {outcome}")
+            self._current = None
+
+
+@contextlib.contextmanager
+def _progress_logging(handler: ComponentProgress | None) -> Iterator[None]:
+    """absl INFO goes to the progress handler only; warnings still reach stderr.
+
+    The verbosity is set through absl (not on the logger alone) because TF's SavedModel
+    export saves and restores absl's verbosity around its attribute walk.
+    """
+    if handler is None:
+        yield
+        return
+    absl_logger = absl_logging.get_absl_logger()
+    previous = (absl_logging.get_verbosity(), absl_logger.propagate)
+    warnings_handler = logging.StreamHandler(sys.stderr)
+    warnings_handler.setLevel(logging.WARNING)
+    absl_logger.addHandler(handler)
+    absl_logger.addHandler(warnings_handler)
+    absl_logger.propagate = False
+    absl_logging.set_verbosity(absl_logging.INFO)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(previous[0])
+        absl_logger.propagate = previous[1]
+        absl_logger.removeHandler(warnings_handler)
+        absl_logger.removeHandler(handler)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    pushed_to: str | None
+    epsilon: float
+    delta: float
+    recall_at_far: dict[str, float]
+    blessed: bool
+    not_blessed_because: list[str]
+    report_path: str
+    metadata_path: str
+
+
+def _latest_artifact(store: metadata_store.MetadataStore, type_name: str):
+    found = store.get_artifacts_by_type(type_name)
+    if not found:
+        raise RuntimeError(f"the run produced no {type_name} artifact")
+    return max(found, key=lambda a: a.id)
+
+
+def summarize(config: config_lib.PipelineConfig) -> RunSummary:
+    """What the last run produced, read from ML Metadata (epsilon by the lineage query)."""
+    store = metadata_store.MetadataStore(definition.local_metadata_config(config))
+    evaluation_artifact = _latest_artifact(store, "ModelEvaluation")
+    with open(os.path.join(evaluation_artifact.uri, evaluation.EVALUATION_FILE)) as f:
+        result = json.load(f)
+    pushed = _latest_artifact(store, "PushedModel")
+    pushed_to, epsilon, delta = None, result["epsilon"], result["delta"]
+    if pushed.custom_properties["pushed"].int_value == 1:
+        privacy = lineage.privacy_of_pushed_model(store, pushed.id)
+        pushed_to, epsilon, delta = privacy.pushed_destination, privacy.epsilon, privacy.delta
+    report = _latest_artifact(store, artifacts.PipelineReport.TYPE_NAME)
+    return RunSummary(
+        pushed_to=pushed_to,
+        epsilon=epsilon,
+        delta=delta,
+        recall_at_far=result["model"]["recall_at_far"],
+        blessed=result["blessed"],
+        not_blessed_because=result["not_blessed_because"],
+        report_path=os.path.join(report.uri, reporting.REPORT_FILE),
+        metadata_path=definition.metadata_path(config),
+    )
+
+
+def run_pipeline(
+    config: config_lib.PipelineConfig,
+    from_nodes: tuple[str, ...] = (),
+    progress: TextIO | None = sys.stdout,
+) -> RunSummary:
+    """Runs the whole pipeline, or from `from_nodes` on (reusing the last run upstream)."""
+    os.makedirs(os.path.abspath(config.pipeline.output_dir), exist_ok=True)
+    pipeline = definition.build_pipeline(
+        config, metadata_connection_config=definition.local_metadata_config(config)
+    )
+    node_ids = [node.id for node in pipeline.components]
+    unknown = sorted(set(from_nodes) - set(node_ids))
+    if unknown:
+        raise ValueError(f"unknown component {unknown[0]} (components: {', '.join(node_ids)})")
+    run_options = tfx_pipeline.RunOptions(from_nodes=list(from_nodes)) if from_nodes else None
+    with _progress_logging(ComponentProgress(node_ids, progress) if progress else None):
+        tfx.orchestration.LocalDagRunner().run(pipeline, run_options=run_options)
+    return summarize(config)

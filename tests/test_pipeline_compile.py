@@ -1,0 +1,113 @@
+"""`dp-fedemb compile`: the Kubeflow V2 JSON and the Airflow DAG file of the same pipeline."""
+
+import importlib.util
+import json
+import runpy
+
+import pytest
+
+from pipeline import cli, definition
+
+IMAGE = "registry.example/dp-fedemb:1.2"
+# (task, tasks it must depend on): the DAG edges of DESIGN.md section 7.
+EDGES = {
+    definition.STATISTICS_GEN: {definition.EXAMPLE_GEN},
+    definition.SCHEMA_GEN: {definition.STATISTICS_GEN},
+    definition.EXAMPLE_VALIDATOR: {definition.STATISTICS_GEN, definition.SCHEMA_GEN},
+    definition.DEDUP: {definition.EXAMPLE_GEN, definition.EXAMPLE_VALIDATOR},
+    definition.PARTITION: {definition.DEDUP},
+    definition.PRETRAIN: {definition.DEDUP},
+    definition.PRIVATE_TRAIN: {definition.PARTITION, definition.DEDUP, definition.PRETRAIN},
+    definition.EVALUATE: {definition.PRIVATE_TRAIN, definition.DEDUP, definition.PRETRAIN},
+    definition.PUSHER: {definition.PRIVATE_TRAIN, definition.EVALUATE},
+    definition.REPORT: {definition.EVALUATE, definition.PUSHER, definition.PRIVATE_TRAIN},
+}
+
+
+def _constant(task: dict, name: str):
+    value = task["inputs"]["parameters"][name]["runtimeValue"]["constantValue"]
+    return next(iter(value.values()))
+
+
+def test_kubeflow_v2_json(tmp_path, capsys):
+    out = tmp_path / "pipeline.json"
+    code = cli.main(
+        [
+            "dp-fedemb",
+            "compile",
+            "--target=kubeflow",
+            f"--out={out}",
+            f"--image={IMAGE}",
+            "--pipeline-root=gs://bucket/root",
+            "--set",
+            "train.rounds=12",
+            "--set",
+            "evaluate.privacy_budget_epsilon=3.5",
+        ]
+    )
+    assert code == 0 and capsys.readouterr().out.strip() == str(out)
+    spec = json.loads(out.read_text())
+    assert spec["runtimeConfig"]["gcsOutputDirectory"] == "gs://bucket/root"
+    pipeline_spec = spec["pipelineSpec"]
+    tasks = pipeline_spec["root"]["dag"]["tasks"]
+    for task, upstream in EDGES.items():
+        assert upstream <= set(tasks[task].get("dependentTasks", [])), task
+    resolver_tasks = [t for t in tasks if t.startswith(definition.BASELINE_RESOLVER)]
+    assert resolver_tasks and any(
+        t in tasks[definition.EVALUATE]["dependentTasks"] for t in resolver_tasks
+    )
+    executors = pipeline_spec["deploymentSpec"]["executors"]
+    images = {e["container"]["image"] for e in executors.values() if "container" in e}
+    assert images == {IMAGE}
+    # Components are referenced by importable module path.
+    train_executor = json.dumps(executors[f"{definition.PRIVATE_TRAIN}_executor"])
+    assert "pipeline.components.training" in train_executor
+    assert (
+        json.loads(_constant(tasks[definition.PRIVATE_TRAIN], "train_job_config"))["rounds"] == 12
+    )
+    assert _constant(tasks[definition.EVALUATE], "privacy_budget_epsilon") == 3.5
+    assert int(_constant(tasks[definition.PARTITION], "rounds")) == 12  # intValue is a string
+    assert len(_constant(tasks[definition.PRIVATE_TRAIN], "code_fingerprint")) == 64
+
+
+def _airflow_file(tmp_path) -> str:
+    out = tmp_path / "dp_fedemb_dag.py"
+    code = cli.main(
+        [
+            "dp-fedemb",
+            "compile",
+            "--target=airflow",
+            f"--out={out}",
+            f"--image={IMAGE}",
+            "--pipeline-root=/airflow/dp-fedemb",
+            "--set",
+            "train.rounds=12",
+        ]
+    )
+    assert code == 0
+    return str(out)
+
+
+def test_airflow_dag_file_text(tmp_path):
+    path = _airflow_file(tmp_path)
+    with open(path) as f:
+        source = f.read()
+    compile(source, path, "exec")
+    assert "AirflowDagRunner(" in source and "definition.build_pipeline(" in source
+    assert f"IMAGE = {IMAGE!r}" in source
+    assert "PIPELINE_ROOT = '/airflow/dp-fedemb'" in source
+    # The embedded config is the validated one, with the override applied.
+    namespace: dict = {}
+    config_start = source.index("CONFIG = ")
+    config_end = source.index("\n\nAIRFLOW_DAG_CONFIG")
+    exec(source[config_start:config_end], namespace)  # noqa: S102 - our own generated literal
+    assert namespace["CONFIG"]["train"]["rounds"] == 12
+
+
+def test_airflow_dag_builds_the_pipeline(tmp_path):
+    if importlib.util.find_spec("airflow") is None:
+        pytest.skip("Apache Airflow is not installed (the DAG file needs it to load)")
+    namespace = runpy.run_path(_airflow_file(tmp_path))
+    dag = namespace["DAG"]
+    assert {definition.PRIVATE_TRAIN, definition.EVALUATE, definition.PUSHER} <= set(dag.task_ids)
+    assert dag.get_task(definition.PUSHER).upstream_task_ids >= {definition.EVALUATE}

@@ -1,0 +1,73 @@
+"""The pipeline config: file plus overrides, every problem a one-line error before running."""
+
+import json
+
+import pytest
+
+from pipeline import cli
+from pipeline import config as config_lib
+
+
+def test_defaults_are_valid_and_round_trip_through_a_file(tmp_path):
+    config = config_lib.load_config()
+    assert config.train_job_dict()["algorithm"] == "dp-fedemb"
+    assert config.pretrain_job_dict()["algorithm"] == "centralized"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    assert config_lib.load_config(str(path)) == config
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("train:\n  rounds: 7\nsplit:\n  public_fraction: 0.3\n")
+    config = config_lib.load_config(
+        str(path), ["train.rounds=9", "data.inputs=[]", "evaluate.privacy_budget_epsilon=4"]
+    )
+    assert config.train["rounds"] == 9
+    assert config.split.public_fraction == 0.3
+    assert config.evaluate.privacy_budget_epsilon == 4.0
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trian.rounds=3", "unknown config key trian"),
+        ("split.public_fractoin=0.1", "unknown config key split.public_fractoin"),
+        ("train.roundz=3", "unknown config key train.roundz"),
+        ("train.rounds=0", "config train"),
+        ("train.rounds=many", "config train"),
+        ("split.test_fraction=0.9", "config split"),
+        ("data.synthetic.identities=-1", "config data.synthetic"),
+        ("evaluate.privacy_budget_epsilon=0", "privacy_budget_epsilon must be > 0"),
+        ("evaluate.gate_far=0.5", "gate_far must be one of"),
+        ("pretrain.source=elsewhere", "pretrain.source must be one of"),
+        ("pretrain.source=import", "pretrain.backbone_dir"),
+        ("train.algorithm=centralized", "private training"),
+        ("pipeline.enable_cache=maybe", "must be true or false"),
+        ("data.inputs=[/does/not/exist]", "does not exist"),
+        ("train", "section.key=value"),
+    ],
+)
+def test_bad_values_are_one_line_errors(override, message):
+    with pytest.raises(ValueError, match=message) as raised:
+        config_lib.load_config(None, [override])
+    assert "\n" not in str(raised.value)
+
+
+def test_bad_files_are_one_line_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        config_lib.load_config(str(tmp_path / "missing.yaml"))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        config_lib.load_config(str(broken))
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="mapping of sections"):
+        config_lib.load_config(str(listing))
+
+
+def test_run_command_reports_config_errors_on_one_line(capsys):
+    assert cli.main(["dp-fedemb", "run", "--set", "train.roundz=3"]) == cli.EXIT_INPUT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown config key train.roundz" in err

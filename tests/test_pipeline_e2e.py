@@ -1,0 +1,233 @@
+"""The whole pipeline through LocalDagRunner with a real ML Metadata store, on tiny data.
+
+Like TFX's own example e2e tests, runs the pipeline several times against one store and
+checks artifacts, lineage, blessing and caching by reading ML Metadata:
+1. first run: every component executes; the model is blessed and pushed, and the
+   lineage query finds its epsilon (the PrivacyLedger's); the report renders.
+2. second run, nothing changed: everything upstream of the evaluation is reused; the
+   evaluation runs again because the latest-blessed-model resolver now gives a baseline
+   (as in TFX's penguin e2e test), and so do the Pusher and the report downstream.
+3. third run, nothing changed: every component is reused.
+4. partial run from PrivateTrain with a budget below the model's epsilon: nothing
+   upstream runs, the model is not blessed and not pushed.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+from ml_metadata.metadata_store import metadata_store
+from ml_metadata.proto import metadata_store_pb2
+
+from pipeline import config as config_lib
+from pipeline import definition, lineage, local_run
+from pipeline.components import artifacts
+
+pytestmark = pytest.mark.slow
+
+TINY = {
+    "data": {"synthetic": {"identities": 30, "images_per_identity": 6}},
+    "partition": {"num_shards": 2},
+    "pretrain": {"job": {"rounds": 1, "evaluate_every": 1}},
+    "train": {
+        "algorithm": "dp-fedemb",
+        "rounds": 2,
+        "noise_multiplier": 0.5,
+        "users_per_virtual_client": 2,
+        "virtual_clients_per_round": 2,
+        "batch_size": 16,
+        "max_examples_per_client": 32,
+        "embedding_size": 32,
+        "evaluate_every": 1,
+        "delta": 1e-3,
+        "noise_seed": 0,
+    },
+    "evaluate": {"privacy_budget_epsilon": 100.0},
+}
+UPSTREAM_OF_EVALUATION = (
+    definition.EXAMPLE_GEN,
+    definition.STATISTICS_GEN,
+    definition.SCHEMA_GEN,
+    definition.EXAMPLE_VALIDATOR,
+    definition.DEDUP,
+    definition.PARTITION,
+    definition.PRETRAIN,
+    definition.PRIVATE_TRAIN,
+)
+COMPONENTS = (*UPSTREAM_OF_EVALUATION, definition.EVALUATE, definition.PUSHER, definition.REPORT)
+
+
+def _config(output_dir: str, **section_overrides) -> config_lib.PipelineConfig:
+    values = json.loads(json.dumps(TINY))
+    for section, overrides in section_overrides.items():
+        values.setdefault(section, {}).update(overrides)
+    values["pipeline"] = {"output_dir": output_dir}
+    return config_lib.config_from_dict(values)
+
+
+def _executions_by_node(store: metadata_store.MetadataStore) -> dict[str, list]:
+    """Node id -> its executions, oldest first (node ids are execution type names' suffix)."""
+    by_node: dict[str, list] = {}
+    for context in store.get_contexts_by_type("node"):
+        node_id = context.name.split(".")[-1]
+        by_node[node_id] = sorted(store.get_executions_by_context(context.id), key=lambda e: e.id)
+    return by_node
+
+
+def _states(store, nodes, run_index: int) -> dict[str, int]:
+    executions = _executions_by_node(store)
+    return {node: executions[node][run_index].last_known_state for node in nodes}
+
+
+CACHED = metadata_store_pb2.Execution.CACHED
+COMPLETE = metadata_store_pb2.Execution.COMPLETE
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    output_dir = str(tmp_path_factory.mktemp("pipeline"))
+    config = _config(output_dir)
+    summary = local_run.run_pipeline(config, progress=None)
+    store = metadata_store.MetadataStore(definition.local_metadata_config(config))
+    return config, summary, store
+
+
+def test_first_run_blesses_pushes_and_records_epsilon(first_run):
+    config, summary, store = first_run
+    for node, state in _states(store, COMPONENTS, 0).items():
+        assert state == COMPLETE, node
+    # Typed artifacts in ML Metadata.
+    for type_name in (
+        "Examples",
+        "ExampleStatistics",
+        "Schema",
+        "ExampleAnomalies",
+        artifacts.DedupReport.TYPE_NAME,
+        artifacts.VirtualClientPartition.TYPE_NAME,
+        artifacts.ScheduleStatistics.TYPE_NAME,
+        artifacts.PrivacyLedger.TYPE_NAME,
+        artifacts.TrainingMetrics.TYPE_NAME,
+        "ModelEvaluation",
+        "ModelBlessing",
+        "PushedModel",
+        artifacts.PipelineReport.TYPE_NAME,
+    ):
+        assert store.get_artifacts_by_type(type_name), type_name
+    [ledger] = store.get_artifacts_by_type(artifacts.PrivacyLedger.TYPE_NAME)
+    with open(os.path.join(ledger.uri, "ledger.json")) as f:
+        ledger_json = json.load(f)
+    assert [entry["round"] for entry in ledger_json["history"]] == [1, 2]
+    epsilon = ledger.custom_properties[artifacts.EPSILON].double_value
+    assert epsilon == pytest.approx(ledger_json["history"][-1]["epsilon"])
+    assert 0 < epsilon <= config.evaluate.privacy_budget_epsilon
+    # The pushed model: in the versioned serving directory, a SavedModel, epsilon by lineage.
+    [pushed] = lineage.pushed_models(store)
+    privacy = lineage.privacy_of_pushed_model(store, pushed.id)
+    assert privacy.epsilon == epsilon and privacy.delta == pytest.approx(1e-3)
+    assert privacy.ledger_uri == ledger.uri
+    assert os.path.dirname(privacy.pushed_destination) == os.path.abspath(config.serving_dir)
+    assert os.path.isfile(os.path.join(privacy.pushed_destination, "saved_model.pb"))
+    assert summary.pushed_to == privacy.pushed_destination and summary.epsilon == epsilon
+    assert set(summary.recall_at_far) == {"0.1", "0.01", "0.001"}
+    # Only the serving SavedModel is published: no checkpoints, no work directories.
+    [model] = [
+        m
+        for m in store.get_artifacts_by_type("Model")
+        if m.custom_properties.get("algorithm") is not None
+    ]
+    assert os.listdir(model.uri) == ["Format-Serving"]
+    work_root = os.path.join(os.path.dirname(os.path.dirname(model.uri)), ".work")
+    assert not os.path.exists(work_root) or not os.listdir(work_root)
+    assert os.path.isfile(summary.report_path)
+
+
+def test_unchanged_reruns_reuse_cached_results(first_run):
+    config, _, store = first_run
+    local_run.run_pipeline(config, progress=None)
+    for node, state in _states(store, UPSTREAM_OF_EVALUATION, 1).items():
+        assert state == CACHED, node
+    # The resolver now yields the first run's blessed model as the baseline: new inputs.
+    for node, state in _states(store, (definition.EVALUATE, definition.PUSHER), 1).items():
+        assert state == COMPLETE, node
+    artifact_count = len(store.get_artifacts())
+    local_run.run_pipeline(config, progress=None)
+    for node, state in _states(store, COMPONENTS, 2).items():
+        assert state == CACHED, node
+    assert len(store.get_artifacts()) == artifact_count
+
+
+def test_partial_run_over_budget_is_not_blessed_or_pushed(first_run):
+    config, _, store = first_run
+    serving = os.path.abspath(config.serving_dir)
+    pushed_before = sorted(os.listdir(serving))
+    seen = {e.id for executions in _executions_by_node(store).values() for e in executions}
+    [ledger] = store.get_artifacts_by_type(artifacts.PrivacyLedger.TYPE_NAME)
+    epsilon = ledger.custom_properties[artifacts.EPSILON].double_value
+    over_budget = _config(
+        config.pipeline.output_dir, evaluate={"privacy_budget_epsilon": epsilon / 2}
+    )
+    summary = local_run.run_pipeline(
+        over_budget, from_nodes=(definition.PRIVATE_TRAIN,), progress=None
+    )
+    new = {
+        node: [e.last_known_state for e in executions if e.id not in seen]
+        for node, executions in _executions_by_node(store).items()
+    }
+    # Upstream of PrivateTrain nothing runs: the partial run records its reuse of the
+    # last run's artifacts as cached executions.
+    for node in UPSTREAM_OF_EVALUATION[:-1]:
+        assert all(state == CACHED for state in new[node]), node
+    # PrivateTrain is unchanged (cached); the evaluation runs with the new budget.
+    assert new[definition.PRIVATE_TRAIN] == [CACHED]
+    assert new[definition.EVALUATE] == [COMPLETE]
+    assert not summary.blessed and summary.pushed_to is None
+    assert "exceeds the privacy budget" in summary.not_blessed_because[0]
+    latest_blessing = max(store.get_artifacts_by_type("ModelBlessing"), key=lambda a: a.id)
+    assert latest_blessing.custom_properties["blessed"].int_value == 0
+    latest_push = max(store.get_artifacts_by_type("PushedModel"), key=lambda a: a.id)
+    assert latest_push.custom_properties["pushed"].int_value == 0
+    assert sorted(os.listdir(serving)) == pushed_before
+    with pytest.raises(ValueError, match="records no push"):
+        lineage.privacy_of_pushed_model(store, latest_push.id)
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_report_renders_in_headless_chromium(first_run, tmp_path):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    _, summary, _ = first_run
+    with open(summary.report_path) as f:
+        page = f.read()
+    assert page.count("<img") >= 4 and "ROC" in page
+    screenshot = tmp_path / "report.png"
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--window-size=1000,2400",
+            f"--screenshot={screenshot}",
+            f"file://{summary.report_path}",
+        ],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    from PIL import Image
+
+    with Image.open(screenshot) as image:
+        colours = image.convert("L").getcolors(maxcolors=1 << 16)
+    # A blank page is one colour; a rendered report has text and plots in many shades.
+    assert colours is None or len(colours) > 50
