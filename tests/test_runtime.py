@@ -57,8 +57,7 @@ def test_worker_stops_when_python_exits(mode, expected_code):
     child.communicate(timeout=120)
     assert child.returncode == expected_code
     assert _wait_gone(worker_pid), "worker_binary outlived its parent"
-    with open(log_path) as log:
-        assert "worker_binary --port=" in log.readline(), "worker log file not written"
+    assert not os.path.exists(os.path.dirname(log_path)), "temporary log dir left behind"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -75,6 +74,15 @@ def test_worker_dies_with_a_killed_parent():
     child.kill()
     child.communicate(timeout=120)
     assert _wait_gone(worker_pid), "worker_binary survived SIGKILL of its parent"
+
+
+def test_worker_logs_go_to_the_configured_directory(tmp_path):
+    with runtime.TffRuntime(runtime.RuntimeConfig(log_dir=str(tmp_path))) as rt:
+        log_path = rt.local_workers[0].log_path
+        assert _federated_sum([1.0, 2.0]) == 3.0
+    assert os.path.dirname(log_path) == str(tmp_path)
+    with open(log_path) as log:
+        assert "worker_binary --port=" in log.readline()
 
 
 def test_leak_detector_finds_an_orphaned_worker(tmp_path):

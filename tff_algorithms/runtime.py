@@ -23,6 +23,7 @@ import ctypes
 import dataclasses
 import gc
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -67,7 +68,9 @@ class RuntimeConfig:
         computation (bounds memory when a round has many clients); <= 0 means
         unlimited. Applies to local workers; remote ones get it from their launcher.
       default_num_clients: client cardinality used when TFF cannot infer it.
-      log_dir: where local workers write their logs (a temp dir when None).
+      log_dir: where local workers write their logs, kept. None: a temporary
+        directory, removed at stop unless a worker ended abnormally (then kept and
+        logged, for debugging).
       ready_timeout_s: how long to wait for a worker to accept calls.
     """
 
@@ -125,15 +128,19 @@ class LocalWorker:
             f.seek(max(0, f.tell() - max_bytes))
             return f.read().decode("utf-8", "replace")
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.process.poll() is None:
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stops the worker; True when it was still running and exited on SIGINT."""
+        clean = self.process.poll() is None
+        if clean:
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                clean = False
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+        return clean
 
 
 def _wait_ready(
@@ -184,6 +191,7 @@ class TffRuntime:
         self._channels: list[grpc.Channel] = []
         self._started = False
         self._lock = threading.Lock()
+        self._temp_log_dir: str | None = None
 
     def start(self) -> TffRuntime:
         with self._lock:
@@ -203,8 +211,11 @@ class TffRuntime:
         if config.worker_addresses:
             targets = [(address, None) for address in config.worker_addresses]
         else:
-            log_dir = config.log_dir or tempfile.mkdtemp(prefix="dp_fedemb_tff_")
-            os.makedirs(log_dir, exist_ok=True)
+            if config.log_dir:
+                log_dir = config.log_dir
+                os.makedirs(log_dir, exist_ok=True)
+            else:
+                log_dir = self._temp_log_dir = tempfile.mkdtemp(prefix="dp_fedemb_tff_")
             worker = LocalWorker(log_dir, config.max_concurrent_computation_calls)
             self.local_workers.append(worker)
             logging.info(
@@ -265,9 +276,14 @@ class TffRuntime:
         tff.framework.set_default_context(previous)
         for channel in channels:
             channel.close()
+        clean = True
         for worker in workers:
-            worker.stop()
+            clean = worker.stop() and clean
             logging.info("Stopped TFF worker_binary pid %d", worker.process.pid)
+        if self._temp_log_dir and clean:
+            shutil.rmtree(self._temp_log_dir, ignore_errors=True)
+        elif self._temp_log_dir:
+            logging.warning("A TFF worker ended abnormally; its log is in %s", self._temp_log_dir)
         atexit.unregister(self.stop)
 
     def __enter__(self) -> TffRuntime:
