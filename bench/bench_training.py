@@ -35,17 +35,13 @@ def _base_config(rounds: int) -> train_job.TrainJobConfig:
         rounds=rounds,
         noise_multiplier=0.0,
         clip_norm=1.0,
-        # k = 8 identities per virtual client and 5 local epochs let the fresh local
-        # head converge within the round; with k = 2-4 and one epoch the backbone is
-        # fine-tuned through a near-random head and gets worse (measured 2026-11-23).
-        users_per_virtual_client=8,
+        users_per_virtual_client=4,
         virtual_clients_per_round=8,
-        local_epochs=5,
-        client_learning_rate=0.01,
+        client_learning_rate=0.05,
         client_momentum=0.9,
         server_learning_rate=1.0,
         server_momentum=0.0,
-        head_lr_scale=100.0,
+        head_lr_scale=10.0,
         batch_size=16,
         embedding_size=32,
         evaluate_every=0,
