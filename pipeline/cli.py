@@ -10,6 +10,7 @@ stderr and a non-zero exit; anything else is a bug and keeps its traceback.
 """
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -44,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"dp-fedemb: error: unknown command {name!r}; {_usage()}", file=sys.stderr)
         return EXIT_USAGE
+    # TensorFlow's C++ INFO lines (one per graph optimisation) drown the progress
+    # output; set before TF is imported, and only when the user has not chosen.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     command = importlib.import_module(COMMANDS[name])
     flag_values = flags.FlagValues()
     command.define_flags(flag_values)
