@@ -621,6 +621,7 @@ def write_extrapolation_plot(
         axes.plot([point.users_per_round for point in points], values, marker="o", label=label)
     axes.set_xlabel("users per round")
     axes.set_ylabel("zCDP rho" if quantity == "zcdp_rho" else "epsilon")
+    axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
