@@ -1,6 +1,7 @@
 """The runtime owns its TFF workers: they stop on every way the parent can end."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,10 +71,12 @@ def test_worker_stops_on_termination_signal(signum):
 
 
 def test_worker_dies_with_a_killed_parent():
-    child, worker_pid, _ = _start_child("wait")
+    child, worker_pid, log_path = _start_child("wait")
     child.kill()
     child.communicate(timeout=120)
     assert _wait_gone(worker_pid), "worker_binary survived SIGKILL of its parent"
+    # A killed parent cannot remove its temporary log directory; the test does.
+    shutil.rmtree(os.path.dirname(log_path))
 
 
 def test_worker_logs_go_to_the_configured_directory(tmp_path):
