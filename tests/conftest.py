@@ -7,6 +7,7 @@ were re-parented to init, without confusing them with other sessions' workers.
 """
 
 import os
+import sys
 import uuid
 
 import pytest
@@ -28,6 +29,12 @@ def tff_runtime():
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if "tensorflow_federated" in sys.modules:
+        # Drop TFF's import-time context now, so its __del__ does not print a
+        # traceback at interpreter exit when no test started a runtime in-process.
+        from tff_algorithms import runtime
+
+        runtime.release_import_time_context()
     leaked = processes.worker_binaries_with_marker(SESSION_MARKER)
     if leaked:
         for pid in leaked:
