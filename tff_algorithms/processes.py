@@ -116,6 +116,13 @@ def build_fedemb_process(
     return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer)
 
 
+def _server_sgdm(learning_rate: float, momentum: float) -> tff.learning.optimizers.Optimizer:
+    # build_sgdm treats momentum=None as plain SGD (no momentum state).
+    return tff.learning.optimizers.build_sgdm(
+        learning_rate=learning_rate, momentum=momentum or None
+    )
+
+
 def build_dp_fedemb_process(
     backbone_config: models.BackboneConfig,
     client_config: client_work.ClientConfig,
@@ -139,9 +146,7 @@ def build_dp_fedemb_process(
             clients_per_round=clients_per_round,
             noise_seed=noise_seed,
         ),
-        tff.learning.optimizers.build_sgdm(
-            learning_rate=server_learning_rate, momentum=server_momentum or None
-        ),
+        _server_sgdm(server_learning_rate, server_momentum),
         identity_dtype=identity_dtype,
         backbone_seed=backbone_seed,
     )
@@ -182,9 +187,7 @@ def build_dp_ftrl_fedemb_process(
             restart_every_rounds=restart_every_rounds,
             use_efficient=use_efficient_tree,
         ),
-        tff.learning.optimizers.build_sgdm(
-            learning_rate=server_learning_rate, momentum=server_momentum or None
-        ),
+        _server_sgdm(server_learning_rate, server_momentum),
         identity_dtype=identity_dtype,
         backbone_seed=backbone_seed,
     )
@@ -242,9 +245,7 @@ def build_dp_fedavg_process(
             clients_per_round=clients_per_round,
             noise_seed=noise_seed,
         ),
-        tff.learning.optimizers.build_sgdm(
-            learning_rate=server_learning_rate, momentum=server_momentum or None
-        ),
+        _server_sgdm(server_learning_rate, server_momentum),
         identity_dtype=identity_dtype,
         backbone_seed=backbone_seed,
     )
