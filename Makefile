@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test bench lint lock clean
+.PHONY: setup test bench bench-quick lint lock clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -10,12 +10,17 @@ setup:
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
+# Every bench/bench_*.py; JSON in bench/results/, figures in BENCHMARKS.md.
 bench: setup
 	$(PY) -m bench.run_all
 
+# Small sizes, a smoke run of every benchmark.
+bench-quick: setup
+	$(PY) -m bench.run_all --quick
+
 lint: setup
-	$(PY) -m ruff check tff_algorithms beam_jobs pipeline tests bench
-	$(PY) -m ruff format --check tff_algorithms beam_jobs pipeline tests bench
+	$(PY) -m ruff check tff_algorithms beam_jobs pipeline tests bench scripts tools
+	$(PY) -m ruff format --check tff_algorithms beam_jobs pipeline tests bench scripts tools
 
 lock: setup
 	bash scripts/lock.sh
@@ -28,3 +33,28 @@ RUN_ARGS ?=
 # The whole TFX pipeline on the built-in synthetic data (README "The pipeline").
 run: setup
 	.venv/bin/dp-fedemb run $(RUN_ARGS)
+
+# Bazel (README "Bazel"): Debian's Bazel 4.2.3 with the .venv interpreter, offline.
+.PHONY: bazel-setup bazel-check bazel-smoke bazel-test
+BAZEL_DEBS := bazel-bootstrap bazel-rules-java
+BAZEL_TARGETS ?= //...
+BAZEL_ARGS ?=
+# The test targets CI runs through Bazel: small; the second loads TensorFlow and Beam.
+BAZEL_SMOKE_TARGETS := //tests:test_check_bazel_targets //tests:test_beam_schema
+
+bazel-setup: setup
+	@command -v bazel >/dev/null 2>&1 && [ -d /usr/share/bazel/rules/java ] || { \
+	  echo "bazel-setup: installing $(BAZEL_DEBS)" >&2; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BAZEL_DEBS) >/dev/null; }
+
+# BUILD files against tests/test_*.py and the imports; needs no Bazel.
+bazel-check: setup
+	$(PY) scripts/check_bazel_targets.py
+
+# Every target builds (so every BUILD file loads offline) and the smoke tests run; the
+# Bazel server is stopped after, so it holds no memory while other targets run.
+bazel-smoke: bazel-setup bazel-check
+	bazel build //... && bazel test $(BAZEL_SMOKE_TARGETS); status=$$?; bazel shutdown; exit $$status
+
+bazel-test: bazel-setup bazel-check
+	bazel test $(BAZEL_ARGS) $(BAZEL_TARGETS)

@@ -193,7 +193,19 @@ def _report(counts: dict, examples: list[dict], config: DedupConfig, name: str) 
         "removed_near": removed[NEAR],
         "kept": counts.get("kept", 0),
         "thresholds": dataclasses.asdict(config),
-        "examples": sorted(examples, key=lambda p: p["candidate"]["record"]),
+        "examples": sorted(
+            (_without_names(p) for p in examples), key=lambda p: p["candidate"]["record"]
+        ),
+    }
+
+
+def _without_names(pair: dict) -> dict:
+    # The report is published (a pipeline artifact): it names records by hash only,
+    # never the user or identity of a training (candidate) or evaluation record.
+    return {
+        **pair,
+        "candidate": {"record": pair["candidate"]["record"]},
+        "reference": {"record": pair["reference"]["record"]},
     }
 
 

@@ -10,12 +10,21 @@ Three readers, each a composite transform from the pipeline root to
 IngestToCanonical flattens any number of readers and adds a summary (counts per bad
 reason, bad share, limit); run_ingest writes records and summary and fails with one
 clear line when the bad share is over the limit.
+
+Hostile input is a counted skip (a BadInput with its reason), never a crash: invalid
+names (`schema.check_name`: control characters, undecodable bytes in a file or client
+name, ...), empty files, images over `max_image_pixels` (refused from the file size or
+the header, before decoding), corrupt or truncated images. Images in other pixel
+formats (alpha, palette, 16-bit) are converted, as `beam_jobs.schema` describes, and
+counted per source mode in the Beam counters `converted_image_<mode>`. Sources in the
+summary are shown with non-printable characters escaped.
 """
 
 import dataclasses
 import os
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import apache_beam as beam
 import numpy as np
@@ -24,6 +33,7 @@ from apache_beam.metrics import Metrics
 
 from beam_jobs import records_io, schema
 
+T = TypeVar("T")
 BAD_TAG = "bad"
 _ROW_CLIENT_TAG = "row_client"
 METRICS_NAMESPACE = "dp_fedemb.ingest"
@@ -33,6 +43,12 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 EMPTY_USER = "empty_user"
 UNREADABLE_FILE = "unreadable_file"
 MISPLACED_FILE = "misplaced_file"
+
+# Modes decode without conversion; others are converted and counted (module docstring).
+_NATIVE_IMAGE_MODES = ("L", "RGB")
+# No PNG or JPEG within the pixel limit needs more than this many bytes per pixel
+# (16-bit RGBA, uncompressed); a bigger file is refused before it is read.
+_MAX_ENCODED_BYTES_PER_PIXEL = 8
 
 SUMMARY_FILE = "ingest_summary.json"
 _EXAMPLES_IN_SUMMARY = 10
@@ -49,46 +65,110 @@ def _count(name: str) -> None:
     Metrics.counter(METRICS_NAMESPACE, name).inc()
 
 
-def _checked(record: schema.CanonicalRecord, source: str):
-    """Yields the serialized record if it validates, else a tagged BadInput."""
-    try:
-        schema.validate(record)
-    except schema.RecordError as e:
-        _count(e.reason)
-        yield beam.pvalue.TaggedOutput(BAD_TAG, BadInput(e.reason, source, str(e)))
-        return
-    _count("records")
-    yield schema.serialize(record)
+def _printable(text: str) -> str:
+    """`text` with control characters and undecodable bytes escaped, for reports and logs."""
+    return "".join(c if c.isprintable() or c == " " else ascii(c)[1:-1] for c in text)
 
 
 def _bad(reason: str, source: str, detail: str) -> beam.pvalue.TaggedOutput:
     _count(reason)
-    return beam.pvalue.TaggedOutput(BAD_TAG, BadInput(reason, source, detail))
-
-
-def _list_user_folders(root: str) -> list[str]:
-    return sorted(
-        os.path.join(root, name)
-        for name in tf.io.gfile.listdir(root)
-        if not name.startswith(".") and tf.io.gfile.isdir(os.path.join(root, name))
+    return beam.pvalue.TaggedOutput(
+        BAD_TAG, BadInput(reason, _printable(source), _printable(detail))
     )
 
 
-class _ReadUserFolderFn(beam.DoFn):
-    """One user's folder -> its records; an empty user or stray file is bad input."""
+def _checked(record: schema.CanonicalRecord, source: str, max_pixels: int):
+    """Yields the serialized record if it validates, else a tagged BadInput."""
+    try:
+        mode = schema.validate(record, max_pixels)
+    except schema.RecordError as e:
+        yield _bad(e.reason, source, str(e))
+        return
+    if mode not in _NATIVE_IMAGE_MODES:
+        _count(f"converted_image_{mode}")
+    _count("records")
+    yield schema.serialize(record)
 
-    def process(self, user_folder: str):
+
+def _on_local_fallback(tf_call: Callable[[str], T], os_call: Callable[[str], T], path: str) -> T:
+    """tf.io.gfile's `tf_call`, or for a local path whose name holds undecodable bytes
+    (which tf.io.gfile cannot encode or decode) the os module's `os_call`: such names
+    come back with lone surrogates (os.listdir's convention) and are counted as bad."""
+    try:
+        return tf_call(path)
+    except UnicodeError:
+        if "://" in path:
+            raise
+        return os_call(path)
+
+
+def _list_dir(path: str) -> list[str]:
+    return _on_local_fallback(tf.io.gfile.listdir, os.listdir, path)
+
+
+def _is_dir(path: str) -> bool:
+    return _on_local_fallback(tf.io.gfile.isdir, os.path.isdir, path)
+
+
+def _file_size(path: str) -> int:
+    return _on_local_fallback(lambda p: tf.io.gfile.stat(p).length, os.path.getsize, path)
+
+
+def _read_file(path: str) -> bytes:
+    def read(opener: Callable) -> Callable[[str], bytes]:
+        def call(p: str) -> bytes:
+            with opener(p, "rb") as f:
+                return f.read()
+
+        return call
+
+    return _on_local_fallback(read(tf.io.gfile.GFile), read(open), path)
+
+
+def _list_user_folders(root: str) -> list[bytes]:
+    # As bytes (os.fsencode): a name with undecodable bytes must survive Beam's UTF-8
+    # string coder to be counted as bad.
+    return sorted(
+        os.fsencode(os.path.join(root, name))
+        for name in _list_dir(root)
+        if not name.startswith(".") and _is_dir(os.path.join(root, name))
+    )
+
+
+def _name_error(name: str, field: str) -> schema.RecordError | None:
+    try:
+        schema.check_name(name, field)
+    except schema.RecordError as e:
+        return e
+    return None
+
+
+class _ReadUserFolderFn(beam.DoFn):
+    """One user's folder -> its records; an empty user or stray file is bad input.
+
+    Images under a user or identity folder with an invalid name are each counted as
+    invalid_name without being read; files too large for the pixel limit are not read.
+    """
+
+    def __init__(self, max_pixels: int):
+        self._max_pixels = max_pixels
+
+    def process(self, user_folder_bytes: bytes):
+        user_folder = os.fsdecode(user_folder_bytes)
         user_id = os.path.basename(user_folder.rstrip("/"))
+        user_error = _name_error(user_id, schema.USER_ID_KEY)
+        max_bytes = self._max_pixels * _MAX_ENCODED_BYTES_PER_PIXEL
         images = 0
-        for identity in sorted(tf.io.gfile.listdir(user_folder)):
+        for identity in sorted(_list_dir(user_folder)):
             identity = identity.rstrip("/")
             path = os.path.join(user_folder, identity)
             if identity.startswith("."):
                 continue
-            if not tf.io.gfile.isdir(path):
+            if not _is_dir(path):
                 yield _bad(MISPLACED_FILE, path, "files must sit in ROOT/<user_id>/<identity>/")
                 continue
-            for name in sorted(tf.io.gfile.listdir(path)):
+            name_error = user_error or _name_error(identity, schema.IDENTITY_KEY)
+            for name in sorted(_list_dir(path)):
                 file_path = os.path.join(path, name)
                 if name.startswith("."):
                     continue
@@ -97,14 +177,29 @@ class _ReadUserFolderFn(beam.DoFn):
                         schema.UNSUPPORTED_IMAGE_FORMAT, file_path, "not a .png/.jpg/.jpeg file"
                     )
                     continue
+                images += 1  # an image file, good or bad: the user is not empty
+                if name_error is not None:
+                    yield _bad(name_error.reason, file_path, str(name_error))
+                    continue
                 try:
-                    with tf.io.gfile.GFile(file_path, "rb") as f:
-                        image = f.read()
+                    size = _file_size(file_path)
+                    if size == 0:
+                        yield _bad(schema.EMPTY_IMAGE, file_path, "image file is empty (0 bytes)")
+                        continue
+                    if size > max_bytes:
+                        yield _bad(
+                            schema.IMAGE_TOO_LARGE,
+                            file_path,
+                            f"{size} bytes cannot hold an image within {self._max_pixels} pixels",
+                        )
+                        continue
+                    image = _read_file(file_path)
                 except (OSError, tf.errors.OpError) as e:
                     yield _bad(UNREADABLE_FILE, file_path, str(e).splitlines()[0])
                     continue
-                images += 1
-                yield from _checked(schema.CanonicalRecord(user_id, identity, image), file_path)
+                yield from _checked(
+                    schema.CanonicalRecord(user_id, identity, image), file_path, self._max_pixels
+                )
         if images == 0:
             yield _bad(EMPTY_USER, user_folder, "user folder holds no images")
 
@@ -112,11 +207,12 @@ class _ReadUserFolderFn(beam.DoFn):
 class ReadImageFolder(beam.PTransform):
     """ROOT/<user_id>/<identity>/<file>.{png,jpg,jpeg} -> {"records", "bad"}."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, max_image_pixels: int = schema.DEFAULT_MAX_IMAGE_PIXELS):
         super().__init__()
         if not tf.io.gfile.isdir(root):
             raise ValueError(f"image folder {root} does not exist or is not a directory")
         self._root = root
+        self._max_pixels = _checked_limit(max_image_pixels)
 
     def expand(self, pbegin):
         outputs = (
@@ -125,27 +221,37 @@ class ReadImageFolder(beam.PTransform):
             | "ListUsers" >> beam.FlatMap(_list_user_folders)
             # Users are listed by one worker; spread them before reading images.
             | "Reshuffle" >> beam.Reshuffle()
-            | "ReadUsers" >> beam.ParDo(_ReadUserFolderFn()).with_outputs(BAD_TAG, main="records")
+            | "ReadUsers"
+            >> beam.ParDo(_ReadUserFolderFn(self._max_pixels)).with_outputs(BAD_TAG, main="records")
         )
         return {"records": outputs.records, "bad": outputs[BAD_TAG]}
 
 
-def _validate_serialized(serialized: bytes, source: str):
+def _checked_limit(max_image_pixels: int) -> int:
+    if isinstance(max_image_pixels, bool) or not isinstance(max_image_pixels, int):
+        raise ValueError(f"max image pixels must be an integer, got {max_image_pixels!r}")
+    if max_image_pixels < 1:
+        raise ValueError(f"max image pixels must be >= 1, got {max_image_pixels}")
+    return max_image_pixels
+
+
+def _validate_serialized(serialized: bytes, source: str, max_pixels: int):
     try:
         record = schema.parse(serialized)
     except schema.RecordError as e:
         yield _bad(e.reason, source, str(e))
         return
-    yield from _checked(record, source)
+    yield from _checked(record, source, max_pixels)
 
 
 class ReadCanonicalTFRecords(beam.PTransform):
     """TFRecord files of canonical examples (validated) -> {"records", "bad"}."""
 
-    def __init__(self, file_pattern: str):
+    def __init__(self, file_pattern: str, max_image_pixels: int = schema.DEFAULT_MAX_IMAGE_PIXELS):
         super().__init__()
         records_io.require_matches(file_pattern, "TFRecord files")
         self._file_pattern = file_pattern
+        self._max_pixels = _checked_limit(max_image_pixels)
 
     def expand(self, pbegin):
         pattern = self._file_pattern
@@ -153,7 +259,9 @@ class ReadCanonicalTFRecords(beam.PTransform):
             pbegin
             | "Read" >> beam.io.ReadFromTFRecord(pattern)
             | "Validate"
-            >> beam.FlatMap(_validate_serialized, pattern).with_outputs(BAD_TAG, main="records")
+            >> beam.FlatMap(_validate_serialized, pattern, self._max_pixels).with_outputs(
+                BAD_TAG, main="records"
+            )
         )
         return {"records": outputs.records, "bad": outputs[BAD_TAG]}
 
@@ -169,13 +277,22 @@ def _feature_values(feature: tf.train.Feature) -> list:
     return list(getattr(feature, kind).value) if kind else []
 
 
-def _pixels_to_png(values: list) -> bytes:
+def _pixels_to_png(values: list, max_pixels: int = schema.DEFAULT_MAX_IMAGE_PIXELS) -> bytes:
     """Flat pixel values (EMNIST floats in [0, 1] or uint8 ints) -> PNG.
 
     TFF's serializer flattens the pixel tensor, so the shape is inferred: a square
     grayscale or RGB image.
     """
-    pixels = np.asarray(values, dtype=np.float64)
+    if len(values) > 3 * max_pixels:
+        raise schema.RecordError(
+            schema.IMAGE_TOO_LARGE, f"{len(values)} pixel values, over the limit of {max_pixels}"
+        )
+    try:
+        pixels = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):  # bytes values
+        raise schema.RecordError(schema.CORRUPT_IMAGE, "pixel values are not numbers") from None
+    if not np.all(np.isfinite(pixels)):
+        raise schema.RecordError(schema.CORRUPT_IMAGE, "pixel values are not all finite")
     if pixels.size and pixels.max() <= 1.0:  # EMNIST-style floats
         pixels = pixels * 255.0
     for channels in (1, 3):
@@ -191,7 +308,10 @@ def _pixels_to_png(values: list) -> bytes:
 
 
 def tff_example_to_record(
-    client_id: str, serialized: bytes, identity_feature: str | None = None
+    client_id: str,
+    serialized: bytes,
+    identity_feature: str | None = None,
+    max_pixels: int = schema.DEFAULT_MAX_IMAGE_PIXELS,
 ) -> schema.CanonicalRecord:
     """One row of a TFF SQLite client-data file -> canonical record (not yet validated).
 
@@ -212,14 +332,19 @@ def tff_example_to_record(
             schema.MISSING_FIELD, f"no single-valued identity feature among {names}"
         )
     identity = identity_values[0]
-    identity = identity.decode("utf-8") if isinstance(identity, bytes) else str(identity)
+    try:
+        identity = identity.decode("utf-8") if isinstance(identity, bytes) else str(identity)
+    except UnicodeDecodeError:
+        raise schema.RecordError(schema.INVALID_NAME, "identity must be UTF-8") from None
     for name in _TFF_ENCODED_IMAGE_FEATURES:
         if name in features and _feature_values(features[name]):
+            if features[name].WhichOneof("kind") != "bytes_list":
+                raise schema.RecordError(schema.MISSING_FIELD, f"feature {name!r} must be bytes")
             return schema.CanonicalRecord(client_id, identity, _feature_values(features[name])[0])
     for name in _TFF_PIXEL_FEATURES:
         if name in features and _feature_values(features[name]):
             return schema.CanonicalRecord(
-                client_id, identity, _pixels_to_png(_feature_values(features[name]))
+                client_id, identity, _pixels_to_png(_feature_values(features[name]), max_pixels)
             )
     raise schema.RecordError(schema.MISSING_FIELD, "no image feature (image/encoded, pixels, ...)")
 
@@ -227,7 +352,7 @@ def tff_example_to_record(
 def _rowid_ranges(database: str, rows_per_read: int) -> list[tuple[int, int]]:
     # Ranges of the examples table's rowid b-tree: each read is an indexed range scan,
     # where per-client queries would each scan the whole (unindexed) table.
-    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as connection:
+    with _connect(database) as connection:
         low, high = connection.execute("SELECT MIN(rowid), MAX(rowid) FROM examples").fetchone()
     if low is None:
         return []
@@ -237,49 +362,72 @@ def _rowid_ranges(database: str, rows_per_read: int) -> list[tuple[int, int]]:
     ]
 
 
+def _connect(database: str) -> sqlite3.Connection:
+    connection = sqlite3.connect(f"file:{database}?mode=ro", uri=True)
+    # Client ids with undecodable bytes keep them as lone surrogates: check_name then
+    # counts them as invalid_name, where sqlite3's default would fail the whole read.
+    connection.text_factory = lambda raw: raw.decode("utf-8", "surrogateescape")
+    return connection
+
+
 def _split_clause(split_name: str | None) -> tuple[str, tuple]:
     return (" AND split_name = ?", (split_name,)) if split_name is not None else ("", ())
 
 
 class _ReadSqlRowsFn(beam.DoFn):
-    def __init__(self, database: str, split_name: str | None, identity_feature: str | None):
+    def __init__(
+        self,
+        database: str,
+        split_name: str | None,
+        identity_feature: str | None,
+        max_pixels: int,
+    ):
         self._database = database
         self._split_name = split_name
         self._identity_feature = identity_feature
+        self._max_pixels = max_pixels
 
     def process(self, rowid_range: tuple[int, int]):
         clause, params = _split_clause(self._split_name)
         query = f"SELECT rowid, client_id, serialized_example_proto FROM examples WHERE rowid BETWEEN ? AND ?{clause}"
-        with sqlite3.connect(f"file:{self._database}?mode=ro", uri=True) as connection:
+        with _connect(self._database) as connection:
             rows = connection.execute(query, (*rowid_range, *params)).fetchall()
         for rowid, client_id, serialized in rows:
             source = f"{self._database}#rowid={rowid}"
             # Every row, good or bad, shows its client is not empty.
-            yield beam.pvalue.TaggedOutput(_ROW_CLIENT_TAG, str(client_id))
+            yield beam.pvalue.TaggedOutput(_ROW_CLIENT_TAG, _client_key(str(client_id)))
             try:
                 record = tff_example_to_record(
-                    str(client_id), bytes(serialized), self._identity_feature
+                    str(client_id), bytes(serialized), self._identity_feature, self._max_pixels
                 )
             except schema.RecordError as e:
                 yield _bad(e.reason, source, str(e))
                 continue
-            yield from _checked(record, source)
+            yield from _checked(record, source, self._max_pixels)
 
 
-def _client_metadata(database: str, split_name: str | None) -> list[str]:
+def _client_key(client_id: str) -> bytes:
+    # Bytes, so that undecodable ids (lone surrogates) survive Beam's UTF-8 string coder.
+    return client_id.encode("utf-8", "surrogateescape")
+
+
+def _client_metadata(database: str, split_name: str | None) -> list[bytes]:
     clause, params = _split_clause(split_name)
-    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as connection:
+    with _connect(database) as connection:
         rows = connection.execute(
             f"SELECT DISTINCT client_id FROM client_metadata WHERE 1=1{clause}", params
         )
-        return [str(client_id) for (client_id,) in rows]
+        return [_client_key(str(client_id)) for (client_id,) in rows]
 
 
 def _empty_clients(joined: tuple[str, dict], database: str):
-    client_id, groups = joined
+    client_key, groups = joined
+    client_id = client_key.decode("utf-8", "surrogateescape")
     if groups["listed"] and not groups["examples"]:
         _count(EMPTY_USER)
-        yield BadInput(EMPTY_USER, f"{database}#client={client_id}", "client has no examples")
+        yield BadInput(
+            EMPTY_USER, _printable(f"{database}#client={client_id}"), "client has no examples"
+        )
 
 
 def _check_tff_database(database: str) -> None:
@@ -310,6 +458,7 @@ class ReadSqlClientData(beam.PTransform):
         split_name: str | None = None,
         identity_feature: str | None = None,
         rows_per_read: int = 10_000,
+        max_image_pixels: int = schema.DEFAULT_MAX_IMAGE_PIXELS,
     ):
         super().__init__()
         _check_tff_database(database)
@@ -317,6 +466,7 @@ class ReadSqlClientData(beam.PTransform):
         self._split_name = split_name
         self._identity_feature = identity_feature
         self._rows_per_read = rows_per_read
+        self._max_pixels = _checked_limit(max_image_pixels)
 
     def expand(self, pbegin):
         database, split_name = self._database, self._split_name
@@ -327,7 +477,7 @@ class ReadSqlClientData(beam.PTransform):
             | "Reshuffle" >> beam.Reshuffle()
             | "ReadRows"
             >> beam.ParDo(
-                _ReadSqlRowsFn(database, split_name, self._identity_feature)
+                _ReadSqlRowsFn(database, split_name, self._identity_feature, self._max_pixels)
             ).with_outputs(BAD_TAG, _ROW_CLIENT_TAG, main="records")
         )
         seen_clients = (
@@ -350,15 +500,21 @@ class ReadSqlClientData(beam.PTransform):
         return {"records": outputs.records, "bad": bad}
 
 
-def reader_for(source: str, identity_feature: str | None = None) -> beam.PTransform:
+def reader_for(
+    source: str,
+    identity_feature: str | None = None,
+    max_image_pixels: int = schema.DEFAULT_MAX_IMAGE_PIXELS,
+) -> beam.PTransform:
     """The reader for a source path: a directory is an image folder, a .sqlite/.sqlite3/
     .db file is TFF client data (identity from `identity_feature`), anything else a
-    TFRecord file pattern."""
+    TFRecord file pattern. Images over `max_image_pixels` are refused (bad input)."""
     if tf.io.gfile.isdir(source):
-        return ReadImageFolder(source)
+        return ReadImageFolder(source, max_image_pixels)
     if source.endswith((".sqlite", ".sqlite3", ".db")):
-        return ReadSqlClientData(source, identity_feature=identity_feature)
-    return ReadCanonicalTFRecords(source)
+        return ReadSqlClientData(
+            source, identity_feature=identity_feature, max_image_pixels=max_image_pixels
+        )
+    return ReadCanonicalTFRecords(source, max_image_pixels)
 
 
 def _summary(
@@ -424,13 +580,14 @@ def run_ingest(
     max_bad_fraction: float = 0.01,
     beam_args: Sequence[str] | None = None,
     identity_feature: str | None = None,
+    max_image_pixels: int = schema.DEFAULT_MAX_IMAGE_PIXELS,
 ) -> dict:
     """Ingests `sources` into OUT/records-*.tfrecord and OUT/ingest_summary.json.
 
     Raises ValueError (one line) when the bad share exceeds `max_bad_fraction`; the
     record shards are then removed so nothing downstream uses them, the summary stays.
     """
-    readers = [reader_for(source, identity_feature) for source in sources]
+    readers = [reader_for(source, identity_feature, max_image_pixels) for source in sources]
     summary_path = os.path.join(out_dir, SUMMARY_FILE)
     with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
         ingested = pipeline | "Ingest" >> IngestToCanonical(readers, max_bad_fraction)

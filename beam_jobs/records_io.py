@@ -5,6 +5,7 @@ DIR/records-SSSSS-of-NNNNN.tfrecord, and writes its summary or report as one JSO
 """
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 
@@ -25,10 +26,35 @@ def records_pattern(directory: str) -> str:
 def pipeline_options(beam_args: Sequence[str] | None = None) -> PipelineOptions:
     """Standard Beam options from command-line style args; the runner is always named.
 
-    Without `--runner` the DirectRunner is named explicitly, so a newer Beam never falls
-    back to a runner that downloads binaries at run time.
+    Every option any runner defines passes through (DirectRunner, Dataflow, Flink,
+    Spark, portable: docs/scaling.md). Without `--runner` the DirectRunner is named
+    explicitly, so a newer Beam never falls back to a runner that downloads binaries at
+    run time. An option no Beam options class knows is refused (ValueError): Beam would
+    only log and drop it, so a typo such as --direct_num_wokers=2 would silently run a
+    different job.
     """
-    options = PipelineOptions(list(beam_args or []))
+    arguments = list(beam_args or [])
+    for i, argument in enumerate(arguments):
+        # A value either follows "=" or is the next argument after "--name".
+        is_value = i > 0 and arguments[i - 1].startswith("--") and "=" not in arguments[i - 1]
+        if not argument.startswith("--") and not is_value:
+            raise ValueError(
+                f"Beam pipeline options look like --name=value or --name value, got {argument!r}"
+            )
+    options = PipelineOptions(arguments)
+    # Beam logs a warning per unknown option while parsing; the error below says it once.
+    parser_log = logging.getLogger("apache_beam.options.pipeline_options")
+    level = parser_log.level
+    parser_log.setLevel(logging.ERROR)
+    try:
+        known = options.get_all_options()
+        unknown = sorted(set(options.get_all_options(retain_unknown_options=True)) - set(known))
+    finally:
+        parser_log.setLevel(level)
+    if unknown:
+        raise ValueError(
+            f"unknown Beam pipeline option --{unknown[0]} (no runner defines it; a typo?)"
+        )
     if not options.view_as(StandardOptions).runner:
         options.view_as(StandardOptions).runner = DEFAULT_RUNNER
     return options

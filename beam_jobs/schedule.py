@@ -138,15 +138,23 @@ class VirtualClientSchedule:
     def epoch_of_round(self, round_num: int) -> int:
         return round_num // self.rounds_per_epoch
 
-    def round_user_indices(self, round_num: int) -> np.ndarray:
-        """User indices of round `round_num` as an int64 array [virtual clients, k]."""
-        if round_num < 0:
-            raise ValueError(f"round must be >= 0, got {round_num}")
+    def round_user_indices(self, round_num: int, attempt: int = 0) -> np.ndarray:
+        """User indices of round `round_num` as an int64 array [virtual clients, k].
+
+        `attempt` > 0 is a retry of the round (too few virtual clients reported): a
+        fresh draw from its own counter (seed, stream, round, attempt). In epoch mode
+        the retry keeps the round's users (the tree accounting's participation bounds
+        rely on the fixed order) and redraws only their grouping.
+        """
+        if round_num < 0 or attempt < 0:
+            raise ValueError(f"round and attempt must be >= 0, got {round_num}, {attempt}")
         m, k = self.virtual_clients_per_round, self.users_per_virtual_client
+        # Attempt 0 keeps the counter of a schedule without retries.
+        counter = (round_num,) if attempt == 0 else (round_num, attempt)
         if self.mode == SAMPLED:
             # choice(replace=False) is O(users_per_round) for small draws and returns the
             # sample in random order, so consecutive chunks are random virtual clients.
-            users = _generator(self.seed, _SAMPLE_STREAM, round_num).choice(
+            users = _generator(self.seed, _SAMPLE_STREAM, *counter).choice(
                 self.num_users, self.users_per_round, replace=False
             )
             return users.astype(np.int64).reshape(m, k)
@@ -154,11 +162,11 @@ class VirtualClientSchedule:
         if self.mode == EPOCH:
             slot = round_num % self.rounds_per_epoch
             users = order[slot * self.users_per_round : (slot + 1) * self.users_per_round]
-            regroup = _generator(self.seed, _GROUPING_STREAM, round_num).permutation(
+            regroup = _generator(self.seed, _GROUPING_STREAM, *counter).permutation(
                 self.users_per_round
             )
             return users[regroup].astype(np.int64).reshape(m, k)
-        groups = _generator(self.seed, _SAMPLE_STREAM, round_num).choice(
+        groups = _generator(self.seed, _SAMPLE_STREAM, *counter).choice(
             self.num_groups, m, replace=False
         )
         members = groups[:, None] * k + np.arange(k)[None, :]

@@ -195,8 +195,11 @@ def write_image_folder(out_dir: str, config: SyntheticConfig) -> dict:
         raise ValueError(f"output directory {out_dir} is not empty")
     width = len(str(config.images_per_identity - 1))
     for identity_index in range(config.identities):
+        # Names become folders only through the one sanitiser (schema.path_component).
         folder = os.path.join(
-            out_dir, config.user_name(identity_index), config.identity_name(identity_index)
+            out_dir,
+            schema.path_component(config.user_name(identity_index)),
+            schema.path_component(config.identity_name(identity_index)),
         )
         os.makedirs(folder, exist_ok=True)
         for image_index in range(config.images_per_identity):

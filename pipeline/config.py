@@ -53,6 +53,9 @@ class DataSection:
     inputs: tuple[str, ...] = ()
     max_bad_fraction: float = 0.01
     identity_feature: str | None = None
+    # Images with more pixels are refused (counted bad) before decoding; None: the
+    # library default, beam_jobs.schema.DEFAULT_MAX_IMAGE_PIXELS.
+    max_image_pixels: int | None = None
     synthetic: SyntheticSection = SyntheticSection()
 
 
@@ -90,6 +93,20 @@ class PretrainSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RuntimeSection:
+    """The TFF workers private training runs on (tff_algorithms.runtime.RuntimeConfig).
+
+    worker_addresses: host:port of workers started by a cluster scheduler
+    (docs/scaling.md); empty: `local_workers` workers started by the training step.
+    Two or more split each round's virtual clients; DP noise is added once, after
+    the merge.
+    """
+
+    worker_addresses: tuple[str, ...] = ()
+    local_workers: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class EvaluateSection:
     # A model whose epsilon exceeds this is never blessed.
     privacy_budget_epsilon: float = 10.0
@@ -98,6 +115,21 @@ class EvaluateSection:
     gate_far: float = 0.01
     # Blessed only if recall@gate_far >= baseline recall - this.
     max_recall_regression: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetSection:
+    """The cross-run privacy budget of the training users (tff_algorithms.budget)."""
+
+    # The persistent ledger every run on the same users is charged to; empty:
+    # OUTPUT/privacy_budget_ledger.json. Point several pipelines at one file to share it.
+    ledger_path: str = ""
+    # Total epsilon all private trainings on the same users may spend together,
+    # composed across runs. A parameter of PrivateTrain: changing it re-runs training.
+    dataset_epsilon: float = 10.0
+    # Start a training that would exceed it anyway; recorded in the ledger and in ML
+    # Metadata (PrivacyLedger property budget_overridden).
+    override: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +161,9 @@ class PipelineConfig:
     pretrain: PretrainSection = PretrainSection()
     # TrainJobConfig fields (tff_algorithms.train_job) of the private training run.
     train: Mapping[str, Any] = dataclasses.field(default_factory=_default_train)
+    runtime: RuntimeSection = RuntimeSection()
     evaluate: EvaluateSection = EvaluateSection()
+    budget: BudgetSection = BudgetSection()
     push: PushSection = PushSection()
 
     def to_dict(self) -> dict[str, Any]:
@@ -138,6 +172,17 @@ class PipelineConfig:
     @property
     def serving_dir(self) -> str:
         return self.push.serving_dir or os.path.join(self.pipeline.output_dir, "serving")
+
+    def budget_policy_dict(self) -> dict[str, Any]:
+        """tff_algorithms.budget.BudgetPolicy fields of the private training run."""
+        return {
+            "ledger_path": os.path.abspath(
+                self.budget.ledger_path
+                or os.path.join(self.pipeline.output_dir, "privacy_budget_ledger.json")
+            ),
+            "total_epsilon": self.budget.dataset_epsilon,
+            "override": self.budget.override,
+        }
 
     def train_job_dict(self) -> dict[str, Any]:
         """The private run's TrainJobConfig as a dict (validated)."""
@@ -208,11 +253,12 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
 def _build_section(section_type: type, values: Mapping[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(section_type)
     names = [f.name for f in dataclasses.fields(section_type)]
+    _check_keys(values, prefix)
     unknown = sorted(set(values) - set(names))
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ValueError(
-            f"unknown config key {where}{unknown[0]} (known in {prefix or 'the top level'}: "
+            f"unknown config key {where}{_shown(unknown[0])} (known in {prefix or 'the top level'}: "
             f"{', '.join(names)})"
         )
     kwargs = {
@@ -223,13 +269,30 @@ def _build_section(section_type: type, values: Mapping[str, Any], prefix: str) -
     return section_type(**kwargs)
 
 
+def _shown(text: str) -> str:
+    """`text` for an error message: escaped when it holds line breaks or control
+    characters, so every error stays one line."""
+    return text if text.isprintable() else ascii(text)
+
+
+def _check_keys(values: Mapping[str, Any], prefix: str) -> None:
+    # YAML allows numbers, lists and nulls as keys; the config only ever has names.
+    for name in values:
+        if not isinstance(name, str):
+            where = f" in {prefix}" if prefix else ""
+            raise ValueError(f"config keys must be names, got {ascii(name)[:60]}{where}")
+
+
 def _train_job_config(values: Mapping[str, Any], key: str) -> Any:
     from tff_algorithms import train_job
 
+    _check_keys(values, key)
     names = [f.name for f in dataclasses.fields(train_job.TrainJobConfig)]
     unknown = sorted(set(values) - set(names))
     if unknown:
-        raise ValueError(f"unknown config key {key}.{unknown[0]} (known: {', '.join(names)})")
+        raise ValueError(
+            f"unknown config key {key}.{_shown(unknown[0])} (known: {', '.join(names)})"
+        )
     try:
         return train_job.TrainJobConfig.from_dict(dict(values))
     except (TypeError, ValueError) as e:
@@ -244,7 +307,8 @@ def _set_dotted(values: dict[str, Any], dotted_key: str, value: Any) -> None:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise ValueError(
-                f"config override {dotted_key}: {'.'.join(parents[: i + 1])} is not a section"
+                f"config override {_shown(dotted_key)}: "
+                f"{_shown('.'.join(parents[: i + 1]))} is not a section"
             )
         node = child
     node[leaf] = value
@@ -258,7 +322,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
-        raise ValueError(f"override {key}: cannot parse value {raw!r}") from None
+        raise ValueError(f"override {_shown(key)}: cannot parse value {raw!r}") from None
     return key.strip(), value
 
 
@@ -314,10 +378,14 @@ def validate(config: PipelineConfig) -> None:
         raise ValueError("config pipeline.output_dir must not be empty")
     for source in config.data.inputs:
         if not os.path.exists(source) and "://" not in source:
-            raise ValueError(f"config data.inputs: {source} does not exist")
+            raise ValueError(f"config data.inputs: {_shown(source)} does not exist")
     if not 0.0 <= config.data.max_bad_fraction <= 1.0:
         raise ValueError(
             f"config data.max_bad_fraction must be in [0, 1], got {config.data.max_bad_fraction}"
+        )
+    if config.data.max_image_pixels is not None and config.data.max_image_pixels < 1:
+        raise ValueError(
+            f"config data.max_image_pixels must be >= 1, got {config.data.max_image_pixels}"
         )
     check(
         "data.synthetic",
@@ -335,6 +403,11 @@ def validate(config: PipelineConfig) -> None:
             f"config train.algorithm must be one of {', '.join(ALGORITHMS)} (private training), "
             f"got {train['algorithm']!r}"
         )
+    from beam_jobs import records_io
+    from tff_algorithms import runtime
+
+    check("pipeline.beam_args", lambda: records_io.pipeline_options(config.pipeline.beam_args))
+    check("runtime", lambda: runtime.RuntimeConfig(**dataclasses.asdict(config.runtime)))
     pretrain = config.pretrain
     if pretrain.source not in PRETRAIN_SOURCES:
         raise ValueError(
@@ -353,8 +426,9 @@ def validate(config: PipelineConfig) -> None:
         raise ValueError(
             f"config evaluate.privacy_budget_epsilon must be > 0, got {evaluate.privacy_budget_epsilon}"
         )
-    from tff_algorithms import metrics
+    from tff_algorithms import budget, metrics
 
+    check("budget", lambda: budget.BudgetPolicy(**config.budget_policy_dict()))
     if evaluate.gate_far not in metrics.DEFAULT_FARS:
         raise ValueError(
             f"config evaluate.gate_far must be one of {list(metrics.DEFAULT_FARS)}, "

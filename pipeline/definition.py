@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 
+import tensorflow_data_validation as tfdv
 from tfx import v1 as tfx
 from tfx.types import standard_artifacts
 
@@ -63,12 +64,17 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         split_config=json.dumps(dataclasses.asdict(config.split), sort_keys=True),
         max_bad_fraction=config.data.max_bad_fraction,
         identity_feature=config.data.identity_feature or "",
+        max_image_pixels=config.data.max_image_pixels or 0,
         beam_args=beam_args,
         code_fingerprint=_code(data.CanonicalExampleGen),
     ).with_id(EXAMPLE_GEN)
-    statistics_gen = tfx.components.StatisticsGen(examples=example_gen.outputs["examples"]).with_id(
-        STATISTICS_GEN
-    )
+    # No top values or rank histograms: for user_id and identity they would list
+    # training users' names (and SchemaGen would copy them into a string domain) in
+    # published artifacts. Counts, presence and lengths are still computed.
+    statistics_gen = tfx.components.StatisticsGen(
+        examples=example_gen.outputs["examples"],
+        stats_options=tfdv.StatsOptions(num_top_values=0, num_rank_histogram_buckets=0),
+    ).with_id(STATISTICS_GEN)
     schema_gen = tfx.components.SchemaGen(
         statistics=statistics_gen.outputs["statistics"], infer_feature_shape=False
     ).with_id(SCHEMA_GEN)
@@ -120,6 +126,8 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         examples=examples,
         pretrained_backbone=backbone,
         train_job_config=json.dumps(train_job, sort_keys=True),
+        runtime_config=json.dumps(dataclasses.asdict(config.runtime), sort_keys=True),
+        budget_policy=json.dumps(config.budget_policy_dict(), sort_keys=True),
         code_fingerprint=_code(training.PrivateTrain),
     ).with_id(PRIVATE_TRAIN)
     baseline_resolver = tfx.dsl.Resolver(

@@ -28,6 +28,15 @@ def tff_runtime():
     runtime.stop()
 
 
+@pytest.fixture(scope="session")
+def tiny_pipeline_first_run(tmp_path_factory):
+    """The whole pipeline run once on tiny data (tests/test_pipeline_e2e.py's TINY config),
+    shared by the modules that inspect its outputs: (config, run summary, MLMD store)."""
+    from tests import test_pipeline_e2e
+
+    return test_pipeline_e2e.run_first_pipeline(str(tmp_path_factory.mktemp("pipeline")))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if "tensorflow_federated" in sys.modules:
         # Drop TFF's import-time context now, so its __del__ does not print a

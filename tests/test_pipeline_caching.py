@@ -37,6 +37,7 @@ def _run_example_gen(tmp_path, code: str) -> list[int]:
         split_config=json.dumps(dataclasses.asdict(config_lib.SplitSection(public_fraction=0.0))),
         max_bad_fraction=0.0,
         identity_feature="",
+        max_image_pixels=0,
         beam_args=json.dumps(["--runner=DirectRunner"]),
         code_fingerprint=code,
     )

@@ -43,8 +43,10 @@ TINY = {
         "evaluate_every": 1,
         "delta": 1e-3,
         "noise_seed": 0,
+        "testing_fixed_noise": True,
     },
     "evaluate": {"privacy_budget_epsilon": 100.0},
+    "budget": {"dataset_epsilon": 100.0},
 }
 UPSTREAM_OF_EVALUATION = (
     definition.EXAMPLE_GEN,
@@ -85,13 +87,18 @@ CACHED = metadata_store_pb2.Execution.CACHED
 COMPLETE = metadata_store_pb2.Execution.COMPLETE
 
 
-@pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
-    output_dir = str(tmp_path_factory.mktemp("pipeline"))
+def run_first_pipeline(output_dir: str):
+    """The first run on TINY data: (config, run summary, MLMD store). conftest's
+    session fixture `tiny_pipeline_first_run` calls it once for every module using it."""
     config = _config(output_dir)
     summary = local_run.run_pipeline(config, progress=None)
     store = metadata_store.MetadataStore(definition.local_metadata_config(config))
     return config, summary, store
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_pipeline_first_run):
+    return tiny_pipeline_first_run
 
 
 def test_first_run_blesses_pushes_and_records_epsilon(first_run):

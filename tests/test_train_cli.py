@@ -27,6 +27,7 @@ TRAIN_FLAGS = [
     "--embedding-size=16",
     "--evaluate-every=2",
     "--noise-seed=3",
+    "--testing-fixed-noise",
     *SPLIT_FLAGS,
 ]
 

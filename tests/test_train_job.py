@@ -32,6 +32,7 @@ CONFIG = train_job.TrainJobConfig(
     evaluate_every=2,
     seed=1,
     noise_seed=11,
+    testing_fixed_noise=True,
 )
 HEAD_SHAPE = (CONFIG.embedding_size, CONFIG.head_capacity)
 

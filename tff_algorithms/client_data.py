@@ -8,12 +8,12 @@ partition (`beam_jobs.partition`) inside the TFF worker.
 An id carries everything the worker needs, looked up in Python from the partition's
 shard indexes for the round's users only (O(users per round)):
 
-    "round=<r>;virtual_client=<j>" RS user_1 RS user_2 ...
+    "round=<r>;[attempt=<a>;]virtual_client=<j>" RS user_1 RS user_2 ...
     user_i = part file path US byte offset US byte length US part file size US records
 
 (RS = "\\x1e", US = "\\x1f", ASCII record and unit separators.) The round number is in
 the id, so the client work's per-(round, virtual client) head seed, which hashes the
-id, differs across rounds even for the same users.
+id, differs across rounds even for the same users; so is a retried round's attempt.
 
 TFRecord readers have no byte-range option, so a user's bytes are read with
 `tf.data.FixedLengthRecordDataset` as one record of `length` bytes between a header of
@@ -27,7 +27,10 @@ Costs and checks:
   verify them); instead the frames must exactly tile the byte range, their number must
   equal the index's record count, and the file size must equal the index-time size
   (`FixedLengthRecordDataset` fails otherwise), so a stale index or a truncated or
-  rewritten part file fails loudly instead of yielding wrong examples.
+  rewritten part file never yields wrong examples: the user's read fails, and the
+  client work drops the virtual client from the round (`failed_reads`, its
+  `expected_examples` not met); a round with too few reports is retried, then stops
+  the job with an error (`tff_algorithms.dropouts`).
 - Part file paths are absolute: every TFF worker must see the partition at the same path
   (a shared or cloud file system when workers run on other hosts).
 
@@ -77,12 +80,16 @@ class UserByteRange:
 
 
 def virtual_client_id(
-    round_num: int, virtual_client: int, user_ranges: Sequence[UserByteRange]
+    round_num: int, virtual_client: int, user_ranges: Sequence[UserByteRange], attempt: int = 0
 ) -> str:
-    """The id of virtual client `virtual_client` of round `round_num` (module docstring)."""
-    if round_num < 0 or virtual_client < 0:
+    """The id of virtual client `virtual_client` of round `round_num` (module docstring).
+
+    A retried round's attempt number (> 0) is part of the id, so its head seeds differ.
+    """
+    if round_num < 0 or virtual_client < 0 or attempt < 0:
         raise ValueError(
-            f"round and virtual client must be >= 0, got {round_num}, {virtual_client}"
+            f"round, virtual client and attempt must be >= 0, got {round_num}, "
+            f"{virtual_client}, {attempt}"
         )
     if not user_ranges:
         raise ValueError("a virtual client needs at least one user")
@@ -92,7 +99,10 @@ def virtual_client_id(
         )
         for r in user_ranges
     ]
-    return USER_SEPARATOR.join([f"round={round_num};virtual_client={virtual_client}", *users])
+    retry = f"attempt={attempt};" if attempt else ""
+    return USER_SEPARATOR.join(
+        [f"round={round_num};{retry}virtual_client={virtual_client}", *users]
+    )
 
 
 def _absolute(path: str) -> str:
@@ -135,10 +145,13 @@ class VirtualClientIds:
             path, location.offset, location.length, self._file_size(path), location.records
         )
 
-    def for_round(self, round_num: int) -> list[str]:
-        groups = self._plan.round_user_indices(round_num)
+    def for_round(self, round_num: int, attempt: int = 0) -> list[str]:
+        """Ids of the round's virtual clients; `attempt` > 0: a retry's fresh selection."""
+        groups = self._plan.round_user_indices(round_num, attempt)
         return [
-            virtual_client_id(round_num, j, [self.user_range(self._user_ids[i]) for i in group])
+            virtual_client_id(
+                round_num, j, [self.user_range(self._user_ids[i]) for i in group], attempt
+            )
             for j, group in enumerate(groups)
         ]
 
@@ -172,22 +185,43 @@ def _split_frames(data: tf.Tensor, num_records: tf.Tensor) -> tf.Tensor:
         return tf.identity(payloads.stack())
 
 
-def _user_records(path, offset, length, file_size, num_records) -> tf.data.Dataset:  # noqa: ANN001 - tensors
-    byte_range = tf.data.FixedLengthRecordDataset(
+def _user_bytes(path, offset, length, file_size) -> tf.Tensor:  # noqa: ANN001 - tensors
+    """A user's byte range, as one op: a failed read (missing or resized file) fails this
+    user's element once, which the client work's `ignore_errors` skips; the same failure
+    in a file source dataset would repeat forever under `ignore_errors`."""
+    return tf.data.FixedLengthRecordDataset(
         path, record_bytes=length, header_bytes=offset, footer_bytes=file_size - offset - length
-    )
-    return byte_range.flat_map(
-        lambda data: tf.data.Dataset.from_tensor_slices(_split_frames(data, num_records))
-    )
+    ).get_single_element()
+
+
+def _id_fields(virtual_client_id_tensor: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """(part file paths string[users], numbers int64[users, 4]) of a virtual-client id."""
+    users = tf.strings.split(virtual_client_id_tensor, USER_SEPARATOR)[1:]
+    fields = tf.strings.split(users, FIELD_SEPARATOR).to_tensor(shape=[None, 5])
+    return fields[:, 0], tf.strings.to_number(fields[:, 1:], tf.int64)
 
 
 def read_virtual_client_records(virtual_client_id_tensor: tf.Tensor) -> tf.data.Dataset:
     """Serialized canonical examples of a virtual client, users in id order. Traceable."""
-    users = tf.strings.split(virtual_client_id_tensor, USER_SEPARATOR)[1:]
-    fields = tf.strings.split(users, FIELD_SEPARATOR).to_tensor(shape=[None, 5])
-    numbers = tf.strings.to_number(fields[:, 1:], tf.int64)
-    ranges = (fields[:, 0], numbers[:, 0], numbers[:, 1], numbers[:, 2], numbers[:, 3])
-    return tf.data.Dataset.from_tensor_slices(ranges).flat_map(_user_records)
+    paths, numbers = _id_fields(virtual_client_id_tensor)
+    ranges = (paths, numbers[:, 0], numbers[:, 1], numbers[:, 2], numbers[:, 3])
+    return (
+        tf.data.Dataset.from_tensor_slices(ranges)
+        .map(
+            lambda path, offset, length, file_size, records: (
+                _user_bytes(path, offset, length, file_size),
+                records,
+            )
+        )
+        .flat_map(
+            lambda data, records: tf.data.Dataset.from_tensor_slices(_split_frames(data, records))
+        )
+    )
+
+
+def expected_examples(virtual_client_id_tensor: tf.Tensor) -> tf.Tensor:
+    """int64 number of records the id's users hold (what a complete read yields). Traceable."""
+    return tf.reduce_sum(_id_fields(virtual_client_id_tensor)[1][:, 3])
 
 
 def parse_example(

@@ -12,6 +12,8 @@ Client dataset: one element is one batch of one virtual client::
         image=float32[None, H, W, C],       # values in [0, 1]
         identity=int64[None] | string[None], # the raw identity: a name or a global id
         client_seed=int64[],                 # the same in every batch of a virtual client
+        expected_examples=int64[],           # examples the loader should yield (capped at
+                                             # max_examples); -1 when it cannot say
     )
 
 `make_client_dataset(examples, virtual_client_id, config)` builds it from per-example
@@ -32,8 +34,26 @@ head is global: keys are looked up in the sorted keys of all training identities
 and unknown identities are dropped and counted the same way.
 
 Update convention (TFF's): the update is `initial - final` weights, so the server
-optimizer SGD with learning rate 1 reproduces plain averaging. A non-finite update
-becomes all zeros with weight 1: it still counts in the fixed DP denominator.
+optimizer SGD with learning rate 1 reproduces plain averaging.
+
+Dropped virtual clients (stragglers and failures). A TFF simulation cannot lose a
+client the way a device fleet does, so failures are modelled inside the computation,
+and a dropped client returns an all-zero update and is counted, never stops the round:
+- a failed read: `make_client_dataset` skips elements whose reading raises
+  (`ignore_errors`; the loader must raise per element, see
+  `processes.compose_with_client_loader`), and a client that yields fewer examples
+  than `expected_examples`, or none at all, is dropped (`failed_reads`);
+- a timeout: `max_local_steps` (deterministic) and `max_seconds` (wall clock, measured
+  with `tf.timestamp` inside the client) bound the local work; a client that needs
+  more is dropped (`timed_out_clients`);
+- a non-finite update (`non_finite_updates`);
+- `failure_injection_rate` makes that fraction of virtual clients fail their read
+  (they read no examples), for tests and benchmarks.
+Over-selection: with `max_reports` M, the round selects more than M virtual clients
+and keeps the first M that report, in an arrival order modelled by the client seed (a
+hash of the virtual-client id); the others' updates are zeroed (`kept_clients` counts
+the rest). Every dropped or unkept client still counts in the aggregator's fixed
+denominator M, so the noise stays calibrated to the planned round.
 
 Client measurements (losses, counts) are computed on training users WITHOUT
 privacy; they are for monitoring only and must not be released.
@@ -98,6 +118,13 @@ class ClientConfig:
       shuffle_buffer: local shuffle buffer [2048].
       head_loss: loss on the head logits.
       head_seed: base seed of the local heads' initialisation.
+      max_local_steps: a virtual client that needs more local steps than this is a
+        straggler and is dropped (None: no limit).
+      max_seconds: wall-clock budget of one virtual client's local training; a client
+        over it is dropped (None: no limit). Not deterministic: prefer
+        `max_local_steps` where runs must be reproducible.
+      failure_injection_rate: fraction of virtual clients whose read is made to fail
+        (deterministic per virtual-client id); for tests and benchmarks only.
     """
 
     backbone_learning_rate: float
@@ -110,6 +137,9 @@ class ClientConfig:
     shuffle_buffer: int = 2048
     head_loss: HeadLossConfig = HeadLossConfig()
     head_seed: int = 0
+    max_local_steps: int | None = None
+    max_seconds: float | None = None
+    failure_injection_rate: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("backbone_learning_rate", "head_learning_rate_scale"):
@@ -120,6 +150,14 @@ class ClientConfig:
         for name in ("head_capacity", "epochs", "batch_size", "max_examples", "shuffle_buffer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_local_steps is not None and self.max_local_steps < 1:
+            raise ValueError(f"max_local_steps must be >= 1, got {self.max_local_steps}")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ValueError(f"max_seconds must be positive, got {self.max_seconds}")
+        if not 0 <= self.failure_injection_rate <= 1:
+            raise ValueError(
+                f"failure_injection_rate must be in [0, 1], got {self.failure_injection_rate}"
+            )
 
     @property
     def head_learning_rate(self) -> float:
@@ -134,6 +172,7 @@ def client_element_spec(
         image=tf.TensorSpec([None, *image_shape], tf.float32),
         identity=tf.TensorSpec([None], identity_dtype),
         client_seed=tf.TensorSpec([], tf.int64),
+        expected_examples=tf.TensorSpec([], tf.int64),
     )
 
 
@@ -142,24 +181,55 @@ def client_seed_from_id(virtual_client_id: tf.Tensor) -> tf.Tensor:
     return tf.strings.to_hash_bucket_fast(virtual_client_id, _KEY_BUCKETS)
 
 
+def _injected_failure(virtual_client_id: tf.Tensor, rate: float) -> tf.Tensor:
+    """Whether fault injection fails this virtual client: a hash of its id below `rate`."""
+    bucket = tf.strings.to_hash_bucket_fast(
+        tf.strings.join(["failure-injection/", virtual_client_id]), 1_000_000
+    )
+    return tf.cast(bucket, tf.float64) < rate * 1_000_000
+
+
 def make_client_dataset(
-    examples: tf.data.Dataset, virtual_client_id: tf.Tensor | str, config: ClientConfig
+    examples: tf.data.Dataset,
+    virtual_client_id: tf.Tensor | str,
+    config: ClientConfig,
+    expected_examples: tf.Tensor | int | None = None,
 ) -> tf.data.Dataset:
     """Per-example `{image, identity}` of one virtual client -> its client batches.
 
-    Takes the first `max_examples` examples (the loader decides their order),
-    shuffles them with a seed derived from the virtual-client id (reshuffled in
-    every local epoch) and batches them. Usable inside a TFF dataset computation.
+    Skips examples whose reading raises, takes the first `max_examples` (the loader
+    decides their order), shuffles them with a seed derived from the virtual-client id
+    (reshuffled in every local epoch) and batches them. `expected_examples` is how many
+    examples the loader should yield (None: unknown); the client work drops a client
+    that yields fewer. Usable inside a TFF dataset computation.
     """
-    seed = client_seed_from_id(tf.convert_to_tensor(virtual_client_id, tf.string))
+    virtual_client_id = tf.convert_to_tensor(virtual_client_id, tf.string)
+    seed = client_seed_from_id(virtual_client_id)
+    expected = (
+        tf.constant(-1, tf.int64)
+        if expected_examples is None
+        else tf.minimum(tf.cast(expected_examples, tf.int64), config.max_examples)
+    )
+    examples = examples.map(
+        lambda e: collections.OrderedDict(image=e["image"], identity=e["identity"])
+    )
+    if config.failure_injection_rate > 0:
+        # The failing client reads nothing, as when every read of its data errors. (An
+        # assertion in a `map` fired eagerly but not in TFF training runs, where
+        # bench_privacy_dropout counted no failures; a filter does.)
+        failing = _injected_failure(virtual_client_id, config.failure_injection_rate)
+        examples = examples.filter(lambda _: tf.logical_not(failing))
     return (
-        examples.map(lambda e: collections.OrderedDict(image=e["image"], identity=e["identity"]))
+        examples.ignore_errors()
         .take(config.max_examples)
         .shuffle(config.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
         .batch(config.batch_size)
         .map(
             lambda b: collections.OrderedDict(
-                image=b["image"], identity=b["identity"], client_seed=seed
+                image=b["image"],
+                identity=b["identity"],
+                client_seed=seed,
+                expected_examples=expected,
             )
         )
     )
@@ -252,18 +322,6 @@ def zero_if_not_finite(structure: object) -> tuple[object, tf.Tensor]:
     return tf.nest.pack_sequence_as(structure, zeroed), tf.cast(tf.logical_not(finite), tf.int32)
 
 
-def _client_measurements_type() -> tff.Type:
-    return tff.StructWithPythonType(
-        [
-            ("num_examples", np.int64),
-            ("examples_over_head_capacity", np.int64),
-            ("non_finite_updates", np.int32),
-            ("loss", np.float32),
-        ],
-        collections.OrderedDict,
-    )
-
-
 def _client_state_type() -> tff.Type:
     return tff.StructWithPythonType(
         [("round_num", np.int64), ("head_seed", np.int64)], collections.OrderedDict
@@ -333,7 +391,7 @@ class _LocalTrainer:
             self.head.assign(initial_weights.trainable["head"][0])
             num_active_rows = self.num_head_rows
 
-        def step(state, batch):
+        def train_step(state, batch):
             backbone_opt_state, head_opt_state, num_examples, num_dropped, loss_sum, num_batches = (
                 state
             )
@@ -366,7 +424,38 @@ class _LocalTrainer:
                 num_batches + 1,
             )
 
-        initial_state = (
+        max_steps, max_seconds = self.config.max_local_steps, self.config.max_seconds
+        started = tf.timestamp()
+
+        def within_budget(steps_done: tf.Tensor) -> tf.Tensor:
+            within = tf.constant(True)
+            if max_steps is not None:
+                within = tf.logical_and(within, steps_done < max_steps)
+            if max_seconds is not None:
+                within = tf.logical_and(within, tf.timestamp() - started < max_seconds)
+            return within
+
+        def step(state, batch):
+            training_state, rows_read, timed_out, _, _ = state
+            if max_steps is None and max_seconds is None:
+                training_state = train_step(training_state, batch)
+            else:
+                # A straggler: past its budget it stops training (the rest of its data
+                # is still read, up to one batch past max_local_steps) and is dropped.
+                within = within_budget(training_state[-1])
+                training_state = tf.cond(
+                    within, lambda: train_step(training_state, batch), lambda: training_state
+                )
+                timed_out = tf.logical_or(timed_out, tf.logical_not(within))
+            return (
+                training_state,
+                rows_read + tf.size(batch["identity"], out_type=tf.int64),
+                timed_out,
+                batch["client_seed"],
+                batch["expected_examples"],
+            )
+
+        initial_training_state = (
             self.backbone_optimizer.initialize(
                 tuple(tf.TensorSpec(v.shape, v.dtype) for v in backbone_variables)
             ),
@@ -376,9 +465,20 @@ class _LocalTrainer:
             tf.constant(0.0),
             tf.constant(0.0),
         )
-        _, _, num_examples, num_dropped, loss_sum, num_batches = dataset.repeat(
-            self.config.epochs
-        ).reduce(initial_state, step)
+        batches = dataset.repeat(self.config.epochs)
+        if max_steps is not None:
+            batches = batches.take(max_steps + 1)
+        training_state, rows_read, timed_out, client_seed, expected = batches.reduce(
+            (
+                initial_training_state,
+                tf.constant(0, tf.int64),
+                tf.constant(False),
+                tf.constant(0, tf.int64),
+                tf.constant(-1, tf.int64),
+            ),
+            step,
+        )
+        _, _, num_examples, num_dropped, loss_sum, num_batches = training_state
         backbone_update = [
             a - b for a, b in zip(_backbone_trainable(initial_weights), backbone_variables)
         ]
@@ -389,10 +489,23 @@ class _LocalTrainer:
                 backbone=backbone_update, head=[initial_weights.trainable["head"][0] - self.head]
             )
         update, non_finite = zero_if_not_finite(update)
+        # Every epoch must read every expected example; a client with nothing to read
+        # failed too. A timed-out client's short read is counted as the timeout.
+        short_read = tf.logical_or(
+            rows_read == 0,
+            tf.logical_and(expected >= 0, rows_read < expected * self.config.epochs),
+        )
+        failed_read = tf.logical_and(short_read, tf.logical_not(timed_out))
+        dropped = tf.logical_or(tf.logical_or(failed_read, timed_out), non_finite > 0)
+        update = tf.nest.map_structure(lambda t: tf.where(dropped, tf.zeros_like(t), t), update)
         measurements = collections.OrderedDict(
             num_examples=num_examples,
             examples_over_head_capacity=num_dropped,
             non_finite_updates=non_finite,
+            failed_reads=tf.cast(failed_read, tf.int32),
+            timed_out_clients=tf.cast(timed_out, tf.int32),
+            reported=tf.cast(tf.logical_not(dropped), tf.int32),
+            arrival_key=client_seed,
             loss=loss_sum / tf.maximum(num_batches, 1.0),
         )
         return tff.learning.templates.ClientResult(
@@ -416,13 +529,94 @@ def _backbone_non_trainable(weights) -> list:  # noqa: ANN001
     )
 
 
+_NOT_REPORTED = np.iinfo(np.int64).max
+
+
+def _first_reports(max_reports: int) -> Callable:
+    """A federated computation: (reported, arrival key) at CLIENTS -> kept, at CLIENTS.
+
+    Keeps the `max_reports` reporting clients with the smallest arrival keys: the
+    server collects the `max_reports` smallest keys of reporting clients (a fixed-size
+    aggregate, so no client list leaves TFF) and broadcasts the largest of them.
+    """
+    key_type = tff.TensorType(np.int64)
+    smallest_type = tff.TensorType(np.int64, [max_reports])
+
+    @tff.tensorflow.computation(np.int32, np.int64)
+    def report_key(reported, arrival_key):
+        return tf.where(reported > 0, arrival_key, tf.constant(_NOT_REPORTED, tf.int64))
+
+    @tff.tensorflow.computation(smallest_type, key_type)
+    def accumulate(smallest, key):
+        return tf.sort(tf.concat([smallest, [key]], 0))[:max_reports]
+
+    @tff.tensorflow.computation(smallest_type, smallest_type)
+    def merge(first, second):
+        return tf.sort(tf.concat([first, second], 0))[:max_reports]
+
+    @tff.tensorflow.computation(smallest_type)
+    def last_kept_key(smallest):
+        return smallest[-1]
+
+    @tff.tensorflow.computation(np.int32, np.int64, np.int64)
+    def is_kept(reported, arrival_key, threshold):
+        # Fewer than max_reports reporters: the threshold stays _NOT_REPORTED, all kept.
+        return tf.cast(tf.logical_and(reported > 0, arrival_key <= threshold), tf.int32)
+
+    @tff.federated_computation(
+        tff.FederatedType(np.int32, tff.CLIENTS), tff.FederatedType(np.int64, tff.CLIENTS)
+    )
+    def first_reports(reported, arrival_key):
+        keys = tff.federated_map(report_key, (reported, arrival_key))
+        threshold = tff.federated_aggregate(
+            keys,
+            np.full([max_reports], _NOT_REPORTED, np.int64),
+            accumulate,
+            merge,
+            last_kept_key,
+        )
+        return tff.federated_map(
+            is_kept, (reported, arrival_key, tff.federated_broadcast(threshold))
+        )
+
+    return first_reports
+
+
+def train_one_client(
+    backbone_config: models.BackboneConfig,
+    config: ClientConfig,
+    initial_weights: tff.learning.models.ModelWeights,
+    dataset: tf.data.Dataset,
+    round_num: int = 0,
+) -> tuple[list[np.ndarray], dict[str, float]]:
+    """One DP-FedEmb virtual client's local training outside TFF, run eagerly.
+
+    The same `_LocalTrainer` as the federated client work, for checking one client's
+    behaviour (its budgets, its drop decision) without building a TFF process.
+    Returns the unclipped backbone update (initial - final; zeros when the client is
+    dropped) and the client's measurements.
+    """
+    trainer = _LocalTrainer(lambda: models.build_backbone(backbone_config), config, None)
+    client_state = collections.OrderedDict(
+        round_num=tf.constant(round_num, tf.int64),
+        head_seed=tf.constant(config.head_seed, tf.int64),
+    )
+    result, measurements = tf.function(trainer.train)(initial_weights, dataset, client_state)
+    return [t.numpy() for t in result.update], {
+        name: value.numpy().item() for name, value in measurements.items()
+    }
+
+
 def _build_client_work(
     backbone_fn: Callable[[], tf.keras.Model],
     weights_type: tff.Type,
     element_spec: collections.OrderedDict,
     config: ClientConfig,
     global_head_vocabulary: np.ndarray | None,
+    max_reports: int | None,
 ) -> tff.learning.templates.ClientWorkProcess:
+    if max_reports is not None and max_reports < 1:
+        raise ValueError(f"max_reports must be >= 1, got {max_reports}")
     data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
     state_type = _client_state_type()
 
@@ -443,6 +637,23 @@ def _build_client_work(
             round_num=state["round_num"] + 1, head_seed=state["head_seed"]
         )
 
+    @tff.tensorflow.computation(np.int32)
+    def not_reported(reported):
+        return 1 - reported
+
+    if max_reports is not None:
+        first_reports = _first_reports(max_reports)
+        result_type = client_update.type_signature.result[0]
+
+        @tff.tensorflow.computation(result_type, np.int32)
+        def zero_unless_kept(client_result, kept):
+            return tff.learning.templates.ClientResult(
+                update=tf.nest.map_structure(
+                    lambda t: tf.where(kept > 0, t, tf.zeros_like(t)), client_result.update
+                ),
+                update_weight=client_result.update_weight,
+            )
+
     @tff.federated_computation
     def init_fn():
         return tff.federated_eval(initial_state, tff.SERVER)
@@ -456,12 +667,25 @@ def _build_client_work(
         client_result, client_measurements = tff.federated_map(
             client_update, (weights, client_data, tff.federated_broadcast(state))
         )
+        reported = client_measurements.reported
+        if max_reports is None:
+            kept = reported
+        else:
+            kept = first_reports(reported, client_measurements.arrival_key)
+            client_result = tff.federated_map(zero_unless_kept, (client_result, kept))
         measurements = collections.OrderedDict(
             num_examples=tff.federated_sum(client_measurements.num_examples),
             examples_over_head_capacity=tff.federated_sum(
                 client_measurements.examples_over_head_capacity
             ),
             non_finite_updates=tff.federated_sum(client_measurements.non_finite_updates),
+            failed_reads=tff.federated_sum(client_measurements.failed_reads),
+            timed_out_clients=tff.federated_sum(client_measurements.timed_out_clients),
+            dropped_clients=tff.federated_sum(
+                tff.federated_map(not_reported, client_measurements.reported)
+            ),
+            reported_clients=tff.federated_sum(reported),
+            kept_clients=tff.federated_sum(kept),
             mean_client_loss=tff.federated_mean(client_measurements.loss),
         )
         return tff.templates.MeasuredProcessOutput(
@@ -476,6 +700,7 @@ def build_fedemb_client_work(
     backbone_weights_type: tff.Type,
     element_spec: collections.OrderedDict,
     config: ClientConfig,
+    max_reports: int | None = None,
 ) -> tff.learning.templates.ClientWorkProcess:
     """DP-FedEmb client work: local head, backbone-only update.
 
@@ -486,8 +711,12 @@ def build_fedemb_client_work(
         type of the backbone (`models.backbone_weights_type`).
       element_spec: client batch spec (`client_element_spec`).
       config: local training configuration.
+      max_reports: keep at most this many reporting clients per round (over-selection:
+        the round selects more); None keeps every client that reports.
     """
-    return _build_client_work(backbone_fn, backbone_weights_type, element_spec, config, None)
+    return _build_client_work(
+        backbone_fn, backbone_weights_type, element_spec, config, None, max_reports
+    )
 
 
 def build_fedavg_client_work(
@@ -496,14 +725,21 @@ def build_fedavg_client_work(
     element_spec: collections.OrderedDict,
     config: ClientConfig,
     identity_vocabulary: np.ndarray,
+    max_reports: int | None = None,
 ) -> tff.learning.templates.ClientWorkProcess:
     """DP-FedAvg client work: the broadcast global head is trained and its update returned.
 
     `model_weights_type` is `ModelWeights(trainable=OrderedDict(backbone=[...],
     head=[kernel]), non_trainable=OrderedDict(backbone=[...]))`; the update has the
     `trainable` structure. `identity_vocabulary` is `identity_keys_vocabulary` of
-    all training identities (one head row each, in that order).
+    all training identities (one head row each, in that order). `max_reports` as in
+    `build_fedemb_client_work`.
     """
     return _build_client_work(
-        backbone_fn, model_weights_type, element_spec, config, np.asarray(identity_vocabulary)
+        backbone_fn,
+        model_weights_type,
+        element_spec,
+        config,
+        np.asarray(identity_vocabulary),
+        max_reports,
     )

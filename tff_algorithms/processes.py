@@ -104,14 +104,20 @@ def build_fedemb_process(
     *,
     identity_dtype: tf.DType = tf.string,
     backbone_seed: int = 0,
+    max_reports: int | None = None,
 ) -> tff.learning.templates.LearningProcess:
-    """FedEmb with any aggregator (e.g. `aggregators.no_dp` or `gaussian_adaptive`)."""
+    """FedEmb with any aggregator (e.g. `aggregators.no_dp` or `gaussian_adaptive`).
+
+    `max_reports`: keep only the first this many reporting virtual clients of a round
+    (over-selection; the aggregator's denominator is the planned number either way).
+    """
     initial_weights_fn = _initial_backbone_weights_fn(backbone_config, backbone_seed)
     work = client_work.build_fedemb_client_work(
         _backbone_fn(backbone_config),
         initial_weights_fn.type_signature.result,
         client_work.client_element_spec(backbone_config.image_shape, identity_dtype),
         client_config,
+        max_reports,
     )
     return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer)
 
@@ -135,6 +141,7 @@ def build_dp_fedemb_process(
     server_momentum: float = 0.9,
     identity_dtype: tf.DType = tf.string,
     backbone_seed: int = 0,
+    max_reports: int | None = None,
 ) -> tff.learning.templates.LearningProcess:
     """DP-FedEmb (paper Alg. 1): fixed clip, independent Gaussian noise, server SGDM."""
     return build_fedemb_process(
@@ -149,6 +156,7 @@ def build_dp_fedemb_process(
         _server_sgdm(server_learning_rate, server_momentum),
         identity_dtype=identity_dtype,
         backbone_seed=backbone_seed,
+        max_reports=max_reports,
     )
 
 
@@ -166,6 +174,7 @@ def build_dp_ftrl_fedemb_process(
     use_efficient_tree: bool = True,
     identity_dtype: tf.DType = tf.string,
     backbone_seed: int = 0,
+    max_reports: int | None = None,
 ) -> tff.learning.templates.LearningProcess:
     """DP-FTRL-FedEmb: FedEmb client work, tree-aggregated noise, constant-lr server SGDM.
 
@@ -190,6 +199,7 @@ def build_dp_ftrl_fedemb_process(
         _server_sgdm(server_learning_rate, server_momentum),
         identity_dtype=identity_dtype,
         backbone_seed=backbone_seed,
+        max_reports=max_reports,
     )
 
 
@@ -202,10 +212,12 @@ def build_fedavg_process(
     *,
     identity_dtype: tf.DType = tf.string,
     backbone_seed: int = 0,
+    max_reports: int | None = None,
 ) -> tff.learning.templates.LearningProcess:
     """FedAvg with a global head over `identity_vocabulary`, with any aggregator.
 
-    `identity_vocabulary` is `client_work.identity_keys_vocabulary(all training identities)`.
+    `identity_vocabulary` is `client_work.identity_keys_vocabulary(all training identities)`;
+    `max_reports` as in `build_fedemb_process`.
     """
     initial_weights_fn = _initial_fedavg_weights_fn(
         backbone_config, backbone_seed, len(identity_vocabulary)
@@ -216,6 +228,7 @@ def build_fedavg_process(
         client_work.client_element_spec(backbone_config.image_shape, identity_dtype),
         client_config,
         identity_vocabulary,
+        max_reports,
     )
     return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer)
 
@@ -233,6 +246,7 @@ def build_dp_fedavg_process(
     server_momentum: float = 0.9,
     identity_dtype: tf.DType = tf.string,
     backbone_seed: int = 0,
+    max_reports: int | None = None,
 ) -> tff.learning.templates.LearningProcess:
     """DP-FedAvg (paper Alg. 2): backbone and global head clipped together, Gaussian noise."""
     return build_fedavg_process(
@@ -248,6 +262,7 @@ def build_dp_fedavg_process(
         _server_sgdm(server_learning_rate, server_momentum),
         identity_dtype=identity_dtype,
         backbone_seed=backbone_seed,
+        max_reports=max_reports,
     )
 
 
@@ -255,18 +270,27 @@ def compose_with_client_loader(
     process: tff.learning.templates.LearningProcess,
     load_examples: Callable[[tf.Tensor], tf.data.Dataset],
     client_config: client_work.ClientConfig,
+    expected_examples: Callable[[tf.Tensor], tf.Tensor] | None = None,
 ) -> tff.learning.templates.LearningProcess:
     """A process whose `next(state, virtual_client_ids)` loads client data inside TFF.
 
     `load_examples` maps a virtual-client id (scalar tf.string) to a dataset of
     per-example `{"image", "identity"}` elements; it must be traceable by
-    `tf.function` (e.g. read the virtual client's shard files with tf.data).
+    `tf.function` (e.g. read the virtual client's shard files with tf.data). Elements
+    whose reading raises are skipped, so a read error must fail its element and move
+    on (an error in a `map`), not repeat forever (a file source that keeps failing,
+    such as a `FixedLengthRecordDataset` on a missing file, would hang the round).
+    `expected_examples` maps the id to the number of examples the loader should yield
+    (traceable); a virtual client that yields fewer is dropped from the round.
     """
 
     @tff.tensorflow.computation(tff.TensorType(np.str_))
     def client_dataset(virtual_client_id):
         return client_work.make_client_dataset(
-            load_examples(virtual_client_id), virtual_client_id, client_config
+            load_examples(virtual_client_id),
+            virtual_client_id,
+            client_config,
+            None if expected_examples is None else expected_examples(virtual_client_id),
         )
 
     return tff.simulation.compose_dataset_computation_with_learning_process(client_dataset, process)

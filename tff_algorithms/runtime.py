@@ -13,7 +13,12 @@ parent's stdout/stderr open (DESIGN.md section 1). `TffRuntime` replaces that:
 
 With one worker the context is TFF's synchronous remote-execution context. With
 several, computations are compiled to mergeable form and each round's clients are
-split across the workers (`MergeableCompExecutionContext`).
+split across the workers (`MergeableCompExecutionContext`): each worker runs the
+computation up to the aggregation on its share of the clients, the partial
+aggregates are merged, and the rest (DP noise, server update) runs once on the merged
+value. Results equal one worker's up to float32 summation order
+(tests/test_multi_worker.py); with three or more workers the partial sums merge in the
+order workers finish, so the last bits can vary between runs.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from types import FrameType
 
 import grpc
@@ -62,8 +67,13 @@ class RuntimeConfig:
     """How training reaches its TFF workers.
 
     Attributes:
-      worker_addresses: "host:port" of workers started elsewhere. Empty means one
-        local worker started and owned by this process.
+      worker_addresses: "host:port" of workers started elsewhere (e.g. by a cluster
+        scheduler, docs/scaling.md). Empty means `local_workers` local workers
+        started and owned by this process.
+      local_workers: how many local workers to start when `worker_addresses` is
+        empty. Two or more split each round's clients across them, as remote
+        workers would (a single-host check of the multi-worker path; on one host
+        it adds no compute, the one worker already uses every core).
       max_concurrent_computation_calls: per-worker limit on parallel calls of one
         computation (bounds memory when a round has many clients); <= 0 means
         unlimited. Applies to local workers; remote ones get it from their launcher.
@@ -75,6 +85,7 @@ class RuntimeConfig:
     """
 
     worker_addresses: tuple[str, ...] = ()
+    local_workers: int = 1
     max_concurrent_computation_calls: int = -1
     default_num_clients: int = 0
     log_dir: str | None = None
@@ -85,6 +96,17 @@ class RuntimeConfig:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"worker address {address!r} is not of the form host:port")
+        if isinstance(self.local_workers, bool) or not isinstance(self.local_workers, int):
+            raise ValueError(f"local_workers must be an integer, got {self.local_workers!r}")
+        if self.local_workers < 1:
+            raise ValueError(f"local_workers must be >= 1, got {self.local_workers}")
+        if self.worker_addresses and self.local_workers != 1:
+            raise ValueError(
+                "local_workers (--local-workers) and worker_addresses (--workers) exclude "
+                "each other: give worker addresses or a number of local workers, not both"
+            )
+        if len(set(self.worker_addresses)) != len(self.worker_addresses):
+            raise ValueError(f"worker addresses repeat: {', '.join(self.worker_addresses)}")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be positive, got {self.ready_timeout_s}")
 
@@ -96,10 +118,23 @@ def _die_with_parent() -> None:
 
 
 class LocalWorker:
-    """One `worker_binary` child process listening on localhost."""
+    """One `worker_binary` child process, reached at 127.0.0.1.
 
-    def __init__(self, log_dir: str, max_concurrent_computation_calls: int) -> None:
+    worker_binary has no bind-address flag: it listens on every interface, with no
+    authentication (docs/scaling.md), so on a shared host a firewall must keep its
+    port private.
+    """
+
+    def __init__(
+        self,
+        log_dir: str,
+        max_concurrent_computation_calls: int,
+        taken_ports: Collection[int] = (),
+    ) -> None:
+        # A port picked for a sibling worker that has not bound it yet looks free.
         self.port = portpicker.pick_unused_port()
+        while self.port in taken_ports:
+            self.port = portpicker.pick_unused_port()
         self.log_path = os.path.join(log_dir, f"worker_{self.port}.log")
         argv = [
             WORKER_BINARY,
@@ -120,7 +155,7 @@ class LocalWorker:
 
     @property
     def address(self) -> str:
-        return f"localhost:{self.port}"
+        return f"127.0.0.1:{self.port}"
 
     def log_tail(self, max_bytes: int = 2000) -> str:
         with open(self.log_path, "rb") as f:
@@ -216,12 +251,17 @@ class TffRuntime:
                 os.makedirs(log_dir, exist_ok=True)
             else:
                 log_dir = self._temp_log_dir = tempfile.mkdtemp(prefix="dp_fedemb_tff_")
-            worker = LocalWorker(log_dir, config.max_concurrent_computation_calls)
-            self.local_workers.append(worker)
-            logging.info(
-                "Started TFF worker_binary pid %d, log %s", worker.process.pid, worker.log_path
-            )
-            targets = [(worker.address, worker)]
+            for _ in range(config.local_workers):
+                worker = LocalWorker(
+                    log_dir,
+                    config.max_concurrent_computation_calls,
+                    taken_ports=[w.port for w in self.local_workers],
+                )
+                self.local_workers.append(worker)
+                logging.info(
+                    "Started TFF worker_binary pid %d, log %s", worker.process.pid, worker.log_path
+                )
+            targets = [(worker.address, worker) for worker in self.local_workers]
         stubs = []
         for address, worker in targets:
             channel = grpc.insecure_channel(address, options=_GRPC_CHANNEL_OPTIONS)

@@ -24,7 +24,9 @@ are ignored. Its outputs have the same layout, with epsilon null and `private: f
 delta: `TrainJobConfig.delta=None` resolves to N^-1.1 for N training users, which is
 below 1/N as (epsilon, delta)-DP needs (N=6800 gives 6.1e-5, N=10M gives 2e-8).
 
-What is published: metrics.json holds only held-out evaluation and privacy figures;
+What is published: metrics.json holds only held-out evaluation and privacy figures,
+plus per-round counts of dropped and kept virtual clients (`CLIENT_COUNTS`: operations
+figures about failed reads and stragglers, labelled as outside the DP guarantee);
 training-user losses (not private) are never written. It omits the schedule seed and
 the noise seed: sampling amplification assumes the sample is secret, and whoever knows
 the noise seed can subtract the noise. OUTPUT/train_job.json and the checkpoints hold
@@ -52,6 +54,7 @@ from tff_algorithms import (
     aggregators,
     client_data,
     client_work,
+    dropouts,
     export,
     metrics,
     models,
@@ -59,6 +62,7 @@ from tff_algorithms import (
     runtime,
     training,
 )
+from tff_algorithms import budget as budget_lib
 from tff_algorithms.ledger import PrivacyLedger
 
 DP_FEDEMB = "dp-fedemb"
@@ -79,6 +83,14 @@ _EMBED_BATCH = 256
 _RESUMABLE_CHANGES = frozenset({"evaluate_every", "max_epsilon"})
 # Never published (module docstring).
 _SECRET_FIELDS = ("seed", "noise_seed")
+# Client-work counts of the applied attempt of each round, recorded in the history.
+CLIENT_COUNTS = (
+    "failed_reads",
+    "timed_out_clients",
+    "non_finite_updates",
+    "dropped_clients",
+    "kept_clients",
+)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -121,10 +133,23 @@ class TrainJobConfig:
       evaluate_every: evaluate every this many rounds (0: only after the last).
       seed: schedule, backbone initialisation and local-head seeds.
       noise_seed: DP noise seed; None draws one from OS entropy (production). A fixed
-        seed makes runs reproducible: for tests and benchmarks only.
+        seed makes the noise predictable (whoever guesses it can subtract the noise),
+        so it is refused unless `testing_fixed_noise` is set.
+      testing_fixed_noise: the explicit testing flag that allows a fixed `noise_seed`:
+        for tests and benchmarks only; recorded in metrics.json.
       restart_every_epoch: DP-FTRL only: restart the noise tree every epoch.
       max_epsilon: privacy budget; the job refuses to start when the planned rounds
         would cost more. None: no budget.
+      over_selection: o; a round selects ceil(M(1 + o)) virtual clients and keeps the
+        first M that report. Accounting uses the selected set's sampling
+        (`tff_algorithms.dropouts`).
+      min_report_fraction: a round with fewer than ceil(f·M) reporting virtual clients
+        is retried with a fresh selection, never applied.
+      max_round_attempts: attempts per round before the job stops with an error.
+      max_local_steps / max_client_seconds: a virtual client needing more local steps
+        or wall-clock seconds is a straggler and is dropped (None: no limit).
+      failure_injection_rate: fraction of virtual clients made to fail their read, to
+        measure dropout robustness (tests and benchmarks only).
     """
 
     algorithm: str = DP_FEDEMB
@@ -150,8 +175,15 @@ class TrainJobConfig:
     evaluate_every: int = 10
     seed: int = 0
     noise_seed: int | None = None
+    testing_fixed_noise: bool = False
     restart_every_epoch: bool = False
     max_epsilon: float | None = None
+    over_selection: float = 0.0
+    min_report_fraction: float = 0.5
+    max_round_attempts: int = 3
+    max_local_steps: int | None = None
+    max_client_seconds: float | None = None
+    failure_injection_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -165,14 +197,35 @@ class TrainJobConfig:
             "max_examples_per_client",
             "embedding_size",
             "image_size",
+            "max_round_attempts",
         ):
             _check_int(name, getattr(self, name), 1)
+        if self.max_local_steps is not None:
+            _check_int("max_local_steps", self.max_local_steps, 1)
+        if self.max_client_seconds is not None:
+            _check_number("max_client_seconds", self.max_client_seconds, 0, math.inf, low_open=True)
+        _check_number("over_selection", self.over_selection, 0, 100, low_open=False)
+        for name in ("min_report_fraction", "failure_injection_rate"):
+            value = getattr(self, name)
+            _check_number(name, value, 0, math.inf, low_open=False)
+            if value > 1:
+                raise ValueError(f"{name} must be a fraction in [0, 1], got {value}")
         for name in ("evaluate_every", "seed"):
             _check_int(name, getattr(self, name), 0)
         if self.head_capacity is not None:
             _check_int("head_capacity", self.head_capacity, 1)
+        if not isinstance(self.testing_fixed_noise, bool):
+            raise ValueError(
+                f"testing_fixed_noise must be a boolean, got {self.testing_fixed_noise!r}"
+            )
         if self.noise_seed is not None:
             _check_int("noise_seed", self.noise_seed, 0)
+            if not self.testing_fixed_noise:
+                raise ValueError(
+                    "a fixed noise_seed makes the DP noise predictable and is for tests only: "
+                    "production runs draw it from OS entropy; set testing_fixed_noise "
+                    "(--testing-fixed-noise) to use one"
+                )
         if self.channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {self.channels!r}")
         _check_number("noise_multiplier", self.noise_multiplier, 0, math.inf, low_open=False)
@@ -220,6 +273,17 @@ class TrainJobConfig:
             max_examples=self.max_examples_per_client,
             shuffle_buffer=self.max_examples_per_client,
             head_seed=self.seed,
+            max_local_steps=self.max_local_steps,
+            max_seconds=self.max_client_seconds,
+            failure_injection_rate=float(self.failure_injection_rate),
+        )
+
+    def report_policy(self) -> dropouts.ReportPolicy:
+        return dropouts.ReportPolicy(
+            self.virtual_clients_per_round,
+            float(self.over_selection),
+            float(self.min_report_fraction),
+            self.max_round_attempts,
         )
 
     def resolved_delta(self, num_users: int) -> float:
@@ -261,12 +325,17 @@ class TrainJobResult:
 
 
 def schedule_for(config: TrainJobConfig, num_users: int) -> schedule.VirtualClientSchedule:
-    """The virtual-client schedule of a federated job over `num_users` users."""
+    """The virtual-client schedule of a federated job over `num_users` users.
+
+    It selects `report_policy().selected_per_round` virtual clients per round (more
+    than planned when over-selecting), so the accounting spec built from its
+    participation statistics uses the selected set's sampling.
+    """
     mode = schedule.EPOCH if config.algorithm == DP_FTRL_FEDEMB else schedule.SAMPLED
     return schedule.VirtualClientSchedule(
         num_users,
         config.users_per_virtual_client,
-        config.virtual_clients_per_round,
+        config.report_policy().selected_per_round,
         config.seed,
         mode,
     )
@@ -464,6 +533,7 @@ def _build_process(
         server_learning_rate=config.server_learning_rate,
         server_momentum=config.server_momentum,
         backbone_seed=config.seed,
+        max_reports=config.report_policy().max_reports,
     )
     if config.algorithm == DP_FEDEMB:
         base = processes.build_dp_fedemb_process(config.backbone_config, client_config, **common)
@@ -481,7 +551,10 @@ def _build_process(
         )
     image_shape = config.image_shape
     return processes.compose_with_client_loader(
-        base, lambda vc_id: client_data.load_examples(vc_id, image_shape), client_config
+        base,
+        lambda vc_id: client_data.load_examples(vc_id, image_shape),
+        client_config,
+        client_data.expected_examples,
     )
 
 
@@ -536,8 +609,11 @@ def _train_federated(
         initial_state = _with_backbone(process, process.initialize(), pretrained)
     check_head = _head_capacity_check(config)
 
-    def on_round(record: Mapping[str, Any], training_metrics: Any) -> None:
+    def on_round(record: dict[str, Any], training_metrics: Any) -> None:
         check_head(record, training_metrics)
+        # The record is saved after this call, so the counts survive a resume.
+        work = training_metrics["client_work"]
+        record["clients"] = {name: int(work[name]) for name in CLIENT_COUNTS}
         if progress is not None:
             progress(record)
 
@@ -554,6 +630,7 @@ def _train_federated(
         ),
         initial_state=initial_state,
         on_round=on_round,
+        report_policy=config.report_policy(),
     )
     backbone = processes.backbone_model_weights(process.get_model_weights(result.state))
     return _Outcome(backbone, ledger, result.history, result.resumed_from_round)
@@ -664,9 +741,14 @@ def _job_record(config: TrainJobConfig, reader: partition.PartitionReader) -> di
     }
 
 
-def _claim_output_dir(output_dir: str, job: dict[str, Any]) -> None:
-    """Records the job in OUTPUT, or checks that a re-run is the same job (resume)."""
+def _claim_output_dir(output_dir: str, job: dict[str, Any]) -> str:
+    """Records the job in OUTPUT, or checks that a re-run is the same job (resume).
+
+    Returns the job's run id: new for a new job, the recorded one on resume, so the
+    cross-run budget charges a resumed job once.
+    """
     path = os.path.join(output_dir, JOB_FILE)
+    run_id = uuid.uuid4().hex
     if tf.io.gfile.exists(path):
         with tf.io.gfile.GFile(path) as f:
             previous = json.load(f)
@@ -683,8 +765,10 @@ def _claim_output_dir(output_dir: str, job: dict[str, Any]) -> None:
                 f"{output_dir} holds a training job with different {', '.join(changed)}; "
                 "use a new output directory"
             )
+        run_id = previous.get("run_id") or run_id
     tf.io.gfile.makedirs(output_dir)
-    _write_text(path, json.dumps(job, indent=1, sort_keys=True))
+    _write_text(path, json.dumps({**job, "run_id": run_id}, indent=1, sort_keys=True))
+    return run_id
 
 
 def _privacy_summary(
@@ -698,12 +782,27 @@ def _privacy_summary(
         guarantee = "non-private: noise multiplier 0 (no DP guarantee)"
     else:
         guarantee = f"user-level ({epsilon:.4g}, {ledger.delta:.3g})-DP; {analysis}"
+        if config.noise_seed is not None:
+            # The guarantee assumes noise nobody can predict; a fixed seed can be guessed.
+            guarantee += "; TESTING ONLY: fixed noise seed, not a production guarantee"
     return {
         "private": private,
         "privacy": guarantee,
+        "noise_seed_source": "os-entropy" if config.noise_seed is None else "fixed (testing)",
         "epsilon": epsilon,
         "delta": ledger.delta,
         "zcdp_rho": ledger.history[-1].zcdp_rho if ledger.history else None,
+    }
+
+
+def _client_failures(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Totals of the per-round client counts (None for centralized training)."""
+    rounds = [record["clients"] for record in history if "clients" in record]
+    if not rounds:
+        return None
+    return {
+        **{name: sum(r[name] for r in rounds) for name in CLIENT_COUNTS},
+        "note": "operations counts of training clients, not covered by the DP guarantee",
     }
 
 
@@ -715,6 +814,8 @@ def run_train_job(
     pretrained_backbone: str | None = None,
     *,
     progress: Callable[[Mapping[str, Any]], None] | None = None,
+    runtime_config: runtime.RuntimeConfig | None = None,
+    budget: budget_lib.BudgetPolicy | None = None,
 ) -> TrainJobResult:
     """Trains (or resumes) one job and writes its outputs (module docstring).
 
@@ -725,6 +826,11 @@ def run_train_job(
       output_dir: checkpoints, saved_model, ledger.json, metrics.json.
       pretrained_backbone: path accepted by `models.load_pretrained_backbone`.
       progress: called with each round's history record (round, epsilon, seconds, eval).
+      runtime_config: the TFF workers to train on (several split each round's clients).
+        None: the active runtime, or one local worker when none is active.
+      budget: the cross-run budget of the training users (`budget.charge_run`): the job
+        is charged its planned schedule before training, or refused. None: no
+        cross-run budget (`max_epsilon` still bounds this run alone).
 
     Raises:
       ValueError: bad input (not a partition, no evaluation records, too few users for a
@@ -744,7 +850,12 @@ def run_train_job(
         if pretrained_backbone
         else None
     )
-    _claim_output_dir(output_dir, _job_record(config, reader))
+    run_id = _claim_output_dir(output_dir, _job_record(config, reader))
+    charge = None
+    if budget is not None:  # the centralized oracle, noiseless, exceeds any budget
+        charge = budget_lib.charge_run(
+            budget, budget_lib.dataset_fingerprint(user_ids), len(user_ids), run_id, spec
+        )
     checkpoint_dir = os.path.join(output_dir, CHECKPOINT_DIR)
     arguments = (
         config,
@@ -760,14 +871,19 @@ def run_train_job(
     if config.algorithm == CENTRALIZED:
         outcome = _train_centralized(*arguments)
     else:
-        owns_runtime = runtime.active() is None
-        if owns_runtime:
-            runtime.start(handle_signals=False)
-        try:
-            outcome = _train_federated(*arguments)
-        finally:
+        if runtime_config is not None:
+            # Its own runtime, nested over any active one (stopping it reinstates that).
+            with runtime.TffRuntime(runtime_config):
+                outcome = _train_federated(*arguments)
+        else:
+            owns_runtime = runtime.active() is None
             if owns_runtime:
-                runtime.stop()
+                runtime.start(handle_signals=False)
+            try:
+                outcome = _train_federated(*arguments)
+            finally:
+                if owns_runtime:
+                    runtime.stop()
     saved_model_dir = _export(config, outcome.backbone, output_dir)
     ledger_path = os.path.join(output_dir, LEDGER_FILE)
     _write_text(ledger_path, outcome.ledger.to_json())
@@ -789,10 +905,12 @@ def run_train_job(
             "held_out": "identities and users never in training",
         },
         "training_users": len(user_ids),
+        "client_failures": _client_failures(outcome.history),
         "history": outcome.history,
         "config": config.public_dict(),
         "saved_model": saved_model_dir,
         "ledger": ledger_path,
+        "dataset_budget": charge.to_dict() if charge is not None else None,
     }
     summary = _json_ready(summary)
     metrics_path = os.path.join(output_dir, METRICS_FILE)

@@ -5,10 +5,16 @@ One loop serves every algorithm (DP-FedEmb, DP-FTRL-FedEmb, DP-FedAvg): it takes
 virtual-client ids (data is loaded inside TFF from the id), a function giving the ids
 of round r (the schedule), and a privacy ledger.
 
-Checkpoints use `tff.program.FileProgramStateManager` (written to a temporary
-directory and renamed, so a kill mid-write leaves the previous one usable). Each
-holds everything resume needs: the whole process state (model, server optimizer
-and aggregator state, tree-noise state included), the number of completed rounds
+Checkpoints use `tff.program.FileProgramStateManager`, which writes each version to
+a temporary directory and renames it, so a process killed mid-write leaves only a
+temporary (removed on the next start) and the previous version. The rename is not
+the whole story: nothing is fsynced before it, so after a machine crash the newest
+version can exist with truncated files, and on object stores a rename is a copy
+that a kill can interrupt. The loader therefore reads the newest version that reads
+back, removing newer ones that do not (`_load_newest_intact`).
+
+Each version holds everything resume needs: the whole process state (model, server
+optimizer and aggregator state, tree-noise state included), the number of completed rounds
 (the schedule is a pure function of the round, so that is its position), the
 ledger and the evaluation history. Version v is the state after v rounds, saved
 together with its ledger, so a round is never counted twice or missed.
@@ -30,8 +36,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+import tensorflow as tf
 import tensorflow_federated as tff
 from absl import logging
+
+from tff_algorithms import dropouts
 
 CHECKPOINT_PREFIX = "round_"
 
@@ -99,6 +108,46 @@ def _remove_partial_checkpoints(checkpoint_dir: str) -> None:
             shutil.rmtree(os.path.join(checkpoint_dir, entry), ignore_errors=True)
 
 
+def _read_error(version_dir: str) -> str | None:
+    """Why the version at `version_dir` does not read back, or None if it does.
+
+    Reads it once more than resuming needs, so that a torn version (truncated or
+    missing files raise assorted TF, OS, protobuf and index errors) is told apart from
+    one that reads but does not fit this run's state, which stays an error.
+    """
+    try:
+        module = tf.saved_model.load(version_dir)
+        tf.nest.map_structure(
+            lambda v: v.read_value() if isinstance(v, tf.Variable) else v, module()
+        )
+    except Exception as e:  # any failure to read is a torn write
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        return f"{type(e).__name__}: {first_line}"
+    return None
+
+
+def _load_newest_intact(
+    manager: tff.program.FileProgramStateManager, structure: Any, checkpoint_dir: str
+) -> tuple[Any, int]:
+    """(program state, version) of the newest version that reads back; (None, 0) if none.
+
+    Newer versions that fail to read are torn writes: they are removed, so training
+    resumes from the previous version and saves that round again.
+    """
+    for version in reversed(_run(manager.get_versions()) or []):
+        path = os.path.join(checkpoint_dir, f"{CHECKPOINT_PREFIX}{version}")
+        error = _read_error(path)
+        if error is None:
+            return _run(manager.load(version, structure)), version
+        logging.warning(
+            "checkpoint %s is incomplete (%s); removing it and resuming from an earlier one",
+            path,
+            error,
+        )
+        shutil.rmtree(path, ignore_errors=True)
+    return None, 0
+
+
 def _as_text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -116,6 +165,7 @@ def train(
     evaluate: Callable[[Any, int], Mapping[str, Any]] | None = None,
     initial_state: Any = None,
     on_round: Callable[[Mapping[str, Any], Any], None] | None = None,
+    report_policy: dropouts.ReportPolicy | None = None,
 ) -> tuple[TrainingResult, Ledger]:
     """Runs (or resumes) training until `config.total_rounds` rounds are done.
 
@@ -132,6 +182,9 @@ def train(
       on_round: (history record, the process's training-user metrics) after each
         round, before it is saved: for progress and configuration checks. The metrics
         are not private. An exception it raises stops training without saving the round.
+      report_policy: the minimum of reporting virtual clients; a round below it is
+        retried (`dropouts.run_round`), and `clients_for_round` is then called as
+        (round, attempt) for a retry's fresh selection. None: every round is applied.
 
     Returns:
       The result (final state, history) and the ledger after the last round.
@@ -146,7 +199,9 @@ def train(
     )
     state = process.initialize() if initial_state is None else initial_state
     history: list[dict[str, Any]] = []
-    saved, start_round = _run(manager.load_latest(_program_state(state, ledger, history)))
+    saved, start_round = _load_newest_intact(
+        manager, _program_state(state, ledger, history), config.checkpoint_dir
+    )
     if saved is not None:
         state = saved["state"]
         ledger = restore_ledger(_as_text(saved["ledger"]))
@@ -168,8 +223,14 @@ def train(
     started = time.perf_counter()
     for round_num in range(start_round, config.total_rounds):
         round_start = time.perf_counter()
-        client_ids = list(clients_for_round(round_num))
-        output = process.next(state, client_ids)
+        if report_policy is None:
+            client_ids = list(clients_for_round(round_num))
+            output = process.next(state, client_ids)
+        else:
+            applied = dropouts.run_round(
+                process, state, round_num, clients_for_round, report_policy
+            )
+            output, client_ids = applied.output, applied.client_ids
         state = output.state
         done = round_num + 1
         ledger.record_round(done)

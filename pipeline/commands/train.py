@@ -46,6 +46,7 @@ _CONFIG_FLAGS = {
     "evaluate-every": "evaluate_every",
     "seed": "seed",
     "noise-seed": "noise_seed",
+    "testing-fixed-noise": "testing_fixed_noise",
     "restart-every-epoch": "restart_every_epoch",
     "max-epsilon": "max_epsilon",
 }
@@ -82,15 +83,29 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("float", "delta", "target delta (default: training users ^ -1.1)")
     define("integer", "evaluate-every", "evaluate on validation identities every N rounds")
     define("integer", "seed", "schedule, initialisation and local-head seed (kept secret)")
-    define("integer", "noise-seed", "fixed DP noise seed, for tests only (default: OS entropy)")
+    define("integer", "noise-seed", "fixed DP noise seed; needs --testing-fixed-noise")
+    define(
+        "boolean",
+        "testing-fixed-noise",
+        "tests and benchmarks only: allow a fixed --noise-seed (default: OS entropy)",
+    )
     define("boolean", "restart-every-epoch", "dp-ftrl-fedemb: restart the noise tree every epoch")
     define("float", "max-epsilon", "privacy budget: refuse to start when the plan costs more")
+    define("string", "budget-ledger", "cross-run privacy budget ledger file (JSON; shared by runs)")
+    define("float", "dataset-budget-epsilon", "total epsilon all runs on these users may spend")
+    define(
+        "boolean",
+        "override-budget",
+        "start even if the dataset budget would be exceeded (recorded in the ledger)",
+        False,
+    )
     define("string", "pretrained", "pretrained backbone (SavedModel or weights file)")
     define("float", "validation-fraction", "share of identities held out for validation", 0.1)
     define("float", "test-fraction", "share of identities held out for test", 0.1)
     define("integer", "split-seed", "seed of the identity split", 0)
     define("integer", "num-shards", "user shards of the training partition", 16)
-    define("list", "workers", "host:port of remote TFF workers (default: one local worker)", [])
+    define("list", "workers", "host:port of remote TFF workers (default: local workers)", [])
+    define("integer", "local-workers", "local TFF workers splitting each round's clients", 1)
     define("string", "runner", "Beam runner for data preparation", "DirectRunner")
     define("string", "beam-args", "further Beam pipeline options, shell-quoted", "")
 
@@ -169,15 +184,32 @@ def _print_progress(total_rounds: int):
 def _config_values(value: Mapping[str, Any]) -> dict[str, Any]:
     """The TrainJobConfig fields given on the command line (others keep their defaults)."""
     given = {field: value[name] for name, field in _CONFIG_FLAGS.items() if value[name] is not None}
-    if not value["restart-every-epoch"]:
-        given.pop("restart_every_epoch", None)
+    # Boolean flags default to None; an explicit false keeps the config's default too.
+    for name in ("restart-every-epoch", "testing-fixed-noise"):
+        if not value[name]:
+            given.pop(_CONFIG_FLAGS[name], None)
     return given
+
+
+def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazily
+    """The cross-run budget from --budget-ledger and --dataset-budget-epsilon, or None."""
+    from tff_algorithms import budget
+
+    ledger, total = value["budget-ledger"], value["dataset-budget-epsilon"]
+    if (ledger is None) != (total is None):
+        raise ValueError("--budget-ledger and --dataset-budget-epsilon go together")
+    if ledger is None:
+        if value["override-budget"]:
+            raise ValueError("--override-budget needs --budget-ledger")
+        return None
+    return budget.BudgetPolicy(ledger, total, value["override-budget"])
 
 
 def _train(value: Mapping[str, Any]) -> dict[str, Any]:
     from tff_algorithms import train_job
 
     config = train_job.TrainJobConfig(**_config_values(value))
+    budget_policy = _budget_policy(value)
     if not os.path.isdir(value["data"]):
         raise ValueError(f"--data {value['data']} is not a directory")
     split = {
@@ -197,6 +229,7 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         value["output"],
         value["pretrained"],
         progress=_print_progress(config.rounds),
+        budget=budget_policy,
     )
     summary = {
         key: result.metrics[key]
@@ -208,6 +241,7 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         ledger=result.ledger_path,
         test_data=prepared.test_dir,
         resumed_from_round=result.metrics["resumed_from_round"],
+        dataset_budget=result.metrics["dataset_budget"],
     )
     return summary
 
@@ -225,7 +259,14 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     # (its worker manager fails noisily at exit); SIGTERM/SIGINT stop the workers.
     owns_runtime = runtime.active() is None
     if owns_runtime:
-        runtime.start(runtime.RuntimeConfig(worker_addresses=tuple(value["workers"])))
+        try:
+            runtime_config = runtime.RuntimeConfig(
+                worker_addresses=tuple(value["workers"]), local_workers=value["local-workers"]
+            )
+        except ValueError:
+            runtime.release_import_time_context()
+            raise
+        runtime.start(runtime_config)
     try:
         summary = _train(value)
     finally:

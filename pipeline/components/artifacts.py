@@ -48,3 +48,8 @@ class PipelineReport(types.Artifact):
 # Custom property names shared by the components and the lineage query.
 EPSILON = "epsilon"
 DELTA = "delta"
+# On PrivacyLedger: the cross-run budget of the training users (tff_algorithms.budget).
+DATASET_FINGERPRINT = "dataset_fingerprint"
+DATASET_EPSILON = "dataset_epsilon"  # composed over every run charged, this one included
+DATASET_BUDGET_EPSILON = "dataset_budget_epsilon"
+BUDGET_OVERRIDDEN = "budget_overridden"  # 1: over budget, started on an explicit override

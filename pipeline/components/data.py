@@ -26,6 +26,7 @@ def CanonicalExampleGen(
     split_config: tfx.dsl.components.Parameter[str],
     max_bad_fraction: tfx.dsl.components.Parameter[float],
     identity_feature: tfx.dsl.components.Parameter[str],
+    max_image_pixels: tfx.dsl.components.Parameter[int],
     beam_args: tfx.dsl.components.Parameter[str],
     code_fingerprint: tfx.dsl.components.Parameter[str],
 ) -> None:
@@ -33,9 +34,9 @@ def CanonicalExampleGen(
 
     With no input sources the embedded synthetic dataset is rendered first (an image
     folder, read by the same loader a user's folder would be). Parameters holding
-    lists or mappings are JSON.
+    lists or mappings are JSON; max_image_pixels 0 means the library default.
     """
-    from beam_jobs import ingest, splits, synthetic
+    from beam_jobs import ingest, schema, splits, synthetic
 
     del code_fingerprint  # a cache key only (pipeline.fingerprint)
     staging = os.path.join(examples.uri, _STAGING)
@@ -53,6 +54,7 @@ def CanonicalExampleGen(
         max_bad_fraction,
         arguments,
         identity_feature or None,
+        max_image_pixels or schema.DEFAULT_MAX_IMAGE_PIXELS,
     )
     config = splits.SplitConfig(**json.loads(split_config))
     split_summary = splits.run_split(

@@ -45,14 +45,30 @@ def _run_job(
     eval_records: str,
     work_dir: str,
     pretrained_backbone: types.Artifact | None,
+    runtime_config: str | None = None,
+    budget_policy: str | None = None,
 ) -> "train_job.TrainJobResult":
-    from tff_algorithms import train_job
+    from tff_algorithms import budget, runtime, train_job
 
     config = train_job.TrainJobConfig.from_dict(json.loads(job_config))
     backbone_dir = layout.serving_model_dir(pretrained_backbone) if pretrained_backbone else None
-    # The job owns its TFF worker (started and stopped inside, DESIGN.md section 1).
+    workers = None
+    if runtime_config:
+        fields = json.loads(runtime_config)
+        workers = runtime.RuntimeConfig(
+            worker_addresses=tuple(fields["worker_addresses"]),
+            local_workers=fields["local_workers"],
+        )
+    # The job starts and stops its local TFF workers, or connects to the configured
+    # remote ones (DESIGN.md sections 1 and 8).
     return train_job.run_train_job(
-        config, partition_dir, eval_records, work_dir, pretrained_backbone=backbone_dir
+        config,
+        partition_dir,
+        eval_records,
+        work_dir,
+        pretrained_backbone=backbone_dir,
+        runtime_config=workers,
+        budget=budget.BudgetPolicy(**json.loads(budget_policy)) if budget_policy else None,
     )
 
 
@@ -67,6 +83,22 @@ def _publish_model(
 def _set_recall_properties(artifact: types.Artifact, metrics: dict) -> None:
     for far, recall in metrics["recall_at_far"].items():
         artifact.set_float_custom_property(f"recall_at_far_{far}", float(recall))
+
+
+def _set_budget_properties(privacy_ledger: types.Artifact, charge: dict | None) -> None:
+    """The cross-run budget charge (tff_algorithms.budget.BudgetCharge) as lineage."""
+    if charge is None:
+        return
+    privacy_ledger.set_string_custom_property(artifacts.DATASET_FINGERPRINT, charge["fingerprint"])
+    privacy_ledger.set_string_custom_property("budget_run_id", charge["run_id"])
+    spent = charge["spent_after"]
+    privacy_ledger.set_float_custom_property(
+        artifacts.DATASET_EPSILON, float("inf") if spent is None else spent
+    )
+    privacy_ledger.set_float_custom_property(
+        artifacts.DATASET_BUDGET_EPSILON, charge["total_epsilon"]
+    )
+    privacy_ledger.set_int_custom_property(artifacts.BUDGET_OVERRIDDEN, int(charge["overridden"]))
 
 
 @tfx.dsl.components.component
@@ -133,10 +165,21 @@ def PrivateTrain(
     privacy_ledger: tfx.dsl.components.OutputArtifact[artifacts.PrivacyLedger],
     training_metrics: tfx.dsl.components.OutputArtifact[artifacts.TrainingMetrics],
     train_job_config: tfx.dsl.components.Parameter[str],
+    runtime_config: tfx.dsl.components.Parameter[str],
+    budget_policy: tfx.dsl.components.Parameter[str],
     code_fingerprint: tfx.dsl.components.Parameter[str],
     pretrained_backbone: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
 ) -> None:
     """User-level DP training (DP-FedEmb, DP-FTRL-FedEmb or DP-FedAvg, by config).
+
+    `budget_policy` (JSON of tff_algorithms.budget.BudgetPolicy fields) is the training
+    users' cross-run budget: the run is charged to it before training or refused. It is
+    an execution property in ML Metadata, and the PrivacyLedger artifact carries what
+    the charge did (dataset fingerprint, composed epsilon, budget, budget_overridden).
+
+    `runtime_config` (JSON of tff_algorithms.runtime.RuntimeConfig fields) names the
+    TFF workers; it is not part of the work directory's key, so a retry on other
+    workers resumes from the same checkpoints.
 
     Recall during training is measured on the validation split (held-out identities
     and users); the final evaluation uses the test split (EvaluateAndBless).
@@ -157,6 +200,8 @@ def PrivateTrain(
         layout.split_dir(examples, splits.VALIDATION),
         work_dir,
         pretrained_backbone,
+        runtime_config,
+        budget_policy,
     )
     with tf.io.gfile.GFile(result.ledger_path) as f:
         ledger_json = f.read()
@@ -175,4 +220,5 @@ def PrivateTrain(
     model.set_string_custom_property("algorithm", job["algorithm"])
     privacy_ledger.set_int_custom_property("rounds", ledger.rounds_recorded)
     privacy_ledger.set_string_custom_property("mechanism", ledger.spec.mechanism.value)
+    _set_budget_properties(privacy_ledger, result.metrics["dataset_budget"])
     _set_recall_properties(training_metrics, result.metrics)

@@ -1,0 +1,727 @@
+"""Speed and scale of federated training (issue 7): every figure is a ratio to a baseline
+measured in the same run, because the benchmark machines are shared and noisy.
+
+Sections (all DP-FedEmb, small CNN on 28x28 faces-like users: one identity each):
+- `federation_overhead`: TFF round time vs a tuned plain TensorFlow loop doing the same
+  local steps (the same client graph, `client_work._LocalTrainer` on the same tf.data
+  pipeline, one `tf.function` per virtual client called from a Python loop, clipping,
+  sum and server step in TensorFlow), at 8, 32 and 128 virtual clients per round. TFF
+  and plain rounds alternate so that load changes hit both. This section also gives
+  round time and peak memory (RSS of Python plus its worker_binary children) vs clients
+  per round, as ratios to the smallest round.
+- `workers`: round time with 2 local TFF workers vs 1 (`runtime.RuntimeConfig`).
+- `population`: round time and peak memory at 10x the users, same clients per round.
+- `flops`: achieved FLOP/s of local training vs the measured peak of this machine for
+  the same ops (a large matmul and a large-batch convolution of the model's shape).
+  FLOPs of one local step come from TensorFlow's profiler on the forward+backward graph,
+  checked against an analytic count of the convolutions and dense layers.
+
+The measurements run in a child process (`python -m bench.bench_speed --child SPEC OUT`)
+so that memory figures do not include other benchmarks, and each setting gets fresh TFF
+workers. Users' images come from a bank of rendered synthetic images reused across
+users (rendering 10^5 PNGs would dominate the run; training cost does not depend on
+pixel values), written with the partition job's own shard writer and production
+defaults (16 shards, 64 MiB parts).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import functools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+_FULL = {
+    "bank_identities": 2_000,
+    "images_per_user": 5,
+    "users": 2_000,
+    "population_factor": 10,
+    "users_per_virtual_client": 2,
+    "clients_per_round": (8, 32, 128),
+    "population_clients_per_round": 32,
+    "workers_clients_per_round": 32,
+    "rounds": 3,
+    "flops_repeats": 30,
+}
+_QUICK = {
+    "bank_identities": 40,
+    "images_per_user": 2,
+    "users": 40,
+    "population_factor": 10,
+    "users_per_virtual_client": 2,
+    "clients_per_round": (1, 2),
+    "population_clients_per_round": 2,
+    "workers_clients_per_round": 2,
+    "rounds": 1,
+    "flops_repeats": 3,
+}
+_BATCH_SIZE = 16
+_EMBEDDING_SIZE = 32
+_NUM_SHARDS = 16
+_MAX_PART_BYTES = 64 << 20
+
+
+# ---------------------------------------------------------------- data (parent process)
+
+
+def _write_partition(directory: str, users: int, images_per_user: int, bank: list[bytes]) -> None:
+    """A partition of `users` one-identity users, `images_per_user` images each from `bank`."""
+    from beam_jobs import partition, schema
+
+    by_shard = collections.defaultdict(list)
+    for u in range(users):
+        user_id, identity = f"user{u:07d}", f"identity{u:07d}"
+        for i in range(images_per_user):
+            image = bank[(u * images_per_user + i) % len(bank)]
+            serialized = schema.serialize(schema.CanonicalRecord(user_id, identity, image))
+            by_shard[partition.shard_of_user(user_id, _NUM_SHARDS)].append((user_id, serialized))
+    os.makedirs(os.path.join(directory, partition.INDEX_DIR))
+    write_shard = partition._WriteShardFn(directory, _MAX_PART_BYTES)
+    counts = [c for shard, items in by_shard.items() for c in write_shard.process((shard, items))]
+    with open(os.path.join(directory, partition.MANIFEST_FILE), "w") as f:
+        json.dump(partition._manifest(counts, _NUM_SHARDS, _MAX_PART_BYTES), f)
+
+
+def _image_bank(identities: int, images_per_identity: int) -> list[bytes]:
+    from beam_jobs import synthetic
+
+    config = synthetic.SyntheticConfig(
+        identities=identities, images_per_identity=images_per_identity, seed=0
+    )
+    return [r.image for r in synthetic.records_for_identities(config, 0, identities)]
+
+
+# ------------------------------------------------------- measurement (child process)
+
+
+class _PeakMemory:
+    """Samples RSS of this process and its descendants (the worker_binary children)."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        import psutil
+
+        self._process = psutil.Process()
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.reset()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.python_peak, self.workers_peak, self.total_peak = 0, 0, 0
+
+    def _sample(self) -> None:
+        import psutil
+
+        python = self._process.memory_info().rss
+        workers = 0
+        for child in self._process.children(recursive=True):
+            try:
+                workers += child.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        with self._lock:
+            self.python_peak = max(self.python_peak, python)
+            self.workers_peak = max(self.workers_peak, workers)
+            self.total_peak = max(self.total_peak, python + workers)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._sample()
+
+    def peaks_mib(self) -> dict[str, float]:
+        self._sample()
+        with self._lock:
+            return {
+                "total": round(self.total_peak / 2**20, 1),
+                "python": round(self.python_peak / 2**20, 1),
+                "workers": round(self.workers_peak / 2**20, 1),
+            }
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _train_config(clients_per_round: int, users_per_virtual_client: int):  # noqa: ANN202
+    from tff_algorithms import train_job
+
+    return train_job.TrainJobConfig(
+        rounds=1_000,
+        noise_multiplier=0.0,
+        clip_norm=1.0,
+        users_per_virtual_client=users_per_virtual_client,
+        virtual_clients_per_round=clients_per_round,
+        client_learning_rate=0.05,
+        server_learning_rate=1.0,
+        server_momentum=0.0,
+        head_lr_scale=10.0,
+        batch_size=_BATCH_SIZE,
+        embedding_size=_EMBEDDING_SIZE,
+        evaluate_every=0,
+    )
+
+
+@functools.cache
+def _process(config):  # noqa: ANN001, ANN202 - a TrainJobConfig -> its TFF process
+    """The DP-FedEmb process (noise 0) reading data from ids; one per configuration, since
+    tracing it costs more than the rounds of a quick run. Settings that differ only in
+    the population or the workers share it."""
+    from tff_algorithms import client_data, processes
+
+    client_config = config.client_config()
+    base = processes.build_dp_fedemb_process(
+        config.backbone_config,
+        client_config,
+        noise_multiplier=0.0,
+        clip=config.clip_norm,
+        clients_per_round=config.virtual_clients_per_round,
+        noise_seed=0,
+        server_learning_rate=config.server_learning_rate,
+        server_momentum=0.0,
+    )
+    image_shape = config.image_shape
+    return processes.compose_with_client_loader(
+        base, lambda vc_id: client_data.load_examples(vc_id, image_shape), client_config
+    )
+
+
+class _Setting:
+    """One federated setup: partition, schedule, the TFF process and its ids per round."""
+
+    def __init__(self, partition_dir: str, clients_per_round: int, users_per_vc: int) -> None:
+        from beam_jobs import partition
+        from tff_algorithms import client_data, train_job
+
+        self.config = _train_config(clients_per_round, users_per_vc)
+        started = time.perf_counter()
+        user_ids = partition.PartitionReader(partition_dir).user_ids()
+        plan = train_job.schedule_for(self.config, len(user_ids))
+        self.ids = client_data.VirtualClientIds(partition_dir, plan, user_ids)
+        self.setup_seconds = time.perf_counter() - started
+        self.client_config = self.config.client_config()
+        self.process = _process(self.config)
+
+    def tff_round(self, state, round_num: int) -> tuple[object, float, float, int]:  # noqa: ANN001
+        """(new state, seconds of the round, seconds of it spent building ids, examples)."""
+        started = time.perf_counter()
+        ids = self.ids.for_round(round_num)
+        ids_seconds = time.perf_counter() - started
+        output = self.process.next(state, ids)
+        seconds = time.perf_counter() - started
+        return (
+            output.state,
+            seconds,
+            ids_seconds,
+            int(output.metrics["client_work"]["num_examples"]),
+        )
+
+
+class _PlainLoop:
+    """The same local steps as a TFF round, in TensorFlow without TFF (module docstring)."""
+
+    def __init__(self, setting: _Setting, initial_weights) -> None:  # noqa: ANN001
+        import tensorflow as tf
+
+        from tff_algorithms import client_data, client_work, models
+
+        config, client_config = setting.config, setting.client_config
+        self._ids = setting.ids
+        self._clip = config.clip_norm
+        self._clients = config.virtual_clients_per_round
+        trainer = client_work._LocalTrainer(
+            lambda: models.build_backbone(config.backbone_config), client_config, None
+        )
+        image_shape = config.image_shape
+
+        train = tf.function(trainer.train)  # as in the TFF client computation
+
+        @tf.function(autograph=False)
+        def client_update(weights, virtual_client_id, round_num):  # noqa: ANN001, ANN202
+            dataset = client_work.make_client_dataset(
+                client_data.load_examples(virtual_client_id, image_shape),
+                virtual_client_id,
+                client_config,
+            )
+            client_state = collections.OrderedDict(
+                round_num=round_num, head_seed=tf.constant(client_config.head_seed, tf.int64)
+            )
+            result, _ = train(weights, dataset, client_state)
+            clipped, _ = tf.clip_by_global_norm(result.update, self._clip)
+            return clipped
+
+        @tf.function
+        def apply_mean(trainable, update_sum):  # noqa: ANN001, ANN202
+            # Server SGD with learning rate 1 on the mean update (TFF's update convention).
+            return [w - s / self._clients for w, s in zip(trainable, update_sum)]
+
+        self.client_update, self._apply_mean = client_update, apply_mean
+        self.weights = initial_weights
+        self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
+
+    def round(self, round_num: int) -> float:
+        import tensorflow as tf
+        import tensorflow_federated as tff
+
+        started = time.perf_counter()
+        round_tensor = tf.constant(round_num, tf.int64)
+        # Clients run concurrently, one per core, as the TFF worker runs them: TensorFlow
+        # releases the GIL, so threads keep every core busy.
+        updates = self._pool.map(
+            lambda vc_id: self.client_update(self.weights, tf.constant(vc_id), round_tensor),
+            self._ids.for_round(round_num),
+        )
+        update_sum = None
+        for update in updates:
+            update_sum = (
+                update if update_sum is None else [a + b for a, b in zip(update_sum, update)]
+            )
+        self.weights = tff.learning.models.ModelWeights(
+            trainable=self._apply_mean(list(self.weights.trainable), update_sum),
+            non_trainable=list(self.weights.non_trainable),
+        )
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
+def _as_tensors(weights):  # noqa: ANN001, ANN202
+    import tensorflow as tf
+    import tensorflow_federated as tff
+
+    return tff.learning.models.ModelWeights(
+        trainable=[tf.constant(w) for w in weights.trainable],
+        non_trainable=[tf.constant(w) for w in weights.non_trainable],
+    )
+
+
+def _measure_setting(
+    partition_dir: str,
+    clients_per_round: int,
+    users_per_vc: int,
+    rounds: int,
+    memory: _PeakMemory,
+    *,
+    local_workers: int = 1,
+    plain: bool = False,
+) -> dict:
+    """Warm-up round (compiles), then `rounds` measured rounds on fresh TFF workers."""
+    from tff_algorithms import runtime
+
+    memory.reset()
+    setting = _Setting(partition_dir, clients_per_round, users_per_vc)
+    runtime.start(runtime.RuntimeConfig(local_workers=local_workers), handle_signals=False)
+    try:
+        state = setting.process.initialize()
+        started = time.perf_counter()
+        state, _, _, _ = setting.tff_round(state, 0)
+        first_round = time.perf_counter() - started
+        loop = None
+        if plain:
+            loop = _PlainLoop(setting, _as_tensors(setting.process.get_model_weights(state)))
+            loop.round(0)
+        tff_seconds, ids_seconds, plain_seconds, examples = [], [], [], []
+        for round_num in range(1, rounds + 1):
+            state, seconds, id_seconds, num_examples = setting.tff_round(state, round_num)
+            tff_seconds.append(seconds)
+            ids_seconds.append(id_seconds)
+            examples.append(num_examples)
+            if loop is not None:
+                plain_seconds.append(loop.round(round_num))
+        peaks = memory.peaks_mib()
+    finally:
+        if loop is not None:
+            loop.close()
+        runtime.stop()
+    result = {
+        "clients_per_round": clients_per_round,
+        "users_per_round": clients_per_round * users_per_vc,
+        "local_workers": local_workers,
+        "examples_per_round": statistics.median(examples),
+        "first_round_seconds": round(first_round, 3),
+        "round_seconds": _summary(tff_seconds),
+        "python_ids_seconds_per_round": _summary(ids_seconds),
+        "setup_seconds": round(setting.setup_seconds, 3),
+        "peak_rss_mib": peaks,
+    }
+    if loop is not None:
+        result["plain_round_seconds"] = _summary(plain_seconds)
+        # Pairs measured back to back: the median of their ratios is robust to load drift.
+        result["tff_over_plain"] = round(
+            statistics.median(t / p for t, p in zip(tff_seconds, plain_seconds)), 3
+        )
+        result["plain_client_update_traces"] = loop.client_update.experimental_get_tracing_count()
+    return result
+
+
+def _loader_offsets(partition_dir: str) -> dict:
+    """Seconds to load one user at the start vs at the end of the largest part file.
+
+    The in-TFF loader reaches a user's byte range by reading through the part file up
+    to it (`client_data` module docstring), so this ratio shows how the per-user load
+    cost grows with the part file, that is with the population until parts hit
+    `max_part_bytes`."""
+    import tensorflow as tf
+
+    from beam_jobs import partition, schedule
+    from tff_algorithms import client_data
+
+    reader = partition.PartitionReader(partition_dir)
+    locations = {u: reader.location(u) for u in reader.user_ids()}
+    sizes = collections.Counter()
+    for location in locations.values():
+        sizes[location.part_file] = max(
+            sizes[location.part_file], location.offset + location.length
+        )
+    largest = max(sizes, key=sizes.get)
+    in_part = sorted(
+        (location.offset, user)
+        for user, location in locations.items()
+        if location.part_file == largest
+    )
+    user_ids = sorted(locations)
+    ids = client_data.VirtualClientIds(
+        partition_dir, schedule.VirtualClientSchedule(len(user_ids), 1, 1, seed=0), user_ids
+    )
+    result = {"part_file_bytes": sizes[largest]}
+    for name, (offset, user) in (("first", in_part[0]), ("last", in_part[-1])):
+        virtual_client_id = tf.constant(client_data.virtual_client_id(0, 0, [ids.user_range(user)]))
+        result[f"{name}_user_offset"] = offset
+        result[f"{name}_user_seconds"] = _best_seconds(
+            lambda vc_id=virtual_client_id: list(client_data.read_virtual_client_records(vc_id)),
+            repeats=5,
+        )
+    result["last_over_first"] = round(result["last_user_seconds"] / result["first_user_seconds"], 2)
+    return result
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 4),
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+        "n": len(values),
+    }
+
+
+def _flops(spec: dict) -> dict:
+    """FLOPs of one local step (profiler, checked analytically) and measured peaks."""
+    import tensorflow as tf
+
+    from tff_algorithms import client_work, models
+
+    config = _train_config(spec["flops_clients_per_round"], spec["users_per_virtual_client"])
+    client_config = config.client_config()
+    backbone = models.build_backbone(config.backbone_config)
+    head = tf.Variable(tf.zeros([config.embedding_size, client_config.head_capacity]))
+    variables = list(backbone.trainable_weights) + [head]
+    batch = _BATCH_SIZE
+
+    def loss_and_grads(images, labels):  # noqa: ANN001, ANN202
+        with tf.GradientTape() as tape:
+            logits = client_work.head_logits(
+                backbone(images, training=True), head, labels, client_config.head_loss
+            )
+            loss = client_work.head_loss(logits, labels, tf.ones_like(labels, tf.bool))
+        return loss, tape.gradient(loss, variables)
+
+    image_spec = tf.TensorSpec([batch, *config.image_shape], tf.float32)
+    label_spec = tf.TensorSpec([batch], tf.int32)
+    graph = tf.function(loss_and_grads).get_concrete_function(image_spec, label_spec).graph
+    profile = tf.compat.v1.profiler.profile(
+        graph,
+        options=tf.compat.v1.profiler.ProfileOptionBuilder(
+            tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()
+        )
+        .with_empty_output()
+        .build(),
+    )
+    profiled = int(profile.total_float_ops)
+    analytic = _analytic_step_flops(backbone, client_config.head_capacity, batch)
+
+    step = tf.function(loss_and_grads)
+    images = tf.random.stateless_uniform([batch, *config.image_shape], [1, 2])
+    labels = tf.zeros([batch], tf.int32)
+    # Best of many short runs for every rate, so that all get the same chance of a quiet
+    # moment on a shared machine.
+    repeats = spec["flops_repeats"]
+    local_step_seconds = _best_seconds(lambda: step(images, labels)[0].numpy(), repeats)
+    # The same step at a large batch: the best this machine does on these exact ops.
+    large_batch = 128
+    large_images = tf.random.stateless_uniform([large_batch, *config.image_shape], [1, 2])
+    large_labels = tf.zeros([large_batch], tf.int32)
+    large_step_seconds = _best_seconds(lambda: step(large_images, large_labels)[0].numpy(), repeats)
+
+    n = 1024
+    a = tf.random.stateless_normal([n, n], [3, 4])
+    b = tf.random.stateless_normal([n, n], [5, 6])
+    matmul = tf.function(lambda: tf.reduce_sum(tf.matmul(a, b)))
+    matmul_flops = 2 * n**3
+    conv = next(
+        layer
+        for layer in backbone.layers
+        if isinstance(layer, tf.keras.layers.Conv2D)
+        and layer.filters
+        == max(c.filters for c in backbone.layers if isinstance(c, tf.keras.layers.Conv2D))
+    )
+    _, h, w, c_in = conv.input.shape
+    conv_batch = 64
+    conv_input = tf.random.stateless_uniform([conv_batch, h, w, c_in], [7, 8])
+    conv_op = tf.function(lambda: tf.reduce_sum(conv(conv_input)))
+    conv_flops = conv_batch * _conv_flops(conv)
+    matmul_seconds = _best_seconds(lambda: matmul().numpy(), repeats)
+    conv_seconds = _best_seconds(lambda: conv_op().numpy(), repeats)
+    return {
+        "batch_size": batch,
+        "step_flops_profiler": profiled,
+        "step_flops_analytic": analytic,
+        "profiler_over_analytic": round(profiled / analytic, 4),
+        "flops_per_example": profiled / batch,
+        "local_step_flops_per_s": profiled / local_step_seconds,
+        "large_batch": large_batch,
+        "large_batch_step_flops_per_s": profiled / batch * large_batch / large_step_seconds,
+        "peak_matmul_flops_per_s": matmul_flops / matmul_seconds,
+        "peak_conv_flops_per_s": conv_flops / conv_seconds,
+        "peak_conv_shape": [conv_batch, int(h), int(w), int(c_in), conv.filters],
+        "matmul_size": n,
+    }
+
+
+def _conv_flops(layer) -> int:  # noqa: ANN001
+    """Multiply-adds x 2 of one example through a Conv2D layer."""
+    _, out_h, out_w, out_c = layer.output.shape
+    kernel_h, kernel_w, in_c, _ = layer.kernel.shape
+    return 2 * out_h * out_w * out_c * kernel_h * kernel_w * in_c
+
+
+def _analytic_step_flops(backbone, head_rows: int, batch: int) -> int:  # noqa: ANN001
+    """Forward F of the convolutions and matmuls; backward 2F (input and weight gradients)
+    minus the input gradient of the first layer, which needs none (the image is constant)."""
+    import tensorflow as tf
+
+    forward, first = 0, None
+    for layer in backbone.layers:
+        if isinstance(layer, tf.keras.layers.Conv2D):
+            flops = _conv_flops(layer)
+        elif isinstance(layer, tf.keras.layers.Dense):
+            flops = 2 * layer.kernel.shape[0] * layer.kernel.shape[1]
+        else:
+            continue
+        first = flops if first is None else first
+        forward += flops
+    forward += 2 * int(backbone.output_shape[-1]) * head_rows
+    return batch * (3 * forward - first)
+
+
+def _best_seconds(function, repeats: int) -> float:  # noqa: ANN001
+    function()  # traces and warms up
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _child(spec: dict) -> dict:
+    memory = _PeakMemory()
+    try:
+        k, rounds = spec["users_per_virtual_client"], spec["rounds"]
+        overhead = [
+            _measure_setting(spec["base_partition"], m, k, rounds, memory, plain=True)
+            for m in spec["clients_per_round"]
+        ]
+        by_clients = {setting["clients_per_round"]: setting for setting in overhead}
+        # One worker: the overhead run at the same clients per round.
+        workers = [
+            by_clients[spec["workers_clients_per_round"]],
+            _measure_setting(
+                spec["base_partition"],
+                spec["workers_clients_per_round"],
+                k,
+                rounds,
+                memory,
+                local_workers=2,
+            ),
+        ]
+        population = [
+            _measure_setting(path, spec["population_clients_per_round"], k, rounds, memory)
+            for path in (spec["base_partition"], spec["large_partition"])
+        ]
+        loader = _loader_offsets(spec["large_partition"])
+        flops = _flops({**spec, "flops_clients_per_round": spec["clients_per_round"][0]})
+    finally:
+        memory.close()
+    return {
+        "overhead": overhead,
+        "workers": workers,
+        "population": population,
+        "loader": loader,
+        "flops": flops,
+    }
+
+
+# ----------------------------------------------------------------- report (parent)
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3)
+
+
+def _report(raw: dict, sizes: dict) -> dict:
+    overhead, workers, population, flops = (
+        raw["overhead"],
+        raw["workers"],
+        raw["population"],
+        raw["flops"],
+    )
+    smallest = overhead[0]
+    clients_scaling = [
+        {
+            "clients_per_round": s["clients_per_round"],
+            "clients_ratio": s["clients_per_round"] / smallest["clients_per_round"],
+            "round_seconds_ratio": _ratio(
+                s["round_seconds"]["median"], smallest["round_seconds"]["median"]
+            ),
+            "peak_rss_total_ratio": _ratio(
+                s["peak_rss_mib"]["total"], smallest["peak_rss_mib"]["total"]
+            ),
+            "peak_rss_workers_ratio": _ratio(
+                s["peak_rss_mib"]["workers"], smallest["peak_rss_mib"]["workers"]
+            ),
+        }
+        for s in overhead
+    ]
+    small, large = population
+    achieved = [
+        {
+            "clients_per_round": s["clients_per_round"],
+            "tff_flops_per_s": s["examples_per_round"]
+            * flops["flops_per_example"]
+            / s["round_seconds"]["median"],
+            "plain_flops_per_s": s["examples_per_round"]
+            * flops["flops_per_example"]
+            / s["plain_round_seconds"]["median"],
+        }
+        for s in overhead
+    ]
+    peak = max(
+        flops["peak_matmul_flops_per_s"],
+        flops["peak_conv_flops_per_s"],
+        flops["large_batch_step_flops_per_s"],
+    )
+    for row in achieved:
+        row["tff_over_peak"] = round(row["tff_flops_per_s"] / peak, 4)
+        row["plain_over_peak"] = round(row["plain_flops_per_s"] / peak, 4)
+    return {
+        "federation_overhead": {
+            "baseline": "plain TensorFlow: same client graph per virtual client in a tf.function, "
+            "Python loop over clients, clip + mean + server step in TensorFlow",
+            "settings": overhead,
+            "tff_over_plain": {str(s["clients_per_round"]): s["tff_over_plain"] for s in overhead},
+        },
+        "clients_per_round_scaling": clients_scaling,
+        "workers": {
+            "settings": workers,
+            "two_over_one_round_seconds": _ratio(
+                workers[1]["round_seconds"]["median"], workers[0]["round_seconds"]["median"]
+            ),
+        },
+        "population": {
+            "settings": population,
+            "users": [sizes["users"], sizes["users"] * sizes["population_factor"]],
+            "round_seconds_ratio": _ratio(
+                large["round_seconds"]["median"], small["round_seconds"]["median"]
+            ),
+            "peak_rss_total_ratio": _ratio(
+                large["peak_rss_mib"]["total"], small["peak_rss_mib"]["total"]
+            ),
+            "peak_rss_workers_ratio": _ratio(
+                large["peak_rss_mib"]["workers"], small["peak_rss_mib"]["workers"]
+            ),
+            "loader_last_user_over_first": raw["loader"],
+        },
+        "flops": {
+            **flops,
+            "peak_flops_per_s": peak,
+            "local_step_over_peak": round(flops["local_step_flops_per_s"] / peak, 4),
+            "achieved": achieved,
+        },
+    }
+
+
+def run(out_dir: str, quick: bool) -> dict:
+    sizes = _QUICK if quick else _FULL
+    work = tempfile.mkdtemp(prefix="bench_speed_")
+    try:
+        bank = _image_bank(sizes["bank_identities"], sizes["images_per_user"])
+        base = os.path.join(work, "base")
+        large = os.path.join(work, "large")
+        started = time.perf_counter()
+        _write_partition(base, sizes["users"], sizes["images_per_user"], bank)
+        _write_partition(
+            large, sizes["users"] * sizes["population_factor"], sizes["images_per_user"], bank
+        )
+        data_seconds = time.perf_counter() - started
+        spec = {
+            **{k: v for k, v in sizes.items() if k != "clients_per_round"},
+            "clients_per_round": list(sizes["clients_per_round"]),
+            "base_partition": base,
+            "large_partition": large,
+        }
+        spec_path, result_path = os.path.join(work, "spec.json"), os.path.join(work, "raw.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        subprocess.run(
+            [sys.executable, "-m", "bench.bench_speed", "--child", spec_path, result_path],
+            check=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        with open(result_path) as f:
+            raw = json.load(f)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "quick": quick,
+        "sizes": {**sizes, "clients_per_round": list(sizes["clients_per_round"])},
+        "model": {
+            "architecture": "small_cnn",
+            "image": [28, 28, 1],
+            "embedding_size": _EMBEDDING_SIZE,
+            "batch_size": _BATCH_SIZE,
+        },
+        "data_seconds": round(data_seconds, 1),
+        **_report(raw, sizes),
+    }
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) == 4 and argv[1] == "--child":
+        from tff_algorithms import runtime
+
+        with open(argv[2]) as f:
+            spec = json.load(f)
+        try:
+            result = _child(spec)
+        finally:
+            runtime.stop()
+        with open(argv[3], "w") as f:
+            json.dump(result, f)
+        return 0
+    print("usage: python -m bench.bench_speed --child SPEC_JSON RESULT_JSON", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv))

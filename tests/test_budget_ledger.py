@@ -1,0 +1,193 @@
+"""The cross-run privacy budget: composition, fingerprints, charging, refusal, override."""
+
+import dataclasses
+import json
+import os
+
+import apache_beam as beam
+import dp_accounting
+import pytest
+import tensorflow as tf
+
+from beam_jobs import partition, records_io, schema, synthetic
+from tff_algorithms import accounting, budget, train_job
+
+DPSGD = accounting.AccountingSpec(
+    population=1000, users_per_round=50, rounds=40, noise_multiplier=1.1, delta=1e-5
+)
+DPFTRL = accounting.AccountingSpec(
+    population=1000,
+    users_per_round=50,
+    rounds=40,
+    noise_multiplier=4.0,
+    delta=1e-5,
+    mechanism=accounting.Mechanism.DPFTRL,
+    users_per_virtual_client=2,
+    restart_every_epoch=True,
+)
+
+
+def _dp_accounting_epsilon(specs, relation, delta: float) -> float:
+    """dp_accounting's own RDP accountant over one ComposedDpEvent of every run."""
+    rdp = dp_accounting.rdp.RdpAccountant(
+        orders=accounting.RDP_ORDERS, neighboring_relation=relation
+    )
+    rdp.compose(dp_accounting.ComposedDpEvent([accounting.dp_event_for(s) for s in specs]))
+    return rdp.get_epsilon(delta)
+
+
+def test_runs_compose_as_dp_accountings_rdp_accountant_and_tighter_than_summed_epsilon():
+    second = dataclasses.replace(DPSGD, rounds=25, noise_multiplier=0.9)
+    composed = budget.composed_epsilon([DPSGD, second], DPSGD.delta)
+    expected = _dp_accounting_epsilon(
+        [DPSGD, second], dp_accounting.NeighboringRelation.REPLACE_ONE, DPSGD.delta
+    )
+    assert composed == pytest.approx(expected, rel=1e-9)
+    alone = [accounting.compute_privacy(s).epsilon for s in (DPSGD, second)]
+    assert max(alone) < composed < sum(alone)
+    # One run composes to its own ledger epsilon.
+    assert budget.composed_epsilon([DPSGD], DPSGD.delta) == pytest.approx(alone[0], rel=1e-12)
+
+
+def test_tree_runs_compose_under_the_special_element_relation():
+    second = dataclasses.replace(DPFTRL, rounds=60)
+    composed = budget.composed_epsilon([DPFTRL, second], DPFTRL.delta)
+    expected = _dp_accounting_epsilon(
+        [DPFTRL, second], dp_accounting.NeighboringRelation.REPLACE_SPECIAL, DPFTRL.delta
+    )
+    assert composed == pytest.approx(expected, rel=1e-9)
+    # Mixed mechanisms: the joint guarantee is stated under the weaker relation.
+    assert (
+        budget.composition_relation([DPSGD, DPFTRL])
+        is accounting.NeighboringRelation.REPLACE_SPECIAL
+    )
+    mixed = budget.composed_epsilon([DPSGD, DPFTRL], DPSGD.delta)
+    alone = [accounting.compute_privacy(s).epsilon for s in (DPSGD, DPFTRL)]
+    assert max(alone) < mixed < sum(alone)
+
+
+def test_composition_refuses_runs_without_a_cross_run_analysis():
+    poisson = dataclasses.replace(
+        DPSGD, sampling="poisson", neighboring_relation="add_or_remove_one"
+    )
+    with pytest.raises(ValueError, match="no cross-run composition"):
+        budget.composed_epsilon([DPSGD, poisson], 1e-5)
+    assert budget.composed_epsilon([DPSGD, DPSGD.with_noise_multiplier(0.0)], 1e-5) == float("inf")
+    assert budget.composed_epsilon([], 1e-5) == 0.0
+
+
+def test_fingerprint_is_of_the_user_set():
+    users = ["u1", "u2", "u3"]
+    assert budget.dataset_fingerprint(users) == budget.dataset_fingerprint(["u3", "u1", "u2", "u1"])
+    assert budget.dataset_fingerprint(users) != budget.dataset_fingerprint(users[:2])
+    assert budget.dataset_fingerprint(["ab", "c"]) != budget.dataset_fingerprint(["a", "bc"])
+
+
+def test_charging_accumulates_refuses_over_budget_and_records_an_override(tmp_path):
+    path = str(tmp_path / "ledger.json")
+    fingerprint = budget.dataset_fingerprint(["a", "b"])
+    one = accounting.compute_privacy(DPSGD).epsilon
+    twice = budget.composed_epsilon([DPSGD, DPSGD], DPSGD.delta)
+    policy = budget.BudgetPolicy(path, total_epsilon=(twice + one) / 2)  # fits one run, not two
+
+    first = budget.charge_run(policy, fingerprint, 1000, "run-1", DPSGD)
+    assert (first.runs, first.overridden, first.resumed) == (1, False, False)
+    assert first.spent_before == 0 and first.spent_after == pytest.approx(one)
+    # A resumed run (same run id) is charged once.
+    again = budget.charge_run(policy, fingerprint, 1000, "run-1", DPSGD)
+    assert again.resumed and again.runs == 1 and again.spent_after == pytest.approx(one)
+
+    before = open(path, "rb").read()
+    with pytest.raises(ValueError, match="dataset privacy budget exceeded") as refused:
+        budget.charge_run(policy, fingerprint, 1000, "run-2", DPSGD)
+    assert "\n" not in str(refused.value)
+    assert open(path, "rb").read() == before  # a refused run is not charged
+
+    overridden = budget.charge_run(
+        dataclasses.replace(policy, override=True), fingerprint, 1000, "run-2", DPSGD
+    )
+    assert overridden.overridden and overridden.spent_after == pytest.approx(twice)
+    entries = json.load(open(path))["datasets"][fingerprint]["runs"]
+    assert [(e["run_id"], e["overridden"]) for e in entries] == [
+        ("run-1", False),
+        ("run-2", True),
+    ]
+    assert budget.dataset_spent(path, fingerprint, DPSGD.delta) == pytest.approx(twice)
+    # Other users have their own budget.
+    other = budget.charge_run(policy, budget.dataset_fingerprint(["c"]), 1, "run-3", DPSGD)
+    assert other.runs == 1 and other.spent_before == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"ledger_path": "", "total_epsilon": 1.0}, "must not be empty"),
+        ({"ledger_path": "gs://b/l.json", "total_epsilon": 1.0}, "local or mounted"),
+        ({"ledger_path": "l.json", "total_epsilon": 0.0}, "finite and > 0"),
+        ({"ledger_path": "l.json", "total_epsilon": float("inf")}, "finite and > 0"),
+        ({"ledger_path": "l.json", "total_epsilon": 1.0, "override": "yes"}, "true or false"),
+    ],
+)
+def test_policy_rejects_nonsense(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        budget.BudgetPolicy(**kwargs)
+
+
+def test_a_corrupt_ledger_is_an_error_not_a_fresh_budget(tmp_path):
+    path = tmp_path / "ledger.json"
+    path.write_text("{not json")
+    policy = budget.BudgetPolicy(str(path), 10.0)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        budget.charge_run(policy, "f", 1, "r", DPSGD)
+
+
+SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=3)
+JOB = train_job.TrainJobConfig(
+    rounds=1,
+    noise_multiplier=0.8,
+    users_per_virtual_client=2,
+    virtual_clients_per_round=2,
+    batch_size=8,
+    head_capacity=4,
+    embedding_size=16,
+    evaluate_every=0,
+)
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("budget_data")
+    train = [schema.serialize(r) for r in synthetic.records_for_identities(SYNTH, 0, 20)]
+    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
+        _ = pipeline | beam.Create(train) | partition.PartitionByUser(str(root / "p"), 2)
+    os.makedirs(root / "eval")
+    with tf.io.TFRecordWriter(str(root / "eval" / "records-00000-of-00001.tfrecord")) as writer:
+        for record in synthetic.records_for_identities(SYNTH, 20, SYNTH.identities):
+            writer.write(schema.serialize(record))
+    return str(root / "p"), str(root / "eval")
+
+
+def test_train_job_is_charged_once_and_a_second_job_over_budget_refused(
+    tff_runtime, small_data, tmp_path
+):
+    spec = train_job.accounting_spec_for(JOB, 20)
+    one = accounting.compute_privacy(spec).epsilon
+    twice = budget.composed_epsilon([spec, spec], spec.delta)
+    policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), total_epsilon=(one + twice) / 2)
+    first_dir = str(tmp_path / "first")
+    result = train_job.run_train_job(JOB, *small_data, first_dir, budget=policy)
+    charge = result.metrics["dataset_budget"]
+    users = partition.PartitionReader(small_data[0]).user_ids()
+    assert charge["fingerprint"] == budget.dataset_fingerprint(users)
+    assert charge["spent_after"] == pytest.approx(result.epsilon)
+    assert charge["runs"] == 1 and not charge["overridden"]
+    # Re-running the finished job (a resume) is not charged again.
+    rerun = train_job.run_train_job(JOB, *small_data, first_dir, budget=policy)
+    assert (
+        rerun.metrics["dataset_budget"]["resumed"] and rerun.metrics["dataset_budget"]["runs"] == 1
+    )
+
+    second_dir = str(tmp_path / "second")
+    with pytest.raises(ValueError, match="dataset privacy budget exceeded"):
+        train_job.run_train_job(JOB, *small_data, second_dir, budget=policy)
+    assert not os.path.exists(os.path.join(second_dir, train_job.CHECKPOINT_DIR))

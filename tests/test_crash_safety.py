@@ -1,0 +1,357 @@
+"""Crash safety: SIGKILLed training resumes to the uninterrupted result; torn checkpoints.
+
+- `dp-fedemb train` is SIGKILLed at random rounds (seeded), once in the middle of a
+  checkpoint write and once right after a round, then re-run to the end: the model and
+  the privacy ledger equal those of an uninterrupted run bit for bit.
+- A newest checkpoint that does not read back (what a machine crash can leave after
+  the rename: files never flushed, or a rename interrupted on an object store) is
+  removed, and training resumes from the version before it, to the same end.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from beam_jobs import synthetic
+from tests.test_training_program import ROUNDS, _clients_for_round, _ledger, _process, _weights
+from tff_algorithms import train_job, training
+from tff_algorithms.ledger import PrivacyLedger
+
+CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
+CLI_ROUNDS = 4
+CLI_FLAGS = [
+    f"--rounds={CLI_ROUNDS}",
+    "--users-per-virtual-client=2",
+    "--virtual-clients-per-round=3",
+    "--noise-multiplier=0.5",
+    "--client-lr=0.05",
+    "--server-lr=1.0",
+    "--head-lr-scale=10",
+    "--batch-size=8",
+    "--embedding-size=16",
+    "--evaluate-every=2",
+    "--noise-seed=3",
+    "--testing-fixed-noise",
+    "--validation-fraction=0.2",
+    "--test-fraction=0.2",
+]
+KILL_SEED = 20240611
+
+
+@pytest.fixture(scope="module")
+def process(tff_runtime):
+    return _process()
+
+
+def _train(process, directory: str, rounds: int):
+    return training.train(
+        process,
+        _clients_for_round,
+        _ledger(),
+        PrivacyLedger.from_json,
+        training.TrainingProgramConfig(rounds, directory),
+    )
+
+
+def _tear(version_dir: str, how: str) -> None:
+    if how == "empty":  # renamed, nothing flushed
+        shutil.rmtree(version_dir)
+        os.makedirs(version_dir)
+        return
+    if how == "truncated_graph":
+        path = os.path.join(version_dir, "saved_model.pb")
+        keep = 10
+    else:
+        [path] = tf.io.gfile.glob(os.path.join(version_dir, "variables", "variables.data-*"))
+        keep = os.path.getsize(path) // 2
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated_graph", "truncated_variables"])
+def test_torn_newest_checkpoint_is_removed_and_training_resumes_from_the_previous(
+    process, tmp_path, how
+):
+    straight, straight_ledger = _train(process, str(tmp_path / "straight"), ROUNDS)
+    directory = str(tmp_path / "torn")
+    _train(process, directory, 2)
+    _tear(os.path.join(directory, "round_2"), how)
+
+    resumed, resumed_ledger = _train(process, directory, ROUNDS)
+
+    assert resumed.resumed_from_round == 1
+    for a, b in zip(
+        _weights(process, straight.state), _weights(process, resumed.state), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert resumed_ledger == straight_ledger
+    # Round 2 was trained and saved again, whole.
+    assert os.path.exists(os.path.join(directory, "round_2", "saved_model.pb"))
+
+
+def test_checkpoint_that_reads_but_does_not_fit_is_an_error_not_a_torn_write(process, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    _train(process, directory, 1)
+    other = training.TrainingProgramConfig(2, directory)
+    wrong_structure = {"state": process.initialize(), "other": 1}
+    with pytest.raises((ValueError, TypeError)):
+        training.train(
+            process,
+            _clients_for_round,
+            _ledger(),
+            PrivacyLedger.from_json,
+            other,
+            initial_state=wrong_structure,
+        )
+    assert os.path.exists(os.path.join(directory, "round_1", "saved_model.pb"))
+
+
+# SIGKILL of the command line.
+
+
+def _command(data: str, output: str) -> list[str]:
+    return [CONSOLE_SCRIPT, "train", "--data", data, "--output", output, *CLI_FLAGS]
+
+
+def _environment(tmp_dir: str) -> dict[str, str]:
+    # A SIGKILLed run cannot remove its temporary worker-log directory: keep it here.
+    return {**os.environ, "TMPDIR": tmp_dir}
+
+
+def _run_to_completion(data: str, output: str, tmp_dir: str) -> dict:
+    done = subprocess.run(
+        _command(data, output), capture_output=True, text=True, env=_environment(tmp_dir)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _kill_at(data: str, output: str, tmp_dir: str, round_num: int, during_save: bool) -> str:
+    """Starts training and SIGKILLs it at `round_num`; returns what it was doing then.
+
+    during_save: kill when the round's checkpoint write has begun (its temporary
+    directory exists) but not finished; otherwise as soon as the round is reported.
+    """
+    log_path = os.path.join(tmp_dir, f"killed-at-{round_num}.log")
+    checkpoints = os.path.join(output, train_job.CHECKPOINT_DIR)
+    reported = re.compile(rf"^round {round_num}/{CLI_ROUNDS}\b", re.MULTILINE)
+    temporary = re.compile(rf"^round_{round_num}_temp\d+$")
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(
+            _command(data, output), stdout=log, stderr=log, env=_environment(tmp_dir)
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert child.poll() is None, open(log_path).read()[-3000:]
+            if during_save:
+                entries = os.listdir(checkpoints) if os.path.isdir(checkpoints) else []
+                if any(temporary.match(e) for e in entries):
+                    child.kill()
+                    return f"writing checkpoint {round_num}"
+            else:
+                with open(log_path) as f:
+                    if reported.search(f.read()):
+                        child.kill()
+                        return f"after reporting round {round_num}"
+            time.sleep(0.005)
+        raise AssertionError(f"round {round_num} not reached in time")
+    finally:
+        child.kill()
+        child.wait(60)
+
+
+def _backbone(saved_model_dir: str) -> list[np.ndarray]:
+    return [v.numpy() for v in tf.saved_model.load(saved_model_dir).backbone_variables]
+
+
+def _without_timing(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "round_seconds"} for r in history]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # four `dp-fedemb train` processes, one with data preparation
+def test_sigkilled_training_resumes_to_exactly_the_uninterrupted_result(tmp_path):
+    data, output, tmp_dir = str(tmp_path / "raw"), str(tmp_path / "out"), str(tmp_path / "tmp")
+    os.makedirs(tmp_dir)
+    synthetic.write_image_folder(
+        data, synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
+    )
+    # The uninterrupted run. Virtual-client ids name the partition's files, so the
+    # interrupted runs reuse its prepared data at the same path, not a copy.
+    _run_to_completion(data, output, tmp_dir)
+    reference_dir = str(tmp_path / "reference")
+    os.makedirs(reference_dir)
+    for name in (train_job.SAVED_MODEL_DIR, train_job.LEDGER_FILE, train_job.METRICS_FILE):
+        shutil.move(os.path.join(output, name), reference_dir)
+    for name in (train_job.CHECKPOINT_DIR, train_job.JOB_FILE):
+        shutil.move(os.path.join(output, name), os.path.join(tmp_dir, f"reference-{name}"))
+
+    # Kill twice at random rounds: once mid checkpoint write, once after a round.
+    rng = random.Random(KILL_SEED)
+    first, second = sorted(rng.sample(range(1, CLI_ROUNDS), 2))
+    kills = [
+        _kill_at(data, output, tmp_dir, first, during_save=True),
+        _kill_at(data, output, tmp_dir, second, during_save=False),
+    ]
+    summary = _run_to_completion(data, output, tmp_dir)
+
+    assert 1 <= summary["resumed_from_round"] < CLI_ROUNDS, kills
+    for a, b in zip(
+        _backbone(os.path.join(reference_dir, train_job.SAVED_MODEL_DIR)),
+        _backbone(os.path.join(output, train_job.SAVED_MODEL_DIR)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    with open(os.path.join(reference_dir, train_job.LEDGER_FILE)) as f:
+        reference_ledger = f.read()
+    with open(os.path.join(output, train_job.LEDGER_FILE)) as f:
+        assert f.read() == reference_ledger
+    with open(os.path.join(reference_dir, train_job.METRICS_FILE)) as f:
+        reference_history = json.load(f)["history"]
+    with open(os.path.join(output, train_job.METRICS_FILE)) as f:
+        assert _without_timing(json.load(f)["history"]) == _without_timing(reference_history)
+    leftovers = [
+        e for e in os.listdir(os.path.join(output, train_job.CHECKPOINT_DIR)) if "temp" in e
+    ]
+    assert not leftovers
+
+
+# SIGKILL of the pipeline while PrivateTrain runs.
+
+
+def _pipeline_config(output_dir: str, **overrides) -> dict:
+    from tests import test_pipeline_e2e
+
+    values = json.loads(json.dumps(test_pipeline_e2e.TINY))
+    values["pretrain"] = {"source": "none"}
+    values["train"]["rounds"] = 3
+    # Below any run's epsilon: training starts only on the explicit override.
+    values["budget"] = {"dataset_epsilon": 0.01, "override": True}
+    values["pipeline"] = {"output_dir": output_dir}
+    for section, fields in overrides.items():
+        values[section].update(fields)
+    return values
+
+
+def _executions_by_node(store) -> dict[str, list]:
+    from tests import test_pipeline_e2e
+
+    return test_pipeline_e2e._executions_by_node(store)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # the pipeline once killed, once complete, once refused
+def test_pipeline_killed_in_private_train_reruns_without_redoing_finished_components(
+    tmp_path, capsys
+):
+    from ml_metadata.metadata_store import metadata_store
+    from ml_metadata.proto import metadata_store_pb2
+
+    from pipeline import cli, definition, local_run
+    from pipeline import config as config_lib
+    from pipeline.components import artifacts
+    from tff_algorithms import budget
+
+    output, tmp_dir = str(tmp_path / "run"), str(tmp_path / "tmp")
+    os.makedirs(tmp_dir)
+    config_path = str(tmp_path / "config.json")
+    with open(config_path, "w") as f:
+        json.dump(_pipeline_config(output), f)
+    checkpoint = os.path.join(
+        output, "pipeline_root", definition.PRIVATE_TRAIN, ".work", "*", "checkpoints", "round_1"
+    )
+    with open(os.path.join(tmp_dir, "killed.log"), "w") as log:
+        child = subprocess.Popen(
+            [CONSOLE_SCRIPT, "run", "--config", config_path],
+            stdout=log,
+            stderr=log,
+            env=_environment(tmp_dir),
+        )
+    try:
+        deadline = time.monotonic() + 900
+        while not tf.io.gfile.glob(checkpoint):
+            assert child.poll() is None, open(os.path.join(tmp_dir, "killed.log")).read()[-3000:]
+            assert time.monotonic() < deadline, "PrivateTrain saved no checkpoint in time"
+            time.sleep(0.2)
+    finally:
+        child.kill()
+        child.wait(60)
+
+    config = config_lib.config_from_dict(_pipeline_config(output))
+    store = metadata_store.MetadataStore(definition.local_metadata_config(config))
+    killed = {node: [e.id for e in ex] for node, ex in _executions_by_node(store).items()}
+    finished_before_kill = [
+        node for node, ids in killed.items() if node != definition.PRIVATE_TRAIN and ids
+    ]
+    assert definition.PARTITION in finished_before_kill
+
+    summary = local_run.run_pipeline(config, progress=None)
+
+    states = {
+        node: [e.last_known_state for e in executions if e.id not in killed.get(node, [])]
+        for node, executions in _executions_by_node(store).items()
+    }
+    cached, complete = metadata_store_pb2.Execution.CACHED, metadata_store_pb2.Execution.COMPLETE
+    for node in finished_before_kill:
+        assert states[node] == [cached], node
+    assert states[definition.PRIVATE_TRAIN] == [complete]
+    [metrics] = store.get_artifacts_by_type(artifacts.TrainingMetrics.TYPE_NAME)
+    with open(os.path.join(metrics.uri, "metrics.json")) as f:
+        trained = json.load(f)
+    assert trained["resumed_from_round"] >= 1 and trained["rounds"] == 3
+    assert summary.recall_at_far
+
+    # The budget: charged once across kill and resume, the override in lineage.
+    policy = config.budget_policy_dict()
+    with open(policy["ledger_path"]) as f:
+        [dataset] = json.load(f)["datasets"].values()
+    assert len(dataset["runs"]) == 1 and dataset["runs"][0]["overridden"]
+    [ledger] = store.get_artifacts_by_type(artifacts.PrivacyLedger.TYPE_NAME)
+    properties = ledger.custom_properties
+    assert properties[artifacts.BUDGET_OVERRIDDEN].int_value == 1
+    assert properties[artifacts.DATASET_EPSILON].double_value == pytest.approx(
+        properties[artifacts.EPSILON].double_value
+    )
+    assert properties[artifacts.DATASET_BUDGET_EPSILON].double_value == 0.01
+    fingerprint = properties[artifacts.DATASET_FINGERPRINT].string_value
+    assert budget.dataset_spent(policy["ledger_path"], fingerprint, trained["delta"]) > 0
+    [train_execution] = [
+        e
+        for e in _executions_by_node(store)[definition.PRIVATE_TRAIN]
+        if e.last_known_state == complete
+    ]
+    assert json.loads(train_execution.custom_properties["budget_policy"].string_value)["override"]
+
+    # Training again without the override is refused, in one line, before training.
+    code = cli.main(
+        [
+            "dp-fedemb",
+            "run",
+            "--config",
+            config_path,
+            "--set",
+            "budget.override=false",
+            "--from-component",
+            definition.PRIVATE_TRAIN,
+        ]
+    )
+    errors = [
+        line
+        for line in capsys.readouterr().err.splitlines()
+        if line.startswith("dp-fedemb run: error:")
+    ]
+    assert code != 0
+    assert len(errors) == 1 and "dataset privacy budget exceeded" in errors[0], errors
+    with open(policy["ledger_path"]) as f:
+        [dataset] = json.load(f)["datasets"].values()
+    assert len(dataset["runs"]) == 1

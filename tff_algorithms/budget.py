@@ -1,0 +1,297 @@
+"""The cross-run privacy budget: epsilon spent on the same users, over every training.
+
+A `PrivacyLedger` (tff_algorithms.ledger) accounts for one training run. Training the
+same users again spends more of their privacy, so a persistent budget ledger (one JSON
+file, shared by every run that should count against the same budget) keeps, per
+dataset, the accounting spec of every run charged to it. A run is charged before it
+trains, for its whole planned schedule, and refused when the composed epsilon of all
+runs on its dataset would exceed the budget, unless the caller explicitly overrides the
+budget; an override is written into the ledger entry (and the pipeline puts it in ML
+Metadata).
+
+Datasets are identified by `dataset_fingerprint`: SHA-256 over the sorted ids of the
+training users. The user, not the image, is the unit of privacy here: a content hash
+would give a new fingerprint, and so a fresh budget, to the same people whenever one
+image changed (a dedup setting, a re-ingest). Different datasets that reuse user ids are
+counted together, which overstates their spending: the safe direction.
+
+Composition (`composed_epsilon`): RDP composes additively, so the RDP curves of all runs
+(`accounting.rdp_curve`, the dp_accounting RDP accountant's curve of each run's DpEvent)
+are summed order by order and converted to (epsilon, delta) once. This equals
+dp_accounting's RDP accountant composing all runs' events in one `ComposedDpEvent`, and
+is tighter than adding the runs' epsilons. Runs under the substitute-one relation
+(DP-FedEmb, DP-FedAvg) compose under substitute-one. Once a dataset also holds a
+DP-FTRL run (add or remove with a special element), everything composes under that
+relation: a substitute-one bound holds for the special-element pairs too (replacing a
+user by an empty one is one substitution), so the sum is a valid bound there.
+
+Runs are identified by a run id (train_job keeps one per output directory), so a run
+that crashes and resumes is charged once.
+
+The ledger file is updated under an exclusive `fcntl` lock (concurrent runs on one
+machine or one shared POSIX filesystem serialise) and rewritten atomically: a
+temporary file, fsync, rename, fsync of the directory. It must be a local or mounted
+path: object stores give neither the lock nor the atomic rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from tff_algorithms import accounting
+
+BUDGET_LEDGER_FORMAT = "dp-fedemb-budget-ledger/1"
+FINGERPRINT_SCHEME = "sha256 of sorted training user ids"
+
+_COMPOSABLE_RELATIONS = (
+    accounting.NeighboringRelation.REPLACE_ONE,
+    accounting.NeighboringRelation.REPLACE_SPECIAL,
+)
+
+
+def dataset_fingerprint(user_ids: Iterable[str]) -> str:
+    """The budget key of a training set: SHA-256 over its sorted, distinct user ids."""
+    digest = hashlib.sha256(BUDGET_LEDGER_FORMAT.encode())
+    for user_id in sorted(set(user_ids)):
+        encoded = user_id.encode("utf-8")
+        # Length-prefixed, so no two id lists hash the same bytes.
+        digest.update(len(encoded).to_bytes(8, "big"))
+        digest.update(encoded)
+    return digest.hexdigest()
+
+
+def composition_relation(
+    specs: Sequence[accounting.AccountingSpec],
+) -> accounting.NeighboringRelation:
+    """The relation the runs' joint guarantee holds under (module docstring)."""
+    relations = {spec.neighboring_relation for spec in specs}
+    unsupported = relations - set(_COMPOSABLE_RELATIONS)
+    if unsupported:
+        raise ValueError(
+            f"no cross-run composition for runs accounted under {sorted(r.value for r in unsupported)}"
+        )
+    if accounting.NeighboringRelation.REPLACE_SPECIAL in relations:
+        return accounting.NeighboringRelation.REPLACE_SPECIAL
+    return accounting.NeighboringRelation.REPLACE_ONE
+
+
+def composed_epsilon(specs: Sequence[accounting.AccountingSpec], delta: float) -> float:
+    """Epsilon at `delta` of all runs together: their RDP curves summed, then converted."""
+    if not specs:
+        return 0.0
+    composition_relation(specs)
+    if any(spec.effective_noise_multiplier == 0 for spec in specs):
+        return math.inf  # a run without noise has no guarantee, nor has the whole
+    total = np.sum([accounting.rdp_curve(spec) for spec in specs], axis=0)
+    epsilon, _ = rdp_privacy_accountant.compute_epsilon(accounting.RDP_ORDERS, total, delta)
+    return float(epsilon)
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPolicy:
+    """Where the cross-run ledger lives and what the users' total budget is.
+
+    Attributes:
+      ledger_path: the ledger JSON file (created on first use); a local or mounted path.
+      total_epsilon: the most epsilon all runs on one dataset may spend together.
+      override: start a run that would exceed the budget anyway; recorded.
+    """
+
+    ledger_path: str
+    total_epsilon: float
+    override: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.ledger_path:
+            raise ValueError("the budget ledger path must not be empty")
+        if "://" in self.ledger_path:
+            raise ValueError(
+                f"budget ledger {self.ledger_path} must be a local or mounted path "
+                "(it needs a file lock and an atomic rename)"
+            )
+        value = self.total_epsilon
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"dataset budget epsilon must be a number, got {value!r}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"dataset budget epsilon must be finite and > 0, got {value}")
+        if not isinstance(self.override, bool):
+            raise ValueError(f"budget override must be true or false, got {self.override!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetCharge:
+    """What charging one run did; `to_dict` is what reports and lineage publish."""
+
+    fingerprint: str
+    run_id: str
+    users: int
+    runs: int  # runs charged to the dataset, this one included
+    spent_before: float  # composed epsilon of the other runs
+    spent_after: float  # composed epsilon with this run
+    run_epsilon: float  # this run alone
+    delta: float
+    total_epsilon: float
+    overridden: bool  # this run exceeded the budget and started on an explicit override
+    resumed: bool  # the run was already charged (a resumed run is charged once)
+
+    def to_dict(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        # Infinite epsilon (no noise) as null: strict JSON.
+        return {
+            k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in values.items()
+        }
+
+
+def _number(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _empty_ledger() -> dict[str, Any]:
+    return {"format": BUDGET_LEDGER_FORMAT, "fingerprint": FINGERPRINT_SCHEME, "datasets": {}}
+
+
+def _read(path: str) -> dict[str, Any]:
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return _empty_ledger()
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"budget ledger {path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("format") != BUDGET_LEDGER_FORMAT:
+        raise ValueError(f"{path} is not a budget ledger (format {BUDGET_LEDGER_FORMAT!r})")
+    return data
+
+
+def _write_atomically(path: str, data: Mapping[str, Any]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    descriptor, temporary = tempfile.mkstemp(prefix=".budget-", dir=directory)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
+    # The rename itself is durable only once the directory is.
+    directory_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(directory_fd)
+    finally:
+        os.close(directory_fd)
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _specs(dataset: Mapping[str, Any]) -> list[accounting.AccountingSpec]:
+    return [accounting.AccountingSpec.from_dict(run["spec"]) for run in dataset["runs"]]
+
+
+def charge_run(
+    policy: BudgetPolicy,
+    fingerprint: str,
+    users: int,
+    run_id: str,
+    spec: accounting.AccountingSpec,
+) -> BudgetCharge:
+    """Charges a run's planned schedule to its dataset, or refuses it (ValueError).
+
+    A run id already in the ledger is not charged again (a resumed run). Otherwise the
+    run is refused when the composed epsilon of the dataset's runs and this one, at this
+    run's delta, exceeds `policy.total_epsilon`, unless `policy.override`.
+    """
+    with _locked(policy.ledger_path):
+        data = _read(policy.ledger_path)
+        dataset = data["datasets"].setdefault(fingerprint, {"users": users, "runs": []})
+        others = [run for run in dataset["runs"] if run["run_id"] != run_id]
+        previous = next((run for run in dataset["runs"] if run["run_id"] == run_id), None)
+        other_specs = [accounting.AccountingSpec.from_dict(run["spec"]) for run in others]
+        spent_before = composed_epsilon(other_specs, spec.delta)
+        spent_after = composed_epsilon([*other_specs, spec], spec.delta)
+        run_epsilon = composed_epsilon([spec], spec.delta)
+        if previous is not None:
+            if accounting.AccountingSpec.from_dict(previous["spec"]) != spec:
+                raise ValueError(
+                    f"run {run_id} is in the budget ledger with another accounting spec; "
+                    "refusing to charge it twice"
+                )
+            return BudgetCharge(
+                fingerprint,
+                run_id,
+                users,
+                len(dataset["runs"]),
+                spent_before,
+                spent_after,
+                run_epsilon,
+                spec.delta,
+                policy.total_epsilon,
+                overridden=bool(previous["overridden"]),
+                resumed=True,
+            )
+        over = not spent_after <= policy.total_epsilon
+        if over and not policy.override:
+            after = "infinite (no noise)" if math.isinf(spent_after) else f"{spent_after:.4g}"
+            raise ValueError(
+                f"dataset privacy budget exceeded: {len(others)} earlier run(s) on these "
+                f"{users} training users (fingerprint {fingerprint[:12]}) spent epsilon "
+                f"{spent_before:.4g}; this run would bring the composed total to {after} at "
+                f"delta {spec.delta:.3g}, over the budget {policy.total_epsilon:g}; refusing "
+                "to start (an explicit budget override starts it and is recorded)"
+            )
+        dataset["runs"].append(
+            {
+                "run_id": run_id,
+                "spec": spec.to_dict(),
+                "run_epsilon": _number(run_epsilon),
+                "spent_after": _number(spent_after),
+                "total_epsilon": policy.total_epsilon,
+                "overridden": over,
+                "charged_at": time.time(),
+            }
+        )
+        _write_atomically(policy.ledger_path, data)
+    return BudgetCharge(
+        fingerprint,
+        run_id,
+        users,
+        len(dataset["runs"]),
+        spent_before,
+        spent_after,
+        run_epsilon,
+        spec.delta,
+        policy.total_epsilon,
+        overridden=over,
+        resumed=False,
+    )
+
+
+def dataset_spent(ledger_path: str, fingerprint: str, delta: float) -> float:
+    """Composed epsilon at `delta` of every run charged to the dataset (0 if none)."""
+    with _locked(ledger_path):
+        dataset = _read(ledger_path)["datasets"].get(fingerprint)
+    return composed_epsilon(_specs(dataset), delta) if dataset else 0.0
