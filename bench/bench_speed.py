@@ -192,7 +192,10 @@ def _process(config):  # noqa: ANN001, ANN202 - a TrainJobConfig -> its TFF proc
     )
     image_shape = config.image_shape
     return processes.compose_with_client_loader(
-        base, lambda vc_id: client_data.load_examples(vc_id, image_shape), client_config
+        base,
+        lambda vc_id: client_data.load_examples(vc_id, image_shape),
+        client_config,
+        seed_name=client_data.seed_name,
     )
 
 

@@ -145,3 +145,14 @@ def test_byte_range_rejects_nonsense(kwargs):
     values = {"path": "/p", "offset": 0, "length": 10, "file_size": 100, "records": 1, **kwargs}
     with pytest.raises(ValueError):
         client_data.UserByteRange(**values)
+
+
+def test_seeds_follow_round_and_virtual_client_not_where_the_data_lives():
+    def seed_name(round_num: int, virtual_client: int, path: str, attempt: int = 0) -> bytes:
+        user = client_data.UserByteRange(path, 0, 10, 10, 1)
+        vc_id = client_data.virtual_client_id(round_num, virtual_client, [user], attempt)
+        return client_data.seed_name(tf.constant(vc_id)).numpy()
+
+    assert seed_name(3, 1, "/data/a/part-0") == seed_name(3, 1, "/mnt/copy/part-0")
+    names = {seed_name(3, 1, "/d"), seed_name(4, 1, "/d"), seed_name(3, 2, "/d")}
+    assert len(names | {seed_name(3, 1, "/d", attempt=1)}) == 4

@@ -205,7 +205,10 @@ def audit_train_config(
     so sampling adds no amplification and the ledger's ε is that of the plain Gaussian
     mechanism composed over `rounds`), several local epochs at a learning rate that
     keeps local training stable, and a clip above the update norm so that without
-    noise nothing dampens the canaries. The ε lower bound is only as strong as the
+    noise nothing dampens the canaries. Every round is applied
+    (`min_report_fraction` 0): at small ε the noise wrecks the model and its one
+    client then reports a non-finite update, which is dropped, and the round releases
+    noise alone (charged by the ledger like any round). The ε lower bound is only as strong as the
     attack; this is the configuration where the attack is strongest. `noise_seed`
     (tests and benchmarks only) fixes the noise, as `TrainJobConfig` allows it.
     """
@@ -227,6 +230,7 @@ def audit_train_config(
         image_size=population.image_size,
         delta=delta,
         evaluate_every=0,
+        min_report_fraction=0.0,
         noise_seed=noise_seed,
         testing_fixed_noise=noise_seed is not None,
     )

@@ -219,6 +219,15 @@ def read_virtual_client_records(virtual_client_id_tensor: tf.Tensor) -> tf.data.
     )
 
 
+def seed_name(virtual_client_id_tensor: tf.Tensor) -> tf.Tensor:
+    """The id's "round=...;virtual_client=..." part, what the client's seeds hash. Traceable.
+
+    The user fields hold absolute part-file paths; seeding from them would make the
+    same job train differently when its partition is copied elsewhere.
+    """
+    return tf.strings.split(virtual_client_id_tensor, USER_SEPARATOR)[0]
+
+
 def expected_examples(virtual_client_id_tensor: tf.Tensor) -> tf.Tensor:
     """int64 number of records the id's users hold (what a complete read yields). Traceable."""
     return tf.reduce_sum(_id_fields(virtual_client_id_tensor)[1][:, 3])

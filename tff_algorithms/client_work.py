@@ -48,7 +48,7 @@ and a dropped client returns an all-zero update and is counted, never stops the 
   more is dropped (`timed_out_clients`);
 - a non-finite update (`non_finite_updates`);
 - `failure_injection_rate` makes that fraction of virtual clients fail their read
-  (they read no examples), for tests and benchmarks.
+  (a real op error), for tests and benchmarks.
 Over-selection: with `max_reports` M, the round selects more than M virtual clients
 and keeps the first M that report, in an arrival order modelled by the client seed (a
 hash of the virtual-client id); the others' updates are zeroed (`kept_clients` counts
@@ -214,11 +214,14 @@ def make_client_dataset(
         lambda e: collections.OrderedDict(image=e["image"], identity=e["identity"])
     )
     if config.failure_injection_rate > 0:
-        # The failing client reads nothing, as when every read of its data errors. (An
-        # assertion in a `map` fired eagerly but not in TFF training runs, where
-        # bench_privacy_dropout counted no failures; a filter does.)
         failing = _injected_failure(virtual_client_id, config.failure_injection_rate)
-        examples = examples.filter(lambda _: tf.logical_not(failing))
+
+        def fail_if_injected(example: collections.OrderedDict) -> collections.OrderedDict:
+            check = tf.debugging.Assert(tf.logical_not(failing), ["injected client failure"])
+            with tf.control_dependencies([check]):
+                return tf.nest.map_structure(tf.identity, example)
+
+        examples = examples.map(fail_if_injected)
     return (
         examples.ignore_errors()
         .take(config.max_examples)
@@ -492,7 +495,8 @@ class _LocalTrainer:
         # Every epoch must read every expected example; a client with nothing to read
         # failed too. A timed-out client's short read is counted as the timeout.
         short_read = tf.logical_or(
-            rows_read == 0,
+            # tf.equal: inside TFF's graph tracing `==` compares tensor identity.
+            tf.equal(rows_read, 0),
             tf.logical_and(expected >= 0, rows_read < expected * self.config.epochs),
         )
         failed_read = tf.logical_and(short_read, tf.logical_not(timed_out))

@@ -271,6 +271,7 @@ def compose_with_client_loader(
     load_examples: Callable[[tf.Tensor], tf.data.Dataset],
     client_config: client_work.ClientConfig,
     expected_examples: Callable[[tf.Tensor], tf.Tensor] | None = None,
+    seed_name: Callable[[tf.Tensor], tf.Tensor] | None = None,
 ) -> tff.learning.templates.LearningProcess:
     """A process whose `next(state, virtual_client_ids)` loads client data inside TFF.
 
@@ -282,13 +283,15 @@ def compose_with_client_loader(
     such as a `FixedLengthRecordDataset` on a missing file, would hang the round).
     `expected_examples` maps the id to the number of examples the loader should yield
     (traceable); a virtual client that yields fewer is dropped from the round.
+    `seed_name` maps the id to the string the client's seeds (shuffle, local head,
+    fault injection) hash; None: the whole id.
     """
 
     @tff.tensorflow.computation(tff.TensorType(np.str_))
     def client_dataset(virtual_client_id):
         return client_work.make_client_dataset(
             load_examples(virtual_client_id),
-            virtual_client_id,
+            virtual_client_id if seed_name is None else seed_name(virtual_client_id),
             client_config,
             None if expected_examples is None else expected_examples(virtual_client_id),
         )

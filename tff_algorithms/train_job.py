@@ -555,6 +555,7 @@ def _build_process(
         lambda vc_id: client_data.load_examples(vc_id, image_shape),
         client_config,
         client_data.expected_examples,
+        client_data.seed_name,
     )
 
 
