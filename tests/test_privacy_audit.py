@@ -89,9 +89,9 @@ def test_without_noise_the_audit_detects_membership(tff_runtime, tmp_path):
     result = audit.run_canary_audit(POPULATION, config, str(tmp_path), GUESSES_PER_SIDE)
     assert math.isinf(result.theoretical_epsilon)
     assert result.guesses == 16
-    # 13 of 16 right is already p < 0.011 under ε = 0.
-    assert result.correct >= 13
-    assert result.epsilon_lower_bound > 0.5
+    # At least 14 of 16 right: the bound exceeds 0.6 (13 right would give 0.34).
+    assert result.correct >= 14
+    assert result.epsilon_lower_bound > 0.6
 
 
 def test_with_noise_the_lower_bound_stays_below_the_ledger_epsilon(tff_runtime, tmp_path):

@@ -205,11 +205,12 @@ def audit_train_config(
     so sampling adds no amplification and the ledger's ε is that of the plain Gaussian
     mechanism composed over `rounds`), several local epochs at a learning rate that
     keeps local training stable, and a clip above the update norm so that without
-    noise nothing dampens the canaries. Every round is applied
-    (`min_report_fraction` 0): at small ε the noise wrecks the model and its one
-    client then reports a non-finite update, which is dropped, and the round releases
-    noise alone (charged by the ledger like any round). The ε lower bound is only as strong as the
-    attack; this is the configuration where the attack is strongest. `noise_seed`
+    noise nothing dampens the canaries. The ε lower bound is only as strong as the
+    attack; this is the configuration where the attack is strongest.
+
+    Every round is applied (`min_report_fraction` 0): at small ε the noise wrecks the
+    model, its one client then reports a non-finite update, which is dropped, and the
+    round releases noise alone (charged by the ledger like any round). `noise_seed`
     (tests and benchmarks only) fixes the noise, as `TrainJobConfig` allows it.
     """
     return train_job.TrainJobConfig(
