@@ -257,15 +257,18 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
 
     # Started before anything can fail, so TFF's own import-time context never lingers
     # (its worker manager fails noisily at exit); SIGTERM/SIGINT stop the workers.
-    owns_runtime = runtime.active() is None
-    if owns_runtime:
-        try:
-            runtime_config = runtime.RuntimeConfig(
-                worker_addresses=tuple(value["workers"]), local_workers=value["local-workers"]
-            )
-        except ValueError:
+    try:
+        runtime_config = runtime.RuntimeConfig(
+            worker_addresses=tuple(value["workers"]), local_workers=value["local-workers"]
+        )
+    except ValueError:
+        if runtime.active() is None:
             runtime.release_import_time_context()
-            raise
+        raise
+    # An active runtime (a caller's) is used unless workers were asked for: those get
+    # their own runtime, nested over it, never silently ignored.
+    owns_runtime = runtime.active() is None or runtime_config != runtime.RuntimeConfig()
+    if owns_runtime:
         runtime.start(runtime_config)
     try:
         summary = _train(value)
