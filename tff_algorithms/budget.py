@@ -234,12 +234,8 @@ def charge_run(
         spent_before = composed_epsilon(other_specs, spec.delta)
         spent_after = composed_epsilon([*other_specs, spec], spec.delta)
         run_epsilon = composed_epsilon([spec], spec.delta)
-        if previous is not None:
-            if accounting.AccountingSpec.from_dict(previous["spec"]) != spec:
-                raise ValueError(
-                    f"run {run_id} is in the budget ledger with another accounting spec; "
-                    "refusing to charge it twice"
-                )
+
+        def charge(overridden: bool, resumed: bool) -> BudgetCharge:
             return BudgetCharge(
                 fingerprint,
                 run_id,
@@ -250,9 +246,17 @@ def charge_run(
                 run_epsilon,
                 spec.delta,
                 policy.total_epsilon,
-                overridden=bool(previous["overridden"]),
-                resumed=True,
+                overridden=overridden,
+                resumed=resumed,
             )
+
+        if previous is not None:
+            if accounting.AccountingSpec.from_dict(previous["spec"]) != spec:
+                raise ValueError(
+                    f"run {run_id} is in the budget ledger with another accounting spec; "
+                    "refusing to charge it twice"
+                )
+            return charge(bool(previous["overridden"]), resumed=True)
         over = not spent_after <= policy.total_epsilon
         if over and not policy.override:
             after = "infinite (no noise)" if math.isinf(spent_after) else f"{spent_after:.4g}"
@@ -275,19 +279,7 @@ def charge_run(
             }
         )
         _write_atomically(policy.ledger_path, data)
-    return BudgetCharge(
-        fingerprint,
-        run_id,
-        users,
-        len(dataset["runs"]),
-        spent_before,
-        spent_after,
-        run_epsilon,
-        spec.delta,
-        policy.total_epsilon,
-        overridden=over,
-        resumed=False,
-    )
+    return charge(over, resumed=False)
 
 
 def dataset_spent(ledger_path: str, fingerprint: str, delta: float) -> float:
