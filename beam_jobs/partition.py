@@ -161,15 +161,11 @@ def _manifest(shard_counts: list[dict], num_shards: int, max_part_bytes: int) ->
 
 
 def _participation(manifest: dict, spec: ScheduleSpec) -> dict:
-    # The seed does not change the statistics, and must not be published.
-    plan = schedule.VirtualClientSchedule(
-        manifest["users"],
-        spec.users_per_virtual_client,
-        spec.virtual_clients_per_round,
-        seed=0,
-        mode=spec.mode,
+    # Counts only: the partition never sees the (secret) schedule seed.
+    shape = schedule.ScheduleShape(
+        manifest["users"], spec.users_per_virtual_client, spec.virtual_clients_per_round, spec.mode
     )
-    return plan.participation_stats(spec.rounds).to_dict()
+    return shape.participation_stats(spec.rounds).to_dict()
 
 
 class PartitionByUser(beam.PTransform):

@@ -19,8 +19,9 @@ Modes:
   privacy unit is then the group.
 
 No user is ever in two virtual clients of one round. ParticipationStats summarises what
-the privacy accountant needs; it deliberately omits the seed, whose secrecy the sampling
-amplification relies on.
+the privacy accountant needs. It is a function of the counts alone (`ScheduleShape`, no
+seed), so it can be computed and published by a step that never sees the seed, whose
+secrecy the sampling amplification relies on.
 """
 
 import dataclasses
@@ -100,11 +101,15 @@ class ParticipationStats:
 
 
 @dataclasses.dataclass(frozen=True)
-class VirtualClientSchedule:
+class ScheduleShape:
+    """The counts of a schedule without its seed: all its participation statistics need.
+
+    Publishing a shape reveals nothing about which users a round takes.
+    """
+
     num_users: int
     users_per_virtual_client: int
     virtual_clients_per_round: int
-    seed: int
     mode: str = SAMPLED
 
     def __post_init__(self) -> None:
@@ -112,8 +117,6 @@ class VirtualClientSchedule:
             raise ValueError(f"schedule mode must be one of {MODES}, got {self.mode!r}")
         if self.users_per_virtual_client < 1 or self.virtual_clients_per_round < 1:
             raise ValueError("users per virtual client and virtual clients per round must be >= 1")
-        if self.seed < 0:
-            raise ValueError(f"schedule seed must be >= 0, got {self.seed}")
         if self.num_users < self.users_per_round:
             raise ValueError(
                 f"{self.num_users} users cannot fill a round of {self.virtual_clients_per_round} "
@@ -134,6 +137,75 @@ class VirtualClientSchedule:
         if self.mode == FIXED:
             return self.num_groups // self.virtual_clients_per_round
         return self.num_users // self.users_per_round
+
+    def participation_stats(self, rounds: int) -> ParticipationStats:
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
+        if self.mode == EPOCH:
+            max_participations = math.ceil(rounds / self.rounds_per_epoch)
+            # The fixed order puts a user's participations rounds_per_epoch apart.
+            min_separation = self.rounds_per_epoch - 1
+            unscheduled = self.num_users - self.rounds_per_epoch * self.users_per_round
+        else:
+            # Uniform sampling bounds nothing: a user may be drawn every round.
+            max_participations, min_separation = rounds, 0
+            unscheduled = (
+                self.num_users - self.num_groups * self.users_per_virtual_client
+                if self.mode == FIXED
+                else 0
+            )
+        if self.mode == FIXED:
+            sampling_units, units_per_round = self.num_groups, self.virtual_clients_per_round
+        else:
+            sampling_units, units_per_round = self.num_users, self.users_per_round
+        return ParticipationStats(
+            mode=self.mode,
+            users=self.num_users,
+            users_per_virtual_client=self.users_per_virtual_client,
+            virtual_clients_per_round=self.virtual_clients_per_round,
+            users_per_round=self.users_per_round,
+            rounds=rounds,
+            rounds_per_epoch=self.rounds_per_epoch,
+            max_participations=max_participations,
+            min_separation=min_separation,
+            sampling_units=sampling_units,
+            units_per_round=units_per_round,
+            unscheduled_users=unscheduled,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class VirtualClientSchedule:
+    """A `ScheduleShape` plus the seed that draws its rounds (keep the seed secret)."""
+
+    num_users: int
+    users_per_virtual_client: int
+    virtual_clients_per_round: int
+    seed: int
+    mode: str = SAMPLED
+
+    def __post_init__(self) -> None:
+        _ = self.shape  # checks the counts
+        if self.seed < 0:
+            raise ValueError(f"schedule seed must be >= 0, got {self.seed}")
+
+    @property
+    def shape(self) -> ScheduleShape:
+        return ScheduleShape(
+            self.num_users, self.users_per_virtual_client, self.virtual_clients_per_round, self.mode
+        )
+
+    @property
+    def users_per_round(self) -> int:
+        return self.shape.users_per_round
+
+    @property
+    def num_groups(self) -> int:
+        return self.shape.num_groups
+
+    @property
+    def rounds_per_epoch(self) -> int:
+        return self.shape.rounds_per_epoch
 
     def epoch_of_round(self, round_num: int) -> int:
         return round_num // self.rounds_per_epoch
@@ -180,39 +252,7 @@ class VirtualClientSchedule:
         return self.round_user_indices(round_num)[virtual_client]
 
     def participation_stats(self, rounds: int) -> ParticipationStats:
-        if rounds < 1:
-            raise ValueError(f"rounds must be >= 1, got {rounds}")
-        if self.mode == EPOCH:
-            max_participations = math.ceil(rounds / self.rounds_per_epoch)
-            # The fixed order puts a user's participations rounds_per_epoch apart.
-            min_separation = self.rounds_per_epoch - 1
-            unscheduled = self.num_users - self.rounds_per_epoch * self.users_per_round
-        else:
-            # Uniform sampling bounds nothing: a user may be drawn every round.
-            max_participations, min_separation = rounds, 0
-            unscheduled = (
-                self.num_users - self.num_groups * self.users_per_virtual_client
-                if self.mode == FIXED
-                else 0
-            )
-        if self.mode == FIXED:
-            sampling_units, units_per_round = self.num_groups, self.virtual_clients_per_round
-        else:
-            sampling_units, units_per_round = self.num_users, self.users_per_round
-        return ParticipationStats(
-            mode=self.mode,
-            users=self.num_users,
-            users_per_virtual_client=self.users_per_virtual_client,
-            virtual_clients_per_round=self.virtual_clients_per_round,
-            users_per_round=self.users_per_round,
-            rounds=rounds,
-            rounds_per_epoch=self.rounds_per_epoch,
-            max_participations=max_participations,
-            min_separation=min_separation,
-            sampling_units=sampling_units,
-            units_per_round=units_per_round,
-            unscheduled_users=unscheduled,
-        )
+        return self.shape.participation_stats(rounds)
 
 
 def virtual_clients_for_round(

@@ -17,7 +17,7 @@ import os
 import shutil
 
 from bench import bench_training
-from tff_algorithms import runtime, train_job
+from tff_algorithms import train_job
 
 _FAILURE_RATES = (0.0, 0.1, 0.3)
 # bench_training's largest noise multiplier.
@@ -29,38 +29,20 @@ def run(out_dir: str, quick: bool) -> dict:
     sizes = bench_training._QUICK if quick else bench_training._FULL
     work = os.path.join(out_dir, "bench_privacy_dropout_work")
     shutil.rmtree(work, ignore_errors=True)
-    partition_dir, eval_dir = bench_training._write_data(work, sizes["identities"], sizes["images"])
+    data = bench_training._write_data(work, sizes["identities"], sizes["images"])
     base = dataclasses.replace(
         bench_training._base_config(sizes["rounds"]),
         min_report_fraction=_MIN_REPORT_FRACTION,
         max_round_attempts=3,
     )
-    runs: dict[str, dict] = {}
-    runtime.start(handle_signals=False)
-    try:
-        for noise in _NOISE:
-            for rate in _FAILURE_RATES:
-                config = dataclasses.replace(
-                    base, noise_multiplier=noise, failure_injection_rate=rate
-                )
-                name = f"z={noise:g}@failures={rate:g}"
-                result = train_job.run_train_job(
-                    config, partition_dir, eval_dir, os.path.join(work, name)
-                )
-                runs[name] = {
-                    "noise_multiplier": noise,
-                    "failure_injection_rate": rate,
-                    "recall_at_far_1e-3": result.recall_at_far["0.001"],
-                    "recall_at_far_1e-2": result.recall_at_far["0.01"],
-                    "recall_at_far_1e-1": result.recall_at_far["0.1"],
-                    "epsilon": result.metrics["epsilon"],
-                    "delta": result.metrics["delta"],
-                    "client_failures": result.metrics["client_failures"],
-                    "wall_seconds": result.metrics["wall_seconds"],
-                }
-                print(f"bench_privacy_dropout: {name}: {runs[name]}", flush=True)
-    finally:
-        runtime.stop()
+    configs = {
+        f"z={noise:g}@failures={rate:g}": dataclasses.replace(
+            base, noise_multiplier=noise, failure_injection_rate=rate
+        )
+        for noise in _NOISE
+        for rate in _FAILURE_RATES
+    }
+    runs = bench_training.train_each("bench_privacy_dropout", configs, data, work, _describe)
     return {
         "quick": quick,
         "data": {
@@ -77,4 +59,17 @@ def run(out_dir: str, quick: bool) -> dict:
             "max_round_attempts": base.max_round_attempts,
         },
         "runs": runs,
+    }
+
+
+def _describe(config: train_job.TrainJobConfig, result: train_job.TrainJobResult) -> dict:
+    return {
+        "noise_multiplier": config.noise_multiplier,
+        "failure_injection_rate": config.failure_injection_rate,
+        **bench_training.held_out_recall(result),
+        "recall_at_far_1e-1": result.recall_at_far["0.1"],
+        "epsilon": result.metrics["epsilon"],
+        "delta": result.metrics["delta"],
+        "client_failures": result.metrics["client_failures"],
+        "wall_seconds": result.metrics["wall_seconds"],
     }

@@ -3,14 +3,19 @@ measured in the same run, because the benchmark machines are shared and noisy.
 
 Sections (all DP-FedEmb, small CNN on 28x28 faces-like users: one identity each):
 - `federation_overhead`: TFF round time vs a tuned plain TensorFlow loop doing the same
-  local steps (the same client graph, `client_work._LocalTrainer` on the same tf.data
-  pipeline, one `tf.function` per virtual client called from a Python loop, clipping,
-  sum and server step in TensorFlow), at 8, 32 and 128 virtual clients per round. TFF
-  and plain rounds alternate so that load changes hit both. This section also gives
-  round time and peak memory (RSS of Python plus its worker_binary children) vs clients
-  per round, as ratios to the smallest round.
+  local steps (the same client graph and training loop, `client_work._LocalTrainer` on
+  the same tf.data pipeline, one `tf.function` per virtual client called from a thread
+  pool, clipping, sum and server step in TensorFlow), at 8, 32 and 128 virtual clients
+  per round. TFF and plain rounds alternate so that load changes hit both. Wall time and
+  CPU time (user + system of Python and its worker_binary children) are both reported:
+  on a shared machine the CPU-time ratio is the steadier one, since other jobs' load
+  stretches wall time and a process with more runnable threads gets a larger share of
+  the cores. This section also gives round time and peak memory (RSS of Python plus its
+  worker_binary children) vs clients per round, as ratios to the smallest round.
 - `workers`: round time with 2 local TFF workers vs 1 (`runtime.RuntimeConfig`).
-- `population`: round time and peak memory at 10x the users, same clients per round.
+- `population`: round time and peak memory at 10x the users, same clients per round; and
+  the loader's cost for a user at the start vs deep inside a part file (time and bytes
+  the process read, from /proc/self/io), including a part of `max_part_bytes`.
 - `flops`: achieved FLOP/s of local training vs the measured peak of this machine for
   the same ops (a large matmul and a large-batch convolution of the model's shape).
   FLOPs of one local step come from TensorFlow's profiler on the forward+backward graph,
@@ -50,6 +55,7 @@ _FULL = {
     "workers_clients_per_round": 32,
     "rounds": 3,
     "flops_repeats": 30,
+    "loader_deep_offset_bytes": 64 << 20,
 }
 _QUICK = {
     "bank_identities": 40,
@@ -62,6 +68,7 @@ _QUICK = {
     "workers_clients_per_round": 2,
     "rounds": 1,
     "flops_repeats": 3,
+    "loader_deep_offset_bytes": 1 << 20,
 }
 _BATCH_SIZE = 16
 _EMBEDDING_SIZE = 32
@@ -153,6 +160,23 @@ class _PeakMemory:
         self._thread.join()
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds so far of this process and its live descendants (the
+    worker_binary processes, which live as long as a setting)."""
+    import psutil
+
+    process = psutil.Process()
+    times = process.cpu_times()
+    total = times.user + times.system
+    for child in process.children(recursive=True):
+        try:
+            child_times = child.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += child_times.user + child_times.system
+    return total
+
+
 def _train_config(clients_per_round: int, users_per_virtual_client: int):  # noqa: ANN202
     from tff_algorithms import train_job
 
@@ -215,8 +239,10 @@ class _Setting:
         self.client_config = self.config.client_config()
         self.process = _process(self.config)
 
-    def tff_round(self, state, round_num: int) -> tuple[object, float, float, int]:  # noqa: ANN001
-        """(new state, seconds of the round, seconds of it spent building ids, examples)."""
+    def tff_round(self, state, round_num: int) -> tuple[object, float, float, float, int]:  # noqa: ANN001
+        """(new state, seconds of the round, its CPU seconds, seconds of it spent building
+        ids, examples)."""
+        cpu_started = _cpu_seconds()
         started = time.perf_counter()
         ids = self.ids.for_round(round_num)
         ids_seconds = time.perf_counter() - started
@@ -225,6 +251,7 @@ class _Setting:
         return (
             output.state,
             seconds,
+            _cpu_seconds() - cpu_started,
             ids_seconds,
             int(output.metrics["client_work"]["num_examples"]),
         )
@@ -272,10 +299,12 @@ class _PlainLoop:
         self.weights = initial_weights
         self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
 
-    def round(self, round_num: int) -> float:
+    def round(self, round_num: int) -> tuple[float, float]:
+        """(seconds of the round, its CPU seconds)."""
         import tensorflow as tf
         import tensorflow_federated as tff
 
+        cpu_started = _cpu_seconds()
         started = time.perf_counter()
         round_tensor = tf.constant(round_num, tf.int64)
         # Clients run concurrently, one per core, as the TFF worker runs them: TensorFlow
@@ -293,7 +322,7 @@ class _PlainLoop:
             trainable=self._apply_mean(list(self.weights.trainable), update_sum),
             non_trainable=list(self.weights.non_trainable),
         )
-        return time.perf_counter() - started
+        return time.perf_counter() - started, _cpu_seconds() - cpu_started
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -328,20 +357,25 @@ def _measure_setting(
     try:
         state = setting.process.initialize()
         started = time.perf_counter()
-        state, _, _, _ = setting.tff_round(state, 0)
+        state = setting.tff_round(state, 0)[0]
         first_round = time.perf_counter() - started
         loop = None
         if plain:
             loop = _PlainLoop(setting, _as_tensors(setting.process.get_model_weights(state)))
             loop.round(0)
-        tff_seconds, ids_seconds, plain_seconds, examples = [], [], [], []
+        tff_seconds, tff_cpu, ids_seconds = [], [], []
+        plain_seconds, plain_cpu, examples, load_averages = [], [], [], []
         for round_num in range(1, rounds + 1):
-            state, seconds, id_seconds, num_examples = setting.tff_round(state, round_num)
+            state, seconds, cpu, id_seconds, num_examples = setting.tff_round(state, round_num)
             tff_seconds.append(seconds)
+            tff_cpu.append(cpu)
             ids_seconds.append(id_seconds)
             examples.append(num_examples)
             if loop is not None:
-                plain_seconds.append(loop.round(round_num))
+                seconds, cpu = loop.round(round_num)
+                plain_seconds.append(seconds)
+                plain_cpu.append(cpu)
+            load_averages.append(os.getloadavg()[0])
         peaks = memory.peaks_mib()
     finally:
         if loop is not None:
@@ -354,30 +388,70 @@ def _measure_setting(
         "examples_per_round": statistics.median(examples),
         "first_round_seconds": round(first_round, 3),
         "round_seconds": _summary(tff_seconds),
+        "round_cpu_seconds": _summary(tff_cpu),
         "python_ids_seconds_per_round": _summary(ids_seconds),
+        # Other jobs' load on a shared machine, sampled after each measured round.
+        "load_average_1min": _summary(load_averages),
         "setup_seconds": round(setting.setup_seconds, 3),
         "peak_rss_mib": peaks,
     }
     if loop is not None:
         result["plain_round_seconds"] = _summary(plain_seconds)
+        result["plain_round_cpu_seconds"] = _summary(plain_cpu)
         # Pairs measured back to back: the median of their ratios is robust to load drift.
         result["tff_over_plain"] = round(
             statistics.median(t / p for t, p in zip(tff_seconds, plain_seconds)), 3
+        )
+        result["tff_over_plain_cpu"] = round(
+            statistics.median(t / p for t, p in zip(tff_cpu, plain_cpu)), 3
         )
         result["plain_client_update_traces"] = loop.client_update.experimental_get_tracing_count()
     return result
 
 
-def _loader_offsets(partition_dir: str) -> dict:
-    """Seconds to load one user at the start vs at the end of the largest part file.
+def _bytes_read() -> int | None:
+    """Bytes this process has read through system calls so far (Linux), else None."""
+    try:
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar")).split()[1])
+    except (OSError, StopIteration):
+        return None
 
-    The in-TFF loader reaches a user's byte range by reading through the part file up
-    to it (`client_data` module docstring), so this ratio shows how the per-user load
-    cost grows with the part file, that is with the population until parts hit
-    `max_part_bytes`."""
+
+def _load_cost(user_range) -> dict:  # noqa: ANN001 - a client_data.UserByteRange
+    """Best seconds to load one user's records, and the bytes the process read doing it."""
     import tensorflow as tf
 
-    from beam_jobs import partition, schedule
+    from tff_algorithms import client_data
+
+    virtual_client_id = tf.constant(client_data.virtual_client_id(0, 0, [user_range]))
+
+    def load() -> list:
+        return list(client_data.read_virtual_client_records(virtual_client_id))
+
+    seconds = _best_seconds(load, repeats=5)
+    before = _bytes_read()
+    load()
+    after = _bytes_read()
+    return {
+        "offset": user_range.offset,
+        "length": user_range.length,
+        "seconds": seconds,
+        "bytes_read": None if before is None else after - before,
+    }
+
+
+def _loader_offsets(partition_dir: str, deep_offset_bytes: int, work_dir: str) -> dict:
+    """The cost of loading one user at the start vs deep inside a part file.
+
+    The users at the start and at the end of the largest part file of the partition;
+    and the last of them copied behind `deep_offset_bytes` of other records (a part as
+    large as the partition's `max_part_bytes` allows). The in-TFF loader seeks to a
+    user's byte range (`client_data` module docstring), so time and bytes read should
+    not grow with the offset."""
+    import tensorflow as tf
+
+    from beam_jobs import partition
     from tff_algorithms import client_data
 
     reader = partition.PartitionReader(partition_dir)
@@ -393,19 +467,36 @@ def _loader_offsets(partition_dir: str) -> dict:
         for user, location in locations.items()
         if location.part_file == largest
     )
-    user_ids = sorted(locations)
-    ids = client_data.VirtualClientIds(
-        partition_dir, schedule.VirtualClientSchedule(len(user_ids), 1, 1, seed=0), user_ids
+    path = os.path.join(os.path.abspath(partition_dir), largest)
+    file_size = os.path.getsize(path)
+
+    def user_range(user: str) -> client_data.UserByteRange:
+        location = locations[user]
+        return client_data.UserByteRange(
+            path, location.offset, location.length, file_size, location.records
+        )
+
+    first, last = user_range(in_part[0][1]), user_range(in_part[-1][1])
+    deep_path = os.path.join(work_dir, "deep-part")
+    with tf.io.TFRecordWriter(deep_path) as writer:
+        writer.write(b"\0" * (deep_offset_bytes - 16))  # one frame of other users' bytes
+    with open(path, "rb") as f:
+        f.seek(last.offset)
+        user_bytes = f.read(last.length)
+    with open(deep_path, "ab") as f:
+        f.write(user_bytes)
+    deep = client_data.UserByteRange(
+        deep_path,
+        deep_offset_bytes,
+        last.length,
+        os.path.getsize(deep_path),
+        last.records,
     )
     result = {"part_file_bytes": sizes[largest]}
-    for name, (offset, user) in (("first", in_part[0]), ("last", in_part[-1])):
-        virtual_client_id = tf.constant(client_data.virtual_client_id(0, 0, [ids.user_range(user)]))
-        result[f"{name}_user_offset"] = offset
-        result[f"{name}_user_seconds"] = _best_seconds(
-            lambda vc_id=virtual_client_id: list(client_data.read_virtual_client_records(vc_id)),
-            repeats=5,
-        )
-    result["last_over_first"] = round(result["last_user_seconds"] / result["first_user_seconds"], 2)
+    for name, user in (("first", first), ("last", last), ("deep", deep)):
+        result[name] = _load_cost(user)
+    result["last_over_first"] = round(result["last"]["seconds"] / result["first"]["seconds"], 2)
+    result["deep_over_first"] = round(result["deep"]["seconds"] / result["first"]["seconds"], 2)
     return result
 
 
@@ -562,7 +653,9 @@ def _child(spec: dict) -> dict:
             _measure_setting(path, spec["population_clients_per_round"], k, rounds, memory)
             for path in (spec["base_partition"], spec["large_partition"])
         ]
-        loader = _loader_offsets(spec["large_partition"])
+        loader = _loader_offsets(
+            spec["large_partition"], spec["loader_deep_offset_bytes"], spec["work_dir"]
+        )
         flops = _flops({**spec, "flops_clients_per_round": spec["clients_per_round"][0]})
     finally:
         memory.close()
@@ -629,10 +722,14 @@ def _report(raw: dict, sizes: dict) -> dict:
         row["plain_over_peak"] = round(row["plain_flops_per_s"] / peak, 4)
     return {
         "federation_overhead": {
-            "baseline": "plain TensorFlow: same client graph per virtual client in a tf.function, "
-            "Python loop over clients, clip + mean + server step in TensorFlow",
+            "baseline": "plain TensorFlow: same client graph and training loop per virtual "
+            "client in a tf.function, clients on a thread pool, clip + mean + server step in "
+            "TensorFlow",
             "settings": overhead,
             "tff_over_plain": {str(s["clients_per_round"]): s["tff_over_plain"] for s in overhead},
+            "tff_over_plain_cpu": {
+                str(s["clients_per_round"]): s["tff_over_plain_cpu"] for s in overhead
+            },
         },
         "clients_per_round_scaling": clients_scaling,
         "workers": {
@@ -653,7 +750,7 @@ def _report(raw: dict, sizes: dict) -> dict:
             "peak_rss_workers_ratio": _ratio(
                 large["peak_rss_mib"]["workers"], small["peak_rss_mib"]["workers"]
             ),
-            "loader_last_user_over_first": raw["loader"],
+            "loader": raw["loader"],
         },
         "flops": {
             **flops,
@@ -682,6 +779,7 @@ def run(out_dir: str, quick: bool) -> dict:
             "clients_per_round": list(sizes["clients_per_round"]),
             "base_partition": base,
             "large_partition": large,
+            "work_dir": work,
         }
         spec_path, result_path = os.path.join(work, "spec.json"), os.path.join(work, "raw.json")
         with open(spec_path, "w") as f:

@@ -67,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: running {name}", flush=True)
         start = time.perf_counter()
         result = importlib.import_module(f"bench.{name}").run(results_dir, args.quick)
-        result = {"wall_seconds": time.perf_counter() - start, **result}
+        result = {
+            "wall_seconds": time.perf_counter() - start,
+            # Long runs on a shared machine: the load at the end as well as at the start.
+            "load_average_end_1_5_15": [round(x, 2) for x in os.getloadavg()],
+            **result,
+        }
         with open(os.path.join(results_dir, f"{name}.json"), "w") as f:
             json.dump({"machine": summary["machine"], **result}, f, indent=2)
         summary["results"][name] = result

@@ -5,6 +5,9 @@ with TFX's KubeflowV2DagRunner: every component runs in `image`, where this proj
 is installed, and components are referenced by module path. The Airflow target writes a
 DAG file: Python that, on the Airflow scheduler, rebuilds the pipeline from the embedded
 config and hands it to TFX's AirflowDagRunner (Airflow itself is needed only there).
+
+Neither holds a schedule or noise seed: configs that fix one (the testing flags) are
+refused, and otherwise training draws both from OS entropy when it runs.
 """
 
 from __future__ import annotations
@@ -16,9 +19,21 @@ from pipeline import config as config_lib
 from pipeline import definition
 
 
+def _refuse_fixed_seeds(config: config_lib.PipelineConfig) -> None:
+    """A deployable definition never fixes the secret seeds: compiled files are shared."""
+    train = config.train_job_dict()
+    fixed = [name for name in ("testing_fixed_schedule", "testing_fixed_noise") if train[name]]
+    if fixed:
+        raise ValueError(
+            f"config train.{fixed[0]} is for tests only: a deployable pipeline draws its "
+            "schedule and noise seeds from OS entropy at run time"
+        )
+
+
 def compile_kubeflow(config: config_lib.PipelineConfig, out_file: str, pipeline_root: str) -> str:
     from tfx import v1 as tfx
 
+    _refuse_fixed_seeds(config)
     pipeline = definition.build_pipeline(config, root=pipeline_root)
     runner = tfx.orchestration.experimental.KubeflowV2DagRunner(
         config=tfx.orchestration.experimental.KubeflowV2DagRunnerConfig(
@@ -84,6 +99,7 @@ def airflow_dag_source(config: config_lib.PipelineConfig, pipeline_root: str) ->
 
 
 def compile_airflow(config: config_lib.PipelineConfig, out_file: str, pipeline_root: str) -> str:
+    _refuse_fixed_seeds(config)
     source = airflow_dag_source(config, pipeline_root)
     compile(source, out_file, "exec")  # a syntax error here is a bug, not a user error
     with open(out_file, "w", encoding="utf-8") as f:

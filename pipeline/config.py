@@ -191,8 +191,11 @@ class PipelineConfig:
     def pretrain_job_dict(self) -> dict[str, Any]:
         """The centralized pretraining run's TrainJobConfig: train, then pretrain.job."""
         # Public data costs no budget: a train.max_epsilon must not stop the (noiseless) run.
+        # Freezing is for private training: pretraining trains every layer unless
+        # pretrain.job says otherwise.
         values = {
             **self.train,
+            "trainable_layers": ["*"],
             **self.pretrain.job,
             "algorithm": "centralized",
             "max_epsilon": None,

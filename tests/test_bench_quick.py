@@ -68,8 +68,9 @@ def test_every_section_is_a_ratio_to_a_baseline_of_the_same_run(results):
     sizes = speed["sizes"]
     clients = sizes["clients_per_round"]
     overhead = speed["federation_overhead"]
-    assert sorted(overhead["tff_over_plain"]) == sorted(str(m) for m in clients)
-    assert all(_positive(r) for r in overhead["tff_over_plain"].values())
+    for ratios in (overhead["tff_over_plain"], overhead["tff_over_plain_cpu"]):
+        assert sorted(ratios) == sorted(str(m) for m in clients)
+        assert all(_positive(r) for r in ratios.values())
     per_example = sizes["users_per_virtual_client"] * sizes["images_per_user"]
     for setting, m in zip(overhead["settings"], clients, strict=True):
         # Every round trained exactly the scheduled users' examples, in TFF.
@@ -78,7 +79,10 @@ def test_every_section_is_a_ratio_to_a_baseline_of_the_same_run(results):
         assert setting["plain_client_update_traces"] == 1
         assert _positive(setting["round_seconds"]["median"])
         assert _positive(setting["plain_round_seconds"]["median"])
+        assert _positive(setting["round_cpu_seconds"]["median"])
+        assert _positive(setting["plain_round_cpu_seconds"]["median"])
         assert setting["peak_rss_mib"]["workers"] > 0
+        assert setting["load_average_1min"]["n"] == sizes["rounds"]
     scaling = speed["clients_per_round_scaling"]
     assert [row["clients_per_round"] for row in scaling] == clients
     assert scaling[0]["round_seconds_ratio"] == 1.0
@@ -92,8 +96,14 @@ def test_every_section_is_a_ratio_to_a_baseline_of_the_same_run(results):
     assert population["users"] == [sizes["users"], sizes["users"] * sizes["population_factor"]]
     for key in ("round_seconds_ratio", "peak_rss_total_ratio", "peak_rss_workers_ratio"):
         assert _positive(population[key])
-    assert population["loader_last_user_over_first"]["last_user_offset"] > 0
-    assert population["loader_last_user_over_first"]["first_user_offset"] == 0
+    loader = population["loader"]
+    assert loader["first"]["offset"] == 0 and loader["last"]["offset"] > 0
+    assert loader["deep"]["offset"] == sizes["loader_deep_offset_bytes"]
+    for name in ("first", "last", "deep"):
+        assert _positive(loader[name]["seconds"])
+        if loader[name]["bytes_read"] is not None:
+            # The loader seeks: it reads about the user's bytes, not the part up to them.
+            assert loader[name]["bytes_read"] < loader["deep"]["offset"]
 
 
 def test_flop_count_of_the_profiler_matches_the_analytic_count(results):

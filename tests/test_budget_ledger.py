@@ -4,12 +4,11 @@ import dataclasses
 import json
 import os
 
-import apache_beam as beam
 import dp_accounting
 import pytest
-import tensorflow as tf
 
-from beam_jobs import partition, records_io, schema, synthetic
+from beam_jobs import partition, synthetic
+from tests import support
 from tff_algorithms import accounting, budget, train_job
 
 DPSGD = accounting.AccountingSpec(
@@ -156,15 +155,9 @@ JOB = train_job.TrainJobConfig(
 
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("budget_data")
-    train = [schema.serialize(r) for r in synthetic.records_for_identities(SYNTH, 0, 20)]
-    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
-        _ = pipeline | beam.Create(train) | partition.PartitionByUser(str(root / "p"), 2)
-    os.makedirs(root / "eval")
-    with tf.io.TFRecordWriter(str(root / "eval" / "records-00000-of-00001.tfrecord")) as writer:
-        for record in synthetic.records_for_identities(SYNTH, 20, SYNTH.identities):
-            writer.write(schema.serialize(record))
-    return str(root / "p"), str(root / "eval")
+    return support.write_partition_and_held_out(
+        tmp_path_factory.mktemp("budget_data"), SYNTH, train_identities=20
+    )
 
 
 def test_train_job_is_charged_once_and_a_second_job_over_budget_refused(

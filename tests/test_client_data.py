@@ -1,5 +1,6 @@
 """Virtual-client data read inside TFF from ids: same bytes as PartitionReader, own range only."""
 
+import os
 import shutil
 
 import apache_beam as beam
@@ -156,3 +157,31 @@ def test_seeds_follow_round_and_virtual_client_not_where_the_data_lives():
     assert seed_name(3, 1, "/data/a/part-0") == seed_name(3, 1, "/mnt/copy/part-0")
     names = {seed_name(3, 1, "/d"), seed_name(4, 1, "/d"), seed_name(3, 2, "/d")}
     assert len(names | {seed_name(3, 1, "/d", attempt=1)}) == 4
+
+
+def _bytes_read_by_this_process() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+def test_a_user_deep_in_a_part_file_is_reached_by_a_seek_not_a_read_through(tmp_path):
+    path = str(tmp_path / "part-0")
+    with tf.io.TFRecordWriter(path) as writer:
+        writer.write(b"\0" * (16 << 20))  # other users' 16 MiB before this user's records
+    offset = os.path.getsize(path)
+    with open(path, "ab") as f:
+        tail = tmp_path / "tail"
+        with tf.io.TFRecordWriter(str(tail)) as writer:
+            writer.write(b"first")
+            writer.write(b"second")
+        f.write(tail.read_bytes())
+    size = os.path.getsize(path)
+    user = client_data.UserByteRange(path, offset, size - offset, size, 2)
+    virtual_client_id = tf.constant(client_data.virtual_client_id(0, 0, [user]))
+    list(client_data.read_virtual_client_records(virtual_client_id))  # builds the pipeline
+    before = _bytes_read_by_this_process()
+    records = [r.numpy() for r in client_data.read_virtual_client_records(virtual_client_id)]
+    # Reading through the part file up to the user's offset would read >= 16 MiB.
+    assert _bytes_read_by_this_process() - before < 1 << 20
+    assert records == [b"first", b"second"]

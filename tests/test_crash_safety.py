@@ -6,15 +6,19 @@
 - A newest checkpoint that does not read back (what a machine crash can leave after
   the rename: files never flushed, or a rename interrupted on an object store) is
   removed, and training resumes from the version before it, to the same end.
+- A pipeline SIGKILLed inside PrivateTrain re-runs with finished components cached and
+  training resumed; the schedule seed PrivateTrain drew lives in its work directory
+  only, and after the resumed run it is in no file of the run (ML Metadata included)
+  and not in the killed run's log.
 """
 
 import json
 import os
+import pathlib
 import random
 import re
 import shutil
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -22,44 +26,17 @@ import pytest
 import tensorflow as tf
 
 from beam_jobs import synthetic
-from tests.test_training_program import ROUNDS, _clients_for_round, _ledger, _process, _weights
-from tff_algorithms import train_job, training
-from tff_algorithms.ledger import PrivacyLedger
+from tests import support
+from tests.test_training_program import ROUNDS, _process, _weights, train_rounds
+from tff_algorithms import train_job
 
-CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
 CLI_ROUNDS = 4
-CLI_FLAGS = [
-    f"--rounds={CLI_ROUNDS}",
-    "--users-per-virtual-client=2",
-    "--virtual-clients-per-round=3",
-    "--noise-multiplier=0.5",
-    "--client-lr=0.05",
-    "--server-lr=1.0",
-    "--head-lr-scale=10",
-    "--batch-size=8",
-    "--embedding-size=16",
-    "--evaluate-every=2",
-    "--noise-seed=3",
-    "--testing-fixed-noise",
-    "--validation-fraction=0.2",
-    "--test-fraction=0.2",
-]
 KILL_SEED = 20240611
 
 
 @pytest.fixture(scope="module")
 def process(tff_runtime):
     return _process()
-
-
-def _train(process, directory: str, rounds: int):
-    return training.train(
-        process,
-        _clients_for_round,
-        _ledger(),
-        PrivacyLedger.from_json,
-        training.TrainingProgramConfig(rounds, directory),
-    )
 
 
 def _tear(version_dir: str, how: str) -> None:
@@ -81,12 +58,12 @@ def _tear(version_dir: str, how: str) -> None:
 def test_torn_newest_checkpoint_is_removed_and_training_resumes_from_the_previous(
     process, tmp_path, how
 ):
-    straight, straight_ledger = _train(process, str(tmp_path / "straight"), ROUNDS)
+    straight, straight_ledger = train_rounds(process, str(tmp_path / "straight"), ROUNDS)
     directory = str(tmp_path / "torn")
-    _train(process, directory, 2)
+    train_rounds(process, directory, 2)
     _tear(os.path.join(directory, "round_2"), how)
 
-    resumed, resumed_ledger = _train(process, directory, ROUNDS)
+    resumed, resumed_ledger = train_rounds(process, directory, ROUNDS)
 
     assert resumed.resumed_from_round == 1
     for a, b in zip(
@@ -100,18 +77,10 @@ def test_torn_newest_checkpoint_is_removed_and_training_resumes_from_the_previou
 
 def test_checkpoint_that_reads_but_does_not_fit_is_an_error_not_a_torn_write(process, tmp_path):
     directory = str(tmp_path / "ckpt")
-    _train(process, directory, 1)
-    other = training.TrainingProgramConfig(2, directory)
+    train_rounds(process, directory, 1)
     wrong_structure = {"state": process.initialize(), "other": 1}
     with pytest.raises((ValueError, TypeError)):
-        training.train(
-            process,
-            _clients_for_round,
-            _ledger(),
-            PrivacyLedger.from_json,
-            other,
-            initial_state=wrong_structure,
-        )
+        train_rounds(process, directory, 2, initial_state=wrong_structure)
     assert os.path.exists(os.path.join(directory, "round_1", "saved_model.pb"))
 
 
@@ -119,7 +88,8 @@ def test_checkpoint_that_reads_but_does_not_fit_is_an_error_not_a_torn_write(pro
 
 
 def _command(data: str, output: str) -> list[str]:
-    return [CONSOLE_SCRIPT, "train", "--data", data, "--output", output, *CLI_FLAGS]
+    flags = support.train_cli_flags(CLI_ROUNDS)
+    return [support.CONSOLE_SCRIPT, "train", "--data", data, "--output", output, *flags]
 
 
 def _environment(tmp_dir: str) -> dict[str, str]:
@@ -170,22 +140,12 @@ def _kill_at(data: str, output: str, tmp_dir: str, round_num: int, during_save: 
         child.wait(60)
 
 
-def _backbone(saved_model_dir: str) -> list[np.ndarray]:
-    return [v.numpy() for v in tf.saved_model.load(saved_model_dir).backbone_variables]
-
-
-def _without_timing(history: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "round_seconds"} for r in history]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # four `dp-fedemb train` processes, one with data preparation
 def test_sigkilled_training_resumes_to_exactly_the_uninterrupted_result(tmp_path):
     data, output, tmp_dir = str(tmp_path / "raw"), str(tmp_path / "out"), str(tmp_path / "tmp")
     os.makedirs(tmp_dir)
-    synthetic.write_image_folder(
-        data, synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
-    )
+    synthetic.write_image_folder(data, support.TRAIN_CLI_DATA)
     # The uninterrupted run. Virtual-client ids name the partition's files, so the
     # interrupted runs reuse its prepared data at the same path, not a copy.
     _run_to_completion(data, output, tmp_dir)
@@ -207,8 +167,8 @@ def test_sigkilled_training_resumes_to_exactly_the_uninterrupted_result(tmp_path
 
     assert 1 <= summary["resumed_from_round"] < CLI_ROUNDS, kills
     for a, b in zip(
-        _backbone(os.path.join(reference_dir, train_job.SAVED_MODEL_DIR)),
-        _backbone(os.path.join(output, train_job.SAVED_MODEL_DIR)),
+        support.saved_backbone(os.path.join(reference_dir, train_job.SAVED_MODEL_DIR)),
+        support.saved_backbone(os.path.join(output, train_job.SAVED_MODEL_DIR)),
         strict=True,
     ):
         np.testing.assert_array_equal(a, b)
@@ -219,7 +179,8 @@ def test_sigkilled_training_resumes_to_exactly_the_uninterrupted_result(tmp_path
     with open(os.path.join(reference_dir, train_job.METRICS_FILE)) as f:
         reference_history = json.load(f)["history"]
     with open(os.path.join(output, train_job.METRICS_FILE)) as f:
-        assert _without_timing(json.load(f)["history"]) == _without_timing(reference_history)
+        history = support.without_round_seconds(json.load(f)["history"])
+    assert history == support.without_round_seconds(reference_history)
     leftovers = [
         e for e in os.listdir(os.path.join(output, train_job.CHECKPOINT_DIR)) if "temp" in e
     ]
@@ -272,7 +233,7 @@ def test_pipeline_killed_in_private_train_reruns_without_redoing_finished_compon
     )
     with open(os.path.join(tmp_dir, "killed.log"), "w") as log:
         child = subprocess.Popen(
-            [CONSOLE_SCRIPT, "run", "--config", config_path],
+            [support.CONSOLE_SCRIPT, "run", "--config", config_path],
             stdout=log,
             stderr=log,
             env=_environment(tmp_dir),
@@ -297,6 +258,12 @@ def test_pipeline_killed_in_private_train_reruns_without_redoing_finished_compon
         if node not in (definition.PRIVATE_TRAIN, definition.BASELINE_RESOLVER) and ids
     ]
     assert definition.PARTITION in finished_before_kill
+    # The schedule seed PrivateTrain drew from OS entropy, kept next to its checkpoints.
+    [job_file] = tf.io.gfile.glob(
+        os.path.join(os.path.dirname(os.path.dirname(checkpoint)), train_job.JOB_FILE)
+    )
+    with open(job_file) as f:
+        schedule_seed = str(json.load(f)["schedule_seed"]).encode()
 
     summary = local_run.run_pipeline(config, progress=None)
 
@@ -313,6 +280,15 @@ def test_pipeline_killed_in_private_train_reruns_without_redoing_finished_compon
         trained = json.load(f)
     assert trained["resumed_from_round"] >= 1 and trained["rounds"] == 3
     assert summary.recall_at_far
+    # The work directory went with success; 62 random bits match no other digits.
+    assert not os.path.exists(job_file)
+    run_files = [os.path.join(d, n) for d, _, names in os.walk(output) for n in names]
+    leaks = [
+        path
+        for path in [*run_files, os.path.join(tmp_dir, "killed.log")]
+        if schedule_seed in pathlib.Path(path).read_bytes()
+    ]
+    assert any(p.endswith("metadata.sqlite") for p in run_files) and leaks == []
 
     # The budget: charged once across kill and resume, the override in lineage.
     policy = config.budget_policy_dict()

@@ -6,13 +6,13 @@ import math
 import os
 import re
 
-import apache_beam as beam
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from beam_jobs import partition, records_io, schedule, schema, synthetic
+from beam_jobs import schedule, synthetic
 from pipeline import config as config_lib
+from tests import support
 from tff_algorithms import (
     accounting,
     client_data,
@@ -205,7 +205,7 @@ def test_a_round_below_the_minimum_is_retried_with_a_fresh_selection(no_noise):
 
     outcome = dropouts.run_round(no_noise, state, 4, clients_for_attempt, policy)
     assert calls == [(4, 0), (4, 1)]
-    assert (outcome.attempts, outcome.kept_clients) == (2, 6)
+    assert (outcome.attempts, outcome.kept_clients, outcome.discarded_kept_clients) == (2, 6, (3,))
     # The applied round is the retry from the same state, not the failed attempt.
     retry_alone = no_noise.next(state, selections[1])
     np.testing.assert_array_equal(
@@ -304,21 +304,9 @@ TRAIN_IDENTITIES = 24  # one user each; identities 24..29 are held out
 
 @pytest.fixture(scope="module")
 def job_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("job_data")
-    train = [
-        schema.serialize(r) for r in synthetic.records_for_identities(SYNTH, 0, TRAIN_IDENTITIES)
-    ]
-    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
-        _ = (
-            pipeline
-            | beam.Create(train)
-            | partition.PartitionByUser(str(root / "partition"), num_shards=2)
-        )
-    os.makedirs(root / "eval")
-    with tf.io.TFRecordWriter(str(root / "eval" / "records-00000-of-00001.tfrecord")) as writer:
-        for record in synthetic.records_for_identities(SYNTH, TRAIN_IDENTITIES, SYNTH.identities):
-            writer.write(schema.serialize(record))
-    return str(root / "partition"), str(root / "eval")
+    return support.write_partition_and_held_out(
+        tmp_path_factory.mktemp("job_data"), SYNTH, TRAIN_IDENTITIES
+    )
 
 
 def test_a_training_job_with_injected_failures_reports_them_and_is_charged_as_planned(

@@ -13,8 +13,9 @@ from tensorflow_federated.python.core.impl.execution_contexts import (
     mergeable_comp_execution_context,
 )
 
-from beam_jobs import partition, records_io, schema, synthetic
+from beam_jobs import synthetic
 from pipeline import cli
+from tests import support
 from tff_algorithms import client_work, models, processes, runtime, train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=36, images_per_identity=5, seed=7)
@@ -34,6 +35,8 @@ CONFIG = train_job.TrainJobConfig(
     embedding_size=16,
     evaluate_every=0,
     seed=3,
+    schedule_seed=3,
+    testing_fixed_schedule=True,
     noise_seed=5,
     testing_fixed_noise=True,
 )
@@ -55,23 +58,9 @@ def two_workers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    import apache_beam as beam
-
-    root = tmp_path_factory.mktemp("data")
-    train = [
-        schema.serialize(r) for r in synthetic.records_for_identities(SYNTH, 0, TRAIN_IDENTITIES)
-    ]
-    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
-        _ = (
-            pipeline
-            | beam.Create(train)
-            | partition.PartitionByUser(str(root / "partition"), num_shards=2)
-        )
-    (root / "eval").mkdir()
-    with tf.io.TFRecordWriter(str(root / "eval" / "records-00000-of-00001.tfrecord")) as writer:
-        for record in synthetic.records_for_identities(SYNTH, TRAIN_IDENTITIES, SYNTH.identities):
-            writer.write(schema.serialize(record))
-    return str(root / "partition"), str(root / "eval")
+    return support.write_partition_and_held_out(
+        tmp_path_factory.mktemp("data"), SYNTH, TRAIN_IDENTITIES
+    )
 
 
 def _trained_backbone(data, output_dir: str, addresses: tuple[str, ...]) -> list[np.ndarray]:
@@ -82,8 +71,7 @@ def _trained_backbone(data, output_dir: str, addresses: tuple[str, ...]) -> list
         runtime_config=runtime.RuntimeConfig(worker_addresses=addresses),
     )
     assert result.metrics["rounds"] == CONFIG.rounds
-    loaded = tf.saved_model.load(result.saved_model_dir)
-    return [v.numpy() for v in loaded.backbone_variables]
+    return support.saved_backbone(result.saved_model_dir)
 
 
 def test_two_workers_train_the_one_worker_weights(two_workers, data, tmp_path):

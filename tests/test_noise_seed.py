@@ -6,19 +6,19 @@ the `dp-fedemb train` flags and the pipeline config alike.
 
 import dataclasses
 import json
-import os
 
-import apache_beam as beam
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from beam_jobs import partition, records_io, schema, synthetic
+from beam_jobs import synthetic
 from pipeline import cli
 from pipeline import config as config_lib
+from tests import support
 from tff_algorithms import train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=8)
+# Production noise. The schedule is fixed (its own testing flag, tests/test_seed_secrecy.py)
+# so that runs can differ by their noise only.
 PRODUCTION = train_job.TrainJobConfig(
     rounds=1,
     noise_multiplier=1.0,
@@ -28,6 +28,8 @@ PRODUCTION = train_job.TrainJobConfig(
     head_capacity=4,
     embedding_size=16,
     evaluate_every=0,
+    schedule_seed=0,
+    testing_fixed_schedule=True,
 )
 TESTING = dataclasses.replace(PRODUCTION, noise_seed=5, testing_fixed_noise=True)
 
@@ -69,15 +71,9 @@ def test_command_line_refuses_a_noise_seed_without_the_testing_flag(capsys, args
 
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("noise_data")
-    train = [schema.serialize(r) for r in synthetic.records_for_identities(SYNTH, 0, 20)]
-    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
-        _ = pipeline | beam.Create(train) | partition.PartitionByUser(str(root / "p"), 2)
-    os.makedirs(root / "eval")
-    with tf.io.TFRecordWriter(str(root / "eval" / "records-00000-of-00001.tfrecord")) as writer:
-        for record in synthetic.records_for_identities(SYNTH, 20, SYNTH.identities):
-            writer.write(schema.serialize(record))
-    return str(root / "p"), str(root / "eval")
+    return support.write_partition_and_held_out(
+        tmp_path_factory.mktemp("noise_data"), SYNTH, train_identities=20
+    )
 
 
 def _trained_backbone(config, data, output_dir) -> list[np.ndarray]:
@@ -86,7 +82,7 @@ def _trained_backbone(config, data, output_dir) -> list[np.ndarray]:
     expected_source = "os-entropy" if config.noise_seed is None else "fixed (testing)"
     assert metrics["noise_seed_source"] == expected_source
     assert "noise_seed" not in metrics["config"]
-    return [v.numpy() for v in tf.saved_model.load(result.saved_model_dir).backbone_variables]
+    return support.saved_backbone(result.saved_model_dir)
 
 
 def test_production_runs_differ_and_testing_runs_with_one_seed_are_equal(

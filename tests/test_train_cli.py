@@ -4,36 +4,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from beam_jobs import synthetic
 from pipeline import cli
+from tests import support
 
-CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
-SYNTH = synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
-SPLIT_FLAGS = ["--validation-fraction", "0.2", "--test-fraction", "0.2"]
-TRAIN_FLAGS = [
-    "--rounds=3",
-    "--users-per-virtual-client=2",
-    "--virtual-clients-per-round=3",
-    "--noise-multiplier=0.5",
-    "--client-lr=0.05",
-    "--server-lr=1.0",
-    "--head-lr-scale=10",
-    "--batch-size=8",
-    "--embedding-size=16",
-    "--evaluate-every=2",
-    "--noise-seed=3",
-    "--testing-fixed-noise",
-    *SPLIT_FLAGS,
-]
+TRAIN_FLAGS = support.train_cli_flags(rounds=3)
 
 
 def _train_command(data: str, output: str, *extra: str) -> list[str]:
-    return [CONSOLE_SCRIPT, "train", "--data", data, "--output", output, *TRAIN_FLAGS, *extra]
+    flags = [*TRAIN_FLAGS, *extra]
+    return [support.CONSOLE_SCRIPT, "train", "--data", data, "--output", output, *flags]
 
 
 def _wait_for(path: str, process: subprocess.Popen, timeout_s: float) -> None:
@@ -49,7 +33,7 @@ def trained(tmp_path_factory):
     """A training run stopped by SIGTERM after its first checkpoint, then re-run to the end."""
     root = tmp_path_factory.mktemp("cli")
     data, output = str(root / "raw"), str(root / "out")
-    synthetic.write_image_folder(data, SYNTH)
+    synthetic.write_image_folder(data, support.TRAIN_CLI_DATA)
     with open(root / "first.log", "wb") as log:
         first = subprocess.Popen(_train_command(data, output), stdout=log, stderr=log)
         try:
@@ -81,7 +65,7 @@ def test_evaluate_loads_the_trained_model(trained):
     _, output, _, summary, _ = trained
     result = subprocess.run(
         [
-            CONSOLE_SCRIPT,
+            support.CONSOLE_SCRIPT,
             "evaluate",
             "--model",
             summary["saved_model"],

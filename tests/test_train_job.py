@@ -6,12 +6,12 @@ import math
 import os
 import shutil
 
-import apache_beam as beam
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from beam_jobs import partition, records_io, schema, synthetic
+from beam_jobs import synthetic
+from tests import support
 from tff_algorithms import accounting, train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
@@ -39,35 +39,15 @@ HEAD_SHAPE = (CONFIG.embedding_size, CONFIG.head_capacity)
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    train = [
-        schema.serialize(r) for r in synthetic.records_for_identities(SYNTH, 0, TRAIN_IDENTITIES)
-    ]
-    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
-        _ = (
-            pipeline
-            | beam.Create(train)
-            | partition.PartitionByUser(str(root / "partition"), num_shards=2)
-        )
-    os.makedirs(root / "eval")
-    with tf.io.TFRecordWriter(str(root / "eval" / "records-00000-of-00001.tfrecord")) as writer:
-        for record in synthetic.records_for_identities(SYNTH, TRAIN_IDENTITIES, SYNTH.identities):
-            writer.write(schema.serialize(record))
-    return str(root / "partition"), str(root / "eval")
+    return support.write_partition_and_held_out(
+        tmp_path_factory.mktemp("data"), SYNTH, TRAIN_IDENTITIES
+    )
 
 
 @pytest.fixture(scope="module")
 def straight_run(tff_runtime, data, tmp_path_factory):
     output_dir = str(tmp_path_factory.mktemp("straight"))
     return train_job.run_train_job(CONFIG, *data, output_dir)
-
-
-def _saved_backbone(saved_model_dir: str) -> list[np.ndarray]:
-    return [v.numpy() for v in tf.saved_model.load(saved_model_dir).backbone_variables]
-
-
-def _without_timing(history: list[dict]) -> list[dict]:
-    return [{k: v for k, v in record.items() if k != "round_seconds"} for record in history]
 
 
 def test_metrics_ledger_and_saved_model_are_written(straight_run):
@@ -82,7 +62,8 @@ def test_metrics_ledger_and_saved_model_are_written(straight_run):
     assert summary["epsilon"] == pytest.approx(accounting.compute_privacy(spec).epsilon)
     assert [r["round"] for r in summary["history"] if "eval" in r] == [2, 3]
     # The schedule and noise seeds are never published.
-    assert "seed" not in summary["config"] and "noise_seed" not in summary["config"]
+    assert not {"schedule_seed", "noise_seed"} & set(summary["config"])
+    assert summary["schedule_seed_source"] == "os-entropy"
     ledger = json.loads(open(straight_run.ledger_path).read())
     assert [e["round"] for e in ledger["history"]] == [1, 2, 3]
     assert ledger["history"][-1]["epsilon"] == pytest.approx(summary["epsilon"])
@@ -101,15 +82,14 @@ def test_interrupted_and_resumed_equals_uninterrupted(tff_runtime, data, straigh
 
     assert resumed.metrics["resumed_from_round"] == 2
     for a, b in zip(
-        _saved_backbone(straight_run.saved_model_dir),
-        _saved_backbone(resumed.saved_model_dir),
+        support.saved_backbone(straight_run.saved_model_dir),
+        support.saved_backbone(resumed.saved_model_dir),
         strict=True,
     ):
         np.testing.assert_array_equal(a, b)
     assert open(resumed.ledger_path).read() == open(straight_run.ledger_path).read()
-    assert _without_timing(resumed.metrics["history"]) == _without_timing(
-        straight_run.metrics["history"]
-    )
+    resumed_history = support.without_round_seconds(resumed.metrics["history"])
+    assert resumed_history == support.without_round_seconds(straight_run.metrics["history"])
     assert resumed.recall_at_far == straight_run.recall_at_far
 
 

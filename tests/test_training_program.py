@@ -1,6 +1,8 @@
 """The training program: checkpoints, resume equal to an uninterrupted run, ledger, history."""
 
 import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import pytest
@@ -58,6 +60,27 @@ def _weights(process, state) -> list[np.ndarray]:
     return [np.asarray(w) for w in process.get_model_weights(state).trainable]
 
 
+def train_rounds(
+    process: tff.learning.templates.LearningProcess,
+    directory: str,
+    rounds: int,
+    evaluate: Callable[[Any, int], Mapping[str, Any]] | None = None,
+    evaluate_every: int = 0,
+    initial_state: Any = None,
+) -> tuple[training.TrainingResult, PrivacyLedger]:
+    """Trains (or resumes, from DIRECTORY's checkpoints) this module's program on its
+    clients until `rounds` rounds are done, with a fresh ledger for a new run."""
+    return training.train(
+        process,
+        _clients_for_round,
+        _ledger(),
+        PrivacyLedger.from_json,
+        training.TrainingProgramConfig(rounds, directory, evaluate_every=evaluate_every),
+        evaluate,
+        initial_state=initial_state,
+    )
+
+
 @pytest.fixture(scope="module")
 def process(tff_runtime):
     return _process()
@@ -70,32 +93,15 @@ def test_resumed_training_equals_uninterrupted(process, tmp_path):
         evaluations.append(rounds_done)
         return {"weight_norm": float(sum(np.linalg.norm(w) for w in _weights(process, state)))}
 
-    straight_cfg = training.TrainingProgramConfig(
-        ROUNDS, str(tmp_path / "straight"), evaluate_every=2
-    )
-    straight, straight_ledger = training.train(
-        process, _clients_for_round, _ledger(), PrivacyLedger.from_json, straight_cfg, evaluate
+    straight, straight_ledger = train_rounds(
+        process, str(tmp_path / "straight"), ROUNDS, evaluate, evaluate_every=2
     )
     assert straight.resumed_from_round == 0 and evaluations == [2, 4]
 
     # Interrupted after 2 rounds (the process ends there), then resumed to 4.
     resumed_dir = str(tmp_path / "resumed")
-    training.train(
-        process,
-        _clients_for_round,
-        _ledger(),
-        PrivacyLedger.from_json,
-        training.TrainingProgramConfig(2, resumed_dir, evaluate_every=2),
-        evaluate,
-    )
-    resumed, resumed_ledger = training.train(
-        process,
-        _clients_for_round,
-        _ledger(),
-        PrivacyLedger.from_json,
-        training.TrainingProgramConfig(ROUNDS, resumed_dir, evaluate_every=2),
-        evaluate,
-    )
+    train_rounds(process, resumed_dir, 2, evaluate, evaluate_every=2)
+    resumed, resumed_ledger = train_rounds(process, resumed_dir, ROUNDS, evaluate, evaluate_every=2)
     assert resumed.resumed_from_round == 2
     for a, b in zip(
         _weights(process, straight.state), _weights(process, resumed.state), strict=True
@@ -117,44 +123,20 @@ def test_resumed_training_equals_uninterrupted(process, tmp_path):
 
 def test_partial_checkpoint_is_ignored_and_removed(process, tmp_path):
     directory = str(tmp_path / "ckpt")
-    training.train(
-        process,
-        _clients_for_round,
-        _ledger(),
-        PrivacyLedger.from_json,
-        training.TrainingProgramConfig(1, directory),
-    )
+    train_rounds(process, directory, 1)
     # A save killed before its rename leaves a temporary directory behind.
     partial = os.path.join(directory, "round_2_temp1234")
     os.makedirs(partial)
-    result, ledger = training.train(
-        process,
-        _clients_for_round,
-        _ledger(),
-        PrivacyLedger.from_json,
-        training.TrainingProgramConfig(2, directory),
-    )
+    result, ledger = train_rounds(process, directory, 2)
     assert result.resumed_from_round == 1 and ledger.rounds_recorded == 2
     assert not os.path.exists(partial)
 
 
 def test_more_rounds_on_disk_than_requested_is_an_error(process, tmp_path):
     directory = str(tmp_path / "ckpt")
-    training.train(
-        process,
-        _clients_for_round,
-        _ledger(),
-        PrivacyLedger.from_json,
-        training.TrainingProgramConfig(2, directory),
-    )
+    train_rounds(process, directory, 2)
     with pytest.raises(ValueError, match="already holds 2 rounds"):
-        training.train(
-            process,
-            _clients_for_round,
-            _ledger(),
-            PrivacyLedger.from_json,
-            training.TrainingProgramConfig(1, directory),
-        )
+        train_rounds(process, directory, 1)
 
 
 @pytest.mark.parametrize(

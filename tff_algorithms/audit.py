@@ -211,7 +211,9 @@ def audit_train_config(
     Every round is applied (`min_report_fraction` 0): at small ε the noise wrecks the
     model, its one client then reports a non-finite update, which is dropped, and the
     round releases noise alone (charged by the ledger like any round). `noise_seed`
-    (tests and benchmarks only) fixes the noise, as `TrainJobConfig` allows it.
+    (tests and benchmarks only) fixes the noise and the schedule (the order of the
+    users in the one virtual client) behind `TrainJobConfig`'s testing flags, so an
+    audit repeats exactly.
     """
     return train_job.TrainJobConfig(
         algorithm=train_job.DP_FEDEMB,
@@ -234,6 +236,8 @@ def audit_train_config(
         min_report_fraction=0.0,
         noise_seed=noise_seed,
         testing_fixed_noise=noise_seed is not None,
+        schedule_seed=noise_seed,
+        testing_fixed_schedule=noise_seed is not None,
     )
 
 

@@ -15,22 +15,24 @@ shard indexes for the round's users only (O(users per round)):
 the id, so the client work's per-(round, virtual client) head seed, which hashes the
 id, differs across rounds even for the same users; so is a retried round's attempt.
 
-TFRecord readers have no byte-range option, so a user's bytes are read with
-`tf.data.FixedLengthRecordDataset` as one record of `length` bytes between a header of
-`offset` bytes and a footer of the rest of the file; the TFRecord frames (8-byte
-little-endian length, 4-byte CRC, data, 4-byte CRC) are split in graph. Only the
-user's byte range is parsed, so other users' bytes never influence the result.
-Costs and checks:
-- TF skips the header by reading through it, so I/O per user is O(offset), bounded by
-  the partition's part-file size (`max_part_bytes`); the CPU cost is O(user's bytes).
-- TF has no CRC32C op, so checksums are not verified in graph (`PartitionReader` does
-  verify them); instead the frames must exactly tile the byte range, their number must
-  equal the index's record count, and the file size must equal the index-time size
-  (`FixedLengthRecordDataset` fails otherwise), so a stale index or a truncated or
-  rewritten part file never yields wrong examples: the user's read fails, and the
-  client work drops the virtual client from the round (`failed_reads`, its
-  `expected_examples` not met); a round with too few reports is retried, then stops
-  the job with an error (`tff_algorithms.dropouts`).
+A user's records are read with TensorFlow's TFRecord reader from the user's byte
+offset on (`TFRecordDatasetV2`'s `byte_offsets`: a seek, not a read through the part
+file), exactly the indexed number of records, with the user's byte range as the read
+buffer. Only the user's byte range is read and parsed, so other users' bytes never
+influence the result. Costs and checks:
+- I/O and CPU per user are O(user's bytes), whatever the user's offset in its part file
+  (BENCHMARKS.md, "Loader").
+- The reader verifies every frame's CRC32C; the frames must exactly tile the byte range
+  and their number must equal the index's record count; and nothing may follow the
+  indexed end of the part file (a probe at the index-time file size finds EOF). So a
+  stale index or a corrupt, truncated or appended-to part file never yields wrong
+  examples: the user's read fails, and the client work drops the virtual client from
+  the round (`failed_reads`, its `expected_examples` not met); a round with too few
+  reports is retried, then stops the job with an error (`tff_algorithms.dropouts`).
+  Not caught: a part file rewritten with other records that happen to tile the same
+  byte range with valid CRCs, grown by fewer than 12 bytes (the reader takes a partial
+  frame header at the end of a file for its end), or shortened after the user's range
+  (the user's own records are then intact).
 - Part file paths are absolute: every TFF worker must see the partition at the same path
   (a shared or cloud file system when workers run on other hosts).
 
@@ -156,42 +158,64 @@ class VirtualClientIds:
         ]
 
 
-def _split_frames(data: tf.Tensor, num_records: tf.Tensor) -> tf.Tensor:
-    """Concatenated TFRecord frames (one scalar string) -> their payloads, string[num_records]."""
+def _tfrecords_from(path: tf.Tensor, offset: tf.Tensor, buffer_bytes: tf.Tensor) -> tf.data.Dataset:
+    """The TFRecords of one file from byte `offset` on, reached by a seek, CRCs verified.
 
-    def body(i, position, payloads):
-        length_bytes = tf.strings.substr(data, position, 8)
-        length = tf.io.decode_raw(length_bytes, tf.int64, little_endian=True)[0]
-        payload = tf.strings.substr(data, position + _FRAME_HEADER_BYTES, length)
-        return i + 1, position + _FRAME_OVERHEAD_BYTES + length, payloads.write(i, payload)
+    `tf.data.TFRecordDataset` has no byte-offset argument in TF 2.14, but its kernel
+    (`TFRecordDatasetV2`) does. TF 2.14 cannot serialise that kernel's dataset (it writes
+    3 of its 4 inputs), which tf.data does to optimise a pipeline it iterates: so this
+    dataset may only be consumed inside an op (`get_single_element`), never iterated as
+    a pipeline of its own or as a `flat_map`/`interleave` source.
+    """
+    variant = tf.raw_ops.TFRecordDatasetV2(
+        filenames=tf.reshape(path, [1]),
+        compression_type="",
+        buffer_size=buffer_bytes,
+        byte_offsets=tf.reshape(offset, [1]),
+    )
+    return tf.data.experimental.from_variant(variant, tf.TensorSpec([], tf.string))
 
-    num_records = tf.cast(num_records, tf.int32)
 
-    _, end, payloads = tf.while_loop(
-        lambda i, position, payloads: i < num_records,
-        body,
-        (
-            tf.constant(0, tf.int32),
-            tf.constant(0, tf.int64),
-            tf.TensorArray(tf.string, size=num_records),
+def _user_records(path, offset, length, file_size, records) -> tf.Tensor:  # noqa: ANN001
+    """A user's records, string[records], as one op: a failed read (missing, corrupt or
+    grown file) fails this user's element once, which the client work's `ignore_errors`
+    skips; the same failure in a file source dataset would repeat forever under
+    `ignore_errors`."""
+    # The read buffer is the user's byte range, so a correct index reads no other bytes.
+    payloads = (
+        _tfrecords_from(path, offset, length).take(records).batch(records).get_single_element()
+    )
+    read_bytes = tf.reduce_sum(
+        tf.cast(tf.strings.length(payloads) + _FRAME_OVERHEAD_BYTES, tf.int64)
+    )
+    checks = [
+        tf.debugging.assert_equal(
+            tf.cast(tf.size(payloads), tf.int64),
+            records,
+            message="user byte range holds fewer TFRecord frames than indexed",
         ),
-    )
-    tiled = tf.debugging.assert_equal(
-        end,
-        tf.cast(tf.strings.length(data), tf.int64),
-        message="user byte range does not hold exactly the indexed number of TFRecord frames",
-    )
-    with tf.control_dependencies([tiled]):
-        return tf.identity(payloads.stack())
-
-
-def _user_bytes(path, offset, length, file_size) -> tf.Tensor:  # noqa: ANN001 - tensors
-    """A user's byte range, as one op: a failed read (missing or resized file) fails this
-    user's element once, which the client work's `ignore_errors` skips; the same failure
-    in a file source dataset would repeat forever under `ignore_errors`."""
-    return tf.data.FixedLengthRecordDataset(
-        path, record_bytes=length, header_bytes=offset, footer_bytes=file_size - offset - length
-    ).get_single_element()
+        tf.debugging.assert_equal(
+            read_bytes,
+            length,
+            message="user byte range does not hold exactly the indexed number of TFRecord frames",
+        ),
+        # A part file grown since indexing (by a frame header or more) has records or
+        # garbage past its indexed end: a stale index. The empty batch stands for "none".
+        tf.debugging.assert_equal(
+            tf.size(
+                _tfrecords_from(path, file_size, _FRAME_HEADER_BYTES)
+                .take(1)
+                .batch(1)
+                .concatenate(tf.data.Dataset.from_tensors(tf.zeros([0], tf.string)))
+                .take(1)
+                .get_single_element()
+            ),
+            0,
+            message="part file has grown since it was indexed",
+        ),
+    ]
+    with tf.control_dependencies(checks):
+        return tf.identity(payloads)
 
 
 def _id_fields(virtual_client_id_tensor: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -207,15 +231,8 @@ def read_virtual_client_records(virtual_client_id_tensor: tf.Tensor) -> tf.data.
     ranges = (paths, numbers[:, 0], numbers[:, 1], numbers[:, 2], numbers[:, 3])
     return (
         tf.data.Dataset.from_tensor_slices(ranges)
-        .map(
-            lambda path, offset, length, file_size, records: (
-                _user_bytes(path, offset, length, file_size),
-                records,
-            )
-        )
-        .flat_map(
-            lambda data, records: tf.data.Dataset.from_tensor_slices(_split_frames(data, records))
-        )
+        .map(_user_records)
+        .flat_map(tf.data.Dataset.from_tensor_slices)
     )
 
 

@@ -331,6 +331,41 @@ def _client_state_type() -> tff.Type:
     )
 
 
+def _fold_batches(
+    dataset: tf.data.Dataset,
+    initial_state: object,
+    step: Callable[[object, object], object],
+    shape_invariants: object = None,
+) -> object:
+    """`dataset.reduce(initial_state, step)`, as a while loop over an explicit iterator.
+
+    `Dataset.reduce` runs `step` as a separate function that TensorFlow instantiates
+    when the reduce op runs; called from Python (`tf.function`, as `train_one_client`
+    and the benchmarks' plain loop do) that cost more than the local steps themselves.
+    A while loop's body is part of the enclosing graph. Same results, bit for bit, in
+    TFF rounds (BENCHMARKS.md). One iteration at a time (`parallel_iterations=1`): the
+    steps assign variables that the next step reads. `shape_invariants` (the state's
+    structure of `tf.TensorShape`s) for states whose shapes change across steps.
+    """
+    iterator = iter(dataset)
+
+    def body(has_next, state):  # noqa: ANN001, ANN202 - loop variables
+        del has_next
+        batch = iterator.get_next_as_optional()
+        state = tf.cond(batch.has_value(), lambda: step(state, batch.get_value()), lambda: state)
+        return batch.has_value(), state
+
+    invariants = None if shape_invariants is None else (tf.TensorShape([]), shape_invariants)
+    _, state = tf.while_loop(
+        lambda has_next, state: has_next,
+        body,
+        (tf.constant(True), initial_state),
+        shape_invariants=invariants,
+        parallel_iterations=1,
+    )
+    return state
+
+
 class _LocalTrainer:
     """The per-virtual-client training loop (built inside a TFF computation).
 
@@ -368,8 +403,11 @@ class _LocalTrainer:
             keys, _ = state
             return tf.concat([keys, identity_keys(batch["identity"])], 0), batch["client_seed"]
 
-        keys, client_seed = dataset.reduce(
-            (tf.zeros([0], tf.int64), tf.constant(0, tf.int64)), collect
+        keys, client_seed = _fold_batches(
+            dataset,
+            (tf.zeros([0], tf.int64), tf.constant(0, tf.int64)),
+            collect,
+            shape_invariants=(tf.TensorShape([None]), tf.TensorShape([])),
         )
         return tf.sort(tf.unique(keys).y), client_seed
 
@@ -414,18 +452,25 @@ class _LocalTrainer:
             head_opt_state, new_head = self.head_optimizer.next(
                 head_opt_state, tf.identity(self.head), head_grad
             )
-            for variable, value in zip(backbone_variables, new_backbone):
-                variable.assign(value)
-            self.head.assign(new_head)
+            assignments = [
+                variable.assign(value) for variable, value in zip(backbone_variables, new_backbone)
+            ]
+            assignments.append(self.head.assign(new_head))
             num_usable = tf.reduce_sum(tf.cast(usable, tf.int64))
-            return (
-                backbone_opt_state,
-                head_opt_state,
-                num_examples + num_usable,
-                num_dropped + tf.size(usable, out_type=tf.int64) - num_usable,
-                loss_sum + loss,
-                num_batches + 1,
-            )
+            # The next step (a loop iteration) starts from this state, so it reads the
+            # variables only after these assignments.
+            with tf.control_dependencies(assignments):
+                return tf.nest.map_structure(
+                    tf.identity,
+                    (
+                        backbone_opt_state,
+                        head_opt_state,
+                        num_examples + num_usable,
+                        num_dropped + tf.size(usable, out_type=tf.int64) - num_usable,
+                        loss_sum + loss,
+                        num_batches + 1,
+                    ),
+                )
 
         max_steps, max_seconds = self.config.max_local_steps, self.config.max_seconds
         started = tf.timestamp()
@@ -471,16 +516,21 @@ class _LocalTrainer:
         batches = dataset.repeat(self.config.epochs)
         if max_steps is not None:
             batches = batches.take(max_steps + 1)
-        training_state, rows_read, timed_out, client_seed, expected = batches.reduce(
-            (
-                initial_training_state,
-                tf.constant(0, tf.int64),
-                tf.constant(False),
-                tf.constant(0, tf.int64),
-                tf.constant(-1, tf.int64),
-            ),
-            step,
-        )
+        # The training pass's iterator is created after the vocabulary pass's: each new
+        # iterator draws the next reshuffle of the client dataset, so without this order
+        # the two passes could swap shuffles from run to run.
+        with tf.control_dependencies([vocabulary]):
+            training_state, rows_read, timed_out, client_seed, expected = _fold_batches(
+                batches,
+                (
+                    initial_training_state,
+                    tf.constant(0, tf.int64),
+                    tf.constant(False),
+                    tf.constant(0, tf.int64),
+                    tf.constant(-1, tf.int64),
+                ),
+                step,
+            )
         _, _, num_examples, num_dropped, loss_sum, num_batches = training_state
         backbone_update = [
             a - b for a, b in zip(_backbone_trainable(initial_weights), backbone_variables)

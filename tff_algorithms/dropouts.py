@@ -110,6 +110,8 @@ class RoundOutcome:
     client_ids: Sequence[str]
     attempts: int
     kept_clients: int
+    # Reporting virtual clients of each discarded attempt before it (operations counts).
+    discarded_kept_clients: tuple[int, ...] = ()
 
 
 def kept_clients(training_metrics: Mapping[str, Any]) -> int:
@@ -140,7 +142,7 @@ def run_round(
         output = process.next(state, client_ids)
         kept = kept_clients(output.metrics)
         if kept >= policy.min_reports:
-            return RoundOutcome(output, client_ids, attempt + 1, kept)
+            return RoundOutcome(output, client_ids, attempt + 1, kept, tuple(counts))
         counts.append(kept)
         # Only counts are logged: the attempt's output is discarded, never released.
         logging.warning(

@@ -32,10 +32,8 @@ class _EmbeddingServer(tf.Module):
     def __init__(self, backbone: tf.keras.Model, config: models.BackboneConfig) -> None:
         super().__init__()
         self.backbone = backbone
-        # In Keras order (trainable, then non-trainable) for `models.load_pretrained_backbone`.
-        self.backbone_variables = list(backbone.trainable_weights) + list(
-            backbone.non_trainable_weights
-        )
+        # By position, for `models.load_pretrained_backbone`.
+        self.backbone_variables = models.ordered_variables(backbone)
         self._image_shape = config.image_shape
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name=INPUT_KEY)])

@@ -18,6 +18,7 @@ computation return the same values on every call, DESIGN.md section 1).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 
 import numpy as np
@@ -28,6 +29,8 @@ SMALL_CNN = "small_cnn"
 MOBILENET_V2 = "mobilenet_v2"
 RESNET50 = "resnet50"
 ARCHITECTURES = (SMALL_CNN, MOBILENET_V2, RESNET50)
+# `BackboneConfig.trainable_layers` that trains every layer.
+ALL_LAYERS = ("*",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +43,19 @@ class BackboneConfig:
       embedding_size: size of the embedding vector.
       max_groups: GroupNormalization uses the largest divisor of the channel
         count that is at most this.
+      trainable_layers: glob patterns (fnmatch) over leaf layer names
+        (`layer_names`); the variables of the other layers are frozen: held in
+        `ModelWeights.non_trainable`, never fine-tuned, aggregated or noised.
+        Private training noises every trainable coordinate, so the noise norm on
+        the averaged update grows with the square root of their number: freezing
+        is the paper's "parameter freezing" for small populations.
     """
 
     architecture: str = SMALL_CNN
     image_shape: tuple[int, int, int] = (28, 28, 1)
     embedding_size: int = 128
     max_groups: int = 32
+    trainable_layers: tuple[str, ...] = ALL_LAYERS
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -62,6 +72,15 @@ class BackboneConfig:
             raise ValueError(
                 f"{self.architecture} needs images of at least 32x32, got {self.image_shape}"
             )
+        if isinstance(self.trainable_layers, str) or not self.trainable_layers:
+            raise ValueError(
+                f"trainable_layers must be a non-empty list of layer-name patterns, "
+                f"got {self.trainable_layers!r}"
+            )
+        if tuple(self.trainable_layers) != ALL_LAYERS:
+            # Unknown layer names are a config error, found before anything runs.
+            with tf.Graph().as_default():
+                build_backbone(self)
 
 
 def _num_groups(channels: int, max_groups: int) -> int:
@@ -170,8 +189,40 @@ def build_backbone(config: BackboneConfig, seed: int = 0) -> tf.keras.Model:
     """
     seeder = _Seeder(seed)
     if config.architecture == SMALL_CNN:
-        return _small_cnn(config, seeder)
-    return _application(config, seeder)
+        model = _small_cnn(config, seeder)
+    else:
+        model = _application(config, seeder)
+    _freeze_layers(model, config.trainable_layers)
+    return model
+
+
+def layer_names(model: tf.keras.Model) -> list[str]:
+    """Names of the leaf layers that hold variables, in model order."""
+    return [layer.name for layer in all_layers(model) if layer.weights]
+
+
+def _freeze_layers(model: tf.keras.Model, trainable_layers: tuple[str, ...]) -> None:
+    """Marks the leaf layers no pattern of `trainable_layers` matches as non-trainable."""
+    names = layer_names(model)
+    for pattern in trainable_layers:
+        if not fnmatch.filter(names, pattern):
+            raise ValueError(
+                f"trainable_layers pattern {pattern!r} matches no layer of {model.name}; "
+                f"layers: {', '.join(names)}"
+            )
+    for layer in all_layers(model):
+        layer.trainable = any(fnmatch.fnmatchcase(layer.name, p) for p in trainable_layers)
+
+
+def ordered_variables(model: tf.keras.Model) -> list[tf.Variable]:
+    """The backbone's variables in layer order, whichever layers are frozen.
+
+    Keras lists trainable variables before non-trainable ones, so its order changes
+    with `trainable_layers`; files that store variables by position (the serving
+    SavedModel's `backbone_variables`) use this order instead. With nothing frozen
+    the two orders are the same.
+    """
+    return [variable for layer in all_layers(model) for variable in layer.weights]
 
 
 def embed(model: tf.keras.Model, images: tf.Tensor) -> tf.Tensor:
@@ -218,7 +269,8 @@ def load_pretrained_backbone(config: BackboneConfig, path: str) -> tf.keras.Mode
     serving SavedModel written by `tff_algorithms.export` (which keeps its backbone
     variables in order as `backbone_variables`).
     """
-    model = build_backbone(config)
+    # Loaded with every layer trainable, so positions mean what they meant when saved.
+    model = build_backbone(dataclasses.replace(config, trainable_layers=ALL_LAYERS))
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "saved_model.pb")):
         loaded = tf.saved_model.load(path)
         if hasattr(loaded, "backbone_variables"):
@@ -228,7 +280,7 @@ def load_pretrained_backbone(config: BackboneConfig, path: str) -> tf.keras.Mode
             values = [
                 w.numpy() for w in keras_model.trainable_weights + keras_model.non_trainable_weights
             ]
-        variables = list(model.trainable_weights) + list(model.non_trainable_weights)
+        variables = ordered_variables(model)
         expected = [tuple(v.shape) for v in variables]
         found = [tuple(np.shape(v)) for v in values]
         if expected != found:
@@ -240,6 +292,7 @@ def load_pretrained_backbone(config: BackboneConfig, path: str) -> tf.keras.Mode
             variable.assign(value)
     else:
         model.load_weights(path)
+    _freeze_layers(model, config.trainable_layers)
     return model
 
 

@@ -31,6 +31,13 @@ training-user losses (not private) are never written. It omits the schedule seed
 the noise seed: sampling amplification assumes the sample is secret, and whoever knows
 the noise seed can subtract the noise. OUTPUT/train_job.json and the checkpoints hold
 both, so keep them as private as the training data.
+
+Both seeds come from OS entropy unless a testing flag allows a fixed one. The schedule
+seed is drawn when a job first claims OUTPUT and recorded in OUTPUT/train_job.json (not
+in the config: a caller such as a TFX component publishes its config), so re-running the
+job resumes with the same virtual clients; the noise seed lives in the checkpointed
+aggregator state. `seed` seeds only what is public anyway (the initial backbone, the
+local heads' initialisation, the oracle's shuffling) and says nothing about who trained.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import dataclasses
 import json
 import math
 import os
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -82,7 +90,7 @@ _EMBED_BATCH = 256
 # Fields that may differ when a job is re-run on the same output directory.
 _RESUMABLE_CHANGES = frozenset({"evaluate_every", "max_epsilon"})
 # Never published (module docstring).
-_SECRET_FIELDS = ("seed", "noise_seed")
+_SECRET_FIELDS = ("schedule_seed", "noise_seed")
 # Client-work counts of the applied attempt of each round, recorded in the history.
 CLIENT_COUNTS = (
     "failed_reads",
@@ -129,9 +137,20 @@ class TrainJobConfig:
         when every user holds one identity (faces). A round with examples beyond it stops
         the job with an error naming this field.
       architecture, embedding_size, image_size, channels: the backbone and its input.
+      trainable_layers: layer-name patterns of the backbone layers training updates
+        (`models.BackboneConfig.trainable_layers`); the others keep their initial
+        (pretrained) values and are neither aggregated nor noised.
       delta: None resolves to N^-1.1 (module docstring).
       evaluate_every: evaluate every this many rounds (0: only after the last).
-      seed: schedule, backbone initialisation and local-head seeds.
+      seed: backbone initialisation, local-head initialisation and the centralized
+        oracle's shuffling. Public: none of it depends on which users train.
+      schedule_seed: which users form the virtual clients of each round; None draws one
+        from OS entropy when the job first runs and keeps it in OUTPUT/train_job.json
+        (production: sampling amplification assumes nobody knows the sample). A fixed
+        seed is refused unless `testing_fixed_schedule` is set.
+      testing_fixed_schedule: the explicit testing flag that allows a fixed
+        `schedule_seed`, to compare runs in tests and reproduce one; recorded in
+        metrics.json.
       noise_seed: DP noise seed; None draws one from OS entropy (production). A fixed
         seed makes the noise predictable (whoever guesses it can subtract the noise),
         so it is refused unless `testing_fixed_noise` is set.
@@ -174,6 +193,8 @@ class TrainJobConfig:
     delta: float | None = None
     evaluate_every: int = 10
     seed: int = 0
+    schedule_seed: int | None = None
+    testing_fixed_schedule: bool = False
     noise_seed: int | None = None
     testing_fixed_noise: bool = False
     restart_every_epoch: bool = False
@@ -184,6 +205,7 @@ class TrainJobConfig:
     max_local_steps: int | None = None
     max_client_seconds: float | None = None
     failure_injection_rate: float = 0.0
+    trainable_layers: tuple[str, ...] = models.ALL_LAYERS
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -214,10 +236,17 @@ class TrainJobConfig:
             _check_int(name, getattr(self, name), 0)
         if self.head_capacity is not None:
             _check_int("head_capacity", self.head_capacity, 1)
-        if not isinstance(self.testing_fixed_noise, bool):
-            raise ValueError(
-                f"testing_fixed_noise must be a boolean, got {self.testing_fixed_noise!r}"
-            )
+        for name in ("testing_fixed_noise", "testing_fixed_schedule"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.schedule_seed is not None:
+            _check_int("schedule_seed", self.schedule_seed, 0)
+            if not self.testing_fixed_schedule:
+                raise ValueError(
+                    "a fixed schedule_seed makes the sampled users predictable and is for tests "
+                    "only: production runs draw it from OS entropy; set testing_fixed_schedule "
+                    "(--testing-fixed-schedule) to use one"
+                )
         if self.noise_seed is not None:
             _check_int("noise_seed", self.noise_seed, 0)
             if not self.testing_fixed_noise:
@@ -243,6 +272,15 @@ class TrainJobConfig:
             )
         if self.restart_every_epoch and self.algorithm != DP_FTRL_FEDEMB:
             raise ValueError("restart_every_epoch applies only to dp-ftrl-fedemb")
+        if isinstance(self.trainable_layers, str) or not all(
+            isinstance(p, str) for p in self.trainable_layers
+        ):
+            raise ValueError(
+                f"trainable_layers must be a list of layer-name patterns, "
+                f"got {self.trainable_layers!r}"
+            )
+        # JSON gives lists; a tuple keeps the config hashable.
+        object.__setattr__(self, "trainable_layers", tuple(self.trainable_layers))
         # Checks the architecture against the input size.
         _ = self.backbone_config
 
@@ -252,6 +290,7 @@ class TrainJobConfig:
             self.architecture,
             (self.image_size, self.image_size, self.channels),
             self.embedding_size,
+            trainable_layers=self.trainable_layers,
         )
 
     @property
@@ -324,20 +363,46 @@ class TrainJobResult:
         return self.metrics["recall_at_far"]
 
 
-def schedule_for(config: TrainJobConfig, num_users: int) -> schedule.VirtualClientSchedule:
-    """The virtual-client schedule of a federated job over `num_users` users.
+def fresh_schedule_seed() -> int:
+    """A schedule seed from OS entropy, for production runs."""
+    return secrets.randbits(62)
+
+
+def schedule_shape_for(config: TrainJobConfig, num_users: int) -> schedule.ScheduleShape:
+    """The counts of a federated job's schedule over `num_users` users (no seed needed).
 
     It selects `report_policy().selected_per_round` virtual clients per round (more
     than planned when over-selecting), so the accounting spec built from its
     participation statistics uses the selected set's sampling.
     """
     mode = schedule.EPOCH if config.algorithm == DP_FTRL_FEDEMB else schedule.SAMPLED
-    return schedule.VirtualClientSchedule(
+    return schedule.ScheduleShape(
         num_users,
         config.users_per_virtual_client,
         config.report_policy().selected_per_round,
-        config.seed,
         mode,
+    )
+
+
+def schedule_for(
+    config: TrainJobConfig, num_users: int, schedule_seed: int | None = None
+) -> schedule.VirtualClientSchedule:
+    """The virtual-client schedule of a federated job over `num_users` users.
+
+    `schedule_seed`: the job's seed (`run_train_job` passes the one it resolved); None
+    takes `config.schedule_seed`, or draws a fresh one from OS entropy when that is None.
+    """
+    shape = schedule_shape_for(config, num_users)
+    if schedule_seed is None:
+        schedule_seed = (
+            config.schedule_seed if config.schedule_seed is not None else fresh_schedule_seed()
+        )
+    return schedule.VirtualClientSchedule(
+        shape.num_users,
+        shape.users_per_virtual_client,
+        shape.virtual_clients_per_round,
+        schedule_seed,
+        shape.mode,
     )
 
 
@@ -346,7 +411,7 @@ def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.Ac
     delta = config.resolved_delta(num_users)
     if config.algorithm == CENTRALIZED:
         return accounting.AccountingSpec(num_users, num_users, config.rounds, 0.0, delta)
-    stats = schedule_for(config, num_users).participation_stats(config.rounds)
+    stats = schedule_shape_for(config, num_users).participation_stats(config.rounds)
     is_tree = config.algorithm == DP_FTRL_FEDEMB
     return accounting.AccountingSpec(
         population=stats.sampling_units,
@@ -601,8 +666,10 @@ def _train_federated(
     checkpoint_dir: str,
     pretrained: tff.learning.models.ModelWeights | None,
     progress: Callable[[Mapping[str, Any]], None] | None,
+    *,
+    schedule_seed: int,
 ) -> _Outcome:
-    plan = schedule_for(config, len(user_ids))
+    plan = schedule_for(config, len(user_ids), schedule_seed)
     process = _build_process(config, plan, reader, user_ids)
     ids = client_data.VirtualClientIds(partition_dir, plan, user_ids)
     initial_state = None
@@ -742,21 +809,33 @@ def _job_record(config: TrainJobConfig, reader: partition.PartitionReader) -> di
     }
 
 
-def _claim_output_dir(output_dir: str, job: dict[str, Any]) -> str:
-    """Records the job in OUTPUT, or checks that a re-run is the same job (resume).
+@dataclasses.dataclass(frozen=True)
+class _ClaimedJob:
+    """What a job keeps in OUTPUT/train_job.json across re-runs.
 
-    Returns the job's run id: new for a new job, the recorded one on resume, so the
-    cross-run budget charges a resumed job once.
+    run_id: new for a new job, the recorded one on resume, so the cross-run budget
+      charges a resumed job once.
+    schedule_seed: `config.schedule_seed` (testing), else drawn from OS entropy for a
+      new job and the recorded one on resume, so a resumed job samples the same users.
     """
+
+    run_id: str
+    schedule_seed: int
+
+
+def _claim_output_dir(output_dir: str, job: dict[str, Any], config: TrainJobConfig) -> _ClaimedJob:
+    """Records the job in OUTPUT, or checks that a re-run is the same job (resume)."""
     path = os.path.join(output_dir, JOB_FILE)
-    run_id = uuid.uuid4().hex
+    run_id, schedule_seed = uuid.uuid4().hex, config.schedule_seed
     if tf.io.gfile.exists(path):
         with tf.io.gfile.GFile(path) as f:
             previous = json.load(f)
+        # Compared as JSON reads them back (tuples become lists).
+        config_now = json.loads(json.dumps(job["config"]))
         changed = sorted(
             name
-            for name in set(previous.get("config", {})) | set(job["config"])
-            if previous.get("config", {}).get(name) != job["config"].get(name)
+            for name in set(previous.get("config", {})) | set(config_now)
+            if previous.get("config", {}).get(name) != config_now.get(name)
             and name not in _RESUMABLE_CHANGES
         )
         if previous.get("partition") != job["partition"]:
@@ -767,9 +846,15 @@ def _claim_output_dir(output_dir: str, job: dict[str, Any]) -> str:
                 "use a new output directory"
             )
         run_id = previous.get("run_id") or run_id
+        if not isinstance(previous.get("schedule_seed"), int):
+            raise ValueError(f"{path} records no schedule seed; use a new output directory")
+        schedule_seed = previous["schedule_seed"]
+    if schedule_seed is None:
+        schedule_seed = fresh_schedule_seed()
     tf.io.gfile.makedirs(output_dir)
-    _write_text(path, json.dumps({**job, "run_id": run_id}, indent=1, sort_keys=True))
-    return run_id
+    record = {**job, "run_id": run_id, "schedule_seed": schedule_seed}
+    _write_text(path, json.dumps(record, indent=1, sort_keys=True))
+    return _ClaimedJob(run_id, schedule_seed)
 
 
 def _privacy_summary(
@@ -783,13 +868,16 @@ def _privacy_summary(
         guarantee = "non-private: noise multiplier 0 (no DP guarantee)"
     else:
         guarantee = f"user-level ({epsilon:.4g}, {ledger.delta:.3g})-DP; {analysis}"
+        # The guarantee assumes noise and samples nobody can predict; fixed seeds can be guessed.
         if config.noise_seed is not None:
-            # The guarantee assumes noise nobody can predict; a fixed seed can be guessed.
             guarantee += "; TESTING ONLY: fixed noise seed, not a production guarantee"
+        if config.schedule_seed is not None:
+            guarantee += "; TESTING ONLY: fixed schedule seed, not a production guarantee"
     return {
         "private": private,
         "privacy": guarantee,
         "noise_seed_source": "os-entropy" if config.noise_seed is None else "fixed (testing)",
+        "schedule_seed_source": "os-entropy" if config.schedule_seed is None else "fixed (testing)",
         "epsilon": epsilon,
         "delta": ledger.delta,
         "zcdp_rho": ledger.history[-1].zcdp_rho if ledger.history else None,
@@ -803,6 +891,10 @@ def _client_failures(history: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     return {
         **{name: sum(r[name] for r in rounds) for name in CLIENT_COUNTS},
+        # Attempts below min_report_fraction, retried and never released (dropouts.py).
+        "discarded_attempts": sum(
+            len(record.get("discarded_attempts_kept_clients", ())) for record in history
+        ),
         "note": "operations counts of training clients, not covered by the DP guarantee",
     }
 
@@ -851,11 +943,11 @@ def run_train_job(
         if pretrained_backbone
         else None
     )
-    run_id = _claim_output_dir(output_dir, _job_record(config, reader))
+    claimed = _claim_output_dir(output_dir, _job_record(config, reader), config)
     charge = None
     if budget is not None:  # the centralized oracle, noiseless, exceeds any budget
         charge = budget_lib.charge_run(
-            budget, budget_lib.dataset_fingerprint(user_ids), len(user_ids), run_id, spec
+            budget, budget_lib.dataset_fingerprint(user_ids), len(user_ids), claimed.run_id, spec
         )
     checkpoint_dir = os.path.join(output_dir, CHECKPOINT_DIR)
     arguments = (
@@ -875,13 +967,13 @@ def run_train_job(
         if runtime_config is not None:
             # Its own runtime, nested over any active one (stopping it reinstates that).
             with runtime.TffRuntime(runtime_config):
-                outcome = _train_federated(*arguments)
+                outcome = _train_federated(*arguments, schedule_seed=claimed.schedule_seed)
         else:
             owns_runtime = runtime.active() is None
             if owns_runtime:
                 runtime.start(handle_signals=False)
             try:
-                outcome = _train_federated(*arguments)
+                outcome = _train_federated(*arguments, schedule_seed=claimed.schedule_seed)
             finally:
                 if owns_runtime:
                     runtime.stop()
@@ -906,6 +998,9 @@ def run_train_job(
             "held_out": "identities and users never in training",
         },
         "training_users": len(user_ids),
+        # d in the noise norm z*clip*sqrt(d)/M of the averaged update.
+        "trained_parameters": sum(int(np.size(v)) for v in outcome.backbone.trainable),
+        "frozen_parameters": sum(int(np.size(v)) for v in outcome.backbone.non_trainable),
         "client_failures": _client_failures(outcome.history),
         "history": outcome.history,
         "config": config.public_dict(),

@@ -239,6 +239,8 @@ def train(
             "epsilon": ledger.epsilon,
             "round_seconds": time.perf_counter() - round_start,
         }
+        if report_policy is not None and applied.discarded_kept_clients:
+            record["discarded_attempts_kept_clients"] = list(applied.discarded_kept_clients)
         last = done == config.total_rounds
         if evaluate is not None and (
             last or (config.evaluate_every and done % config.evaluate_every == 0)

@@ -25,7 +25,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
 
     define("string", "out", None, "output directory")
     define("multi_string", "input", [], "input directory, file or pattern (repeatable for ingest)")
-    define("integer", "seed", 0, "seed for synthesis, splits and the schedule")
+    define("integer", "seed", 0, "seed for synthesis and splits")
     # synth
     define("integer", "identities", 1000, "synth: number of identities")
     define("integer", "images-per-identity", 20, "synth: images per identity")

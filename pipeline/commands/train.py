@@ -7,7 +7,9 @@ identity and user, user-sharded partition of the train split), once: a re-run re
 Training evaluates on OUT/data/split/validation; OUT/data/split/test stays untouched for
 `dp-fedemb evaluate`. Outputs: OUT/metrics.json, OUT/saved_model, OUT/ledger.json.
 Running the same command again resumes from the last checkpoint. Progress goes to stderr,
-one line per round; the last stdout line is a JSON summary.
+one line per round; the last stdout line is a JSON summary. OUT/train_job.json (the
+schedule seed) and OUT/checkpoints (the noise seed) keep the secret seeds drawn from OS
+entropy for resuming: keep them as private as the data.
 """
 
 import dataclasses
@@ -45,6 +47,8 @@ _CONFIG_FLAGS = {
     "delta": "delta",
     "evaluate-every": "evaluate_every",
     "seed": "seed",
+    "schedule-seed": "schedule_seed",
+    "testing-fixed-schedule": "testing_fixed_schedule",
     "noise-seed": "noise_seed",
     "testing-fixed-noise": "testing_fixed_noise",
     "restart-every-epoch": "restart_every_epoch",
@@ -82,7 +86,19 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("integer", "channels", "backbone input channels (1 or 3)")
     define("float", "delta", "target delta (default: training users ^ -1.1)")
     define("integer", "evaluate-every", "evaluate on validation identities every N rounds")
-    define("integer", "seed", "schedule, initialisation and local-head seed (kept secret)")
+    define("integer", "seed", "initialisation seed: backbone, local heads (public)")
+    define(
+        "integer",
+        "schedule-seed",
+        "fixed seed of which users train in which round, to reproduce a run; needs "
+        "--testing-fixed-schedule (default: drawn from OS entropy, kept secret in "
+        "OUTPUT/train_job.json for resuming)",
+    )
+    define(
+        "boolean",
+        "testing-fixed-schedule",
+        "tests and reproduction only: allow a fixed --schedule-seed",
+    )
     define("integer", "noise-seed", "fixed DP noise seed; needs --testing-fixed-noise")
     define(
         "boolean",
@@ -185,7 +201,7 @@ def _config_values(value: Mapping[str, Any]) -> dict[str, Any]:
     """The TrainJobConfig fields given on the command line (others keep their defaults)."""
     given = {field: value[name] for name, field in _CONFIG_FLAGS.items() if value[name] is not None}
     # Boolean flags default to None; an explicit false keeps the config's default too.
-    for name in ("restart-every-epoch", "testing-fixed-noise"):
+    for name in ("restart-every-epoch", "testing-fixed-noise", "testing-fixed-schedule"):
         if not value[name]:
             given.pop(_CONFIG_FLAGS[name], None)
     return given

@@ -181,6 +181,13 @@ def PrivateTrain(
     TFF workers; it is not part of the work directory's key, so a retry on other
     workers resumes from the same checkpoints.
 
+    The schedule seed (which users train in which round) is no parameter: outside
+    tests `train_job_config` has none, and the job draws it from OS entropy inside
+    this executor and keeps it in the work directory's train_job.json, next to the
+    checkpoints (removed on success). So a retry resumes with the same virtual
+    clients, a run with nothing changed keeps its cache key, and neither ML Metadata
+    nor a compiled pipeline ever holds it.
+
     Recall during training is measured on the validation split (held-out identities
     and users); the final evaluation uses the test split (EvaluateAndBless).
     """

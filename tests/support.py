@@ -1,0 +1,94 @@
+"""Helpers that several test modules share: small training data on disk, the weights a
+training job exported, and the `dp-fedemb train` flags of the command-line tests.
+
+Plain functions and constants, not fixtures: each module keeps its own module-scoped
+fixture around them, so its synthetic config and the fixture's scope stay visible
+where they are used.
+"""
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+import tensorflow as tf
+
+from beam_jobs import partition, records_io, schema, synthetic
+
+# The console script of the environment running the tests (setup.py installs it).
+CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
+
+# The image folder the `dp-fedemb train` tests write: 40 identities, one user each.
+TRAIN_CLI_DATA = synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
+
+
+def train_cli_flags(rounds: int) -> list[str]:
+    """`dp-fedemb train` flags for a small DP-FedEmb run on TRAIN_CLI_DATA.
+
+    Every seed is fixed (the schedule and noise seeds behind their testing flags), so
+    two runs with these flags train the same model bit for bit; evaluation every 2
+    rounds, and 20% of the identities each for validation and test.
+    """
+    return [
+        f"--rounds={rounds}",
+        "--users-per-virtual-client=2",
+        "--virtual-clients-per-round=3",
+        "--noise-multiplier=0.5",
+        "--client-lr=0.05",
+        "--server-lr=1.0",
+        "--head-lr-scale=10",
+        "--batch-size=8",
+        "--embedding-size=16",
+        "--evaluate-every=2",
+        "--schedule-seed=0",
+        "--testing-fixed-schedule",
+        "--noise-seed=3",
+        "--testing-fixed-noise",
+        "--validation-fraction=0.2",
+        "--test-fraction=0.2",
+    ]
+
+
+def write_partition_and_held_out(
+    root: str | os.PathLike[str],
+    config: synthetic.SyntheticConfig,
+    train_identities: int,
+    num_shards: int = 2,
+) -> tuple[str, str]:
+    """Writes `config`'s synthetic records as a training job's two inputs under ROOT.
+
+    Identities [0, train_identities) (one user each) are partitioned by user into
+    ROOT/partition with a real Beam pipeline; the remaining identities, held out, go
+    to one TFRecord file in ROOT/eval. Returns (partition_dir, eval_dir), the order
+    `train_job.run_train_job` takes them in.
+    """
+    partition_dir = os.path.join(root, "partition")
+    eval_dir = os.path.join(root, "eval")
+    train = [
+        schema.serialize(record)
+        for record in synthetic.records_for_identities(config, 0, train_identities)
+    ]
+    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
+        _ = (
+            pipeline
+            | beam.Create(train)
+            | partition.PartitionByUser(partition_dir, num_shards=num_shards)
+        )
+    os.makedirs(eval_dir)
+    with tf.io.TFRecordWriter(os.path.join(eval_dir, "records-00000-of-00001.tfrecord")) as w:
+        for record in synthetic.records_for_identities(config, train_identities, config.identities):
+            w.write(schema.serialize(record))
+    return partition_dir, eval_dir
+
+
+def saved_backbone(saved_model_dir: str) -> list[np.ndarray]:
+    """The backbone weights of a SavedModel that a training job exported."""
+    return [v.numpy() for v in tf.saved_model.load(saved_model_dir).backbone_variables]
+
+
+def without_round_seconds(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Training history records without their wall-clock times, the one field that
+    differs between a resumed run and an uninterrupted one."""
+    return [{k: v for k, v in record.items() if k != "round_seconds"} for record in history]
