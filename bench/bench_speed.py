@@ -653,6 +653,9 @@ def _child(spec: dict) -> dict:
             _measure_setting(path, spec["population_clients_per_round"], k, rounds, memory)
             for path in (spec["base_partition"], spec["large_partition"])
         ]
+        # The memory sampler reads /proc for every process on the machine: stopped so
+        # that the loader's bytes read are the loader's.
+        memory.close()
         loader = _loader_offsets(
             spec["large_partition"], spec["loader_deep_offset_bytes"], spec["work_dir"]
         )
