@@ -218,10 +218,13 @@ def test_pipeline_draws_the_schedule_seed_in_private_train_and_metadata_holds_no
     from tests import test_pipeline_e2e
 
     config, _, store = tiny_pipeline_first_run
-    [execution] = test_pipeline_e2e._executions_by_node(store)[definition.PRIVATE_TRAIN]
-    parameters = {**execution.properties, **execution.custom_properties}
-    job = json.loads(parameters["train_job_config"].string_value)
-    assert job["schedule_seed"] is None and job["testing_fixed_schedule"] is False
+    # Other tests may have run the same pipeline again (cached or partial re-runs).
+    executions = test_pipeline_e2e._executions_by_node(store)[definition.PRIVATE_TRAIN]
+    assert executions
+    for execution in executions:
+        parameters = {**execution.properties, **execution.custom_properties}
+        job = json.loads(parameters["train_job_config"].string_value)
+        assert job["schedule_seed"] is None and job["testing_fixed_schedule"] is False
     texts = _property_texts(store)
     with_seed_field = {where: text for where, text in texts.items() if "schedule_seed" in text}
     assert with_seed_field  # the training configs, PrivateTrain's and PretrainBackbone's
@@ -234,6 +237,6 @@ def test_pipeline_draws_the_schedule_seed_in_private_train_and_metadata_holds_no
             trained = json.load(f)
         assert trained["schedule_seed_source"] == "os-entropy"
         algorithms.append(trained["algorithm"])
-    assert sorted(algorithms) == ["centralized", job["algorithm"]]
+    assert set(algorithms) == {"centralized", job["algorithm"]}
     work = os.path.join(definition.pipeline_root(config), definition.PRIVATE_TRAIN, ".work")
     assert not os.path.exists(work) or os.listdir(work) == []

@@ -163,31 +163,15 @@ class LocalWorker:
             f.seek(max(0, f.tell() - max_bytes))
             return f.read().decode("utf-8", "replace")
 
-    def stop(self, timeout_s: float = 30.0) -> bool:
-        """Stops the worker; True when it was still running and exited on SIGINT.
-
-        A worker that is gone already or ignores SIGINT for `timeout_s` (its gRPC
-        server drains first; on a loaded machine that has taken over 10 s) is logged
-        with the reason, and killed.
-        """
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stops the worker; True when it was still running and exited on SIGINT."""
         clean = self.process.poll() is None
-        if not clean:
-            logging.warning(
-                "TFF worker pid %d had exited with code %d before stop",
-                self.process.pid,
-                self.process.returncode,
-            )
-        else:
+        if clean:
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 clean = False
-                logging.warning(
-                    "TFF worker pid %d did not stop within %.0f s of SIGINT; killing it",
-                    self.process.pid,
-                    timeout_s,
-                )
                 self.process.kill()
                 self.process.wait()
         self._log.close()
