@@ -35,13 +35,19 @@ def _wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
     return False
 
 
-def _start_child(mode: str) -> tuple[subprocess.Popen, int, str]:
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start_child(mode: str, ignore_sigint: bool = False) -> tuple[subprocess.Popen, int, str]:
     child = subprocess.Popen(
         [sys.executable, CHILD, mode],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        # As for a background job started without job control (`cmd &` in a script).
+        preexec_fn=_ignore_sigint if ignore_sigint else None,
     )
     line = child.stdout.readline()
     assert line.startswith("pid="), f"child did not report its worker: {line!r}"
@@ -50,9 +56,12 @@ def _start_child(mode: str) -> tuple[subprocess.Popen, int, str]:
     return child, int(fields["pid"]), fields["log"]
 
 
-@pytest.mark.parametrize("mode, expected_code", [("normal", 0), ("exception", 1)])
-def test_worker_stops_when_python_exits(mode, expected_code):
-    child, worker_pid, log_path = _start_child(mode)
+@pytest.mark.parametrize(
+    "mode, expected_code, ignore_sigint",
+    [("normal", 0, False), ("exception", 1, False), ("normal", 0, True)],
+)
+def test_worker_stops_when_python_exits(mode, expected_code, ignore_sigint):
+    child, worker_pid, log_path = _start_child(mode, ignore_sigint)
     # communicate() only returns when every holder of the pipe closed it: a
     # worker that kept our stdout would make this time out.
     child.communicate(timeout=120)

@@ -112,9 +112,12 @@ class RuntimeConfig:
 
 
 def _die_with_parent() -> None:
-    """Runs in the worker child before exec: SIGKILL it when its parent dies."""
+    """Runs in the worker child before exec: SIGKILL it when its parent dies, and
+    default SIGINT handling, which `stop` relies on (a parent started as a background
+    job without job control inherits SIGINT ignored, and so would the worker)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.signal(signal.SIGINT, 0)  # SIG_DFL; async-signal-safe, unlike Python's signal()
 
 
 class LocalWorker:
