@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import os
 
 import numpy as np
@@ -77,10 +78,11 @@ class BackboneConfig:
                 f"trainable_layers must be a non-empty list of layer-name patterns, "
                 f"got {self.trainable_layers!r}"
             )
-        if tuple(self.trainable_layers) != ALL_LAYERS:
-            # Unknown layer names are a config error, found before anything runs.
-            with tf.Graph().as_default():
-                build_backbone(self)
+        # Tuples keep the config hashable (JSON gives lists).
+        object.__setattr__(self, "image_shape", tuple(self.image_shape))
+        object.__setattr__(self, "trainable_layers", tuple(self.trainable_layers))
+        if self.trainable_layers != ALL_LAYERS:
+            _check_trainable_layers(self)
 
 
 def _num_groups(channels: int, max_groups: int) -> int:
@@ -194,6 +196,14 @@ def build_backbone(config: BackboneConfig, seed: int = 0) -> tf.keras.Model:
         model = _application(config, seeder)
     _freeze_layers(model, config.trainable_layers)
     return model
+
+
+@functools.lru_cache(maxsize=32)
+def _check_trainable_layers(config: BackboneConfig) -> None:
+    """Unknown layer names are a config error, found before anything runs; a config is
+    checked once (building a throwaway ResNet-50 takes seconds)."""
+    with tf.Graph().as_default():
+        build_backbone(config)
 
 
 def layer_names(model: tf.keras.Model) -> list[str]:
