@@ -8,6 +8,14 @@ dropped and counted. Hence evaluation identities and their users never appear in
 training, no user is in two splits, and no identity is in two splits. The optional public
 split (for non-private pretraining) ranks last, so a user holding any private identity
 never lands in it.
+
+Public data usually comes from elsewhere (the paper pretrains on ImageNet, a different
+domain from the private users' faces): records from separate public sources go whole to
+the public split, grouped apart from the private sources' users, so a public record
+never moves a private user and a private record never becomes public. Their user and
+identity names get the prefix `PUBLIC_SOURCE_PREFIX`: names from separate sources are
+unrelated, and unprefixed they could collide with private ones (which dedup, rightly,
+refuses as a split that is not disjoint).
 """
 
 import dataclasses
@@ -27,6 +35,8 @@ PUBLIC = "public"
 # Most protected first: a user with identities in several splits goes to the first.
 SPLIT_PRIORITY = (TEST, VALIDATION, TRAIN, PUBLIC)
 EVALUATION_SPLITS = (VALIDATION, TEST)
+# Names of records from separate public sources, in the public split.
+PUBLIC_SOURCE_PREFIX = "public:"
 
 SUMMARY_FILE = "split_summary.json"
 METRICS_NAMESPACE = "dp_fedemb.split"
@@ -34,12 +44,17 @@ METRICS_NAMESPACE = "dp_fedemb.split"
 
 @dataclasses.dataclass(frozen=True)
 class SplitConfig:
-    """Fractions of identities per split; train takes the rest."""
+    """Fractions of identities per split; train takes the rest.
+
+    public_inputs: records from separate public sources are given too (they all go
+    to the public split, which then exists even when public_fraction is 0).
+    """
 
     validation_fraction: float = 0.1
     test_fraction: float = 0.1
     public_fraction: float = 0.0
     seed: int = 0
+    public_inputs: bool = False
 
     def __post_init__(self) -> None:
         fractions = (self.validation_fraction, self.test_fraction, self.public_fraction)
@@ -50,7 +65,8 @@ class SplitConfig:
 
     @property
     def splits(self) -> tuple[str, ...]:
-        present = {TRAIN, VALIDATION, TEST} | ({PUBLIC} if self.public_fraction > 0 else set())
+        has_public = self.public_fraction > 0 or self.public_inputs
+        present = {TRAIN, VALIDATION, TEST} | ({PUBLIC} if has_public else set())
         return tuple(s for s in SPLIT_PRIORITY if s in present)
 
 
@@ -73,8 +89,18 @@ def identity_split(identity: str, config: SplitConfig) -> str:
     return TRAIN
 
 
-def _assign_user(user_records: tuple[str, Iterable[bytes]], config: SplitConfig):
-    user_id, serialized_records = user_records
+def _assign_user(user_records: tuple[tuple[bool, str], Iterable[bytes]], config: SplitConfig):
+    (from_public_source, user_id), serialized_records = user_records
+    if from_public_source:
+        for serialized in serialized_records:
+            record = schema.parse(serialized)
+            renamed = dataclasses.replace(
+                record,
+                user_id=PUBLIC_SOURCE_PREFIX + record.user_id,
+                identity=PUBLIC_SOURCE_PREFIX + record.identity,
+            )
+            yield beam.pvalue.TaggedOutput(PUBLIC, schema.serialize(renamed))
+        return
     by_split: dict[str, list[bytes]] = {}
     for serialized in serialized_records:
         split = identity_split(schema.parse(serialized).identity, config)
@@ -99,18 +125,35 @@ def _split_summary(counts: dict[tuple[str, str], int], dropped: int, config: Spl
 
 
 class SplitByIdentityAndUser(beam.PTransform):
-    """Serialized canonical records -> {split name: records, "summary": one dict}."""
+    """Serialized canonical records -> {split name: records, "summary": one dict}.
+
+    The input is the private sources' records, or with `config.public_inputs` a dict
+    {"records": private sources' records, "public_records": public sources' records}.
+    """
 
     def __init__(self, config: SplitConfig):
         super().__init__()
         self._config = config
 
-    def expand(self, records):
+    def expand(self, inputs):
         config = self._config
-        assigned = (
+        if config.public_inputs != isinstance(inputs, dict):
+            raise ValueError(
+                "SplitByIdentityAndUser takes {'records', 'public_records'} exactly when "
+                "config.public_inputs is set"
+            )
+        sources = [(False, inputs["records"] if config.public_inputs else inputs)]
+        if config.public_inputs:
+            sources.append((True, inputs["public_records"]))
+        keyed = [
             records
-            | "KeyByUser"
-            >> beam.Map(lambda serialized: (schema.parse(serialized).user_id, serialized))
+            | f"KeyByUser{'Public' if public else ''}"
+            >> beam.Map(lambda s, p=public: ((p, schema.parse(s).user_id), s))
+            for public, records in sources
+        ]
+        assigned = (
+            keyed
+            | "FlattenSources" >> beam.Flatten()
             | "GroupByUser" >> beam.GroupByKey()
             | "AssignUsers"
             >> beam.FlatMap(_assign_user, config).with_outputs("dropped", *config.splits)
@@ -147,15 +190,30 @@ class SplitByIdentityAndUser(beam.PTransform):
         return {**{split: assigned[split] for split in config.splits}, "summary": summary}
 
 
-def run_split(input_dir: str, out_dir: str, config: SplitConfig, beam_args=None) -> dict:
-    """Reads IN/records-*, writes OUT/<split>/records-* and OUT/split_summary.json."""
+def run_split(
+    input_dir: str,
+    out_dir: str,
+    config: SplitConfig,
+    beam_args=None,
+    public_input_dir: str | None = None,
+) -> dict:
+    """Reads IN/records-* (and PUBLIC_IN/records-*), writes OUT/<split>/records-* and
+    OUT/split_summary.json. `public_input_dir` is given exactly when
+    `config.public_inputs` is set."""
+    if config.public_inputs != (public_input_dir is not None):
+        raise ValueError(
+            "run_split needs public_input_dir exactly when config.public_inputs is set"
+        )
     summary_path = os.path.join(out_dir, SUMMARY_FILE)
     with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
-        split = (
-            pipeline
-            | "Read" >> records_io.ReadRecords(input_dir)
-            | "Split" >> SplitByIdentityAndUser(config)
-        )
+        records = pipeline | "Read" >> records_io.ReadRecords(input_dir)
+        if public_input_dir is not None:
+            records = {
+                "records": records,
+                "public_records": pipeline
+                | "ReadPublic" >> records_io.ReadRecords(public_input_dir),
+            }
+        split = records | "Split" >> SplitByIdentityAndUser(config)
         for name in config.splits:
             _ = split[name] | f"Write{name}" >> records_io.WriteRecords(os.path.join(out_dir, name))
         _ = split["summary"] | "WriteSummary" >> records_io.WriteJson(summary_path)

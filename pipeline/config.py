@@ -37,7 +37,7 @@ class PipelineSection:
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticSection:
-    """The embedded synthetic dataset, used when data.inputs is empty."""
+    """A synthetic identity dataset (beam_jobs.synthetic.SyntheticConfig)."""
 
     identities: int = 600
     images_per_identity: int = 10
@@ -45,26 +45,42 @@ class SyntheticSection:
     channels: int = 1
     identities_per_user: int = 1
     seed: int = 0
+    # photo or sketch (beam_jobs.synthetic.STYLES).
+    style: str = "photo"
+
+
+# The public pretraining data of the synthetic default: other identities (another seed),
+# drawn as sketches. A domain apart from the private photos, as ImageNet is from faces in
+# the paper; a public split carved from the same population as the private users would
+# leave private training little to add (README, "Population, trained parameters and noise").
+_SYNTHETIC_PUBLIC = SyntheticSection(identities=300, seed=1, style="sketch")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
     # Image folders, canonical TFRecords or TFF SQLite files; empty: synthetic data.
     inputs: tuple[str, ...] = ()
+    # Public data for pretraining from separate sources (same formats): every record goes
+    # to the public split, none is trained on privately or evaluated on.
+    public_inputs: tuple[str, ...] = ()
     max_bad_fraction: float = 0.01
     identity_feature: str | None = None
     # Images with more pixels are refused (counted bad) before decoding; None: the
     # library default, beam_jobs.schema.DEFAULT_MAX_IMAGE_PIXELS.
     max_image_pixels: int | None = None
     synthetic: SyntheticSection = SyntheticSection()
+    # The public data rendered with the synthetic default (when inputs and public_inputs
+    # are both empty); null: none.
+    synthetic_public: SyntheticSection | None = _SYNTHETIC_PUBLIC
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitSection:
     validation_fraction: float = 0.1
     test_fraction: float = 0.15
-    # Identities (and their users) for non-private pretraining.
-    public_fraction: float = 0.25
+    # Identities (and their users) of data.inputs moved to the public split, for
+    # non-private pretraining when no separate public data is given.
+    public_fraction: float = 0.0
     seed: int = 0
 
 
@@ -168,6 +184,21 @@ class PipelineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @property
+    def synthetic_public(self) -> SyntheticSection | None:
+        """The synthetic public dataset this run renders, if any."""
+        data = self.data
+        return None if data.inputs or data.public_inputs else data.synthetic_public
+
+    @property
+    def has_public_inputs(self) -> bool:
+        """Whether public records come from sources of their own (not a split fraction)."""
+        return bool(self.data.public_inputs) or self.synthetic_public is not None
+
+    def split_config_dict(self) -> dict[str, Any]:
+        """beam_jobs.splits.SplitConfig fields."""
+        return {**dataclasses.asdict(self.split), "public_inputs": self.has_public_inputs}
 
     @property
     def serving_dir(self) -> str:
@@ -379,9 +410,10 @@ def validate(config: PipelineConfig) -> None:
         )
     if not config.pipeline.output_dir:
         raise ValueError("config pipeline.output_dir must not be empty")
-    for source in config.data.inputs:
-        if not os.path.exists(source) and "://" not in source:
-            raise ValueError(f"config data.inputs: {_shown(source)} does not exist")
+    for key in ("inputs", "public_inputs"):
+        for source in getattr(config.data, key):
+            if not os.path.exists(source) and "://" not in source:
+                raise ValueError(f"config data.{key}: {_shown(source)} does not exist")
     if not 0.0 <= config.data.max_bad_fraction <= 1.0:
         raise ValueError(
             f"config data.max_bad_fraction must be in [0, 1], got {config.data.max_bad_fraction}"
@@ -390,11 +422,13 @@ def validate(config: PipelineConfig) -> None:
         raise ValueError(
             f"config data.max_image_pixels must be >= 1, got {config.data.max_image_pixels}"
         )
-    check(
-        "data.synthetic",
-        lambda: synthetic.SyntheticConfig(**dataclasses.asdict(config.data.synthetic)),
-    )
-    check("split", lambda: splits.SplitConfig(**dataclasses.asdict(config.split)))
+    for key in ("synthetic", "synthetic_public"):
+        section = getattr(config.data, key)
+        if section is not None:
+            check(
+                f"data.{key}", lambda s=section: synthetic.SyntheticConfig(**dataclasses.asdict(s))
+            )
+    check("split", lambda: splits.SplitConfig(**config.split_config_dict()))
     check("dedup", lambda: dedup.DedupConfig(**dataclasses.asdict(config.dedup)))
     if config.partition.num_shards < 1:
         raise ValueError(
@@ -421,8 +455,11 @@ def validate(config: PipelineConfig) -> None:
             f"config pretrain.backbone_dir {pretrain.backbone_dir!r} is not a directory (pretrain.source is import)"
         )
     if pretrain.source == "public":
-        if config.split.public_fraction <= 0:
-            raise ValueError("config pretrain.source is public but split.public_fraction is 0")
+        if config.split.public_fraction <= 0 and not config.has_public_inputs:
+            raise ValueError(
+                "config pretrain.source is public but there is no public data: give "
+                "data.public_inputs or split.public_fraction > 0"
+            )
         config.pretrain_job_dict()
     evaluate = config.evaluate
     if not evaluate.privacy_budget_epsilon > 0:

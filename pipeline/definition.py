@@ -60,8 +60,13 @@ def build_components(config: config_lib.PipelineConfig) -> list:
 
     example_gen = data.CanonicalExampleGen(
         input_sources=json.dumps([os.path.abspath(s) for s in config.data.inputs]),
+        public_input_sources=json.dumps([os.path.abspath(s) for s in config.data.public_inputs]),
         synthetic_config=json.dumps(dataclasses.asdict(config.data.synthetic), sort_keys=True),
-        split_config=json.dumps(dataclasses.asdict(config.split), sort_keys=True),
+        synthetic_public_config=json.dumps(
+            config.synthetic_public and dataclasses.asdict(config.synthetic_public),
+            sort_keys=True,
+        ),
+        split_config=json.dumps(config.split_config_dict(), sort_keys=True),
         max_bad_fraction=config.data.max_bad_fraction,
         identity_feature=config.data.identity_feature or "",
         max_image_pixels=config.data.max_image_pixels or 0,

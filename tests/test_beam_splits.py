@@ -2,6 +2,7 @@
 
 import apache_beam as beam
 import numpy as np
+import pytest
 import tensorflow as tf
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
@@ -87,3 +88,62 @@ def test_splits_are_disjoint_by_user_and_identity(tmp_path):
     assert sum(len(v) for v in collected.values()) + _expected_dropped(config, 60, 3) == len(
         records
     )
+
+
+def test_public_sources_go_whole_to_the_public_split_apart_from_private_users(tmp_path):
+    config = splits.SplitConfig(0.2, 0.2, 0.0, seed=1, public_inputs=True)
+    assert config.splits == ("test", "validation", "train", "public")
+    private = _records(users=40, identities_per_user=2)
+    # Public data from elsewhere, with user and identity names that collide with the
+    # private ones (other images): it must neither pull private users into the public
+    # split nor be split itself.
+    other_png = schema.encode_png(np.full((4, 4), 255, dtype=np.uint8))
+    public = [
+        schema.serialize(schema.CanonicalRecord(f"u{u}", f"id{u}_{i}", other_png))
+        for u in range(10)
+        for i in range(3)
+    ]
+    private_dir, public_dir = str(tmp_path / "private"), str(tmp_path / "public")
+    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
+        _ = (
+            pipeline
+            | "Private" >> beam.Create(private)
+            | "P" >> records_io.WriteRecords(private_dir)
+        )
+        _ = pipeline | "Public" >> beam.Create(public) | "Q" >> records_io.WriteRecords(public_dir)
+    summary = splits.run_split(
+        private_dir, str(tmp_path / "out"), config, public_input_dir=public_dir
+    )
+    out = {
+        name: sorted(
+            r.numpy()
+            for r in tf.data.TFRecordDataset(
+                tf.io.gfile.glob(records_io.records_pattern(str(tmp_path / "out" / name)))
+            )
+        )
+        for name in config.splits
+    }
+    prefix = splits.PUBLIC_SOURCE_PREFIX
+    assert out["public"] == sorted(
+        schema.serialize(schema.CanonicalRecord(prefix + r.user_id, prefix + r.identity, r.image))
+        for r in map(schema.parse, public)
+    )
+    # Private records are split exactly as without public sources.
+    private_out = [r for name in ("test", "validation", "train") for r in out[name]]
+    assert set(private_out) <= set(private)
+    assert len(private_out) + _expected_dropped(config, 40, 2) == len(private)
+    assert summary["records"]["public"] == len(public) and summary["users"]["public"] == 10
+
+
+def test_public_inputs_flag_and_public_input_dir_go_together(tmp_path):
+    with pytest.raises(ValueError, match="public_input_dir exactly when"):
+        splits.run_split(
+            str(tmp_path), str(tmp_path / "out"), splits.SplitConfig(public_inputs=True)
+        )
+    with pytest.raises(ValueError, match="public_input_dir exactly when"):
+        splits.run_split(
+            str(tmp_path),
+            str(tmp_path / "out"),
+            splits.SplitConfig(),
+            public_input_dir=str(tmp_path),
+        )

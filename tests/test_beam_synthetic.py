@@ -1,8 +1,10 @@
 """Synthetic identities: determinism, layout, and that raw pixels cannot solve them."""
 
+import hashlib
 import os
 
 import numpy as np
+import pytest
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
@@ -76,3 +78,34 @@ def test_raw_pixel_and_pca_baselines_are_far_from_perfect():
     _, _, components = np.linalg.svd(centered, full_matrices=False)
     assert _recall_at_far(pixels, labels, 1e-3) < 0.05
     assert _recall_at_far(centered @ components[:32].T, labels, 1e-3) < 0.05
+
+
+def test_photo_rendering_is_pinned():
+    """The default dataset's pixels, as every figure in README and BENCHMARKS was measured on."""
+    config = synthetic.SyntheticConfig(identities=3, images_per_identity=3, seed=0)
+    pixels = b"".join(
+        synthetic.render_image(config, i, j).tobytes() for i in range(3) for j in range(3)
+    )
+    assert (
+        hashlib.sha256(pixels).hexdigest()
+        == "328b45b1d4d8d6476a65f0c58c72b5843ee5329791e4aa833b40499fdc54450f"
+    )
+
+
+def test_sketch_style_is_a_different_domain_of_the_same_kind_of_identity():
+    photo = synthetic.SyntheticConfig(identities=20, images_per_identity=4, seed=2)
+    sketch = synthetic.SyntheticConfig(identities=20, images_per_identity=4, seed=2, style="sketch")
+    photos = np.stack([synthetic.render_image(photo, i, j) for i in range(20) for j in range(4)])
+    sketches = np.stack([synthetic.render_image(sketch, i, j) for i in range(20) for j in range(4)])
+    np.testing.assert_array_equal(sketches[5], synthetic.render_image(sketch, 1, 1))
+    # Light paper with dark ink against a dark background with light parts.
+    assert np.median(sketches) > 170 and np.median(photos) < 90
+    # Same identity structure (and pose) under both styles: the ink sits where a part's
+    # outline is, so the sketch's dark pixels lie inside the photo's bright region.
+    ink = sketches[0] < 100
+    assert ink.any() and np.mean(photos[0][ink]) > np.mean(photos[0])
+
+
+def test_unknown_style_is_refused():
+    with pytest.raises(ValueError, match="style must be one of"):
+        synthetic.SyntheticConfig(style="oil")

@@ -33,7 +33,9 @@ def _run_example_gen(tmp_path, code: str) -> list[int]:
     synthetic = config_lib.SyntheticSection(identities=8, images_per_identity=3)
     example_gen = data.CanonicalExampleGen(
         input_sources="[]",
+        public_input_sources="[]",
         synthetic_config=json.dumps(dataclasses.asdict(synthetic)),
+        synthetic_public_config="null",
         split_config=json.dumps(dataclasses.asdict(config_lib.SplitSection(public_fraction=0.0))),
         max_bad_fraction=0.0,
         identity_feature="",

@@ -45,6 +45,9 @@ def test_yaml_file_and_overrides(tmp_path):
         ("train.algorithm=centralized", "private training"),
         ("pipeline.enable_cache=maybe", "must be true or false"),
         ("data.inputs=[/does/not/exist]", "does not exist"),
+        ("data.public_inputs=[/does/not/exist]", "data.public_inputs: /does/not/exist does not"),
+        ("data.synthetic_public.style=oil", "config data.synthetic_public: style must be one of"),
+        ("data.synthetic_public=null", "pretrain.source is public but there is no public data"),
         ("train", "section.key=value"),
     ],
 )
@@ -52,6 +55,23 @@ def test_bad_values_are_one_line_errors(override, message):
     with pytest.raises(ValueError, match=message) as raised:
         config_lib.load_config(None, [override])
     assert "\n" not in str(raised.value)
+
+
+def test_public_data_comes_from_its_own_sources_unless_a_fraction_is_split_off(tmp_path):
+    default = config_lib.load_config()
+    # The synthetic default renders its public data apart (sketches of other identities).
+    assert default.synthetic_public.style == "sketch" and default.split.public_fraction == 0
+    assert default.split_config_dict()["public_inputs"] is True
+    # A user's own data: no synthetic public set; public data from data.public_inputs
+    # or, failing that, a fraction of the user's identities.
+    own = [f"data.inputs=[{tmp_path}]"]
+    with pytest.raises(ValueError, match="no public data"):
+        config_lib.load_config(None, own)
+    split_off = config_lib.load_config(None, [*own, "split.public_fraction=0.2"])
+    assert split_off.synthetic_public is None
+    assert split_off.split_config_dict()["public_inputs"] is False
+    given = config_lib.load_config(None, [*own, f"data.public_inputs=[{tmp_path}]"])
+    assert given.synthetic_public is None and given.split_config_dict()["public_inputs"] is True
 
 
 def test_bad_files_are_one_line_errors(tmp_path):

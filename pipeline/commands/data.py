@@ -2,7 +2,7 @@
 
 synth      write the synthetic identity dataset as an image folder (--out)
 ingest     image folders / TFRecords / TFF SQLite files (--input, repeatable) -> --out
-split      --input records -> --out/{train,validation,test[,public]}
+split      --input records [--public-input records] -> --out/{train,validation,test[,public]}
 dedup      --input split dir -> --out split dir without train/public near duplicates
 partition  --input records -> --out user-sharded partition + participation statistics
 
@@ -37,6 +37,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         1,
         "synth: identities per user (1 faces-like, >1 landmarks-like)",
     )
+    flags.DEFINE_enum(
+        "style",
+        "photo",
+        ["photo", "sketch"],
+        "synth: rendering style (a backbone pretrained on one meets a domain gap on the other)",
+        flag_values=flag_values,
+    )
     # ingest
     define(
         "float", "max-bad-fraction", 0.01, "ingest: fail when the share of bad inputs exceeds this"
@@ -52,6 +59,12 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("float", "test-fraction", 0.1, "split: share of identities for test")
     define(
         "float", "public-fraction", 0.0, "split: share of identities for a public pretraining split"
+    )
+    define(
+        "string",
+        "public-input",
+        None,
+        "split: ingested records of separate public sources, all to the public split",
     )
     # dedup
     define("integer", "hamming-threshold", 8, "dedup: near duplicate when phash distance <= this")
@@ -106,6 +119,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             channels=value["channels"],
             identities_per_user=value["identities-per-user"],
             seed=value["seed"],
+            style=value["style"],
         )
         result = synthetic.write_image_folder(value["out"], config)
     elif verb == "ingest":
@@ -123,8 +137,11 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             value["test-fraction"],
             value["public-fraction"],
             value["seed"],
+            public_inputs=value["public-input"] is not None,
         )
-        result = splits.run_split(_single_input(flag_values), value["out"], config, beam_args)
+        result = splits.run_split(
+            _single_input(flag_values), value["out"], config, beam_args, value["public-input"]
+        )
     elif verb == "dedup":
         config = dedup.DedupConfig(
             hamming_threshold=value["hamming-threshold"], max_shift=value["max-shift"]

@@ -22,7 +22,9 @@ _STAGING = "_staging"
 def CanonicalExampleGen(
     examples: tfx.dsl.components.OutputArtifact[standard_artifacts.Examples],
     input_sources: tfx.dsl.components.Parameter[str],
+    public_input_sources: tfx.dsl.components.Parameter[str],
     synthetic_config: tfx.dsl.components.Parameter[str],
+    synthetic_public_config: tfx.dsl.components.Parameter[str],
     split_config: tfx.dsl.components.Parameter[str],
     max_bad_fraction: tfx.dsl.components.Parameter[float],
     identity_feature: tfx.dsl.components.Parameter[str],
@@ -33,41 +35,56 @@ def CanonicalExampleGen(
     """Ingests inputs into canonical records split by identity and user (Split-<name>).
 
     With no input sources the embedded synthetic dataset is rendered first (an image
-    folder, read by the same loader a user's folder would be). Parameters holding
-    lists or mappings are JSON; max_image_pixels 0 means the library default.
+    folder, read by the same loader a user's folder would be), and so is its public
+    counterpart when `synthetic_public_config` is not null. Public sources are ingested
+    apart and go whole to the public split. Parameters holding lists or mappings are
+    JSON; max_image_pixels 0 means the library default.
     """
     from beam_jobs import ingest, schema, splits, synthetic
 
     del code_fingerprint  # a cache key only (pipeline.fingerprint)
     staging = os.path.join(examples.uri, _STAGING)
-    sources = json.loads(input_sources)
-    if not sources:
-        folder = os.path.join(staging, "synthetic")
-        synthetic.write_image_folder(
-            folder, synthetic.SyntheticConfig(**json.loads(synthetic_config))
-        )
-        sources = [folder]
     arguments = json.loads(beam_args)
-    ingest_summary = ingest.run_ingest(
-        sources,
-        os.path.join(staging, "ingested"),
-        max_bad_fraction,
-        arguments,
-        identity_feature or None,
-        max_image_pixels or schema.DEFAULT_MAX_IMAGE_PIXELS,
-    )
+
+    def ingested(sources: list[str], synthetic_json: str, name: str) -> tuple[str, dict]:
+        """Ingests `sources` (or the synthetic dataset they default to) into STAGING/name."""
+        if not sources:
+            folder = os.path.join(staging, f"synthetic_{name}")
+            synthetic.write_image_folder(
+                folder, synthetic.SyntheticConfig(**json.loads(synthetic_json))
+            )
+            sources = [folder]
+        out = os.path.join(staging, name)
+        summary = ingest.run_ingest(
+            sources,
+            out,
+            max_bad_fraction,
+            arguments,
+            identity_feature or None,
+            max_image_pixels or schema.DEFAULT_MAX_IMAGE_PIXELS,
+        )
+        return out, summary
+
+    private_dir, ingest_summary = ingested(json.loads(input_sources), synthetic_config, "ingested")
     config = splits.SplitConfig(**json.loads(split_config))
-    split_summary = splits.run_split(
-        os.path.join(staging, "ingested"), os.path.join(staging, "split"), config, arguments
+    summaries = {"ingest": ingest_summary}
+    public_dir = None
+    if config.public_inputs:
+        public_dir, summaries["ingest_public"] = ingested(
+            json.loads(public_input_sources), synthetic_public_config, "ingested_public"
+        )
+    summaries["split"] = split_summary = splits.run_split(
+        private_dir, os.path.join(staging, "split"), config, arguments, public_dir
     )
     layout.publish_splits(os.path.join(staging, "split"), list(config.splits), examples)
     with tf.io.gfile.GFile(os.path.join(examples.uri, "summary.json"), "w") as f:
-        f.write(
-            json.dumps({"ingest": ingest_summary, "split": split_summary}, indent=1, sort_keys=True)
-        )
+        f.write(json.dumps(summaries, indent=1, sort_keys=True))
     layout.remove_tree(staging)
     examples.set_int_custom_property("records", ingest_summary["records"])
     examples.set_int_custom_property("bad_inputs", ingest_summary["bad"])
+    if public_dir is not None:
+        examples.set_int_custom_property("public_records", summaries["ingest_public"]["records"])
+        examples.set_int_custom_property("public_bad_inputs", summaries["ingest_public"]["bad"])
     for split in config.splits:
         examples.set_int_custom_property(f"users_{split}", split_summary["users"][split])
 
