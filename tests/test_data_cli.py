@@ -42,11 +42,21 @@ def test_synth_ingest_split_dedup_partition(tmp_path, capsys):
         "DirectRunner",
     )
     assert code == 0 and ingested["records"] == 120 and ingested["bad"] == 0
+    # Public pretraining data of another domain, from a source of its own.
+    for verb, args in (
+        ("synth", ["--identities=10", "--images-per-identity=2", "--seed=3", "--style=sketch"]),
+        ("ingest", [f"--input={root}/raw_public"]),
+    ):
+        out = f"{root}/raw_public" if verb == "synth" else f"{root}/ingested_public"
+        code, _, err = _run(capsys, verb, "--out", out, *args)
+        assert code == 0, err
     code, split, _ = _run(
         capsys,
         "split",
         "--input",
         f"{root}/ingested",
+        "--public-input",
+        f"{root}/ingested_public",
         "--out",
         f"{root}/split",
         "--seed",
@@ -56,9 +66,11 @@ def test_synth_ingest_split_dedup_partition(tmp_path, capsys):
         "--test-fraction",
         "0.2",
     )
-    assert code == 0 and sum(split["records"].values()) == 120
+    assert code == 0 and split["records"]["public"] == 20
+    assert sum(split["records"].values()) == 120 + 20
     code, report, _ = _run(capsys, "dedup", "--input", f"{root}/split", "--out", f"{root}/dedup")
     assert code == 0 and report["train_vs_evaluation"]["kept"] == split["records"]["train"]
+    assert report["public_vs_private"]["kept"] == 20
     code, manifest, _ = _run(
         capsys,
         "partition",
