@@ -191,7 +191,15 @@ def test_path_component_is_one_safe_and_injective_name(first, second):
 
 _SECTIONS = {
     "pipeline": ["name", "output_dir", "enable_cache", "image", "beam_args"],
-    "data": ["inputs", "max_bad_fraction", "identity_feature", "max_image_pixels", "synthetic"],
+    "data": [
+        "inputs",
+        "public_inputs",
+        "max_bad_fraction",
+        "identity_feature",
+        "max_image_pixels",
+        "synthetic",
+        "synthetic_public",
+    ],
     "split": ["validation_fraction", "test_fraction", "public_fraction", "seed"],
     "dedup": ["hamming_threshold", "max_shift"],
     "partition": ["num_shards"],

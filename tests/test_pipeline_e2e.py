@@ -28,7 +28,15 @@ from pipeline.components import artifacts
 pytestmark = pytest.mark.slow
 
 TINY = {
-    "data": {"synthetic": {"identities": 30, "images_per_identity": 6}},
+    "data": {
+        "synthetic": {"identities": 30, "images_per_identity": 6},
+        "synthetic_public": {
+            "identities": 10,
+            "images_per_identity": 6,
+            "seed": 1,
+            "style": "sketch",
+        },
+    },
     "partition": {"num_shards": 2},
     "pretrain": {"job": {"rounds": 1, "evaluate_every": 1}},
     "train": {
