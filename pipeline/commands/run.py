@@ -42,12 +42,20 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     overrides = list(flag_values["set"].value)
     if flag_values["output"].value:
         overrides.append(f"pipeline.output_dir={flag_values['output'].value}")
-    config = config_lib.load_config(flag_values["config"].value, overrides)
-    print(f"dp-fedemb run: output in {config.pipeline.output_dir}", flush=True)
+    try:
+        config = config_lib.load_config(flag_values["config"].value, overrides)
+        print(f"dp-fedemb run: output in {config.pipeline.output_dir}", flush=True)
 
-    from pipeline import local_run
+        from pipeline import local_run
 
-    summary = local_run.run_pipeline(config, tuple(flag_values["from-component"].value), sys.stdout)
+        summary = local_run.run_pipeline(
+            config, tuple(flag_values["from-component"].value), sys.stdout
+        )
+    finally:
+        # Validation and the components import TFF: its import-time context would
+        # otherwise fail noisily at exit, after the one error line.
+        if "tff_algorithms.runtime" in sys.modules:
+            sys.modules["tff_algorithms.runtime"].release_import_time_context()
     recall = ", ".join(f"{far}: {value:.4f}" for far, value in summary.recall_at_far.items())
     if summary.pushed_to:
         print(f"pushed model: {summary.pushed_to}")
