@@ -109,9 +109,11 @@ def fingerprint(serialized: bytes, config: DedupConfig, probe_offsets: bool) -> 
 
 
 def _band_keys(phash: int, band_bits: np.ndarray, hash_bits: int) -> Iterator[tuple[int, int]]:
-    bits = np.array([(phash >> (hash_bits - 1 - i)) & 1 for i in range(hash_bits)], dtype=np.uint8)
-    for band, positions in enumerate(band_bits):
-        yield band, int.from_bytes(np.packbits(bits[positions]).tobytes(), "big")
+    # Bit i is the i-th most significant of the hash's lowest hash_bits bits.
+    size = max(-(-phash.bit_length() // 8), -(-hash_bits // 8))
+    bits = np.unpackbits(np.frombuffer(phash.to_bytes(size, "big"), dtype=np.uint8))[-hash_bits:]
+    for band, packed in enumerate(np.packbits(bits[band_bits], axis=1)):
+        yield band, int.from_bytes(packed.tobytes(), "big")
 
 
 def _pair(kind: str, distance: int, candidate: Fingerprint, reference: Fingerprint) -> dict:
