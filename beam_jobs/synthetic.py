@@ -185,7 +185,7 @@ def _render_sketch(
     for part in _view_parts(rng, config, identity_index):
         outline = np.abs(_signed_distance(part, x, y)) - line_width / 2
         coverage = np.clip(0.5 - outline / pixel_width, 0.0, 1.0)
-        ink = 0.4 * (1.0 - part.color)  # brighter parts in a photo: lighter ink
+        ink = 0.4 * (1.0 - part.color)  # the brighter a part in a photo, the darker its ink
         canvas += coverage[..., None] * (ink - canvas)
     return _to_pixels(rng, canvas, rng.uniform(0.01, 0.05))
 
