@@ -4,12 +4,18 @@ LocalDagRunner runs the nodes one after another in this process and says so in i
 absl log ("Component X is running.", "A cached execution N is used."); a log handler
 turns those lines into one progress line per component, so the console shows the
 pipeline's progress without TFX's INFO flood.
+
+One run at a time per output directory: two LocalDagRunner runs on one ML Metadata store
+interleave their executions (and their pushes), so a second run refuses to start while
+OUTPUT/`RUN_LOCK_FILE` is locked. The lock is an `fcntl` lock, released by the kernel
+when its process ends however it ends, so a killed run never blocks the next one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -87,6 +93,26 @@ def _progress_logging(handler: ComponentProgress | None) -> Iterator[None]:
         absl_logger.removeHandler(handler)
 
 
+RUN_LOCK_FILE = "run.lock"
+
+
+@contextlib.contextmanager
+def _only_run_in(output_dir: str) -> Iterator[None]:
+    path = os.path.join(output_dir, RUN_LOCK_FILE)
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(
+                f"another dp-fedemb run is using {output_dir} (it holds {path}); "
+                "wait for it to end or give another output directory"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSummary:
     pushed_to: str | None
@@ -136,15 +162,17 @@ def run_pipeline(
     progress: TextIO | None = sys.stdout,
 ) -> RunSummary:
     """Runs the whole pipeline, or from `from_nodes` on (reusing the last run upstream)."""
-    os.makedirs(os.path.abspath(config.pipeline.output_dir), exist_ok=True)
-    pipeline = definition.build_pipeline(
-        config, metadata_connection_config=definition.local_metadata_config(config)
-    )
-    node_ids = [node.id for node in pipeline.components]
-    unknown = sorted(set(from_nodes) - set(node_ids))
-    if unknown:
-        raise ValueError(f"unknown component {unknown[0]} (components: {', '.join(node_ids)})")
-    run_options = tfx_pipeline.RunOptions(from_nodes=list(from_nodes)) if from_nodes else None
-    with _progress_logging(ComponentProgress(node_ids, progress) if progress else None):
-        tfx.orchestration.LocalDagRunner().run(pipeline, run_options=run_options)
-    return summarize(config)
+    output_dir = os.path.abspath(config.pipeline.output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    with _only_run_in(output_dir):
+        pipeline = definition.build_pipeline(
+            config, metadata_connection_config=definition.local_metadata_config(config)
+        )
+        node_ids = [node.id for node in pipeline.components]
+        unknown = sorted(set(from_nodes) - set(node_ids))
+        if unknown:
+            raise ValueError(f"unknown component {unknown[0]} (components: {', '.join(node_ids)})")
+        run_options = tfx_pipeline.RunOptions(from_nodes=list(from_nodes)) if from_nodes else None
+        with _progress_logging(ComponentProgress(node_ids, progress) if progress else None):
+            tfx.orchestration.LocalDagRunner().run(pipeline, run_options=run_options)
+        return summarize(config)

@@ -1,5 +1,6 @@
 """The pipeline config: file plus overrides, every problem a one-line error before running."""
 
+import fcntl
 import json
 
 import pytest
@@ -91,3 +92,16 @@ def test_run_command_reports_config_errors_on_one_line(capsys):
     assert cli.main(["dp-fedemb", "run", "--set", "train.roundz=3"]) == cli.EXIT_INPUT_ERROR
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown config key train.roundz" in err
+
+
+def test_a_second_run_on_the_same_output_directory_is_refused_on_one_line(tmp_path, capsys):
+    from pipeline import local_run
+
+    # What a running `dp-fedemb run` holds; two runs would interleave one ML Metadata store.
+    with open(tmp_path / local_run.RUN_LOCK_FILE, "a") as running:
+        fcntl.flock(running.fileno(), fcntl.LOCK_EX)
+        code = cli.main(["dp-fedemb", "run", "--output", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_INPUT_ERROR
+    assert err.count("\n") == 1 and f"another dp-fedemb run is using {tmp_path}" in err
+    assert not (tmp_path / "metadata.sqlite").exists()  # refused before anything ran
