@@ -54,7 +54,7 @@ class SyntheticSection:
 # The public pretraining data of the synthetic default: other identities (another seed),
 # drawn as sketches. A domain apart from the private photos, as ImageNet is from faces in
 # the paper; a public split carved from the same population as the private users would
-# leave private training little to add (README, "Population, trained parameters and noise").
+# leave private training little to add (README, "Public pretraining data").
 _SYNTHETIC_PUBLIC = SyntheticSection(identities=300, images_per_identity=10, seed=1, style="sketch")
 
 
