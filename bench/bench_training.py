@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from beam_jobs import partition, records_io, schema, synthetic
+from pipeline import config as config_lib
 from tff_algorithms import runtime, train_job
 
 _FULL = {
@@ -53,17 +54,12 @@ _HELD_OUT_FRACTION = 0.2
 
 def _base_config(sizes: Mapping) -> train_job.TrainJobConfig:
     """The pipeline default's private training (pipeline/config.py), at the bench's size."""
-    return train_job.TrainJobConfig(
+    recipe = config_lib.PipelineConfig().train_job_dict()
+    return dataclasses.replace(
+        train_job.TrainJobConfig.from_dict(recipe),
         rounds=sizes["rounds"],
         noise_multiplier=0.0,
-        clip_norm=1.0,
-        users_per_virtual_client=8,
         virtual_clients_per_round=sizes["virtual_clients_per_round"],
-        client_learning_rate=0.01,
-        local_epochs=3,
-        server_learning_rate=0.3,
-        server_momentum=0.0,
-        trainable_layers=("conv*", "gn*"),
         evaluate_every=0,
         seed=0,
         # Every algorithm samples the same users in the same rounds, run after run.
