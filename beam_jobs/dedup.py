@@ -8,9 +8,14 @@ band) and verified by Hamming distance.
 
 Small images defeat plain phash: a one-pixel shift of a 28x28 image moves it about as
 far as an unrelated image. So hashes are taken of the image interior (a `max_shift`
-border removed, lightly blurred), and each reference image is also hashed at every
-integer offset up to `max_shift`: a shifted copy's interior then equals one reference
-interior exactly, leaving only re-encoding noise for the Hamming check.
+border removed, lightly blurred), and the images of one side are also hashed at every
+integer offset up to `max_shift`: a shifted copy's interior then equals one probed
+interior exactly, leaving only re-encoding noise for the Hamming check. A shift is found
+from either side (probing the copy at -d meets the original at 0), so the smaller side is
+probed: (2*max_shift+1)^2 hashes and up to that many band keys per image are the cost.
+
+The band join carries only (record id, hashes) per key; the few pairs within the Hamming
+threshold are joined back to their full fingerprints afterwards.
 
 Only the candidate side (train, public) ever loses records; reference records (the
 evaluation splits, the private data) pass through untouched. Users or identities on both
@@ -73,7 +78,7 @@ class Fingerprint:
     user_id: str
     identity: str
     pixel_sha256: str
-    phashes: tuple[int, ...]  # candidates: one; references: one per probed offset
+    phashes: tuple[int, ...]  # one, or one per probed offset on the probed side
 
 
 def pixel_sha256(pixels: np.ndarray) -> str:
@@ -116,6 +121,51 @@ def _band_keys(phash: int, band_bits: np.ndarray, hash_bits: int) -> Iterator[tu
         yield band, int.from_bytes(packed.tobytes(), "big")
 
 
+def _band_entries(fp: Fingerprint, band_bits: np.ndarray, hash_bits: int):
+    """(band key, (record id, all hashes packed)) for each distinct band key of a fingerprint.
+
+    Any shared band makes the pair a candidate, verified against every probed offset. The
+    hashes travel as bytes: Beam pickles a dataclass, and takes only ints below 2**63 on
+    its fast path.
+    """
+    width = -(-hash_bits // 8)
+    packed = b"".join(phash.to_bytes(width, "big") for phash in fp.phashes)
+    keys = {key for phash in fp.phashes for key in _band_keys(phash, band_bits, hash_bits)}
+    return [(key, (fp.record_id, packed)) for key in sorted(keys)]
+
+
+def _unpack(packed: bytes, width: int) -> list[int]:
+    return [int.from_bytes(packed[i : i + width], "big") for i in range(0, len(packed), width)]
+
+
+def _near_within(joined, hash_bits: int, threshold: int) -> Iterator[tuple[tuple[str, str], int]]:
+    """((candidate id, reference id), Hamming distance) for the close pairs of one band."""
+    _, groups = joined
+    width = -(-hash_bits // 8)
+    references = [(ref_id, _unpack(packed, width)) for ref_id, packed in groups["reference"]]
+    for candidate_id, packed in groups["candidate"] if references else ():
+        candidate_hashes = _unpack(packed, width)
+        for reference_id, reference_hashes in references:
+            distance = min((a ^ b).bit_count() for a in candidate_hashes for b in reference_hashes)
+            Metrics.counter(METRICS_NAMESPACE, "pairs_verified").inc()
+            if distance <= threshold:
+                yield (candidate_id, reference_id), distance
+
+
+def _attach_reference(joined) -> Iterator[tuple[str, tuple[Fingerprint, int]]]:
+    _, groups = joined
+    reference = next(iter(groups["fp"]))  # one record id: equal records, equal fingerprints
+    for candidate_id, distance in groups["pair"]:
+        yield candidate_id, (reference, distance)
+
+
+def _attach_candidate(joined) -> Iterator[tuple[str, dict]]:
+    candidate_id, groups = joined
+    candidate = next(iter(groups["fp"]))
+    for reference, distance in groups["pair"]:
+        yield candidate_id, _pair(NEAR, distance, candidate, reference)
+
+
 def _pair(kind: str, distance: int, candidate: Fingerprint, reference: Fingerprint) -> dict:
     return {
         "kind": kind,
@@ -139,18 +189,6 @@ def _exact_pairs(joined) -> Iterator[tuple[str, dict]]:
     if references:
         for candidate in groups["candidate"]:
             yield candidate.record_id, _pair(EXACT, 0, candidate, references[0])
-
-
-def _near_pairs(joined, threshold: int) -> Iterator[tuple[str, dict]]:
-    _, groups = joined
-    references = list(groups["reference"])
-    for candidate in groups["candidate"] if references else ():
-        (phash,) = candidate.phashes
-        for reference in references:
-            distance = min((phash ^ other).bit_count() for other in reference.phashes)
-            Metrics.counter(METRICS_NAMESPACE, "pairs_verified").inc()
-            if distance <= threshold:
-                yield candidate.record_id, _pair(NEAR, distance, candidate, reference)
 
 
 def _closest(pairs: list[dict]) -> dict:
@@ -230,8 +268,21 @@ class RemoveNearDuplicates(beam.PTransform):
         keyed_candidates = candidates | "KeyCandidates" >> beam.Map(
             lambda s: (hashlib.blake2b(s, digest_size=16).hexdigest(), s)
         )
-        candidate_fps = candidates | "FingerprintCandidates" >> beam.Map(fingerprint, config, False)
-        reference_fps = reference | "FingerprintReference" >> beam.Map(fingerprint, config, True)
+        probe_candidates = beam.pvalue.AsSingleton(
+            candidates
+            | "CountC" >> beam.combiners.Count.Globally()
+            | "SmallerSide"
+            >> beam.Map(
+                lambda n, m: n < m,
+                beam.pvalue.AsSingleton(reference | "CountR" >> beam.combiners.Count.Globally()),
+            )
+        )
+        candidate_fps = candidates | "FingerprintCandidates" >> beam.Map(
+            lambda s, probe: fingerprint(s, config, probe), probe_candidates
+        )
+        reference_fps = reference | "FingerprintReference" >> beam.Map(
+            lambda s, probe: fingerprint(s, config, not probe), probe_candidates
+        )
 
         sides = {"candidate": candidate_fps, "reference": reference_fps}
         shared_ids = (
@@ -260,21 +311,32 @@ class RemoveNearDuplicates(beam.PTransform):
             | "ExactPairs" >> beam.FlatMap(_exact_pairs)
         )
         band_bits, hash_bits = config.band_bits(), config.hash_size**2
-
-        def candidate_bands(fp: Fingerprint):
-            return [(key, fp) for key in _band_keys(fp.phashes[0], band_bits, hash_bits)]
-
-        def reference_bands(fp: Fingerprint):
-            keys = {key for phash in fp.phashes for key in _band_keys(phash, band_bits, hash_bits)}
-            return [(key, fp) for key in sorted(keys)]
-
-        near = (
+        near_distances = (
             {
-                "candidate": candidate_fps | "BandsC" >> beam.FlatMap(candidate_bands),
-                "reference": reference_fps | "BandsR" >> beam.FlatMap(reference_bands),
+                side: fps | f"Bands{side}" >> beam.FlatMap(_band_entries, band_bits, hash_bits)
+                for side, fps in sides.items()
             }
             | "JoinBands" >> beam.CoGroupByKey()
-            | "NearPairs" >> beam.FlatMap(_near_pairs, config.hamming_threshold)
+            | "WithinThreshold" >> beam.FlatMap(_near_within, hash_bits, config.hamming_threshold)
+            | "MinDistance" >> beam.CombinePerKey(min)
+        )
+        by_id = {
+            side: fps | f"ById{side}" >> beam.Map(lambda fp: (fp.record_id, fp))
+            for side, fps in sides.items()
+        }
+        near = (
+            {
+                "pair": near_distances
+                | "ByReference" >> beam.MapTuple(lambda ids, d: (ids[1], (ids[0], d))),
+                "fp": by_id["reference"],
+            }
+            | "JoinReference" >> beam.CoGroupByKey()
+            | "AttachReference" >> beam.FlatMap(_attach_reference)
+        )
+        near = (
+            {"pair": near, "fp": by_id["candidate"]}
+            | "JoinCandidate" >> beam.CoGroupByKey()
+            | "NearPairs" >> beam.FlatMap(_attach_candidate)
         )
         best_match = (
             (exact, near)

@@ -155,3 +155,34 @@ def test_user_overlap_between_splits_is_an_error(tmp_path):
         _write(os.path.join(split_dir, name), records)
     with pytest.raises(ValueError, match=r"user ids appear on both sides \(e.g. user 'eval_u3'\)"):
         dedup.run_dedup(split_dir, str(tmp_path / "out"), dedup.DedupConfig())
+
+
+def test_shifted_copies_are_found_when_the_candidate_side_is_probed():
+    # Fewer candidates than references: the candidates are hashed at every offset instead,
+    # and a copy shifted by d must still meet its original (probing it at -d).
+    unrelated = synthetic.SyntheticConfig(identities=200, images_per_identity=1, seed=5)
+    padding = [
+        _record(
+            f"pad_u{i}", f"pad_id{i}", schema.encode_png(synthetic.render_image(unrelated, i, 0))
+        )
+        for i in range(200)
+    ]
+    copies = [
+        _record(f"copier_u{i}", f"copier_id{i}", schema.encode_png(_shift(pixels, dx, dy)))
+        for i, (dx, dy) in zip(_EVAL, [(2, -1), (-2, 2), (1, 0), (0, -2)] * 8)
+        for pixels in [synthetic.render_image(_CONFIG, i, 0)]
+    ]
+    with TestPipeline(options=records_io.pipeline_options()) as pipeline:
+        result = {
+            "candidates": pipeline | "Train" >> beam.Create(copies),
+            "reference": pipeline | "Eval" >> beam.Create(_evaluation_records() + padding),
+        } | dedup.RemoveNearDuplicates(dedup.DedupConfig(), "public_vs_private")
+        assert_that(result["kept"], equal_to([]), label="NoneKept")
+        pairs = result["removed"] | beam.Map(
+            lambda p: (p["candidate"]["user_id"], p["reference"]["user_id"], p["kind"])
+        )
+        assert_that(
+            pairs,
+            equal_to([(f"copier_u{i}", f"eval_u{i}", dedup.NEAR) for i in _EVAL]),
+            label="Pairs",
+        )
