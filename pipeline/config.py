@@ -138,6 +138,10 @@ class EvaluateSection:
     gate_far: float = 0.01
     # Blessed only if recall@gate_far >= baseline recall - this.
     max_recall_regression: float = 0.0
+    # Bootstrap over held-out identities: the interval of every recall in the evaluation
+    # and the report, and of the trained model's gain over the pretrained start.
+    bootstrap_resamples: int = 1000
+    confidence: float = 0.95
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,3 +499,9 @@ def validate(config: PipelineConfig) -> None:
         raise ValueError(
             f"config evaluate.max_recall_regression must be in [0, 1], got {evaluate.max_recall_regression}"
         )
+    if evaluate.bootstrap_resamples < 1:
+        raise ValueError(
+            f"config evaluate.bootstrap_resamples must be >= 1, got {evaluate.bootstrap_resamples}"
+        )
+    if not 0 < evaluate.confidence < 1:
+        raise ValueError(f"config evaluate.confidence must be in (0, 1), got {evaluate.confidence}")

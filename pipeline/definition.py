@@ -149,6 +149,8 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         privacy_budget_epsilon=config.evaluate.privacy_budget_epsilon,
         gate_far=config.evaluate.gate_far,
         max_recall_regression=config.evaluate.max_recall_regression,
+        bootstrap_resamples=config.evaluate.bootstrap_resamples,
+        confidence=config.evaluate.confidence,
         code_fingerprint=_code(evaluation.EvaluateAndBless),
     ).with_id(EVALUATE)
     pusher = tfx.components.Pusher(

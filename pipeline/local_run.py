@@ -119,6 +119,9 @@ class RunSummary:
     epsilon: float
     delta: float
     recall_at_far: dict[str, float]
+    # {far: {"difference", "interval"}} over the pretrained start; empty without one.
+    gain_over_pretrained: dict[str, dict]
+    confidence: float  # of the intervals
     blessed: bool
     not_blessed_because: list[str]
     report_path: str
@@ -149,6 +152,8 @@ def summarize(config: config_lib.PipelineConfig) -> RunSummary:
         epsilon=epsilon,
         delta=delta,
         recall_at_far=result["model"]["recall_at_far"],
+        gain_over_pretrained=result["model"].get("versus", {}).get("pretrained", {}),
+        confidence=result["bootstrap"]["confidence"],
         blessed=result["blessed"],
         not_blessed_because=result["not_blessed_because"],
         report_path=os.path.join(report.uri, reporting.REPORT_FILE),

@@ -128,13 +128,44 @@ def _image(data: str, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
+def _by_far(values: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    return sorted(values.items(), key=lambda kv: -float(kv[0]))
+
+
 def _recall_rows(label: str, result: Mapping[str, Any] | None) -> list[tuple[str, Any]]:
     if not result:
         return []
+    intervals = result.get("recall_at_far_interval", {})
     return [
-        (f"{label} recall@FAR={far}", f"{value:.4f}")
-        for far, value in sorted(result["recall_at_far"].items(), key=lambda kv: -float(kv[0]))
+        (
+            f"{label} recall@FAR={far}",
+            f"{value:.4f}"
+            + (f" [{intervals[far][0]:.4f}, {intervals[far][1]:.4f}]" if far in intervals else ""),
+        )
+        for far, value in _by_far(result["recall_at_far"])
     ]
+
+
+def _gain_rows(evaluation: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    labels = {"pretrained": "over the pretrained start", "baseline": "over the last blessed"}
+    return [
+        (
+            f"gain {labels.get(other, other)} at FAR={far}",
+            f"{gain['difference']:+.4f} [{gain['interval'][0]:+.4f}, {gain['interval'][1]:+.4f}]",
+        )
+        for other, gains in evaluation["model"].get("versus", {}).items()
+        for far, gain in _by_far(gains)
+    ]
+
+
+def _bootstrap_note(bootstrap: Mapping[str, Any] | None) -> str:
+    if not bootstrap:
+        return ""
+    return (
+        f"<p>[low, high]: {bootstrap['confidence']:.0%} bootstrap intervals over "
+        f"{bootstrap['resamples']} resamples of the held-out identities; a gain's interval is "
+        "paired (both models scored on each resample).</p>"
+    )
 
 
 def render_report(
@@ -176,7 +207,9 @@ def render_report(
             _recall_rows("trained", evaluation["model"])
             + _recall_rows("pretrained", evaluation.get("pretrained"))
             + _recall_rows("last blessed", evaluation.get("baseline"))
+            + _gain_rows(evaluation)
         ),
+        _bootstrap_note(evaluation.get("bootstrap")),
         _image(roc_plot(curves), "ROC"),
     ]
     history = [e for e in training_metrics["history"] if "eval" in e]

@@ -205,7 +205,13 @@ _SECTIONS = {
     "partition": ["num_shards"],
     "pretrain": ["source", "backbone_dir", "job"],
     "train": ["algorithm", "rounds", "noise_multiplier", "clip_norm", "delta", "channels"],
-    "evaluate": ["privacy_budget_epsilon", "gate_far", "max_recall_regression"],
+    "evaluate": [
+        "privacy_budget_epsilon",
+        "gate_far",
+        "max_recall_regression",
+        "bootstrap_resamples",
+        "confidence",
+    ],
     "push": ["serving_dir"],
 }
 scalars = st.one_of(

@@ -107,3 +107,61 @@ def test_degenerate_inputs_are_rejected():
         metrics.recall_at_far(np.eye(3), ["a", "a", "a"])
     with pytest.raises(ValueError, match="FAR"):
         metrics.recall_at_far(np.eye(3), ["a", "a", "b"], [0.0])
+
+
+def _weighted_brute_force(embeddings, labels, weights, fars):
+    """One resample by explicit pair weights: w_a (genuine), w_a*w_b (impostor), same rule."""
+    e = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
+    similarity = e @ e.T
+    codes = np.unique(labels, return_inverse=True)[1]
+    i, j = np.triu_indices(len(e), k=1)
+    a, b = codes[i], codes[j]
+    same = a == b
+    genuine, genuine_w = similarity[i, j][same], weights[a][same]
+    impostors, impostor_w = similarity[i, j][~same], (weights[a] * weights[b])[~same]
+    order = np.argsort(-impostors, kind="stable")
+    impostors, impostor_w = impostors[order], impostor_w[order]
+    cumulative = np.cumsum(impostor_w)
+    result = []
+    for far in fars:
+        allowed = np.floor(far * impostor_w.sum())
+        above = np.nonzero(cumulative > allowed)[0]
+        threshold = impostors[above[0]] if len(above) else -np.inf
+        assert impostor_w[impostors > threshold].sum() <= far * impostor_w.sum() + 1e-9
+        result.append(genuine_w[genuine > threshold].sum() / genuine_w.sum())
+    return np.asarray(result)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_bootstrap_resamples_equal_weighted_brute_force(quantize):
+    rng = np.random.default_rng(4)
+    embeddings, labels = _clustered(rng, identities=15, per_identity=4, dim=6, spread=0.9)
+    if quantize:  # many ties, exactly: unit vectors of +-0.5 have similarities k/4
+        embeddings = np.where(embeddings[:, :4] > 0, 0.5, -0.5)
+    fars = (0.1, 0.05, 0.01)
+    samples = metrics.bootstrap_recall_at_far(
+        {"m": embeddings}, labels, fars, num_resamples=25, seed=3, block_size=7
+    )["m"]
+    weights = metrics.identity_resample_weights(15, 25, seed=3)
+    assert samples.shape == (25, 3)
+    for row, w in zip(samples, weights):
+        np.testing.assert_allclose(row, _weighted_brute_force(embeddings, labels, w, fars))
+    # Identities are what is resampled: every draw count sums to the number of identities.
+    assert np.all(weights.sum(axis=1) == 15) and np.any(weights == 0) and np.any(weights > 1)
+
+
+def test_bootstrap_is_paired_and_separates_a_better_model():
+    rng = np.random.default_rng(8)
+    centers = rng.normal(size=(60, 16))
+    labels = np.repeat(np.arange(60), 4)
+    noise = rng.normal(size=(240, 16))
+    worse, better = centers[labels] + 1.6 * noise, centers[labels] + 1.2 * noise
+    samples = metrics.bootstrap_recall_at_far(
+        {"worse": worse, "same": worse, "better": better}, labels, (0.01,), num_resamples=300
+    )
+    np.testing.assert_array_equal(samples["worse"], samples["same"])
+    exact = metrics.recall_at_far(worse, labels, (0.01,)).recall[0.01]
+    low, high = metrics.percentile_interval(samples["worse"][:, 0])
+    assert low < exact < high
+    low, high = metrics.percentile_interval(samples["better"][:, 0] - samples["worse"][:, 0])
+    assert 0 < low < high

@@ -41,6 +41,8 @@ def test_yaml_file_and_overrides(tmp_path):
         ("data.synthetic.identities=-1", "config data.synthetic"),
         ("evaluate.privacy_budget_epsilon=0", "privacy_budget_epsilon must be > 0"),
         ("evaluate.gate_far=0.5", "gate_far must be one of"),
+        ("evaluate.bootstrap_resamples=0", "bootstrap_resamples must be >= 1"),
+        ("evaluate.confidence=1", "confidence must be in"),
         ("pretrain.source=elsewhere", "pretrain.source must be one of"),
         ("pretrain.source=import", "pretrain.backbone_dir"),
         ("train.algorithm=centralized", "private training"),

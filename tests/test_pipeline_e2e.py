@@ -146,6 +146,19 @@ def test_first_run_blesses_pushes_and_records_epsilon(first_run):
     assert os.path.isfile(os.path.join(privacy.pushed_destination, "saved_model.pb"))
     assert summary.pushed_to == privacy.pushed_destination and summary.epsilon == epsilon
     assert set(summary.recall_at_far) == {"0.1", "0.01", "0.001"}
+    # Every recall with its bootstrap interval; the gain over the pretrained start paired.
+    [evaluation] = store.get_artifacts_by_type("ModelEvaluation")
+    with open(os.path.join(evaluation.uri, "evaluation.json")) as f:
+        evaluation_json = json.load(f)
+    trained, pretrained = evaluation_json["model"], evaluation_json["pretrained"]
+    assert evaluation_json["bootstrap"] == {"resamples": 1000, "confidence": 0.95}
+    assert summary.gain_over_pretrained == trained["versus"]["pretrained"]
+    for far, recall in summary.recall_at_far.items():
+        low, high = trained["recall_at_far_interval"][far]
+        assert 0 <= low <= high <= 1 and pretrained["recall_at_far_interval"][far][0] <= 1
+        gain = summary.gain_over_pretrained[far]
+        assert gain["difference"] == pytest.approx(recall - pretrained["recall_at_far"][far])
+        assert -1 <= gain["interval"][0] <= gain["interval"][1] <= 1
     # Only the serving SavedModel is published: no checkpoints, no work directories.
     [model] = [
         m
@@ -220,6 +233,7 @@ def test_report_renders_in_headless_chromium(first_run, tmp_path):
     with open(summary.report_path) as f:
         page = f.read()
     assert page.count("<img") >= 4 and "ROC" in page
+    assert "gain over the pretrained start at FAR=0.01" in page and "bootstrap intervals" in page
     screenshot = tmp_path / "report.png"
     subprocess.run(
         [

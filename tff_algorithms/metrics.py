@@ -22,7 +22,7 @@ around each threshold and selects it exactly.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -59,10 +59,10 @@ def _label_codes(labels: Sequence | np.ndarray, n: int) -> np.ndarray:
     return np.unique(labels, return_inverse=True)[1]
 
 
-def _pair_blocks(
+def _pair_block_masks(
     embeddings: np.ndarray, codes: np.ndarray, block_size: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(genuine, impostor) similarities of the pairs i < j, one block at a time."""
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, slice, slice]]:
+    """(similarity, genuine mask, impostor mask, rows, columns) over the pairs i < j."""
     n = len(embeddings)
     for r0 in range(0, n, block_size):
         r1 = min(n, r0 + block_size)
@@ -72,9 +72,17 @@ def _pair_blocks(
             same = codes[r0:r1, None] == codes[None, c0:c1]
             if c0 == r0:
                 upper = np.triu(np.ones(similarity.shape, bool), k=1)
-                yield similarity[upper & same], similarity[upper & ~same]
+                yield similarity, upper & same, upper & ~same, slice(r0, r1), slice(c0, c1)
             else:
-                yield similarity[same], similarity[~same]
+                yield similarity, same, ~same, slice(r0, r1), slice(c0, c1)
+
+
+def _pair_blocks(
+    embeddings: np.ndarray, codes: np.ndarray, block_size: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(genuine, impostor) similarities of the pairs i < j, one block at a time."""
+    for similarity, genuine, impostor, _, _ in _pair_block_masks(embeddings, codes, block_size):
+        yield similarity[genuine], similarity[impostor]
 
 
 def _bin_index(similarity: np.ndarray) -> np.ndarray:
@@ -215,3 +223,113 @@ def approximate_recall_at_far(
     _check_counts(len(genuine), len(impostors))
     thresholds = {far: _threshold_from_sorted(impostors, far) for far in fars}
     return _result(genuine, thresholds, len(impostors))
+
+
+def bootstrap_recall_at_far(
+    embeddings: Mapping[str, np.ndarray],
+    labels: Sequence | np.ndarray,
+    fars: Sequence[float] = DEFAULT_FARS,
+    num_resamples: int = 1000,
+    seed: int = 0,
+    block_size: int = 2048,
+) -> dict[str, np.ndarray]:
+    """recall@FAR of each model on `num_resamples` bootstrap resamples of the identities.
+
+    Returns {model: [num_resamples, len(fars)]}. Every model is scored on the SAME
+    resamples (same images, same labels, in the same order for each model), so the
+    difference of two models' rows is a paired bootstrap of their difference.
+
+    A resample draws identities with replacement (the unit that varies between evaluation
+    sets). An identity drawn w times weighs its genuine pairs by w and its impostor pairs
+    with an identity drawn v times by w*v; pairs between two draws of one identity are no
+    pairs at all. The threshold and recall follow the exact tie rule on those weights (with
+    every weight 1 they equal `recall_at_far`). Only impostors above the exact threshold at
+    FAR min(1, 4*max(fars)) are kept, so memory stays near that fraction of all pairs.
+    """
+    fars = _check_fars(fars)
+    if num_resamples < 1:
+        raise ValueError(f"num_resamples must be >= 1, got {num_resamples}")
+    if not embeddings:
+        raise ValueError("no models to score")
+    n = len(next(iter(embeddings.values())))
+    codes = _label_codes(labels, n)
+    num_identities = int(codes.max()) + 1
+    images_per_identity = np.bincount(codes, minlength=num_identities)
+    weights = identity_resample_weights(num_identities, num_resamples, seed)
+    # Impostor weight in total: pairs of images of different draws, by identity counts.
+    mass = weights * images_per_identity
+    total_impostor = (mass.sum(axis=1) ** 2 - (mass**2).sum(axis=1)) / 2.0
+    keep_far = min(1.0, 4.0 * max(fars))
+    return {
+        name: _bootstrap_one(
+            _normalized(values), codes, weights, total_impostor, fars, keep_far, block_size
+        )
+        for name, values in embeddings.items()
+    }
+
+
+def identity_resample_weights(num_identities: int, num_resamples: int, seed: int) -> np.ndarray:
+    """[num_resamples, num_identities] draw counts: identities drawn with replacement."""
+    rng = np.random.default_rng(seed)
+    uniform = np.full(num_identities, 1.0 / num_identities)
+    return rng.multinomial(num_identities, uniform, size=num_resamples).astype(np.float64)
+
+
+def _bootstrap_one(
+    embeddings: np.ndarray,
+    codes: np.ndarray,
+    weights: np.ndarray,
+    total_impostor: np.ndarray,
+    fars: tuple[float, ...],
+    keep_far: float,
+    block_size: int,
+) -> np.ndarray:
+    floor = recall_at_far(embeddings, codes, (keep_far,), block_size).threshold[keep_far]
+    genuine, genuine_codes, impostors, impostor_codes = [], [], [], []
+    for similarity, is_genuine, is_impostor, rows, cols in _pair_block_masks(
+        embeddings, codes, block_size
+    ):
+        row_codes = np.broadcast_to(codes[rows, None], similarity.shape)
+        col_codes = np.broadcast_to(codes[None, cols], similarity.shape)
+        genuine.append(similarity[is_genuine])
+        genuine_codes.append(row_codes[is_genuine])
+        kept = is_impostor & (similarity >= floor)
+        impostors.append(similarity[kept])
+        impostor_codes.append(np.stack([row_codes[kept], col_codes[kept]], axis=1))
+    genuine, genuine_codes = np.concatenate(genuine), np.concatenate(genuine_codes)
+    _check_counts(len(genuine), int(np.count_nonzero(total_impostor)))
+    order = np.argsort(genuine, kind="stable")
+    genuine, genuine_codes = genuine[order], genuine_codes[order]
+    impostors, impostor_codes = np.concatenate(impostors), np.concatenate(impostor_codes)
+    order = np.argsort(-impostors, kind="stable")
+    impostors, impostor_codes = impostors[order], impostor_codes[order]
+
+    recalls = np.empty((len(weights), len(fars)))
+    for r, w in enumerate(weights):
+        impostor_mass = np.cumsum(w[impostor_codes[:, 0]] * w[impostor_codes[:, 1]])
+        genuine_mass = np.cumsum(w[genuine_codes])
+        for f, far in enumerate(fars):
+            allowed = np.floor(far * total_impostor[r])
+            index = int(np.searchsorted(impostor_mass, allowed, side="right"))
+            if index < len(impostors):
+                threshold = impostors[index]
+            elif keep_far >= 1.0:
+                threshold = -np.inf
+            else:
+                raise ValueError("bootstrap resample needs impostors below the kept ones")
+            rejected = int(np.searchsorted(genuine, threshold, side="right"))
+            below = genuine_mass[rejected - 1] if rejected else 0.0
+            # No genuine pair drawn (every multi-image identity missed): no recall.
+            recalls[r, f] = (
+                (genuine_mass[-1] - below) / genuine_mass[-1] if genuine_mass[-1] else np.nan
+            )
+    return recalls
+
+
+def percentile_interval(samples: np.ndarray, confidence: float = 0.95) -> tuple[float, float]:
+    """Central `confidence` interval of bootstrap samples (percentile method)."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    tail = (1.0 - confidence) / 2.0 * 100.0
+    low, high = np.nanpercentile(samples, [tail, 100.0 - tail])
+    return float(low), float(high)

@@ -63,5 +63,11 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         print(f"not pushed: {'; '.join(summary.not_blessed_because)}")
     print(f"epsilon: {summary.epsilon:.4g} (delta {summary.delta:.3g})")
     print(f"recall@FAR on held-out identities: {recall}")
+    if summary.gain_over_pretrained:
+        gains = ", ".join(
+            f"{far}: {g['difference']:+.4f} [{g['interval'][0]:+.4f}, {g['interval'][1]:+.4f}]"
+            for far, g in summary.gain_over_pretrained.items()
+        )
+        print(f"gain over the pretrained start ({summary.confidence:.0%} interval): {gains}")
     print(f"report: {summary.report_path}")
     return 0

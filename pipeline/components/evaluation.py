@@ -1,5 +1,9 @@
 """EvaluateAndBless: exact recall@FAR on held-out identities, ROC, and the blessing gates.
 
+Every recall comes with a bootstrap interval over held-out identities, and the
+candidate's difference from the pretrained start and the last blessed model with a
+paired one (both models scored on each resample).
+
 A model is blessed only if
 - its privacy ledger's epsilon is finite and within the configured budget (a model over
   budget is never blessed, whatever its recall), and
@@ -24,10 +28,12 @@ from pipeline.components import artifacts, layout
 EVALUATION_FILE = "evaluation.json"
 
 
-def _verification(model_dir: str, records_dir: str) -> dict:
+def _comparison(
+    model_dirs: dict[str, str], records_dir: str, num_resamples: int, confidence: float
+) -> dict[str, dict]:
     from tff_algorithms import train_job
 
-    return train_job.evaluate_saved_model(model_dir, records_dir)
+    return train_job.compare_saved_models(model_dirs, records_dir, num_resamples, confidence)
 
 
 def _far_key(far: float) -> str:
@@ -64,6 +70,8 @@ def EvaluateAndBless(
     privacy_budget_epsilon: tfx.dsl.components.Parameter[float],
     gate_far: tfx.dsl.components.Parameter[float],
     max_recall_regression: tfx.dsl.components.Parameter[float],
+    bootstrap_resamples: tfx.dsl.components.Parameter[int],
+    confidence: tfx.dsl.components.Parameter[float],
     code_fingerprint: tfx.dsl.components.Parameter[str],
     baseline_model: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
     pretrained_backbone: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
@@ -76,25 +84,30 @@ def EvaluateAndBless(
     epsilon = privacy_ledger.get_float_custom_property(artifacts.EPSILON)
     if model.get_float_custom_property(artifacts.EPSILON) != epsilon:
         raise ValueError("the privacy ledger given is not the one of the model evaluated")
-    candidate = _verification(layout.serving_model_dir(model), test_dir)
+    # One comparison on the same images: the candidate's recall minus each other model's
+    # comes with a paired bootstrap interval over held-out identities.
+    model_dirs = {"candidate": layout.serving_model_dir(model)}
+    if pretrained_backbone is not None:
+        model_dirs["pretrained"] = layout.serving_model_dir(pretrained_backbone)
+    if baseline_model is not None and baseline_model.id != model.id:
+        model_dirs["baseline"] = layout.serving_model_dir(baseline_model)
+    results = _comparison(model_dirs, test_dir, bootstrap_resamples, confidence)
+    candidate = results["candidate"]
     report = {
         "model": {"uri": model.uri, "id": model.id, **candidate},
         "epsilon": epsilon,
         "delta": privacy_ledger.get_float_custom_property(artifacts.DELTA),
         "privacy_budget_epsilon": privacy_budget_epsilon,
         "gate_far": gate_far,
+        "bootstrap": {"resamples": bootstrap_resamples, "confidence": confidence},
     }
     baseline_recall = None
     if baseline_model is not None:
-        if baseline_model.id == model.id:
-            baseline = candidate
-        else:
-            baseline = _verification(layout.serving_model_dir(baseline_model), test_dir)
+        baseline = results.get("baseline", candidate)
         baseline_recall = baseline["recall_at_far"][_far_key(gate_far)]
         report["baseline"] = {"uri": baseline_model.uri, "id": baseline_model.id, **baseline}
     if pretrained_backbone is not None:
-        pretrained = _verification(layout.serving_model_dir(pretrained_backbone), test_dir)
-        report["pretrained"] = {"uri": pretrained_backbone.uri, **pretrained}
+        report["pretrained"] = {"uri": pretrained_backbone.uri, **results["pretrained"]}
     reasons = _blessing_decision(
         epsilon,
         privacy_budget_epsilon,
