@@ -15,13 +15,10 @@ i, filler i is identity `canaries + i`, held-out identity j is `2 * canaries + j
 from __future__ import annotations
 
 import dataclasses
-import os
 
-import apache_beam as beam
 import numpy as np
-import tensorflow as tf
 
-from beam_jobs import partition, records_io, schema, synthetic
+from beam_jobs import partition, synthetic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,18 +97,13 @@ def write_population(
 ) -> PopulationFiles:
     """Writes the training partition (canaries or fillers) and held-out records."""
     config = population.synthetic_config
-    training = [
-        schema.serialize(record)
+    training = (
+        record
         for identity in population.training_identities()
         for record in synthetic.records_for_identities(config, identity, identity + 1)
-    ]
-    partition_dir = os.path.join(out_dir, "partition")
-    eval_dir = os.path.join(out_dir, "eval")
-    with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
-        _ = pipeline | beam.Create(training) | partition.PartitionByUser(partition_dir)
-    tf.io.gfile.makedirs(eval_dir)
-    first_held_out = 2 * population.canaries
-    with tf.io.TFRecordWriter(os.path.join(eval_dir, "records-00000-of-00001.tfrecord")) as w:
-        for record in synthetic.records_for_identities(config, first_held_out, config.identities):
-            w.write(schema.serialize(record))
+    )
+    held_out = synthetic.records_for_identities(config, 2 * population.canaries, config.identities)
+    partition_dir, eval_dir = partition.write_training_inputs(
+        out_dir, training, held_out, beam_args=beam_args
+    )
     return PopulationFiles(partition_dir, eval_dir)

@@ -235,6 +235,31 @@ def run_partition(
     return records_io.read_json(os.path.join(partition_dir, MANIFEST_FILE))
 
 
+def write_training_inputs(
+    out_dir: str,
+    training: Iterable[schema.CanonicalRecord],
+    held_out: Iterable[schema.CanonicalRecord] = (),
+    num_shards: int = 16,
+    beam_args: Sequence[str] | None = None,
+) -> tuple[str, str]:
+    """A training job's two inputs from in-memory records: OUT/partition and OUT/eval.
+
+    `training` is partitioned by user (a real Beam pipeline); `held_out` goes to one
+    TFRecord file in OUT/eval, left empty when none. Returns (partition_dir, eval_dir),
+    the order `tff_algorithms.train_job.run_train_job` takes them in. For synthetic and
+    test populations; real data goes through ingest, split and `run_partition`.
+    """
+    partition_dir, eval_dir = os.path.join(out_dir, "partition"), os.path.join(out_dir, "eval")
+    serialized = [schema.serialize(record) for record in training]
+    with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
+        _ = pipeline | beam.Create(serialized) | PartitionByUser(partition_dir, num_shards)
+    tf.io.gfile.makedirs(eval_dir)
+    with tf.io.TFRecordWriter(os.path.join(eval_dir, "records-00000-of-00001.tfrecord")) as w:
+        for record in held_out:
+            w.write(schema.serialize(record))
+    return partition_dir, eval_dir
+
+
 @dataclasses.dataclass(frozen=True)
 class UserLocation:
     part_file: str

@@ -19,11 +19,9 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 
-import apache_beam as beam
 import numpy as np
-import tensorflow as tf
 
-from beam_jobs import partition, records_io, schema, synthetic
+from beam_jobs import partition, synthetic
 from pipeline import config as config_lib
 from tff_algorithms import runtime, train_job
 
@@ -71,27 +69,16 @@ def _base_config(sizes: Mapping) -> train_job.TrainJobConfig:
     )
 
 
-def _write_partition(path: str, records) -> str:  # noqa: ANN001 - canonical records
-    serialized = [schema.serialize(r) for r in records]
-    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
-        _ = pipeline | beam.Create(serialized) | partition.PartitionByUser(path, num_shards=4)
-    return path
-
-
 def _write_data(root: str, identities: int, images: int) -> tuple[str, str]:
     """Private photo users: (training partition, held-out records) under ROOT."""
     config = synthetic.SyntheticConfig(identities=identities, images_per_identity=images, seed=0)
     train_identities = int(identities * (1 - _HELD_OUT_FRACTION))
-    partition_dir = _write_partition(
-        os.path.join(root, "partition"),
+    return partition.write_training_inputs(
+        root,
         synthetic.records_for_identities(config, 0, train_identities),
+        synthetic.records_for_identities(config, train_identities, identities),
+        num_shards=4,
     )
-    eval_dir = os.path.join(root, "eval")
-    os.makedirs(eval_dir)
-    with tf.io.TFRecordWriter(os.path.join(eval_dir, "records-00000-of-00001.tfrecord")) as w:
-        for record in synthetic.records_for_identities(config, train_identities, identities):
-            w.write(schema.serialize(record))
-    return partition_dir, eval_dir
 
 
 def prepare(work: str, sizes: Mapping) -> tuple[tuple[str, str], train_job.TrainJobResult]:
@@ -104,9 +91,10 @@ def prepare(work: str, sizes: Mapping) -> tuple[tuple[str, str], train_job.Train
         seed=1,
         style=synthetic.SKETCH,
     )
-    public_dir = _write_partition(
-        os.path.join(work, "public_partition"),
+    public_dir, _ = partition.write_training_inputs(
+        os.path.join(work, "public"),
         synthetic.records_for_identities(public, 0, public.identities),
+        num_shards=4,
     )
     pretrain = dataclasses.replace(
         _base_config(sizes),

@@ -11,11 +11,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import apache_beam as beam
 import numpy as np
 import tensorflow as tf
 
-from beam_jobs import partition, records_io, schema, synthetic
+from beam_jobs import partition, synthetic
 
 # The console script of the environment running the tests (setup.py installs it).
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
@@ -64,23 +63,12 @@ def write_partition_and_held_out(
     to one TFRecord file in ROOT/eval. Returns (partition_dir, eval_dir), the order
     `train_job.run_train_job` takes them in.
     """
-    partition_dir = os.path.join(root, "partition")
-    eval_dir = os.path.join(root, "eval")
-    train = [
-        schema.serialize(record)
-        for record in synthetic.records_for_identities(config, 0, train_identities)
-    ]
-    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
-        _ = (
-            pipeline
-            | beam.Create(train)
-            | partition.PartitionByUser(partition_dir, num_shards=num_shards)
-        )
-    os.makedirs(eval_dir)
-    with tf.io.TFRecordWriter(os.path.join(eval_dir, "records-00000-of-00001.tfrecord")) as w:
-        for record in synthetic.records_for_identities(config, train_identities, config.identities):
-            w.write(schema.serialize(record))
-    return partition_dir, eval_dir
+    return partition.write_training_inputs(
+        os.fspath(root),
+        synthetic.records_for_identities(config, 0, train_identities),
+        synthetic.records_for_identities(config, train_identities, config.identities),
+        num_shards,
+    )
 
 
 def saved_backbone(saved_model_dir: str) -> list[np.ndarray]:
