@@ -12,7 +12,8 @@ border removed, lightly blurred), and the images of one side are also hashed at 
 integer offset up to `max_shift`: a shifted copy's interior then equals one probed
 interior exactly, leaving only re-encoding noise for the Hamming check. A shift is found
 from either side (probing the copy at -d meets the original at 0), so the smaller side is
-probed: (2*max_shift+1)^2 hashes and up to that many band keys per image are the cost.
+probed: (2*max_shift+1)^2 hashes per probed image, and up to num_bands times as many band
+keys, are the cost.
 
 The band join carries only (record id, hashes) per key; the few pairs within the Hamming
 threshold are joined back to their full fingerprints afterwards.
