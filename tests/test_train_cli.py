@@ -71,6 +71,10 @@ def test_evaluate_loads_the_trained_model(trained):
             summary["saved_model"],
             "--data",
             summary["test_data"],
+            "--compare",
+            summary["saved_model"],
+            "--bootstrap-resamples",
+            "200",
             "--json",
         ],
         capture_output=True,
@@ -80,6 +84,11 @@ def test_evaluate_loads_the_trained_model(trained):
     evaluation = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(evaluation["recall_at_far"]) == {"0.1", "0.01", "0.001"}
     assert evaluation["images"] > 0 and evaluation["genuine_pairs"] > 0
+    for far in evaluation["recall_at_far"]:
+        low, high = evaluation["recall_at_far_interval"][far]
+        assert 0 <= low <= high <= 1
+        # A model compared with itself: every paired resample differs by exactly zero.
+        assert evaluation["versus"]["compare"][far] == {"difference": 0.0, "interval": [0.0, 0.0]}
     assert "Exception ignored" not in result.stderr
 
 

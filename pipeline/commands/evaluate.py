@@ -1,10 +1,13 @@
 """Exact all-pairs recall@FAR of a serving SavedModel on held-out data.
 
-`dp-fedemb evaluate --model DIR --data DIR [--json]`: DIR of --data holds canonical
-TFRecords (e.g. OUT/data/split/test of `dp-fedemb train`) or is an image folder
-ROOT/<user_id>/<identity>/<image>. Images go through the model's own preprocessing.
-With --json, one JSON object on stdout: recall_at_far (FAR string -> recall),
-thresholds, pair counts and ROC points.
+`dp-fedemb evaluate --model DIR --data DIR [--compare DIR] [--bootstrap-resamples N]
+[--json]`: DIR of --data holds canonical TFRecords (e.g. OUT/data/split/test of
+`dp-fedemb train`) or is an image folder ROOT/<user_id>/<identity>/<image>. Images go
+through the model's own preprocessing. Every recall comes with a 95% bootstrap interval
+over identities; --compare (e.g. the pretrained backbone) adds the model's gain over that
+one with a paired interval. With --json, one JSON object on stdout: recall_at_far (FAR
+string -> recall), recall_at_far_interval, thresholds, pair counts, ROC points and, with
+--compare, versus.
 """
 
 import json
@@ -16,6 +19,12 @@ from absl import flags
 def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_string("model", None, "serving SavedModel directory", flag_values=flag_values)
     flags.DEFINE_string("data", None, "evaluation records or image folder", flag_values=flag_values)
+    flags.DEFINE_string(
+        "compare", None, "another serving SavedModel to compare with", flag_values=flag_values
+    )
+    flags.DEFINE_integer(
+        "bootstrap-resamples", 1000, "identity resamples of the intervals", flag_values=flag_values
+    )
     flags.DEFINE_boolean("json", False, "print one JSON object", flag_values=flag_values)
 
 
@@ -25,11 +34,17 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     for name in ("model", "data"):
         if not flag_values[name].value:
             raise ValueError(f"--{name} is required")
+    resamples = flag_values["bootstrap-resamples"].value
+    if resamples < 1:
+        raise ValueError(f"--bootstrap-resamples must be >= 1, got {resamples}")
     from tff_algorithms import runtime, train_job
 
     # Evaluation needs no TFF; drop TFF's import-time context before it can fail at exit.
     runtime.release_import_time_context()
-    result = train_job.evaluate_saved_model(flag_values["model"].value, flag_values["data"].value)
+    models = {"model": flag_values["model"].value}
+    if flag_values["compare"].value:
+        models["compare"] = flag_values["compare"].value
+    result = train_job.compare_saved_models(models, flag_values["data"].value, resamples)["model"]
     if flag_values["json"].value:
         print(json.dumps(result, sort_keys=True))
         return 0
@@ -38,5 +53,11 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         f"{result['genuine_pairs']} genuine / {result['impostor_pairs']} impostor pairs"
     )
     for far, recall in result["recall_at_far"].items():
-        print(f"recall@FAR={far}: {recall:.4f}")
+        low, high = result["recall_at_far_interval"][far]
+        line = f"recall@FAR={far}: {recall:.4f} [{low:.4f}, {high:.4f}]"
+        gain = result["versus"].get("compare", {}).get(far)
+        if gain:
+            low, high = gain["interval"]
+            line += f", gain {gain['difference']:+.4f} [{low:+.4f}, {high:+.4f}]"
+        print(line)
     return 0
