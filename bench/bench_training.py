@@ -50,11 +50,9 @@ _QUICK = {
 _HELD_OUT_FRACTION = 0.2
 
 
-def _base_config(sizes: Mapping) -> train_job.TrainJobConfig:
-    """The pipeline default's private training (pipeline/config.py), at the bench's size."""
-    recipe = config_lib.PipelineConfig().train_job_dict()
+def _at_bench_size(recipe: Mapping, sizes: Mapping) -> train_job.TrainJobConfig:
     return dataclasses.replace(
-        train_job.TrainJobConfig.from_dict(recipe),
+        train_job.TrainJobConfig.from_dict(dict(recipe)),
         rounds=sizes["rounds"],
         noise_multiplier=0.0,
         virtual_clients_per_round=sizes["virtual_clients_per_round"],
@@ -67,6 +65,17 @@ def _base_config(sizes: Mapping) -> train_job.TrainJobConfig:
         testing_fixed_noise=True,
         delta=1e-5,
     )
+
+
+def _base_config(sizes: Mapping) -> train_job.TrainJobConfig:
+    """The pipeline default's private training (pipeline/config.py), at the bench's size."""
+    return _at_bench_size(config_lib.PipelineConfig().train_job_dict(), sizes)
+
+
+def _centralized_config(sizes: Mapping, epochs: int) -> train_job.TrainJobConfig:
+    """The pipeline default's (centralized, every layer) pretraining recipe for `epochs`."""
+    recipe = config_lib.PipelineConfig().pretrain_job_dict()
+    return dataclasses.replace(_at_bench_size(recipe, sizes), rounds=epochs)
 
 
 def _write_data(root: str, identities: int, images: int) -> tuple[str, str]:
@@ -96,14 +105,7 @@ def prepare(work: str, sizes: Mapping) -> tuple[tuple[str, str], train_job.Train
         synthetic.records_for_identities(public, 0, public.identities),
         num_shards=4,
     )
-    pretrain = dataclasses.replace(
-        _base_config(sizes),
-        algorithm=train_job.CENTRALIZED,
-        rounds=sizes["pretrain_epochs"],
-        trainable_layers=("*",),
-        server_learning_rate=0.02,
-        server_momentum=0.9,
-    )
+    pretrain = _centralized_config(sizes, sizes["pretrain_epochs"])
     runtime.start(handle_signals=False)
     try:
         pretrained = train_job.run_train_job(
@@ -120,16 +122,7 @@ def run(out_dir: str, quick: bool) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     data, pretrained = prepare(work, sizes)
     base = _base_config(sizes)
-    configs = {
-        "centralized": dataclasses.replace(
-            base,
-            algorithm=train_job.CENTRALIZED,
-            rounds=sizes["epochs"],
-            trainable_layers=("*",),
-            server_learning_rate=0.02,
-            server_momentum=0.9,
-        )
-    }
+    configs = {"centralized": _centralized_config(sizes, sizes["epochs"])}
     for algorithm in (train_job.DP_FEDEMB, train_job.DP_FEDAVG, train_job.DP_FTRL_FEDEMB):
         for noise in (0.0, *sizes["noise"]):
             configs[f"{algorithm}@z={noise:g}"] = dataclasses.replace(

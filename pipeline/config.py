@@ -111,6 +111,7 @@ class PretrainSection:
             "evaluate_every": 4,
             "server_learning_rate": 0.02,
             "server_momentum": 0.9,
+            "batch_size": 32,
         }
     )
 
@@ -182,6 +183,9 @@ def _default_train() -> dict[str, Any]:
         "virtual_clients_per_round": 48,
         "client_learning_rate": 0.01,
         "local_epochs": 3,
+        # A virtual client holds ~32 images: batches of 8 make 12 local steps, not 3, so
+        # the fresh local head learns and the backbone update means something.
+        "batch_size": 8,
         "server_learning_rate": 0.3,
         "server_momentum": 0.0,
         "trainable_layers": ["conv*", "gn*"],
