@@ -97,6 +97,16 @@ class PartitionSection:
     num_shards: int = 4
 
 
+# The default pretraining: centralized, every layer, momentum SGD in batches of 32.
+PRETRAIN_RECIPE = {
+    "rounds": 12,
+    "evaluate_every": 4,
+    "server_learning_rate": 0.02,
+    "server_momentum": 0.9,
+    "batch_size": 32,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class PretrainSection:
     # public: train non-privately on the public split; import: use backbone_dir;
@@ -104,16 +114,9 @@ class PretrainSection:
     source: str = "public"
     backbone_dir: str = ""
     # TrainJobConfig fields for the centralized run (rounds are epochs; it uses the
-    # server learning rate and momentum), over those of `train`.
-    job: Mapping[str, Any] = dataclasses.field(
-        default_factory=lambda: {
-            "rounds": 12,
-            "evaluate_every": 4,
-            "server_learning_rate": 0.02,
-            "server_momentum": 0.9,
-            "batch_size": 32,
-        }
-    )
+    # server learning rate and momentum), over the default pretraining recipe's, over
+    # those of `train`: `pretrain.job.rounds=5` changes the epochs only.
+    job: Mapping[str, Any] = dataclasses.field(default_factory=lambda: dict(PRETRAIN_RECIPE))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,13 +249,14 @@ class PipelineConfig:
         return _train_job_config(dict(self.train), "train").to_dict()
 
     def pretrain_job_dict(self) -> dict[str, Any]:
-        """The centralized pretraining run's TrainJobConfig: train, then pretrain.job."""
+        """The centralized pretraining run: train, then PRETRAIN_RECIPE, then pretrain.job."""
         # Public data costs no budget: a train.max_epsilon must not stop the (noiseless) run.
         # Freezing is for private training: pretraining trains every layer unless
         # pretrain.job says otherwise.
         values = {
             **self.train,
             "trainable_layers": ["*"],
+            **PRETRAIN_RECIPE,
             **self.pretrain.job,
             "algorithm": "centralized",
             "max_epsilon": None,

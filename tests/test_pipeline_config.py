@@ -18,6 +18,19 @@ def test_defaults_are_valid_and_round_trip_through_a_file(tmp_path):
     assert config_lib.load_config(str(path)) == config
 
 
+def test_a_pretrain_job_override_keeps_the_rest_of_the_pretraining_recipe():
+    config = config_lib.load_config(None, ["pretrain.job.rounds=5", "train.batch_size=4"])
+    job = config.pretrain_job_dict()
+    assert job["rounds"] == 5
+    # Not train's batch size, learning rate and momentum: the pretraining recipe's.
+    assert {k: job[k] for k in ("batch_size", "server_learning_rate", "server_momentum")} == {
+        "batch_size": 32,
+        "server_learning_rate": 0.02,
+        "server_momentum": 0.9,
+    }
+    assert config.train_job_dict()["batch_size"] == 4
+
+
 def test_yaml_file_and_overrides(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text("train:\n  rounds: 7\nsplit:\n  public_fraction: 0.3\n")
