@@ -269,14 +269,15 @@ class RemoveNearDuplicates(beam.PTransform):
         keyed_candidates = candidates | "KeyCandidates" >> beam.Map(
             lambda s: (hashlib.blake2b(s, digest_size=16).hexdigest(), s)
         )
+        # Counted once: for the side to probe and for the report.
+        totals = {
+            "candidates": candidates | "CountCandidates" >> beam.combiners.Count.Globally(),
+            "references": reference | "CountReferences" >> beam.combiners.Count.Globally(),
+        }
         probe_candidates = beam.pvalue.AsSingleton(
-            candidates
-            | "CountC" >> beam.combiners.Count.Globally()
+            totals["candidates"]
             | "SmallerSide"
-            >> beam.Map(
-                lambda n, m: n < m,
-                beam.pvalue.AsSingleton(reference | "CountR" >> beam.combiners.Count.Globally()),
-            )
+            >> beam.Map(lambda n, m: n < m, beam.pvalue.AsSingleton(totals["references"]))
         )
         candidate_fps = candidates | "FingerprintCandidates" >> beam.Map(
             lambda s, probe: fingerprint(s, config, probe), probe_candidates
@@ -353,12 +354,8 @@ class RemoveNearDuplicates(beam.PTransform):
         )
         kept, removed = split.kept, split.removed
 
-        def count(pcoll, label: str):
-            return (
-                pcoll
-                | f"Count{label}" >> beam.combiners.Count.Globally()
-                | f"Key{label}" >> beam.Map(lambda n: (label, n))
-            )
+        def keyed(total, label: str):
+            return total | f"Key{label}" >> beam.Map(lambda n: (label, n))
 
         removed_by_kind = (
             removed
@@ -367,9 +364,9 @@ class RemoveNearDuplicates(beam.PTransform):
         )
         counts = (
             [
-                count(candidates, "candidates"),
-                count(reference, "references"),
-                count(kept, "kept"),
+                keyed(totals["candidates"], "candidates"),
+                keyed(totals["references"], "references"),
+                keyed(kept | "CountKept" >> beam.combiners.Count.Globally(), "kept"),
                 removed_by_kind,
             ]
             | "AllCounts" >> beam.Flatten()
