@@ -114,9 +114,14 @@ def fingerprint(serialized: bytes, config: DedupConfig, probe_offsets: bool) -> 
     )
 
 
+def _hash_bytes(hash_bits: int) -> int:
+    """Bytes that hold a hash of `hash_bits` bits."""
+    return -(-hash_bits // 8)
+
+
 def _band_keys(phash: int, band_bits: np.ndarray, hash_bits: int) -> Iterator[tuple[int, int]]:
     # Bit i is the i-th most significant of the hash's lowest hash_bits bits.
-    size = max(-(-phash.bit_length() // 8), -(-hash_bits // 8))
+    size = max(_hash_bytes(phash.bit_length()), _hash_bytes(hash_bits))
     bits = np.unpackbits(np.frombuffer(phash.to_bytes(size, "big"), dtype=np.uint8))[-hash_bits:]
     for band, packed in enumerate(np.packbits(bits[band_bits], axis=1)):
         yield band, int.from_bytes(packed.tobytes(), "big")
@@ -129,7 +134,7 @@ def _band_entries(fp: Fingerprint, band_bits: np.ndarray, hash_bits: int):
     hashes travel as bytes: Beam pickles a dataclass, and takes only ints below 2**63 on
     its fast path.
     """
-    width = -(-hash_bits // 8)
+    width = _hash_bytes(hash_bits)
     packed = b"".join(phash.to_bytes(width, "big") for phash in fp.phashes)
     keys = {key for phash in fp.phashes for key in _band_keys(phash, band_bits, hash_bits)}
     return [(key, (fp.record_id, packed)) for key in sorted(keys)]
@@ -142,7 +147,7 @@ def _unpack(packed: bytes, width: int) -> list[int]:
 def _near_within(joined, hash_bits: int, threshold: int) -> Iterator[tuple[tuple[str, str], int]]:
     """((candidate id, reference id), Hamming distance) for the close pairs of one band."""
     _, groups = joined
-    width = -(-hash_bits // 8)
+    width = _hash_bytes(hash_bits)
     references = [(ref_id, _unpack(packed, width)) for ref_id, packed in groups["reference"]]
     for candidate_id, packed in groups["candidate"] if references else ():
         candidate_hashes = _unpack(packed, width)

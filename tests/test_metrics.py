@@ -8,20 +8,37 @@ from hypothesis import strategies as st
 from tff_algorithms import metrics
 
 
-def _brute_force(embeddings, labels, fars):
-    """All pairs in one matrix; accept s > threshold, threshold = (floor(FAR·n)+1)-th largest impostor."""
+def _weighted_brute_force(embeddings, labels, weights, fars):
+    """Recall@FAR with explicit pair weights: w_a (genuine), w_a*w_b (impostor).
+
+    Accept s > threshold, where the threshold is the impostor score at which the
+    cumulative impostor weight first exceeds floor(FAR * total impostor weight).
+    """
     e = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
     similarity = e @ e.T
+    codes = np.unique(labels, return_inverse=True)[1]
     i, j = np.triu_indices(len(e), k=1)
-    same = np.asarray(labels)[i] == np.asarray(labels)[j]
-    genuine, impostors = similarity[i, j][same], np.sort(similarity[i, j][~same])[::-1]
-    result = {}
+    a, b = codes[i], codes[j]
+    same = a == b
+    genuine, genuine_w = similarity[i, j][same], weights[a][same]
+    impostors, impostor_w = similarity[i, j][~same], (weights[a] * weights[b])[~same]
+    order = np.argsort(-impostors, kind="stable")
+    impostors, impostor_w = impostors[order], impostor_w[order]
+    cumulative = np.cumsum(impostor_w)
+    result = []
     for far in fars:
-        allowed = int(np.floor(far * len(impostors)))
-        threshold = -np.inf if allowed >= len(impostors) else impostors[allowed]
-        assert np.sum(impostors > threshold) <= far * len(impostors)
-        result[far] = np.mean(genuine > threshold)
-    return result
+        allowed = np.floor(far * impostor_w.sum())
+        above = np.nonzero(cumulative > allowed)[0]
+        threshold = impostors[above[0]] if len(above) else -np.inf
+        assert impostor_w[impostors > threshold].sum() <= far * impostor_w.sum() + 1e-9
+        result.append(genuine_w[genuine > threshold].sum() / genuine_w.sum())
+    return np.asarray(result)
+
+
+def _brute_force(embeddings, labels, fars):
+    """All pairs in one matrix, every identity weighing 1."""
+    weights = np.ones(len(np.unique(labels)))
+    return dict(zip(fars, _weighted_brute_force(embeddings, labels, weights, fars)))
 
 
 def _clustered(rng, identities, per_identity, dim, spread):
@@ -107,29 +124,6 @@ def test_degenerate_inputs_are_rejected():
         metrics.recall_at_far(np.eye(3), ["a", "a", "a"])
     with pytest.raises(ValueError, match="FAR"):
         metrics.recall_at_far(np.eye(3), ["a", "a", "b"], [0.0])
-
-
-def _weighted_brute_force(embeddings, labels, weights, fars):
-    """One resample by explicit pair weights: w_a (genuine), w_a*w_b (impostor), same rule."""
-    e = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
-    similarity = e @ e.T
-    codes = np.unique(labels, return_inverse=True)[1]
-    i, j = np.triu_indices(len(e), k=1)
-    a, b = codes[i], codes[j]
-    same = a == b
-    genuine, genuine_w = similarity[i, j][same], weights[a][same]
-    impostors, impostor_w = similarity[i, j][~same], (weights[a] * weights[b])[~same]
-    order = np.argsort(-impostors, kind="stable")
-    impostors, impostor_w = impostors[order], impostor_w[order]
-    cumulative = np.cumsum(impostor_w)
-    result = []
-    for far in fars:
-        allowed = np.floor(far * impostor_w.sum())
-        above = np.nonzero(cumulative > allowed)[0]
-        threshold = impostors[above[0]] if len(above) else -np.inf
-        assert impostor_w[impostors > threshold].sum() <= far * impostor_w.sum() + 1e-9
-        result.append(genuine_w[genuine > threshold].sum() / genuine_w.sum())
-    return np.asarray(result)
 
 
 @pytest.mark.parametrize("quantize", [False, True])

@@ -1,5 +1,6 @@
 """DP-FedEmb client work: local head, learning rates, remapping, losses, non-finite updates."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -55,10 +56,20 @@ def _hand_computed_update(weights, images, identities, config, round_num=0):
     models.assign_backbone_weights(backbone, weights)
     keys = client_work.identity_keys(tf.constant(identities))
     vocabulary = tf.sort(tf.unique(keys).y)
-    seed = client_work.local_head_seed(
-        config.head_seed, round_num, client_work.client_seed_from_id(tf.constant(CLIENT_ID))
-    )
-    head = models.initial_head_kernel(seed, BACKBONE.embedding_size, config.head_capacity)
+    if config.head_init == client_work.HEAD_INIT_CLASS_MEANS:
+        # Row j: the mean unit embedding of local identity j, rescaled to the row norm.
+        unit = tf.math.l2_normalize(backbone(images, training=False), axis=1).numpy()
+        codes = np.searchsorted(vocabulary.numpy(), keys.numpy())
+        head = np.zeros((BACKBONE.embedding_size, config.head_capacity), np.float32)
+        for code in range(len(vocabulary)):
+            mean = unit[codes == code].mean(axis=0)
+            head[:, code] = config.class_means_norm * mean / np.linalg.norm(mean)
+        head = tf.constant(head)
+    else:
+        seed = client_work.local_head_seed(
+            config.head_seed, round_num, client_work.client_seed_from_id(tf.constant(CLIENT_ID))
+        )
+        head = models.initial_head_kernel(seed, BACKBONE.embedding_size, config.head_capacity)
     theta = [tf.constant(w) for w in weights.trainable]
     for start in range(0, len(identities), config.batch_size):
         batch_keys = keys[start : start + config.batch_size]
@@ -126,6 +137,37 @@ def test_head_is_fresh_per_round_and_virtual_client(fedemb_work, initial_weights
     assert np.array_equal(kernel(seed(5, 0, 1), 8, 4), kernel(seed(5, 0, 1), 8, 4))
     for other in (seed(5, 1, 1), seed(5, 0, 2), seed(6, 0, 1)):
         assert not np.allclose(kernel(seed(5, 0, 1), 8, 4), kernel(other, 8, 4))
+
+
+def test_class_means_head_matches_hand_computed_sgd(tff_runtime, initial_weights):
+    config = dataclasses.replace(
+        CONFIG, head_init=client_work.HEAD_INIT_CLASS_MEANS, class_means_norm=3.0
+    )
+    work = client_work.build_fedemb_client_work(
+        _backbone_fn,
+        models.backbone_weights_type(BACKBONE),
+        client_work.client_element_spec(BACKBONE.image_shape),
+        config,
+    )
+    images = _images(4)
+    state = work.initialize()
+    first = work.next(state, [initial_weights], [_client_dataset(images, IDENTITIES, config)])
+    expected = _hand_computed_update(initial_weights, images, IDENTITIES, config)
+    for got, want in zip(first.result[0].update, expected):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6)
+    # The initial head matters: the same steps from the random head give another update.
+    random_start = _hand_computed_update(initial_weights, images, IDENTITIES, CONFIG)
+    assert not all(
+        np.allclose(got, other, rtol=1e-3, atol=1e-5)
+        for got, other in zip(first.result[0].update, random_start)
+    )
+    # Fresh every round: nothing carries over, so the same data and backbone give the
+    # same update in the next round.
+    second = work.next(
+        first.state, [initial_weights], [_client_dataset(images, IDENTITIES, config)]
+    )
+    for a, b in zip(first.result[0].update, second.result[0].update):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_non_finite_update_becomes_zero(fedemb_work, initial_weights):

@@ -76,6 +76,9 @@ SOFTMAX = "softmax"
 COSFACE = "cosface"
 ARCFACE = "arcface"
 HEAD_LOSSES = (SOFTMAX, COSFACE, ARCFACE)
+HEAD_INIT_RANDOM = "random"
+HEAD_INIT_CLASS_MEANS = "class_means"
+HEAD_INITS = (HEAD_INIT_RANDOM, HEAD_INIT_CLASS_MEANS)
 
 _KEY_BUCKETS = 2**62
 # Logit for masked head rows: exp() underflows to exactly 0 without producing NaNs.
@@ -118,6 +121,12 @@ class ClientConfig:
       shuffle_buffer: local shuffle buffer [2048].
       head_loss: loss on the head logits.
       head_seed: base seed of the local heads' initialisation.
+      head_init: how a local head starts: `random` (Glorot uniform from the stateless
+        seed, the paper's choice) or `class_means` (each row the mean unit embedding of
+        its identity under the received backbone, scaled to `class_means_norm`; one
+        extra forward pass over the client's data; DP-FedEmb only).
+      class_means_norm: norm of a `class_means` row, i.e. the logit scale of a perfectly
+        aligned unit embedding.
       max_local_steps: a virtual client that needs more local steps than this is a
         straggler and is dropped (None: no limit).
       max_seconds: wall-clock budget of one virtual client's local training; a client
@@ -137,6 +146,8 @@ class ClientConfig:
     shuffle_buffer: int = 2048
     head_loss: HeadLossConfig = HeadLossConfig()
     head_seed: int = 0
+    head_init: str = HEAD_INIT_RANDOM
+    class_means_norm: float = 8.0
     max_local_steps: int | None = None
     max_seconds: float | None = None
     failure_injection_rate: float = 0.0
@@ -150,6 +161,10 @@ class ClientConfig:
         for name in ("head_capacity", "epochs", "batch_size", "max_examples", "shuffle_buffer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_init not in HEAD_INITS:
+            raise ValueError(f"head_init must be one of {HEAD_INITS}, got {self.head_init!r}")
+        if not self.class_means_norm > 0:
+            raise ValueError(f"class_means_norm must be positive, got {self.class_means_norm}")
         if self.max_local_steps is not None and self.max_local_steps < 1:
             raise ValueError(f"max_local_steps must be >= 1, got {self.max_local_steps}")
         if self.max_seconds is not None and not self.max_seconds > 0:
@@ -396,20 +411,49 @@ class _LocalTrainer:
             learning_rate=config.head_learning_rate, momentum=config.momentum or None
         )
 
-    def _local_vocabulary(self, dataset: tf.data.Dataset) -> tuple[tf.Tensor, tf.Tensor]:
-        """First pass: sorted distinct identity keys, and the client seed."""
+    def _local_vocabulary(
+        self, dataset: tf.data.Dataset
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+        """First pass: sorted distinct identity keys, the client seed, and with
+        `class_means` the initial head (each row its identity's mean unit embedding)."""
+        with_means = self.config.head_init == HEAD_INIT_CLASS_MEANS
 
         def collect(state, batch):
-            keys, _ = state
-            return tf.concat([keys, identity_keys(batch["identity"])], 0), batch["client_seed"]
+            keys, _, embeddings = state
+            keys = tf.concat([keys, identity_keys(batch["identity"])], 0)
+            if with_means:
+                batch_embeddings = self.backbone(batch["image"], training=False)
+                embeddings = tf.concat(
+                    [embeddings, tf.math.l2_normalize(batch_embeddings, axis=1)], 0
+                )
+            return keys, batch["client_seed"], embeddings
 
-        keys, client_seed = _fold_batches(
+        keys, client_seed, embeddings = _fold_batches(
             dataset,
-            (tf.zeros([0], tf.int64), tf.constant(0, tf.int64)),
+            (
+                tf.zeros([0], tf.int64),
+                tf.constant(0, tf.int64),
+                tf.zeros([0, self.embedding_size]),
+            ),
             collect,
-            shape_invariants=(tf.TensorShape([None]), tf.TensorShape([])),
+            shape_invariants=(
+                tf.TensorShape([None]),
+                tf.TensorShape([]),
+                tf.TensorShape([None, self.embedding_size]),
+            ),
         )
-        return tf.sort(tf.unique(keys).y), client_seed
+        vocabulary = tf.sort(tf.unique(keys).y)
+        if not with_means:
+            return vocabulary, client_seed, None
+        labels, usable = labels_in_vocabulary(keys, vocabulary, self.num_head_rows)
+        sums = tf.math.unsorted_segment_sum(
+            tf.boolean_mask(embeddings, usable),
+            tf.boolean_mask(labels, usable),
+            self.num_head_rows,
+        )
+        # Rows of absent identities stay zero (they are masked out of the loss anyway).
+        head = self.config.class_means_norm * tf.math.l2_normalize(sums, axis=1)
+        return vocabulary, client_seed, tf.transpose(head)
 
     def train(self, initial_weights, dataset, client_state):  # noqa: ANN001, ANN201 - TFF structures
         backbone_variables = list(self.backbone.trainable_weights)
@@ -419,13 +463,16 @@ class _LocalTrainer:
         ):
             variable.assign(value)
         if self.vocabulary is None:
-            vocabulary, client_seed = self._local_vocabulary(dataset)
-            seed = local_head_seed(
-                client_state["head_seed"], client_state["round_num"], client_seed
-            )
-            self.head.assign(
-                models.initial_head_kernel(seed, self.embedding_size, self.num_head_rows)
-            )
+            vocabulary, client_seed, class_means = self._local_vocabulary(dataset)
+            if class_means is None:
+                seed = local_head_seed(
+                    client_state["head_seed"], client_state["round_num"], client_seed
+                )
+                self.head.assign(
+                    models.initial_head_kernel(seed, self.embedding_size, self.num_head_rows)
+                )
+            else:
+                self.head.assign(class_means)
             num_active_rows = tf.minimum(tf.size(vocabulary), self.num_head_rows)
         else:
             vocabulary = tf.constant(self.vocabulary, tf.int64)

@@ -132,6 +132,10 @@ class TrainJobConfig:
       client_momentum: client SGD momentum (paper: 0.9).
       server_learning_rate / server_momentum: server SGD with momentum (paper: 0.9).
       head_lr_scale: β2 / β1 (paper: 100).
+      head_init / class_means_norm: how each local head starts (`client_work.ClientConfig`):
+        `random` (the paper) or `class_means` (rows are the client's per-identity mean
+        unit embeddings under the received backbone, of norm class_means_norm). Local
+        heads only: DP-FedAvg's and the oracle's global head start from the model.
       local_epochs, batch_size, max_examples_per_client: local training (paper: 1, 32, 2048).
       head_capacity: rows of the local head; None means users_per_virtual_client, exact
         when every user holds one identity (faces). A round with examples beyond it stops
@@ -182,6 +186,8 @@ class TrainJobConfig:
     server_learning_rate: float = 0.02
     server_momentum: float = 0.9
     head_lr_scale: float = 100.0
+    head_init: str = client_work.HEAD_INIT_RANDOM
+    class_means_norm: float = 8.0
     local_epochs: int = 1
     batch_size: int = 32
     max_examples_per_client: int = 2048
@@ -258,7 +264,17 @@ class TrainJobConfig:
         if self.channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {self.channels!r}")
         _check_number("noise_multiplier", self.noise_multiplier, 0, math.inf, low_open=False)
-        for name in ("clip_norm", "client_learning_rate", "server_learning_rate", "head_lr_scale"):
+        if self.head_init not in client_work.HEAD_INITS:
+            raise ValueError(
+                f"head_init must be one of {client_work.HEAD_INITS}, got {self.head_init!r}"
+            )
+        for name in (
+            "clip_norm",
+            "client_learning_rate",
+            "server_learning_rate",
+            "head_lr_scale",
+            "class_means_norm",
+        ):
             _check_number(name, getattr(self, name), 0, math.inf, low_open=True)
         for name in ("client_momentum", "server_momentum"):
             _check_number(name, getattr(self, name), 0, 1, low_open=False)
@@ -312,6 +328,8 @@ class TrainJobConfig:
             max_examples=self.max_examples_per_client,
             shuffle_buffer=self.max_examples_per_client,
             head_seed=self.seed,
+            head_init=self.head_init,
+            class_means_norm=self.class_means_norm,
             max_local_steps=self.max_local_steps,
             max_seconds=self.max_client_seconds,
             failure_injection_rate=float(self.failure_injection_rate),

@@ -36,6 +36,8 @@ _CONFIG_FLAGS = {
     "server-lr": "server_learning_rate",
     "server-momentum": "server_momentum",
     "head-lr-scale": "head_lr_scale",
+    "head-init": "head_init",
+    "class-means-norm": "class_means_norm",
     "local-epochs": "local_epochs",
     "batch-size": "batch_size",
     "max-examples-per-client": "max_examples_per_client",
@@ -76,6 +78,8 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("float", "server-lr", "server learning rate (centralized: its learning rate)")
     define("float", "server-momentum", "server SGD momentum")
     define("float", "head-lr-scale", "head learning rate / backbone learning rate")
+    define("string", "head-init", "local heads start as: random | class_means")
+    define("float", "class-means-norm", "norm of a class_means head row (its logit scale)")
     define("integer", "local-epochs", "local epochs per virtual client")
     define("integer", "batch-size", "local batch size")
     define("integer", "max-examples-per-client", "cap on examples per virtual client")
