@@ -59,6 +59,8 @@ def test_yaml_file_and_overrides(tmp_path):
         ("pretrain.source=elsewhere", "pretrain.source must be one of"),
         ("pretrain.source=import", "pretrain.backbone_dir"),
         ("train.algorithm=centralized", "private training"),
+        ("train.head_init=zeros", "config train: head_init must be one of"),
+        ("train.class_means_norm=0", "config train: class_means_norm"),
         ("pipeline.enable_cache=maybe", "must be true or false"),
         ("data.inputs=[/does/not/exist]", "does not exist"),
         ("data.public_inputs=[/does/not/exist]", "data.public_inputs: /does/not/exist does not"),

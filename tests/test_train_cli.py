@@ -105,6 +105,7 @@ def _error_line(capsys, *args: str) -> tuple[int, str]:
         (["--max-epsilon=0.5"], "over budget"),
         (["--noise-multiplier=-1"], "noise_multiplier must be"),
         (["--algorithm=fedsgd"], "algorithm must be one of"),
+        (["--head-init=zeros"], "head_init must be one of"),
     ],
 )
 def test_bad_hyperparameters_give_one_error_line(trained, capsys, extra, message):
