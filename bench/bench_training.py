@@ -6,7 +6,9 @@ recall@FAR on held-out identities of the public-pretrained start, the centralize
 (non-private, every layer, from the same start) and DP-FedEmb, DP-FedAvg and
 DP-FTRL-FedEmb at noise multiplier 0 and two positive values, with the same schedule,
 rounds and trained layers (the pipeline default's convolutions and GroupNorm layers), and
-the epsilon of each.
+the epsilon of each. DP-FedEmb also with the paper's randomly initialised local heads (the
+default starts them at class means), and noiseless with every layer trained for longer,
+against the oracle.
 
 Speed (round time vs a tuned plain TensorFlow loop, workers, scaling, FLOP/s) is
 `bench/bench_speed.py`.
@@ -23,7 +25,7 @@ import numpy as np
 
 from beam_jobs import partition, synthetic
 from pipeline import config as config_lib
-from tff_algorithms import runtime, train_job
+from tff_algorithms import client_work, models, runtime, train_job
 
 _FULL = {
     "identities": 1000,
@@ -35,19 +37,23 @@ _FULL = {
     "virtual_clients_per_round": 12,
     "epochs": 8,
     "noise": (0.5, 1.0),
+    "noiseless_rounds": 60,
 }
 _QUICK = {
     "identities": 80,
     "images": 4,
     "public_identities": 20,
     "public_images": 4,
-    "pretrain_epochs": 1,
+    "pretrain_epochs": 3,  # after 1 epoch every-layer local training diverges
     "rounds": 3,
     "virtual_clients_per_round": 4,
     "epochs": 1,
     "noise": (0.5, 1.0),
+    "noiseless_rounds": 2,
 }
 _HELD_OUT_FRACTION = 0.2
+_RANDOM_HEAD = f"{train_job.DP_FEDEMB} random head"
+_NOISELESS = f"{train_job.DP_FEDEMB} z=0 every layer"
 
 
 def _at_bench_size(recipe: Mapping, sizes: Mapping) -> train_job.TrainJobConfig:
@@ -128,6 +134,22 @@ def run(out_dir: str, quick: bool) -> dict:
             configs[f"{algorithm}@z={noise:g}"] = dataclasses.replace(
                 base, algorithm=algorithm, noise_multiplier=noise
             )
+    # The paper's local head (random start) against the default's (class means).
+    for noise in (0.0, max(sizes["noise"])):
+        configs[f"{_RANDOM_HEAD}@z={noise:g}"] = dataclasses.replace(
+            base, head_init=client_work.HEAD_INIT_RANDOM, noise_multiplier=noise
+        )
+    # "Federated without noise close to centralized": every layer, as the oracle trains,
+    # server momentum 0.9, and three times the bench's rounds.
+    for head_init in client_work.HEAD_INITS:
+        configs[f"{_NOISELESS}, {head_init} head"] = dataclasses.replace(
+            base,
+            head_init=head_init,
+            trainable_layers=models.ALL_LAYERS,
+            rounds=sizes["noiseless_rounds"],
+            server_learning_rate=1.0,
+            server_momentum=0.9,
+        )
     utility = train_each(
         "bench_training", configs, data, work, _utility, pretrained.saved_model_dir
     )
@@ -150,6 +172,9 @@ def run(out_dir: str, quick: bool) -> dict:
             "rounds": base.rounds,
             "clip_norm": base.clip_norm,
             "trainable_layers": list(base.trainable_layers),
+            "head_init": base.head_init,
+            "class_means_norm": base.class_means_norm,
+            "noiseless_rounds": sizes["noiseless_rounds"],
         },
         "pretrained": held_out_recall(pretrained),
         "utility": utility,

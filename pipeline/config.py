@@ -189,6 +189,11 @@ def _default_train() -> dict[str, Any]:
         # A virtual client holds ~32 images: batches of 8 make 12 local steps, not 3, so
         # the fresh local head learns and the backbone update means something.
         "batch_size": 8,
+        # Each local head starts at its identities' mean embeddings, so the first local
+        # steps already pull the backbone towards separating them (a random head spends
+        # them learning where the identities are).
+        "head_init": "class_means",
+        "class_means_norm": 8.0,
         "server_learning_rate": 0.3,
         "server_momentum": 0.0,
         "trainable_layers": ["conv*", "gn*"],
