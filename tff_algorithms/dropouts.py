@@ -48,6 +48,12 @@ from absl import logging
 
 # The client-work measurement the minimum applies to.
 KEPT_CLIENTS = "kept_clients"
+# Client-work measurements counting the ways a virtual client is dropped, and their names.
+DROP_REASONS = {
+    "failed_reads": "failed reads",
+    "timed_out_clients": "timed out",
+    "non_finite_updates": "non-finite updates",
+}
 
 
 class RoundBelowMinimumReports(ValueError):
@@ -119,6 +125,16 @@ def kept_clients(training_metrics: Mapping[str, Any]) -> int:
     return int(training_metrics["client_work"][KEPT_CLIENTS])
 
 
+def drop_reasons(training_metrics: Mapping[str, Any]) -> dict[str, int]:
+    """Dropped virtual clients of a round by reason, from the process metrics."""
+    work = training_metrics["client_work"]
+    return {name: int(work[key]) for key, name in DROP_REASONS.items()}
+
+
+def _reasons_text(reasons: Mapping[str, int]) -> str:
+    return ", ".join(f"{count} {name}" for name, count in reasons.items())
+
+
 def run_round(
     process: tff.learning.templates.LearningProcess,
     state: Any,
@@ -137,6 +153,7 @@ def run_round(
       RoundBelowMinimumReports: no attempt reached `policy.min_reports`.
     """
     counts = []
+    dropped = dict.fromkeys(DROP_REASONS.values(), 0)
     for attempt in range(policy.max_attempts):
         client_ids = list(clients_for_attempt(round_num, attempt))
         output = process.next(state, client_ids)
@@ -144,23 +161,32 @@ def run_round(
         if kept >= policy.min_reports:
             return RoundOutcome(output, client_ids, attempt + 1, kept, tuple(counts))
         counts.append(kept)
+        reasons = drop_reasons(output.metrics)
+        dropped = {name: dropped[name] + count for name, count in reasons.items()}
         # Only counts are logged: the attempt's output is discarded, never released.
         logging.warning(
             "round %d attempt %d: %d of %d planned virtual clients reported, below the "
-            "minimum %d; %s",
+            "minimum %d (dropped: %s); %s",
             round_num + 1,
             attempt + 1,
             kept,
             policy.virtual_clients_per_round,
             policy.min_reports,
+            _reasons_text(reasons),
             "retrying with a fresh selection"
             if attempt + 1 < policy.max_attempts
             else "no attempts left",
         )
+    # Non-finite updates mean local training diverged, which retries cannot mend.
+    advice = (
+        "local training diverged: lower client_learning_rate or head_lr_scale"
+        if dropped[DROP_REASONS["non_finite_updates"]] > 0
+        else "check the failed reads and timeouts in the log"
+    )
     raise RoundBelowMinimumReports(
         f"round {round_num + 1}: {policy.max_attempts} attempts had {counts} reporting "
         f"virtual clients, below the minimum {policy.min_reports} of "
         f"{policy.virtual_clients_per_round} (min_report_fraction "
-        f"{policy.min_report_fraction:g}); not applied. Check the failed reads and "
-        "timeouts in the log; re-running resumes at this round"
+        f"{policy.min_report_fraction:g}; dropped: {_reasons_text(dropped)}); not applied, "
+        f"{advice}; re-running resumes at this round"
     )

@@ -92,13 +92,7 @@ _RESUMABLE_CHANGES = frozenset({"evaluate_every", "max_epsilon"})
 # Never published (module docstring).
 _SECRET_FIELDS = ("schedule_seed", "noise_seed")
 # Client-work counts of the applied attempt of each round, recorded in the history.
-CLIENT_COUNTS = (
-    "failed_reads",
-    "timed_out_clients",
-    "non_finite_updates",
-    "dropped_clients",
-    "kept_clients",
-)
+CLIENT_COUNTS = (*dropouts.DROP_REASONS, "dropped_clients", dropouts.KEPT_CLIENTS)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
