@@ -193,7 +193,6 @@ def _default_train() -> dict[str, Any]:
         # steps already pull the backbone towards separating them (a random head spends
         # them learning where the identities are).
         "head_init": "class_means",
-        "class_means_norm": 8.0,
         "server_learning_rate": 0.3,
         "server_momentum": 0.0,
         "trainable_layers": ["conv*", "gn*"],

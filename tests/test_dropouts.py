@@ -213,13 +213,22 @@ def test_a_round_below_the_minimum_is_retried_with_a_fresh_selection(no_noise):
     )
 
 
-def test_a_round_that_never_reaches_the_minimum_stops_with_an_error(no_noise):
-    policy = dropouts.ReportPolicy(PLANNED, min_report_fraction=0.5, max_attempts=2)
+def _round_error(process, attempts, healthy, dropped):
+    """The error of a round whose every attempt selects the same too-few healthy clients."""
+    policy = dropouts.ReportPolicy(PLANNED, min_report_fraction=0.5, max_attempts=attempts)
     with pytest.raises(dropouts.RoundBelowMinimumReports) as raised:
         dropouts.run_round(
-            no_noise, no_noise.initialize(), 0, lambda r, a: _round(healthy=2, dropped=1), policy
+            process,
+            process.initialize(),
+            0,
+            lambda r, a: _round(healthy=healthy, dropped=dropped),
+            policy,
         )
-    message = str(raised.value)
+    return str(raised.value)
+
+
+def test_a_round_that_never_reaches_the_minimum_stops_with_an_error(no_noise):
+    message = _round_error(no_noise, attempts=2, healthy=2, dropped=1)
     assert "round 1: 2 attempts had [2, 2]" in message
     # Why they were dropped, summed over the attempts: one failed read in each.
     assert "dropped: 2 failed reads, 0 timed out, 0 non-finite updates" in message
@@ -227,12 +236,7 @@ def test_a_round_that_never_reaches_the_minimum_stops_with_an_error(no_noise):
 
 
 def test_a_round_lost_to_non_finite_updates_says_training_diverged(no_noise):
-    policy = dropouts.ReportPolicy(PLANNED, min_report_fraction=0.5, max_attempts=1)
-    with pytest.raises(dropouts.RoundBelowMinimumReports) as raised:
-        dropouts.run_round(
-            no_noise, no_noise.initialize(), 0, lambda r, a: _round(healthy=1, dropped=3), policy
-        )
-    message = str(raised.value)
+    message = _round_error(no_noise, attempts=1, healthy=1, dropped=3)
     assert "dropped: 1 failed reads, 1 timed out, 1 non-finite updates" in message
     assert "local training diverged" in message
 

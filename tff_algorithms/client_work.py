@@ -411,7 +411,7 @@ class _LocalTrainer:
             learning_rate=config.head_learning_rate, momentum=config.momentum or None
         )
 
-    def _local_vocabulary(
+    def _first_pass(
         self, dataset: tf.data.Dataset
     ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
         """First pass: sorted distinct identity keys, the client seed, and with
@@ -463,7 +463,7 @@ class _LocalTrainer:
         ):
             variable.assign(value)
         if self.vocabulary is None:
-            vocabulary, client_seed, class_means = self._local_vocabulary(dataset)
+            vocabulary, client_seed, class_means = self._first_pass(dataset)
             if class_means is None:
                 seed = local_head_seed(
                     client_state["head_seed"], client_state["round_num"], client_seed

@@ -126,13 +126,13 @@ def kept_clients(training_metrics: Mapping[str, Any]) -> int:
 
 
 def drop_reasons(training_metrics: Mapping[str, Any]) -> dict[str, int]:
-    """Dropped virtual clients of a round by reason, from the process metrics."""
+    """Dropped virtual clients of a round by DROP_REASONS key, from the process metrics."""
     work = training_metrics["client_work"]
-    return {name: int(work[key]) for key, name in DROP_REASONS.items()}
+    return {key: int(work[key]) for key in DROP_REASONS}
 
 
 def _reasons_text(reasons: Mapping[str, int]) -> str:
-    return ", ".join(f"{count} {name}" for name, count in reasons.items())
+    return ", ".join(f"{reasons[key]} {name}" for key, name in DROP_REASONS.items())
 
 
 def run_round(
@@ -153,7 +153,7 @@ def run_round(
       RoundBelowMinimumReports: no attempt reached `policy.min_reports`.
     """
     counts = []
-    dropped = dict.fromkeys(DROP_REASONS.values(), 0)
+    dropped = dict.fromkeys(DROP_REASONS, 0)
     for attempt in range(policy.max_attempts):
         client_ids = list(clients_for_attempt(round_num, attempt))
         output = process.next(state, client_ids)
@@ -162,7 +162,7 @@ def run_round(
             return RoundOutcome(output, client_ids, attempt + 1, kept, tuple(counts))
         counts.append(kept)
         reasons = drop_reasons(output.metrics)
-        dropped = {name: dropped[name] + count for name, count in reasons.items()}
+        dropped = {key: dropped[key] + count for key, count in reasons.items()}
         # Only counts are logged: the attempt's output is discarded, never released.
         logging.warning(
             "round %d attempt %d: %d of %d planned virtual clients reported, below the "
@@ -180,7 +180,7 @@ def run_round(
     # Non-finite updates mean local training diverged, which retries cannot mend.
     advice = (
         "local training diverged: lower client_learning_rate or head_lr_scale"
-        if dropped[DROP_REASONS["non_finite_updates"]] > 0
+        if dropped["non_finite_updates"] > 0
         else "check the failed reads and timeouts in the log"
     )
     raise RoundBelowMinimumReports(

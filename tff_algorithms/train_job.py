@@ -181,7 +181,7 @@ class TrainJobConfig:
     server_momentum: float = 0.9
     head_lr_scale: float = 100.0
     head_init: str = client_work.HEAD_INIT_RANDOM
-    class_means_norm: float = 8.0
+    class_means_norm: float = client_work.ClientConfig.class_means_norm
     local_epochs: int = 1
     batch_size: int = 32
     max_examples_per_client: int = 2048
