@@ -61,6 +61,7 @@ def test_yaml_file_and_overrides(tmp_path):
         ("train.algorithm=centralized", "private training"),
         ("train.head_init=zeros", "config train: head_init must be one of"),
         ("train.class_means_norm=0", "config train: class_means_norm"),
+        ("train.head_loss_margin=-0.1", "config train: head_loss_margin"),
         ("pipeline.enable_cache=maybe", "must be true or false"),
         ("data.inputs=[/does/not/exist]", "does not exist"),
         ("data.public_inputs=[/does/not/exist]", "data.public_inputs: /does/not/exist does not"),

@@ -170,6 +170,35 @@ def test_class_means_head_matches_hand_computed_sgd(tff_runtime, initial_weights
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("loss", [client_work.COSFACE, client_work.ARCFACE])
+def test_margin_loss_update_matches_hand_computed_sgd(tff_runtime, initial_weights, loss):
+    config = dataclasses.replace(
+        CONFIG,
+        head_init=client_work.HEAD_INIT_CLASS_MEANS,
+        head_loss=client_work.HeadLossConfig(loss, scale=16.0, margin=0.2),
+    )
+    work = client_work.build_fedemb_client_work(
+        _backbone_fn,
+        models.backbone_weights_type(BACKBONE),
+        client_work.client_element_spec(BACKBONE.image_shape),
+        config,
+    )
+    images = _images(5)
+    output = work.next(
+        work.initialize(), [initial_weights], [_client_dataset(images, IDENTITIES, config)]
+    )
+    expected = _hand_computed_update(initial_weights, images, IDENTITIES, config)
+    for got, want in zip(output.result[0].update, expected):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6)
+    # The loss matters: softmax from the same start gives another update.
+    softmax = dataclasses.replace(config, head_loss=client_work.HeadLossConfig())
+    other = _hand_computed_update(initial_weights, images, IDENTITIES, softmax)
+    assert not all(
+        np.allclose(got, want, rtol=1e-3, atol=1e-5)
+        for got, want in zip(output.result[0].update, other)
+    )
+
+
 def test_non_finite_update_becomes_zero(fedemb_work, initial_weights):
     images = _images(2)
     images[0, 0, 0, 0] = np.nan

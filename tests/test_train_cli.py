@@ -106,6 +106,7 @@ def _error_line(capsys, *args: str) -> tuple[int, str]:
         (["--noise-multiplier=-1"], "noise_multiplier must be"),
         (["--algorithm=fedsgd"], "algorithm must be one of"),
         (["--head-init=zeros"], "head_init must be one of"),
+        (["--head-loss=triplet"], "head_loss must be one of"),
     ],
 )
 def test_bad_hyperparameters_give_one_error_line(trained, capsys, extra, message):

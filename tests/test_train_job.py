@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from beam_jobs import synthetic
 from tests import support
-from tff_algorithms import accounting, train_job
+from tff_algorithms import accounting, client_work, train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
 TRAIN_IDENTITIES = 32  # identities (= users) 0..31 train, 32..39 held out
@@ -130,6 +130,34 @@ def test_centralized_oracle_writes_the_same_outputs_marked_non_private(data, tmp
     ]
 
 
+def _exported_weights(result: train_job.TrainJobResult) -> dict[str, np.ndarray]:
+    path = os.path.join(result.saved_model_dir, "variables", "variables")
+    return {name: tf.train.load_variable(path, name) for name, _ in tf.train.list_variables(path)}
+
+
+def test_head_loss_reaches_local_heads_and_the_oracle(data, tmp_path):
+    cosface = {"head_loss": "cosface", "head_loss_scale": 16.0, "head_loss_margin": 0.2}
+    assert dataclasses.replace(
+        CONFIG, **cosface
+    ).client_config().head_loss == client_work.HeadLossConfig("cosface", 16.0, 0.2)
+    oracle = dataclasses.replace(
+        CONFIG, algorithm=train_job.CENTRALIZED, rounds=1, server_learning_rate=0.05
+    )
+    runs = {
+        name: _exported_weights(
+            train_job.run_train_job(
+                dataclasses.replace(oracle, **changes), *data, str(tmp_path / name)
+            )
+        )
+        for name, changes in (("softmax", {}), ("softmax again", {}), ("cosface", cosface))
+    }
+    # Same data, seeds and steps: the oracle is repeatable, and only the loss on its
+    # global head tells the cosface run apart.
+    names = runs["softmax"].keys()
+    assert all(np.array_equal(runs["softmax"][n], runs["softmax again"][n]) for n in names)
+    assert not all(np.array_equal(runs["softmax"][n], runs["cosface"][n]) for n in names)
+
+
 def test_over_budget_job_refuses_to_start(data, tmp_path):
     config = dataclasses.replace(CONFIG, max_epsilon=0.5)
     output_dir = str(tmp_path / "refused")
@@ -176,6 +204,10 @@ def test_config_round_trips_and_keeps_paper_momentum():
         ({"restart_every_epoch": True}, "restart_every_epoch"),
         ({"architecture": "mobilenet_v2"}, "32x32"),
         ({"users_per_virtual_client": 2.5}, "integer"),
+        ({"head_loss": "triplet"}, "head_loss must be one of"),
+        ({"head_loss_scale": 0.0}, "head_loss_scale"),
+        ({"head_loss_margin": 2.0}, "head_loss_margin"),
+        ({"head_loss_margin": "0.3"}, "head_loss_margin must be a number"),
     ],
 )
 def test_config_rejects_nonsense(changes, message):

@@ -130,6 +130,9 @@ class TrainJobConfig:
         `random` (the paper) or `class_means` (rows are the client's per-identity mean
         unit embeddings under the received backbone, of norm class_means_norm). Local
         heads only: DP-FedAvg's and the oracle's global head start from the model.
+      head_loss / head_loss_scale / head_loss_margin: the loss on every head's logits,
+        local, DP-FedAvg's and the oracle's (`client_work.HeadLossConfig`): `softmax`
+        (the paper), `cosface` or `arcface`; scale s and margin m apply to the last two.
       local_epochs, batch_size, max_examples_per_client: local training (paper: 1, 32, 2048).
       head_capacity: rows of the local head; None means users_per_virtual_client, exact
         when every user holds one identity (faces). A round with examples beyond it stops
@@ -182,6 +185,9 @@ class TrainJobConfig:
     head_lr_scale: float = 100.0
     head_init: str = client_work.HEAD_INIT_RANDOM
     class_means_norm: float = client_work.ClientConfig.class_means_norm
+    head_loss: str = client_work.HeadLossConfig.loss
+    head_loss_scale: float = client_work.HeadLossConfig.scale
+    head_loss_margin: float = client_work.HeadLossConfig.margin
     local_epochs: int = 1
     batch_size: int = 32
     max_examples_per_client: int = 2048
@@ -268,8 +274,14 @@ class TrainJobConfig:
             "server_learning_rate",
             "head_lr_scale",
             "class_means_norm",
+            "head_loss_scale",
         ):
             _check_number(name, getattr(self, name), 0, math.inf, low_open=True)
+        _check_number("head_loss_margin", self.head_loss_margin, 0, math.pi / 2, low_open=False)
+        if self.head_loss not in client_work.HEAD_LOSSES:
+            raise ValueError(
+                f"head_loss must be one of {client_work.HEAD_LOSSES}, got {self.head_loss!r}"
+            )
         for name in ("client_momentum", "server_momentum"):
             _check_number(name, getattr(self, name), 0, 1, low_open=False)
         if self.delta is not None:
@@ -304,6 +316,12 @@ class TrainJobConfig:
         )
 
     @property
+    def head_loss_config(self) -> client_work.HeadLossConfig:
+        return client_work.HeadLossConfig(
+            self.head_loss, float(self.head_loss_scale), float(self.head_loss_margin)
+        )
+
+    @property
     def image_shape(self) -> tuple[int, int, int]:
         return (self.image_size, self.image_size, self.channels)
 
@@ -324,6 +342,7 @@ class TrainJobConfig:
             head_seed=self.seed,
             head_init=self.head_init,
             class_means_norm=self.class_means_norm,
+            head_loss=self.head_loss_config,
             max_local_steps=self.max_local_steps,
             max_seconds=self.max_client_seconds,
             failure_injection_rate=float(self.failure_injection_rate),
@@ -805,6 +824,7 @@ def _train_centralized(
         learning_rate=config.server_learning_rate,
         batch_size=config.batch_size,
         momentum=config.server_momentum,
+        head_loss=config.head_loss_config,
         seed=config.seed,
         initial_backbone=pretrained,
     )

@@ -38,6 +38,9 @@ _CONFIG_FLAGS = {
     "head-lr-scale": "head_lr_scale",
     "head-init": "head_init",
     "class-means-norm": "class_means_norm",
+    "head-loss": "head_loss",
+    "head-loss-scale": "head_loss_scale",
+    "head-loss-margin": "head_loss_margin",
     "local-epochs": "local_epochs",
     "batch-size": "batch_size",
     "max-examples-per-client": "max_examples_per_client",
@@ -80,6 +83,9 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("float", "head-lr-scale", "head learning rate / backbone learning rate")
     define("string", "head-init", "local heads start as: random | class_means")
     define("float", "class-means-norm", "norm of a class_means head row (its logit scale)")
+    define("string", "head-loss", "loss on the head logits: softmax | cosface | arcface")
+    define("float", "head-loss-scale", "cosface/arcface: logit scale s")
+    define("float", "head-loss-margin", "cosface/arcface: margin m")
     define("integer", "local-epochs", "local epochs per virtual client")
     define("integer", "batch-size", "local batch size")
     define("integer", "max-examples-per-client", "cap on examples per virtual client")
