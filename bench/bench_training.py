@@ -6,9 +6,10 @@ recall@FAR on held-out identities of the public-pretrained start, the centralize
 (non-private, every layer, from the same start) and DP-FedEmb, DP-FedAvg and
 DP-FTRL-FedEmb at noise multiplier 0 and two positive values, with the same schedule,
 rounds and trained layers (the pipeline default's convolutions and GroupNorm layers), and
-the epsilon of each. DP-FedEmb also with the paper's randomly initialised local heads (the
+the epsilon of each. DP-FedEmb and the oracle also with the paper's softmax head loss (the
+default is CosFace), DP-FedEmb with the paper's randomly initialised local heads (the
 default starts them at class means), and noiseless with every layer trained for longer,
-against the oracle.
+against the oracle with the same loss.
 
 Speed (round time vs a tuned plain TensorFlow loop, workers, scaling, FLOP/s) is
 `bench/bench_speed.py`.
@@ -25,7 +26,7 @@ import numpy as np
 
 from beam_jobs import partition, synthetic
 from pipeline import config as config_lib
-from tff_algorithms import client_work, models, runtime, train_job
+from tff_algorithms import client_work, dropouts, models, runtime, train_job
 
 _FULL = {
     "identities": 1000,
@@ -53,6 +54,7 @@ _QUICK = {
 }
 _HELD_OUT_FRACTION = 0.2
 _RANDOM_HEAD = f"{train_job.DP_FEDEMB} random head"
+_SOFTMAX = "softmax loss"
 _NOISELESS = f"{train_job.DP_FEDEMB} z=0 every layer"
 
 
@@ -96,9 +98,10 @@ def _write_data(root: str, identities: int, images: int) -> tuple[str, str]:
     )
 
 
-def prepare(work: str, sizes: Mapping) -> tuple[tuple[str, str], train_job.TrainJobResult]:
-    """Private data under WORK, and the backbone pretrained on public sketches of other
-    identities (centralized, every layer), evaluated on the private held-out photos."""
+def prepare(work: str, sizes: Mapping) -> tuple[tuple[str, str], str, train_job.TrainJobResult]:
+    """Under WORK: private data (training partition, held-out records), public sketches of
+    other identities (their partition), and the backbone pretrained on those with the
+    pipeline's head loss, evaluated on the private held-out photos."""
     data = _write_data(work, sizes["identities"], sizes["images"])
     public = synthetic.SyntheticConfig(
         identities=sizes["public_identities"],
@@ -111,48 +114,75 @@ def prepare(work: str, sizes: Mapping) -> tuple[tuple[str, str], train_job.Train
         synthetic.records_for_identities(public, 0, public.identities),
         num_shards=4,
     )
-    pretrain = _centralized_config(sizes, sizes["pretrain_epochs"])
+    return data, public_dir, pretrain(work, sizes, public_dir, data[1])
+
+
+def pretrain(
+    work: str, sizes: Mapping, public_dir: str, eval_dir: str, head_loss: str | None = None
+) -> train_job.TrainJobResult:
+    """The pipeline's pretraining (centralized, every layer) on the public partition, with
+    `head_loss` instead of the pipeline's if given."""
+    config = _centralized_config(sizes, sizes["pretrain_epochs"])
+    if head_loss is not None:
+        config = dataclasses.replace(config, head_loss=head_loss)
+    output = os.path.join(work, "pretrained" if head_loss is None else f"pretrained_{head_loss}")
     runtime.start(handle_signals=False)
     try:
-        pretrained = train_job.run_train_job(
-            pretrain, public_dir, data[1], os.path.join(work, "pretrained")
-        )
+        return train_job.run_train_job(config, public_dir, eval_dir, output)
     finally:
         runtime.stop()
-    return data, pretrained
 
 
 def run(out_dir: str, quick: bool) -> dict:
     sizes = _QUICK if quick else _FULL
     work = os.path.join(out_dir, "bench_training_work")
     shutil.rmtree(work, ignore_errors=True)
-    data, pretrained = prepare(work, sizes)
+    data, public_dir, pretrained = prepare(work, sizes)
+    # The paper's loss from a start pretrained with it (the same pretraining, softmax):
+    # from the CosFace-pretrained start, softmax local training of every layer diverged.
+    pretrained_softmax = pretrain(work, sizes, public_dir, data[1], client_work.SOFTMAX)
     base = _base_config(sizes)
-    configs = {"centralized": _centralized_config(sizes, sizes["epochs"])}
+    centralized = _centralized_config(sizes, sizes["epochs"])
+    configs = {"centralized": centralized}
+    softmax = {"head_loss": client_work.SOFTMAX}
+    softmax_configs = {
+        f"centralized {_SOFTMAX}": dataclasses.replace(centralized, **softmax),
+    }
     for algorithm in (train_job.DP_FEDEMB, train_job.DP_FEDAVG, train_job.DP_FTRL_FEDEMB):
         for noise in (0.0, *sizes["noise"]):
             configs[f"{algorithm}@z={noise:g}"] = dataclasses.replace(
                 base, algorithm=algorithm, noise_multiplier=noise
             )
-    # The paper's local head (random start) against the default's (class means).
+    # The paper's loss (softmax) and local head start (random) against the default's.
     for noise in (0.0, max(sizes["noise"])):
+        softmax_configs[f"{train_job.DP_FEDEMB} {_SOFTMAX}@z={noise:g}"] = dataclasses.replace(
+            base, noise_multiplier=noise, **softmax
+        )
         configs[f"{_RANDOM_HEAD}@z={noise:g}"] = dataclasses.replace(
             base, head_init=client_work.HEAD_INIT_RANDOM, noise_multiplier=noise
         )
     # "Federated without noise close to centralized": every layer, as the oracle trains,
-    # server momentum 0.9, and three times the bench's rounds.
-    for head_init in client_work.HEAD_INITS:
-        configs[f"{_NOISELESS}, {head_init} head"] = dataclasses.replace(
-            base,
-            head_init=head_init,
-            trainable_layers=models.ALL_LAYERS,
-            rounds=sizes["noiseless_rounds"],
-            server_learning_rate=1.0,
-            server_momentum=0.9,
-        )
-    utility = train_each(
-        "bench_training", configs, data, work, _utility, pretrained.saved_model_dir
+    # server momentum 0.9, and three times the bench's rounds; with either loss.
+    noiseless = dataclasses.replace(
+        base,
+        trainable_layers=models.ALL_LAYERS,
+        rounds=sizes["noiseless_rounds"],
+        server_learning_rate=1.0,
+        server_momentum=0.9,
     )
+    configs[_NOISELESS] = noiseless
+    softmax_configs[f"{_NOISELESS} {_SOFTMAX}"] = dataclasses.replace(noiseless, **softmax)
+    utility = {
+        **train_each("bench_training", configs, data, work, _utility, pretrained.saved_model_dir),
+        **train_each(
+            "bench_training",
+            softmax_configs,
+            data,
+            work,
+            _utility,
+            pretrained_softmax.saved_model_dir,
+        ),
+    }
     return {
         "quick": quick,
         "data": {
@@ -173,10 +203,12 @@ def run(out_dir: str, quick: bool) -> dict:
             "clip_norm": base.clip_norm,
             "trainable_layers": list(base.trainable_layers),
             "head_init": base.head_init,
+            "head_loss": dataclasses.asdict(base.head_loss_config),
             "class_means_norm": base.class_means_norm,
             "noiseless_rounds": sizes["noiseless_rounds"],
         },
         "pretrained": held_out_recall(pretrained),
+        f"pretrained {_SOFTMAX}": held_out_recall(pretrained_softmax),
         "utility": utility,
         "recall_ordering_at_max_noise": _ordering(utility, max(sizes["noise"])),
     }
@@ -193,17 +225,23 @@ def train_each(
     """Trains each named config on `data` (partition_dir, eval_dir) into WORK/<name>,
     from `pretrained_backbone` if given, on one TFF runtime owned for the whole loop.
 
-    Returns name -> describe(config, result), and prints each line as its job ends, so
-    a long benchmark shows progress under `label`.
+    Returns name -> describe(config, result), or {"failed": why} for a job stopped by
+    rounds without enough reports (diverged local training), and prints each line as its
+    job ends, so a long benchmark shows progress under `label`.
     """
     described: dict[str, dict] = {}
     runtime.start(handle_signals=False)
     try:
         for name, config in configs.items():
-            result = train_job.run_train_job(
-                config, *data, os.path.join(work, name), pretrained_backbone
-            )
-            described[name] = describe(config, result)
+            try:
+                result = train_job.run_train_job(
+                    config, *data, os.path.join(work, name), pretrained_backbone
+                )
+            except dropouts.RoundBelowMinimumReports as error:
+                # A recipe that diverges is a result too; the other rows still run.
+                described[name] = {"failed": str(error)}
+            else:
+                described[name] = describe(config, result)
             print(f"{label}: {name}: {described[name]}", flush=True)
     finally:
         runtime.stop()
@@ -233,4 +271,4 @@ def _utility(config: train_job.TrainJobConfig, result: train_job.TrainJobResult)
 
 def _ordering(utility: dict[str, dict], noise: float) -> list[str]:
     names = [f"{a}@z={noise:g}" for a in train_job.ALGORITHMS if a != train_job.CENTRALIZED]
-    return sorted(names, key=lambda n: -np.nan_to_num(utility[n]["recall_at_far_1e-3"]))
+    return sorted(names, key=lambda n: -np.nan_to_num(utility[n].get("recall_at_far_1e-3", np.nan)))

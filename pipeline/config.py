@@ -193,6 +193,11 @@ def _default_train() -> dict[str, Any]:
         # steps already pull the backbone towards separating them (a random head spends
         # them learning where the identities are).
         "head_init": "class_means",
+        # CosFace (scale 30, margin 0.35; unit embeddings against unit head rows) trains the
+        # directions that verification compares: measured above softmax with and without
+        # noise (README "Head loss"). Pretraining takes it too, so the start has the same
+        # geometry.
+        "head_loss": "cosface",
         "server_learning_rate": 0.3,
         "server_momentum": 0.0,
         "trainable_layers": ["conv*", "gn*"],
