@@ -40,14 +40,24 @@ def initial_weights():
     return models.backbone_weights(models.build_backbone(BACKBONE, seed=3))
 
 
-@pytest.fixture(scope="module")
-def fedemb_work(tff_runtime):
+def _client_work(config, identity_dtype=tf.string):
     return client_work.build_fedemb_client_work(
         _backbone_fn,
         models.backbone_weights_type(BACKBONE),
-        client_work.client_element_spec(BACKBONE.image_shape),
-        CONFIG,
+        client_work.client_element_spec(BACKBONE.image_shape, identity_dtype),
+        config,
     )
+
+
+def _assert_differs(updates, others):
+    assert not all(
+        np.allclose(got, other, rtol=1e-3, atol=1e-5) for got, other in zip(updates, others)
+    )
+
+
+@pytest.fixture(scope="module")
+def fedemb_work(tff_runtime):
+    return _client_work(CONFIG)
 
 
 def _hand_computed_update(weights, images, identities, config, round_num=0):
@@ -106,9 +116,7 @@ def test_update_matches_hand_computed_sgd_with_head_lr_scale(fedemb_work, initia
         IDENTITIES,
         client_work.ClientConfig(**{**CONFIG.__dict__, "head_learning_rate_scale": 1.0}),
     )
-    assert not all(
-        np.allclose(got, other, rtol=1e-3, atol=1e-5) for got, other in zip(result.update, unscaled)
-    )
+    _assert_differs(result.update, unscaled)
     assert result.update_weight == 1.0
     assert output.measurements["num_examples"] == len(IDENTITIES)
     assert output.measurements["non_finite_updates"] == 0
@@ -143,12 +151,7 @@ def test_class_means_head_matches_hand_computed_sgd(tff_runtime, initial_weights
     config = dataclasses.replace(
         CONFIG, head_init=client_work.HEAD_INIT_CLASS_MEANS, class_means_norm=3.0
     )
-    work = client_work.build_fedemb_client_work(
-        _backbone_fn,
-        models.backbone_weights_type(BACKBONE),
-        client_work.client_element_spec(BACKBONE.image_shape),
-        config,
-    )
+    work = _client_work(config)
     images = _images(4)
     state = work.initialize()
     first = work.next(state, [initial_weights], [_client_dataset(images, IDENTITIES, config)])
@@ -157,10 +160,7 @@ def test_class_means_head_matches_hand_computed_sgd(tff_runtime, initial_weights
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6)
     # The initial head matters: the same steps from the random head give another update.
     random_start = _hand_computed_update(initial_weights, images, IDENTITIES, CONFIG)
-    assert not all(
-        np.allclose(got, other, rtol=1e-3, atol=1e-5)
-        for got, other in zip(first.result[0].update, random_start)
-    )
+    _assert_differs(first.result[0].update, random_start)
     # Fresh every round: nothing carries over, so the same data and backbone give the
     # same update in the next round.
     second = work.next(
@@ -177,12 +177,7 @@ def test_margin_loss_update_matches_hand_computed_sgd(tff_runtime, initial_weigh
         head_init=client_work.HEAD_INIT_CLASS_MEANS,
         head_loss=client_work.HeadLossConfig(loss, scale=16.0, margin=0.2),
     )
-    work = client_work.build_fedemb_client_work(
-        _backbone_fn,
-        models.backbone_weights_type(BACKBONE),
-        client_work.client_element_spec(BACKBONE.image_shape),
-        config,
-    )
+    work = _client_work(config)
     images = _images(5)
     output = work.next(
         work.initialize(), [initial_weights], [_client_dataset(images, IDENTITIES, config)]
@@ -193,10 +188,7 @@ def test_margin_loss_update_matches_hand_computed_sgd(tff_runtime, initial_weigh
     # The loss matters: softmax from the same start gives another update.
     softmax = dataclasses.replace(config, head_loss=client_work.HeadLossConfig())
     other = _hand_computed_update(initial_weights, images, IDENTITIES, softmax)
-    assert not all(
-        np.allclose(got, want, rtol=1e-3, atol=1e-5)
-        for got, want in zip(output.result[0].update, other)
-    )
+    _assert_differs(output.result[0].update, other)
 
 
 def test_non_finite_update_becomes_zero(fedemb_work, initial_weights):
@@ -212,12 +204,7 @@ def test_non_finite_update_becomes_zero(fedemb_work, initial_weights):
 
 def test_identities_beyond_head_capacity_are_dropped_and_counted(tff_runtime, initial_weights):
     config = client_work.ClientConfig(backbone_learning_rate=0.05, head_capacity=2, batch_size=4)
-    work = client_work.build_fedemb_client_work(
-        _backbone_fn,
-        models.backbone_weights_type(BACKBONE),
-        client_work.client_element_spec(BACKBONE.image_shape, tf.int64),
-        config,
-    )
+    work = _client_work(config, tf.int64)
     identities = np.array(
         [30, 10, 20, 10, 30, 30], np.int64
     )  # local ranks: 10 -> 0, 20 -> 1, 30 -> dropped
