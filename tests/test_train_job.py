@@ -135,6 +135,20 @@ def _exported_weights(result: train_job.TrainJobResult) -> dict[str, np.ndarray]
     return {name: tf.train.load_variable(path, name) for name, _ in tf.train.list_variables(path)}
 
 
+def test_head_lr_scale_defaults_follow_the_paper():
+    def scale(**changes):
+        config = dataclasses.replace(CONFIG, head_lr_scale=None, **changes)
+        return config.client_config().head_learning_rate_scale
+
+    # DP-FedEmb's local heads learn 100x faster (section 3.3); DP-FedAvg trains backbone
+    # and global head with one client optimizer (Alg. 2).
+    assert scale() == scale(algorithm=train_job.DP_FTRL_FEDEMB) == 100.0
+    assert scale(algorithm=train_job.DP_FEDAVG) == 1.0
+    assert dataclasses.replace(
+        CONFIG, algorithm=train_job.DP_FEDAVG, head_lr_scale=10.0
+    ).client_config().head_learning_rate == pytest.approx(10.0 * CONFIG.client_learning_rate)
+
+
 def test_head_loss_reaches_local_heads_and_the_oracle(data, tmp_path):
     cosface = {"head_loss": "cosface", "head_loss_scale": 16.0, "head_loss_margin": 0.2}
     assert dataclasses.replace(
@@ -204,6 +218,7 @@ def test_config_round_trips_and_keeps_paper_momentum():
         ({"restart_every_epoch": True}, "restart_every_epoch"),
         ({"architecture": "mobilenet_v2"}, "32x32"),
         ({"users_per_virtual_client": 2.5}, "integer"),
+        ({"head_lr_scale": 0.0}, "head_lr_scale"),
         ({"head_loss": "triplet"}, "head_loss must be one of"),
         ({"head_loss_scale": 0.0}, "head_loss_scale"),
         ({"head_loss_margin": 2.0}, "head_loss_margin"),

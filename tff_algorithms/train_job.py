@@ -125,7 +125,10 @@ class TrainJobConfig:
       client_learning_rate: β1 (backbone); the head uses head_lr_scale·β1.
       client_momentum: client SGD momentum (paper: 0.9).
       server_learning_rate / server_momentum: server SGD with momentum (paper: 0.9).
-      head_lr_scale: β2 / β1 (paper: 100).
+      head_lr_scale: β2 / β1 of the client's head; None: 100 for the DP-FedEmb variants
+        (paper, section 3.3) and 1 for DP-FedAvg, whose client trains backbone and global
+        head with one optimizer (paper, Alg. 2): at 100 the global head's update fills the
+        clipped delta and the backbone barely moves (BENCHMARKS.md, "Training").
       head_init / class_means_norm: how each local head starts (`client_work.ClientConfig`):
         `random` (the paper) or `class_means` (rows are the client's per-identity mean
         unit embeddings under the received backbone, of norm class_means_norm). Local
@@ -182,7 +185,7 @@ class TrainJobConfig:
     client_momentum: float = 0.9
     server_learning_rate: float = 0.02
     server_momentum: float = 0.9
-    head_lr_scale: float = 100.0
+    head_lr_scale: float | None = None
     head_init: str = client_work.HEAD_INIT_RANDOM
     class_means_norm: float = client_work.ClientConfig.class_means_norm
     head_loss: str = client_work.HeadLossConfig.loss
@@ -272,11 +275,12 @@ class TrainJobConfig:
             "clip_norm",
             "client_learning_rate",
             "server_learning_rate",
-            "head_lr_scale",
             "class_means_norm",
             "head_loss_scale",
         ):
             _check_number(name, getattr(self, name), 0, math.inf, low_open=True)
+        if self.head_lr_scale is not None:
+            _check_number("head_lr_scale", self.head_lr_scale, 0, math.inf, low_open=True)
         _check_number("head_loss_margin", self.head_loss_margin, 0, math.pi / 2, low_open=False)
         if self.head_loss not in client_work.HEAD_LOSSES:
             raise ValueError(
@@ -316,6 +320,12 @@ class TrainJobConfig:
         )
 
     @property
+    def resolved_head_lr_scale(self) -> float:
+        if self.head_lr_scale is not None:
+            return float(self.head_lr_scale)
+        return 1.0 if self.algorithm == DP_FEDAVG else 100.0
+
+    @property
     def head_loss_config(self) -> client_work.HeadLossConfig:
         return client_work.HeadLossConfig(
             self.head_loss, float(self.head_loss_scale), float(self.head_loss_margin)
@@ -332,7 +342,7 @@ class TrainJobConfig:
     def client_config(self) -> client_work.ClientConfig:
         return client_work.ClientConfig(
             backbone_learning_rate=self.client_learning_rate,
-            head_learning_rate_scale=self.head_lr_scale,
+            head_learning_rate_scale=self.resolved_head_lr_scale,
             momentum=self.client_momentum,
             head_capacity=self.head_capacity or self.users_per_virtual_client,
             epochs=self.local_epochs,
