@@ -80,7 +80,11 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("float", "client-momentum", "client SGD momentum")
     define("float", "server-lr", "server learning rate (centralized: its learning rate)")
     define("float", "server-momentum", "server SGD momentum")
-    define("float", "head-lr-scale", "head learning rate / backbone learning rate")
+    define(
+        "float",
+        "head-lr-scale",
+        "head learning rate / backbone learning rate (default: 100, dp-fedavg 1)",
+    )
     define("string", "head-init", "local heads start as: random | class_means")
     define("float", "class-means-norm", "norm of a class_means head row (its logit scale)")
     define("string", "head-loss", "loss on the head logits: softmax | cosface | arcface")
