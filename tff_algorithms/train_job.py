@@ -323,7 +323,9 @@ class TrainJobConfig:
     def resolved_head_lr_scale(self) -> float:
         if self.head_lr_scale is not None:
             return float(self.head_lr_scale)
-        return 1.0 if self.algorithm == DP_FEDAVG else 100.0
+        if self.algorithm == DP_FEDAVG:
+            return 1.0
+        return client_work.ClientConfig.head_learning_rate_scale
 
     @property
     def head_loss_config(self) -> client_work.HeadLossConfig:
