@@ -1,7 +1,8 @@
 """Lineage queries over ML Metadata: the privacy cost of a pushed model.
 
 pushed model --(output of)--> Pusher execution --(input "model")--> Model
-  --(output of)--> training execution --(output)--> PrivacyLedger: epsilon, delta.
+  --(output of)--> training execution --(output)--> PrivacyLedger: epsilon, delta,
+  accounting convention and neighbouring relation.
 
 The query follows recorded events only: it trusts no file and no naming convention,
 so it answers for any pushed model in the store, from any run.
@@ -28,6 +29,8 @@ class PushedModelPrivacy:
     ledger_uri: str
     epsilon: float
     delta: float
+    accounting_convention: str  # "" for ledgers written before conventions were recorded
+    neighboring_relation: str
 
 
 def _event_key(event: metadata_store_pb2.Event) -> str:
@@ -89,6 +92,10 @@ def privacy_of_pushed_model(
         ledger_uri=ledger.uri,
         epsilon=ledger.custom_properties[artifacts.EPSILON].double_value,
         delta=ledger.custom_properties[artifacts.DELTA].double_value,
+        accounting_convention=ledger.custom_properties[
+            artifacts.ACCOUNTING_CONVENTION
+        ].string_value,
+        neighboring_relation=ledger.custom_properties[artifacts.NEIGHBORING_RELATION].string_value,
     )
 
 

@@ -118,6 +118,8 @@ class RunSummary:
     pushed_to: str | None
     epsilon: float
     delta: float
+    accounting_convention: str
+    neighboring_relation: str
     recall_at_far: dict[str, float]
     # {far: {"difference", "interval"}} over the pretrained start; empty without one.
     gain_over_pretrained: dict[str, dict]
@@ -143,14 +145,18 @@ def summarize(config: config_lib.PipelineConfig) -> RunSummary:
         result = json.load(f)
     pushed = _latest_artifact(store, "PushedModel")
     pushed_to, epsilon, delta = None, result["epsilon"], result["delta"]
+    convention, relation = result["accounting_convention"], result["neighboring_relation"]
     if pushed.custom_properties["pushed"].int_value == 1:
         privacy = lineage.privacy_of_pushed_model(store, pushed.id)
         pushed_to, epsilon, delta = privacy.pushed_destination, privacy.epsilon, privacy.delta
+        convention, relation = privacy.accounting_convention, privacy.neighboring_relation
     report = _latest_artifact(store, artifacts.PipelineReport.TYPE_NAME)
     return RunSummary(
         pushed_to=pushed_to,
         epsilon=epsilon,
         delta=delta,
+        accounting_convention=convention,
+        neighboring_relation=relation,
         recall_at_far=result["model"]["recall_at_far"],
         gain_over_pretrained=result["model"].get("versus", {}).get("pretrained", {}),
         confidence=result["bootstrap"]["confidence"],

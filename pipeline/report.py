@@ -168,6 +168,13 @@ def _bootstrap_note(bootstrap: Mapping[str, Any] | None) -> str:
     )
 
 
+def _convention_text(spec: Mapping[str, Any]) -> str:
+    from tff_algorithms import accounting
+
+    sensitivity = accounting.AccountingSpec.from_dict(spec).sensitivity_in_clips
+    return f"{spec['convention']} (L2 sensitivity {sensitivity:g} x clip norm)"
+
+
 def render_report(
     evaluation: Mapping[str, Any],
     ledger: Mapping[str, Any],
@@ -197,6 +204,8 @@ def render_report(
                 ("epsilon", f"{evaluation['epsilon']:.4g}"),
                 ("delta", f"{evaluation['delta']:g}"),
                 ("budget", f"{budget:g}"),
+                ("accounting convention", _convention_text(ledger["spec"])),
+                ("neighbouring relation", ledger["spec"]["neighboring_relation"]),
                 ("accounting", json.dumps(ledger["spec"], sort_keys=True)),
             ]
         ),

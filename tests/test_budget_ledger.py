@@ -140,6 +140,44 @@ def test_a_corrupt_ledger_is_an_error_not_a_fresh_budget(tmp_path):
         budget.charge_run(policy, "f", 1, "r", DPSGD)
 
 
+def test_entries_from_before_the_convention_are_recomputed_strict(tmp_path):
+    """A ledger written before the convention existed stores specs without one and the
+    old (paper-arithmetic) epsilons beside them: the budget is recomputed from the
+    schedule under the strict convention, never taken from the stored numbers."""
+    paper = dataclasses.replace(DPSGD, convention="paper")
+    legacy_spec = {k: v for k, v in DPSGD.to_dict().items() if k != "convention"}
+    stale = accounting.compute_privacy(paper).epsilon
+    path = tmp_path / "budget.json"
+    path.write_text(
+        json.dumps(
+            {
+                "format": budget.BUDGET_LEDGER_FORMAT,
+                "fingerprint": budget.FINGERPRINT_SCHEME,
+                "datasets": {
+                    "f": {
+                        "users": 1000,
+                        "runs": [
+                            {"run_id": "old", "spec": legacy_spec, "run_epsilon": stale,
+                             "spent_after": stale, "total_epsilon": 50.0, "overridden": False,
+                             "charged_at": 0.0},
+                        ],
+                    }
+                },
+            }
+        )
+    )  # fmt: skip
+    strict = accounting.compute_privacy(DPSGD).epsilon
+    assert strict > 1.5 * stale
+    assert budget.dataset_spent(str(path), "f", DPSGD.delta) == pytest.approx(strict, rel=1e-9)
+
+
+def test_paper_convention_runs_cannot_be_charged(tmp_path):
+    policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), total_epsilon=100.0)
+    with pytest.raises(ValueError, match="paper-convention run cannot count"):
+        budget.charge_run(policy, "f", 1000, "r", dataclasses.replace(DPSGD, convention="paper"))
+    assert not (tmp_path / "budget.json").exists()
+
+
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=3)
 JOB = train_job.TrainJobConfig(
     rounds=1,

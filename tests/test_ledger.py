@@ -1,5 +1,6 @@
 """Tests of tff_algorithms.ledger: per-round recording, JSON checkpointing and resume."""
 
+import dataclasses
 import json
 import math
 
@@ -50,6 +51,29 @@ def test_resume_from_json_equals_uninterrupted(stop, spec):
 
     assert resumed == uninterrupted
     assert resumed.to_json() == uninterrupted.to_json()
+
+
+def test_format_1_ledgers_are_accounted_again_under_the_strict_convention():
+    """Ledgers written before the convention held the paper's arithmetic; read back,
+    the stored schedule is accounted under strict and the stale epsilons are dropped."""
+    paper = PrivacyLedger(dataclasses.replace(SGD, convention="paper"))
+    record(paper, 1, 5)
+    old = paper.to_dict()
+    old["format"] = "dp-fedemb-privacy-ledger/1"
+    del old["spec"]["convention"]
+    restored = PrivacyLedger.from_dict(old, expected_spec=SGD)
+    strict = PrivacyLedger(SGD)
+    record(strict, 1, 5)
+    assert restored == strict
+    assert restored.epsilon > 1.5 * paper.epsilon
+    assert restored.to_dict()["format"] == "dp-fedemb-privacy-ledger/2"
+    # Trees are accounted alike by both conventions: their entries are kept.
+    tree = PrivacyLedger(TREE)
+    record(tree, 1, 3)
+    old_tree = tree.to_dict()
+    old_tree["format"] = "dp-fedemb-privacy-ledger/1"
+    del old_tree["spec"]["convention"]
+    assert PrivacyLedger.from_dict(old_tree, expected_spec=TREE) == tree
 
 
 def test_double_count_and_skip_are_errors():

@@ -19,8 +19,9 @@ def privacy(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_json_reproduces_table1_dp_fedemb():
-    done = privacy(*TABLE1, "--noise-multiplier", "1.28", "--delta", "1e-7", "--json")
+def test_json_reproduces_table1_dp_fedemb_only_under_the_paper_convention():
+    table1 = (*TABLE1, "--noise-multiplier", "1.28", "--delta", "1e-7", "--json")
+    done = privacy(*table1, "--convention", "paper")
     assert done.returncode == 0, done.stderr
     (line,) = done.stdout.strip().splitlines()  # exactly one JSON object
     output = json.loads(line)
@@ -28,12 +29,20 @@ def test_json_reproduces_table1_dp_fedemb():
     assert output["delta"] == 1e-7
     assert output["zcdp_rho"] is None
     assert output["sampling"] == "uniform" and output["neighboring_relation"] == "replace_one"
+    assert output["convention"] == "paper" and output["sensitivity_in_clips"] == 1.0
+    # The default is strict: the same schedule under the 2 x clip sensitivity.
+    strict = json.loads(privacy(*table1).stdout)
+    assert strict["convention"] == "strict" and strict["sensitivity_in_clips"] == 2.0
+    assert round(strict["epsilon"], 2) == 14.50
 
 
 def test_human_summary():
-    done = privacy(*TABLE1, "--noise-multiplier", "0.96", "--delta", "1e-7")
+    done = privacy(
+        *TABLE1, "--noise-multiplier", "0.96", "--delta", "1e-7", "--convention", "paper"
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("epsilon = 5.623 at delta = 1e-07")
+    assert "PAPER CONVENTION" in done.stdout
     assert len(done.stdout.splitlines()) <= 4
 
 
@@ -41,7 +50,7 @@ def test_target_epsilon_calibrates():
     done = privacy(
         "--users", "9275", "--users-per-round", "128", "--rounds", "400", "--delta", "1e-4",
         "--users-per-virtual-client", "4", "--target-epsilon", "16.06", "--json",
-        "--calibration-tolerance", "0.05",
+        "--calibration-tolerance", "0.05", "--convention", "paper",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     output = json.loads(done.stdout)

@@ -5,12 +5,12 @@ mechanism is described separately from its accounting: an `AccountingSpec` descr
 training schedule, `dp_event_for` turns it into a `dp_accounting` event, and
 `compute_privacy` composes that event with an RDP or PLD accountant.
 
-Conventions (paper appendix C):
+Schedules (paper appendix C):
 
 - ``dpsgd`` (DP-FedEmb, DP-FedAvg): independent Gaussian noise each round.
   * ``uniform`` sampling (a fixed number of users drawn without replacement each round)
     under the substitute-one relation, RDP only: dp_accounting has no PLD analysis of
-    sampling without replacement. This is the paper's convention.
+    sampling without replacement. What training does.
   * ``poisson`` sampling under add-or-remove-one, RDP or PLD. Training does not enforce
     Poisson sampling; this option exists to compare with work that reports it.
 - ``dpftrl`` (DP-FTRL-FedEmb): tree-aggregated noise, users assigned epoch-wise (each
@@ -29,17 +29,42 @@ Conventions (paper appendix C):
   Both report zCDP rho and (epsilon, delta). The whole tree release is a Gaussian
   mechanism whose squared L2 sensitivity is the worst-case number of tree nodes a user
   touches (counted with multiplicity), so rho = S / (2 z^2) and PLD is exact for it.
-- Virtual clients: with k > 1 users per virtual client, adding or removing one user can
-  change a whole virtual client's clipped update, which doubles the sensitivity under the
-  add-or-remove relations (``add_or_remove_one``, ``replace_special``): the effective
-  noise multiplier is z / 2. Under substitute-one it does not change.
 
-The noise multiplier is the paper's: noise standard deviation divided by the clip norm of
-one virtual client's update, passed to the Gaussian event unchanged (this is what the
-paper's reported epsilons use). Combinations outside the table above have no analysis
-here and raise ValueError, as does nonsense input.
+Sensitivity (the ``convention`` switch). z is the noise standard deviation divided by
+the clip norm γ of one virtual client's update. dp_accounting's events take a noise
+multiplier relative to the L2 sensitivity of the neighbouring relation they are composed
+under, so the accountant is given z / (sensitivity / γ). The sensitivity of the noised
+sum (the denominator M is fixed, so only the sum moves), per relation and virtual-client
+size k:
 
-Paper epsilons reproduced to two decimals (tests/test_accounting.py checks each):
+=============================  ===  =====================  ======================
+relation                       k    ``strict`` (default)   ``paper``
+=============================  ===  =====================  ======================
+substitute-one                 any  2γ: one clipped        γ: the paper's
+                                    update replaced by     arithmetic (z passed
+                                    another                unchanged)
+add-or-remove-one (Poisson)    1    γ: one update added    γ
+                                    or removed
+add-or-remove-one (Poisson)    >1   2γ: the user's whole   2γ
+                                    virtual client's
+                                    update can change
+add/remove special (trees)     1    γ per tree node        γ per tree node
+add/remove special (trees)     >1   2γ per tree node       2γ per tree node
+=============================  ===  =====================  ======================
+
+For k > 1 under add-or-remove the bound assumes adding or removing one user changes
+only the virtual client that user is in (the schedule groups the sampled users; the
+other groups are the same users either way). ``strict`` is the default everywhere:
+training, the pipeline, the budget ledger, ``dp-fedemb privacy``, the report. ``paper``
+exists only to reproduce published numbers: under substitute-one it understates epsilon
+(tests/test_accounting_exact.py shows one round where its epsilon is below the exact
+epsilon of a realisable pair of datasets); the same mismatch is
+google/differential-privacy issue 378. A budget ledger refuses ``paper`` runs.
+Combinations outside the schedules above have no analysis here and raise ValueError, as
+does nonsense input.
+
+Paper epsilons reproduced to two decimals under ``convention="paper"``
+(tests/test_accounting.py checks each; DP-FTRL's are the same under both conventions):
 
 - Table 1 (10M users, 131,072 = 64 x 2048 users per round, 800 rounds, delta 1e-7):
   DP-FedAvg z = 0.015 x 64 -> 5.62; DP-FedEmb z = 0.02 x 64 -> 3.90;
@@ -94,6 +119,13 @@ class NeighboringRelation(str, enum.Enum):
     REPLACE_ONE = "replace_one"  # substitute one user
     ADD_OR_REMOVE_ONE = "add_or_remove_one"
     REPLACE_SPECIAL = "replace_special"  # add or remove, with a special element
+
+
+class Convention(str, enum.Enum):
+    """Which sensitivity the noise multiplier is taken relative to (module docstring)."""
+
+    STRICT = "strict"  # the relation's true L2 sensitivity: the default everywhere
+    PAPER = "paper"  # the paper's arithmetic, to reproduce published numbers only
 
 
 class Accountant(str, enum.Enum):
@@ -169,6 +201,7 @@ class AccountingSpec:
     neighboring_relation: NeighboringRelation | None = None
     accountant: Accountant = Accountant.RDP
     min_separation: int | None = None
+    convention: Convention = Convention.STRICT
 
     def __post_init__(self) -> None:
         # Frozen: normalise fields through object.__setattr__ so that equal schedules
@@ -185,6 +218,8 @@ class AccountingSpec:
             else _enum_value(NeighboringRelation, self.neighboring_relation, "relation")
         )
         accountant = _enum_value(Accountant, self.accountant, "accountant")
+        convention = _enum_value(Convention, self.convention, "accounting convention")
+        object.__setattr__(self, "convention", convention)
         object.__setattr__(self, "mechanism", mechanism)
         object.__setattr__(self, "sampling", sampling)
         object.__setattr__(self, "neighboring_relation", relation)
@@ -259,13 +294,16 @@ class AccountingSpec:
             )
 
     @property
+    def sensitivity_in_clips(self) -> float:
+        """L2 sensitivity of the noised sum to one user, in clip norms (docstring table)."""
+        if self.neighboring_relation is NeighboringRelation.REPLACE_ONE:
+            return 1.0 if self.convention is Convention.PAPER else 2.0
+        return 2.0 if self.users_per_virtual_client > 1 else 1.0
+
+    @property
     def effective_noise_multiplier(self) -> float:
-        """The noise multiplier relative to one user's sensitivity (virtual-client rule)."""
-        doubled = self.users_per_virtual_client > 1 and self.neighboring_relation in (
-            NeighboringRelation.ADD_OR_REMOVE_ONE,
-            NeighboringRelation.REPLACE_SPECIAL,
-        )
-        return self.noise_multiplier / 2 if doubled else self.noise_multiplier
+        """The noise multiplier relative to the relation's sensitivity: what the accountant takes."""
+        return self.noise_multiplier / self.sensitivity_in_clips
 
     @property
     def rounds_per_epoch(self) -> int:
@@ -326,6 +364,9 @@ class PrivacyResult:
     rdp_order: float | None  # the order that gave epsilon (RDP only)
     effective_noise_multiplier: float
     analysis: str  # one line naming the analysis, for reports
+    convention: Convention
+    neighboring_relation: NeighboringRelation
+    sensitivity_in_clips: float
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: infinite values (no noise) become None."""
@@ -341,6 +382,9 @@ class PrivacyResult:
             "rdp_order": self.rdp_order,
             "effective_noise_multiplier": self.effective_noise_multiplier,
             "analysis": self.analysis,
+            "convention": self.convention.value,
+            "neighboring_relation": self.neighboring_relation.value,
+            "sensitivity_in_clips": self.sensitivity_in_clips,
         }
 
 
@@ -471,7 +515,12 @@ def _analysis_name(spec: AccountingSpec) -> str:
         NeighboringRelation.ADD_OR_REMOVE_ONE: "add-or-remove-one",
         NeighboringRelation.REPLACE_SPECIAL: "add-or-remove with special element",
     }[spec.neighboring_relation]
-    return f"{spec.accountant.value.upper()}, {what}, {relation}"
+    convention = (
+        f"strict convention (sensitivity {spec.sensitivity_in_clips:g} x clip)"
+        if spec.convention is Convention.STRICT
+        else "PAPER CONVENTION (comparison only: understates substitute-one epsilon)"
+    )
+    return f"{spec.accountant.value.upper()}, {what}, {relation}, {convention}"
 
 
 def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
@@ -487,6 +536,7 @@ def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
             rdp_order=None,
             effective_noise_multiplier=z,
             analysis=_analysis_name(spec),
+            **_convention_fields(spec),
         )
     zcdp_rho = tree_squared_sensitivity(spec) / (2 * z**2) if is_tree else None
     if spec.accountant is Accountant.RDP:
@@ -513,7 +563,16 @@ def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
         rdp_order=rdp_order,
         effective_noise_multiplier=z,
         analysis=_analysis_name(spec),
+        **_convention_fields(spec),
     )
+
+
+def _convention_fields(spec: AccountingSpec) -> dict[str, Any]:
+    return {
+        "convention": spec.convention,
+        "neighboring_relation": spec.neighboring_relation,
+        "sensitivity_in_clips": spec.sensitivity_in_clips,
+    }
 
 
 # Calibration.

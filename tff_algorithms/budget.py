@@ -25,6 +25,12 @@ DP-FTRL run (add or remove with a special element), everything composes under th
 relation: a substitute-one bound holds for the special-element pairs too (replacing a
 user by an empty one is one substitution), so the sum is a valid bound there.
 
+Every run is composed under the strict accounting convention (`accounting.Convention`):
+the ledger stores each run's schedule, not its epsilon, so entries written before the
+convention existed (specs without a ``convention`` key) are accounted again under strict
+when read, never mixed with the paper's arithmetic. A ``paper``-convention run is a
+comparison, not a guarantee, and cannot be charged.
+
 Runs are identified by a run id (train_job keeps one per output directory), so a run
 that crashes and resumes is charged once.
 
@@ -77,6 +83,11 @@ def composition_relation(
     specs: Sequence[accounting.AccountingSpec],
 ) -> accounting.NeighboringRelation:
     """The relation the runs' joint guarantee holds under (module docstring)."""
+    if any(spec.convention is not accounting.Convention.STRICT for spec in specs):
+        raise ValueError(
+            "a paper-convention run cannot count against a privacy budget (it understates "
+            "epsilon): account every run under the strict convention"
+        )
     relations = {spec.neighboring_relation for spec in specs}
     unsupported = relations - set(_COMPOSABLE_RELATIONS)
     if unsupported:

@@ -8,6 +8,11 @@ would. Rounds must be recorded in order, each once: a repeat or a gap is an erro
 either would make the recorded epsilon wrong.
 
 Rounds are numbered from 1; round 0 (before training) costs nothing.
+
+Format 1 ledgers predate the accounting convention (`accounting.Convention`): their
+epsilons used the paper's arithmetic, which understates substitute-one epsilon. They are
+read as the schedule they store, accounted again under the strict convention (the
+default); trees, which both conventions account alike, keep their entries.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from typing import Any
 
 from tff_algorithms import accounting
 
-LEDGER_FORMAT = "dp-fedemb-privacy-ledger/1"
+LEDGER_FORMAT = "dp-fedemb-privacy-ledger/2"
+_LEGACY_FORMAT = "dp-fedemb-privacy-ledger/1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +128,16 @@ class PrivacyLedger:
         expected_spec: accounting.AccountingSpec | None = None,
     ) -> PrivacyLedger:
         """Restore a ledger; with `expected_spec`, refuse one kept under another schedule."""
-        if not isinstance(data, Mapping) or data.get("format") != LEDGER_FORMAT:
+        if not isinstance(data, Mapping) or data.get("format") not in (
+            LEDGER_FORMAT,
+            _LEGACY_FORMAT,
+        ):
             raise ValueError(f"not a privacy ledger (expected format {LEDGER_FORMAT!r})")
-        spec = accounting.AccountingSpec.from_dict(data.get("spec") or {})
+        legacy = data["format"] == _LEGACY_FORMAT
+        spec_dict = dict(data.get("spec") or {})
+        if legacy and "convention" in spec_dict:
+            raise ValueError("corrupt privacy ledger: a format 1 ledger names a convention")
+        spec = accounting.AccountingSpec.from_dict(spec_dict)
         if expected_spec is not None and spec != expected_spec:
             raise ValueError(
                 "the saved privacy ledger was kept under a different accounting spec than "
@@ -150,6 +163,11 @@ class PrivacyLedger:
                 f"corrupt privacy ledger: {ledger.rounds_recorded} rounds recorded for a "
                 f"{spec.rounds}-round spec"
             )
+        if legacy and spec.neighboring_relation is accounting.NeighboringRelation.REPLACE_ONE:
+            recorded = ledger.rounds_recorded
+            ledger._entries = []
+            for round_number in range(1, recorded + 1):
+                ledger.record_round(round_number)
         return ledger
 
     @classmethod

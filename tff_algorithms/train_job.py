@@ -966,8 +966,9 @@ def _claim_output_dir(output_dir: str, job: dict[str, Any], config: TrainJobConf
 
 
 def _privacy_summary(
-    config: TrainJobConfig, ledger: PrivacyLedger, analysis: str
+    config: TrainJobConfig, ledger: PrivacyLedger, planned: accounting.PrivacyResult
 ) -> dict[str, Any]:
+    analysis = planned.analysis
     epsilon = ledger.epsilon
     private = config.private and math.isfinite(epsilon)
     if config.algorithm == CENTRALIZED:
@@ -989,6 +990,12 @@ def _privacy_summary(
         "epsilon": epsilon,
         "delta": ledger.delta,
         "zcdp_rho": ledger.history[-1].zcdp_rho if ledger.history else None,
+        "accounting": {
+            "convention": planned.convention.value,
+            "neighboring_relation": planned.neighboring_relation.value,
+            "sensitivity_in_clips": planned.sensitivity_in_clips,
+            "analysis": analysis,
+        },
     }
 
 
@@ -1092,7 +1099,7 @@ def run_train_job(
     summary = {
         "algorithm": config.algorithm,
         "recall_at_far": final_eval["recall_at_far"],
-        **_privacy_summary(config, outcome.ledger, planned.analysis),
+        **_privacy_summary(config, outcome.ledger, planned),
         "rounds": outcome.ledger.rounds_recorded,
         "rounds_are": "epochs over all training users"
         if config.algorithm == CENTRALIZED

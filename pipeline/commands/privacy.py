@@ -47,8 +47,8 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer(
         "users-per-virtual-client",
         1,
-        "Users grouped into one virtual client (K); K > 1 halves the effective noise "
-        "under add-or-remove relations.",
+        "Users grouped into one virtual client (K); K > 1 doubles the sensitivity "
+        "(halves the effective noise) under add-or-remove relations.",
         flag_values=flag_values,
     )
     flags.DEFINE_integer(
@@ -84,6 +84,15 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         accounting.Accountant.RDP.value,
         [a.value for a in accounting.Accountant],
         "rdp (the paper's) or pld (poisson sampling and dpftrl only).",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_enum(
+        "convention",
+        accounting.Convention.STRICT.value,
+        [c.value for c in accounting.Convention],
+        "strict: the noise multiplier is taken relative to the relation's true sensitivity "
+        "(2 x clip under substitute-one); paper: the paper's arithmetic (z unchanged under "
+        "substitute-one), to reproduce published numbers only: it understates epsilon.",
         flag_values=flag_values,
     )
     flags.DEFINE_float(
@@ -126,6 +135,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         neighboring_relation=flag_values["neighboring-relation"].value,
         accountant=flag_values["accountant"].value,
         min_separation=flag_values["min-separation"].value,
+        convention=flag_values["convention"].value,
     )
     if target_epsilon is not None:
         noise = accounting.calibrate_noise_multiplier(

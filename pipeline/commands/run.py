@@ -61,7 +61,10 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         print(f"pushed model: {summary.pushed_to}")
     else:
         print(f"not pushed: {'; '.join(summary.not_blessed_because)}")
-    print(f"epsilon: {summary.epsilon:.4g} (delta {summary.delta:.3g})")
+    print(
+        f"epsilon: {summary.epsilon:.4g} (delta {summary.delta:.3g}; user level, "
+        f"{summary.accounting_convention} accounting, {summary.neighboring_relation} relation)"
+    )
     print(f"recall@FAR on held-out identities: {recall}")
     if summary.gain_over_pretrained:
         gains = ", ".join(

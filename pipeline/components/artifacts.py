@@ -48,6 +48,10 @@ class PipelineReport(types.Artifact):
 # Custom property names shared by the components and the lineage query.
 EPSILON = "epsilon"
 DELTA = "delta"
+# What the epsilon means (tff_algorithms.accounting): "strict" or "paper", and the
+# neighbouring relation, on Model, PrivacyLedger, TrainingMetrics and ModelEvaluation.
+ACCOUNTING_CONVENTION = "accounting_convention"
+NEIGHBORING_RELATION = "neighboring_relation"
 # On PrivacyLedger: the cross-run budget of the training users (tff_algorithms.budget).
 DATASET_FINGERPRINT = "dataset_fingerprint"
 DATASET_EPSILON = "dataset_epsilon"  # composed over every run charged, this one included

@@ -5,7 +5,8 @@ candidate's difference from the pretrained start and the last blessed model with
 paired one (both models scored on each resample).
 
 A model is blessed only if
-- its privacy ledger's epsilon is finite and within the configured budget (a model over
+- its privacy ledger's epsilon was accounted under the strict convention
+  (tff_algorithms.accounting), is finite and within the configured budget (a model over
   budget is never blessed, whatever its recall), and
 - its recall at the gate FAR is no worse (up to `max_recall_regression`) than that of
   the last blessed model, which the standard LatestBlessedModelStrategy resolver gives.
@@ -24,6 +25,7 @@ from tfx import v1 as tfx
 from tfx.types import standard_artifacts
 
 from pipeline.components import artifacts, layout
+from tff_algorithms import accounting
 
 EVALUATION_FILE = "evaluation.json"
 
@@ -42,6 +44,7 @@ def _far_key(far: float) -> str:
 
 def _blessing_decision(
     epsilon: float,
+    convention: str,
     budget: float,
     candidate_recall: float,
     baseline_recall: float | None,
@@ -49,6 +52,11 @@ def _blessing_decision(
 ) -> list[str]:
     """Reasons not to bless; empty when the model is blessed."""
     reasons = []
+    if convention != accounting.Convention.STRICT.value:
+        reasons.append(
+            f"epsilon was accounted under the {convention or 'unrecorded'} convention, not "
+            "the strict one"
+        )
     if not math.isfinite(epsilon):
         reasons.append("epsilon is infinite (no privacy)")
     elif epsilon > budget:
@@ -93,10 +101,15 @@ def EvaluateAndBless(
         model_dirs["baseline"] = layout.serving_model_dir(baseline_model)
     results = _comparison(model_dirs, test_dir, bootstrap_resamples, confidence)
     candidate = results["candidate"]
+    convention = privacy_ledger.get_string_custom_property(artifacts.ACCOUNTING_CONVENTION)
     report = {
         "model": {"uri": model.uri, "id": model.id, **candidate},
         "epsilon": epsilon,
         "delta": privacy_ledger.get_float_custom_property(artifacts.DELTA),
+        "accounting_convention": convention,
+        "neighboring_relation": privacy_ledger.get_string_custom_property(
+            artifacts.NEIGHBORING_RELATION
+        ),
         "privacy_budget_epsilon": privacy_budget_epsilon,
         "gate_far": gate_far,
         "bootstrap": {"resamples": bootstrap_resamples, "confidence": confidence},
@@ -110,6 +123,7 @@ def EvaluateAndBless(
         report["pretrained"] = {"uri": pretrained_backbone.uri, **results["pretrained"]}
     reasons = _blessing_decision(
         epsilon,
+        convention,
         privacy_budget_epsilon,
         candidate["recall_at_far"][_far_key(gate_far)],
         baseline_recall,
@@ -123,6 +137,7 @@ def EvaluateAndBless(
     for far, recall in candidate["recall_at_far"].items():
         evaluation.set_float_custom_property(f"recall_at_far_{far}", recall)
     evaluation.set_float_custom_property(artifacts.EPSILON, epsilon)
+    evaluation.set_string_custom_property(artifacts.ACCOUNTING_CONVENTION, convention)
 
 
 def _mark(

@@ -224,6 +224,12 @@ def PrivateTrain(
     for artifact in (model, privacy_ledger, training_metrics):
         artifact.set_float_custom_property(artifacts.EPSILON, ledger.epsilon)
         artifact.set_float_custom_property(artifacts.DELTA, ledger.delta)
+        artifact.set_string_custom_property(
+            artifacts.ACCOUNTING_CONVENTION, ledger.spec.convention.value
+        )
+        artifact.set_string_custom_property(
+            artifacts.NEIGHBORING_RELATION, ledger.spec.neighboring_relation.value
+        )
     model.set_string_custom_property("algorithm", job["algorithm"])
     privacy_ledger.set_int_custom_property("rounds", ledger.rounds_recorded)
     privacy_ledger.set_string_custom_property("mechanism", ledger.spec.mechanism.value)
