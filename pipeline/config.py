@@ -269,6 +269,8 @@ class PipelineConfig:
             **self.pretrain.job,
             "algorithm": "centralized",
             "max_epsilon": None,
+            "noise_multiplier": None,
+            "target_epsilon": None,
         }
         return _train_job_config(values, "pretrain.job").to_dict()
 
@@ -334,12 +336,44 @@ def _build_section(section_type: type, values: Mapping[str, Any], prefix: str) -
             f"unknown config key {where}{_shown(unknown[0])} (known in {prefix or 'the top level'}: "
             f"{', '.join(names)})"
         )
+    fields = {f.name: f for f in dataclasses.fields(section_type)}
     kwargs = {
-        name: _coerce(values[name], hints[name], f"{prefix}.{name}" if prefix else name)
+        name: _coerce(
+            _overlay_default(fields[name], values[name]),
+            hints[name],
+            f"{prefix}.{name}" if prefix else name,
+        )
         for name in names
         if name in values
     }
     return section_type(**kwargs)
+
+
+# The train section's two ways to set the noise: giving one replaces the recipe's other.
+_NOISE_CHOICES = ("noise_multiplier", "target_epsilon")
+
+
+def _overlay_default(field: dataclasses.Field, value: Any) -> Any:
+    """A mapping given for a section overlays the section's default, key by key: a
+    section whose default differs from its type's defaults (the training recipe, the
+    synthetic public data) keeps every key the user did not set."""
+    if not isinstance(value, Mapping):
+        return value
+    if field.default is not dataclasses.MISSING:
+        default = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        default = field.default_factory()
+    else:
+        return value
+    if dataclasses.is_dataclass(default):
+        return {**dataclasses.asdict(default), **value}
+    if not isinstance(default, Mapping):
+        return value
+    base = dict(default)
+    if any(name in value for name in _NOISE_CHOICES):
+        for name in _NOISE_CHOICES:
+            base.pop(name, None)
+    return {**base, **value}
 
 
 def _shown(text: str) -> str:

@@ -31,6 +31,41 @@ def test_a_pretrain_job_override_keeps_the_rest_of_the_pretraining_recipe():
     assert config.train_job_dict()["batch_size"] == 4
 
 
+def test_a_train_override_keeps_the_rest_of_the_recipe(tmp_path):
+    """`--set train.rounds=40` changes the rounds, nothing else of the default recipe; a
+    file's train section overlays it the same way."""
+    default = config_lib.load_config().train_job_dict()
+    changed = config_lib.load_config(None, ["train.rounds=40"]).train_job_dict()
+    assert changed == {**default, "rounds": 40}
+    path = tmp_path / "config.yaml"
+    path.write_text("train:\n  rounds: 40\n")
+    assert config_lib.load_config(str(path)).train_job_dict() == changed
+
+
+def test_the_noise_is_set_one_way_and_either_way_replaces_the_recipes():
+    default = config_lib.load_config().train_job_dict()
+    fixed = config_lib.load_config(None, ["train.noise_multiplier=1.2"]).train_job_dict()
+    assert fixed == {**default, "noise_multiplier": 1.2, "target_epsilon": None}
+    target = config_lib.load_config(None, ["train.target_epsilon=4"]).train_job_dict()
+    assert target == {**default, "noise_multiplier": None, "target_epsilon": 4.0}
+    with pytest.raises(ValueError, match="not both"):
+        config_lib.load_config(None, ["train.noise_multiplier=1.2", "train.target_epsilon=4"])
+
+
+def test_a_synthetic_public_override_keeps_the_rest_of_its_default():
+    """The public default is another seed and style than SyntheticSection's defaults:
+    overriding its size must not turn it into the private population."""
+    config = config_lib.load_config(None, ["data.synthetic_public.identities=60"])
+    public = config.data.synthetic_public
+    expected = config_lib.load_config().data.synthetic_public
+    assert public.identities == 60
+    assert (public.seed, public.style, public.images_per_identity) == (
+        expected.seed,
+        expected.style,
+        expected.images_per_identity,
+    )
+
+
 def test_yaml_file_and_overrides(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text("train:\n  rounds: 7\nsplit:\n  public_fraction: 0.3\n")

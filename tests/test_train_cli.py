@@ -107,6 +107,7 @@ def _error_line(capsys, *args: str) -> tuple[int, str]:
         (["--algorithm=fedsgd"], "algorithm must be one of"),
         (["--head-init=zeros"], "head_init must be one of"),
         (["--head-loss=triplet"], "head_loss must be one of"),
+        (["--target-epsilon=5"], "give noise_multiplier or target_epsilon, not both"),
     ],
 )
 def test_bad_hyperparameters_give_one_error_line(trained, capsys, extra, message):

@@ -184,6 +184,40 @@ def test_over_budget_job_refuses_to_start(data, tmp_path):
         )
 
 
+def test_target_epsilon_calibrates_the_noise_from_the_training_users(data, tmp_path):
+    """The noise multiplier is found when the job starts, from the partition's real user
+    count: the smallest z (within the calibration tolerance) whose schedule costs at most
+    the target, under the strict convention; metrics.json says where z came from."""
+    target = 8.0
+    config = dataclasses.replace(
+        CONFIG, noise_multiplier=None, target_epsilon=target, rounds=1, evaluate_every=0
+    )
+    result = train_job.run_train_job(config, *data, str(tmp_path / "calibrated"))
+    source = result.metrics["noise_multiplier_source"]
+    assert source["source"] == "calibrated" and source["target_epsilon"] == target
+    assert source["training_users"] == TRAIN_IDENTITIES
+    z = source["noise_multiplier"]
+    assert result.metrics["config"]["noise_multiplier"] == z
+    assert result.metrics["accounting"]["convention"] == "strict"
+    assert result.metrics["accounting"]["sensitivity_in_clips"] == 2.0
+    assert result.epsilon <= target
+    fixed = dataclasses.replace(config, target_epsilon=None, noise_multiplier=z)
+    spec = train_job.accounting_spec_for(fixed, TRAIN_IDENTITIES)
+    assert accounting.compute_privacy(spec).epsilon == pytest.approx(result.epsilon)
+    lower = spec.with_noise_multiplier(z * (1 - accounting.CALIBRATION_RELATIVE_TOLERANCE))
+    assert accounting.compute_privacy(lower).epsilon > target
+
+
+def test_an_unreachable_target_epsilon_is_refused_before_training(data, tmp_path):
+    # Reachable only with z above the 3 virtual clients per round: noise larger than any
+    # update on every coordinate of the average.
+    config = dataclasses.replace(CONFIG, noise_multiplier=None, target_epsilon=0.05, delta=1e-5)
+    output_dir = str(tmp_path / "refused")
+    with pytest.raises(ValueError, match="out of reach for this schedule.*more users"):
+        train_job.run_train_job(config, *data, output_dir)
+    assert not os.path.exists(output_dir)
+
+
 def test_a_different_job_in_the_same_output_dir_is_refused(data, straight_run):
     changed = dataclasses.replace(CONFIG, noise_multiplier=0.7)
     with pytest.raises(ValueError, match="different noise_multiplier"):
@@ -223,6 +257,16 @@ def test_config_round_trips_and_keeps_paper_momentum():
         ({"head_loss_scale": 0.0}, "head_loss_scale"),
         ({"head_loss_margin": 2.0}, "head_loss_margin"),
         ({"head_loss_margin": "0.3"}, "head_loss_margin must be a number"),
+        ({"target_epsilon": 5.0}, "give noise_multiplier or target_epsilon, not both"),
+        ({"noise_multiplier": None, "target_epsilon": 0.0}, "target_epsilon"),
+        (
+            {"noise_multiplier": None, "target_epsilon": 5.0, "max_epsilon": 4.0},
+            "exceeds max_epsilon",
+        ),
+        (
+            {"noise_multiplier": None, "target_epsilon": 5.0, "algorithm": "centralized"},
+            "centralized has no noise",
+        ),
     ],
 )
 def test_config_rejects_nonsense(changes, message):

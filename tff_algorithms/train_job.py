@@ -77,6 +77,8 @@ DP_FEDEMB = "dp-fedemb"
 DP_FEDAVG = "dp-fedavg"
 DP_FTRL_FEDEMB = "dp-ftrl-fedemb"
 CENTRALIZED = "centralized"
+# The paper's EMNIST noise multiplier (appendix D), when neither it nor a target is given.
+DEFAULT_NOISE_MULTIPLIER = 0.62
 ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, CENTRALIZED)
 
 CHECKPOINT_DIR = "checkpoints"
@@ -119,6 +121,13 @@ class TrainJobConfig:
       algorithm: one of `ALGORITHMS`.
       rounds: training rounds (epochs for `centralized`).
       noise_multiplier: z, noise std over the clip norm of one virtual client's update.
+        None: `DEFAULT_NOISE_MULTIPLIER` (the paper's EMNIST value), unless target_epsilon
+        is set.
+      target_epsilon: instead of noise_multiplier: the noise multiplier is calibrated when
+        the job starts, from the real number of training users (after dedup and
+        partition), to the smallest z whose planned schedule costs at most this epsilon at
+        `delta` (`calibrated_for`). The user count is treated as public, as the accounting
+        itself does. Giving both fields is an error.
       clip_norm: γ, L2 clip of each virtual client's update.
       users_per_virtual_client: k.
       virtual_clients_per_round: M, also the fixed denominator of the aggregate.
@@ -177,7 +186,8 @@ class TrainJobConfig:
 
     algorithm: str = DP_FEDEMB
     rounds: int = 200
-    noise_multiplier: float = 0.62
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
     clip_norm: float = 1.0
     users_per_virtual_client: int = 8
     virtual_clients_per_round: int = 32
@@ -266,7 +276,7 @@ class TrainJobConfig:
                 )
         if self.channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {self.channels!r}")
-        _check_number("noise_multiplier", self.noise_multiplier, 0, math.inf, low_open=False)
+        self._resolve_noise()
         if self.head_init not in client_work.HEAD_INITS:
             raise ValueError(
                 f"head_init must be one of {client_work.HEAD_INITS}, got {self.head_init!r}"
@@ -310,6 +320,64 @@ class TrainJobConfig:
         # Checks the architecture against the input size.
         _ = self.backbone_config
 
+    def _resolve_noise(self) -> None:
+        if self.target_epsilon is None:
+            if self.noise_multiplier is None:
+                object.__setattr__(self, "noise_multiplier", DEFAULT_NOISE_MULTIPLIER)
+            _check_number("noise_multiplier", self.noise_multiplier, 0, math.inf, low_open=False)
+            return
+        _check_number("target_epsilon", self.target_epsilon, 0, math.inf, low_open=True)
+        if self.noise_multiplier is not None:
+            raise ValueError(
+                "give noise_multiplier or target_epsilon, not both: the noise multiplier is "
+                "calibrated for the target (set noise_multiplier to null)"
+            )
+        if self.algorithm == CENTRALIZED:
+            raise ValueError(
+                "target_epsilon applies to the private algorithms; centralized has no noise"
+            )
+        if self.max_epsilon is not None and self.target_epsilon > self.max_epsilon:
+            raise ValueError(
+                f"target_epsilon {self.target_epsilon:g} exceeds max_epsilon "
+                f"{self.max_epsilon:g}: lower the target or raise the budget"
+            )
+
+    def calibrated_for(self, num_users: int) -> tuple[TrainJobConfig, dict[str, Any]]:
+        """The job with its noise multiplier fixed for `num_users` training users, and
+        where that multiplier came from (for metrics.json).
+
+        With `target_epsilon`, the smallest z (within
+        `accounting.CALIBRATION_RELATIVE_TOLERANCE`) whose planned schedule costs at most
+        the target; the returned config carries that z and no target. A target that needs
+        z above the virtual clients per round is refused as out of reach.
+        """
+        if self.target_epsilon is None:
+            return self, {"source": "configured", "noise_multiplier": self.noise_multiplier}
+        fixed = dataclasses.replace(self, noise_multiplier=1.0, target_epsilon=None)
+        spec = accounting_spec_for(fixed, num_users)
+        try:
+            noise = accounting.calibrate_noise_multiplier(spec, float(self.target_epsilon))
+        except ValueError:
+            noise = math.inf
+        # Beyond z = M the noise on every coordinate of the averaged update exceeds the
+        # norm of the largest update a client may send: nothing would be learnt.
+        if noise > self.virtual_clients_per_round:
+            raise ValueError(
+                f"target_epsilon {self.target_epsilon:g} is out of reach for this schedule "
+                f"({num_users} training users, {spec.users_per_round} per round, "
+                f"{spec.rounds} rounds, delta {spec.delta:.3g}): it needs a noise multiplier "
+                f"of {noise:.4g}, above the {self.virtual_clients_per_round} virtual clients "
+                "per round that average it; raise the target or delta, or train on more "
+                "users, for fewer rounds or with fewer users per round"
+            )
+        return dataclasses.replace(fixed, noise_multiplier=noise), {
+            "source": "calibrated",
+            "target_epsilon": self.target_epsilon,
+            "training_users": num_users,
+            "noise_multiplier": noise,
+            "relative_tolerance": accounting.CALIBRATION_RELATIVE_TOLERANCE,
+        }
+
     @property
     def backbone_config(self) -> models.BackboneConfig:
         return models.BackboneConfig(
@@ -339,7 +407,9 @@ class TrainJobConfig:
 
     @property
     def private(self) -> bool:
-        return self.algorithm != CENTRALIZED and self.noise_multiplier > 0
+        if self.algorithm == CENTRALIZED:
+            return False
+        return self.target_epsilon is not None or self.noise_multiplier > 0
 
     def client_config(self) -> client_work.ClientConfig:
         return client_work.ClientConfig(
@@ -451,6 +521,8 @@ def schedule_for(
 
 def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.AccountingSpec:
     """The accounting spec of the planned job (centralized: every user every epoch, no noise)."""
+    if config.target_epsilon is not None:
+        raise ValueError("the noise multiplier is not calibrated yet: use config.calibrated_for")
     delta = config.resolved_delta(num_users)
     if config.algorithm == CENTRALIZED:
         return accounting.AccountingSpec(num_users, num_users, config.rounds, 0.0, delta)
@@ -1047,6 +1119,7 @@ def run_train_job(
     started = time.perf_counter()
     reader = partition.PartitionReader(partition_dir)
     user_ids = reader.user_ids()
+    config, noise_source = config.calibrated_for(len(user_ids))
     spec = accounting_spec_for(config, len(user_ids))
     planned = accounting.compute_privacy(spec)
     _check_budget(config, planned)
@@ -1100,6 +1173,7 @@ def run_train_job(
         "algorithm": config.algorithm,
         "recall_at_far": final_eval["recall_at_far"],
         **_privacy_summary(config, outcome.ledger, planned),
+        "noise_multiplier_source": noise_source,
         "rounds": outcome.ledger.rounds_recorded,
         "rounds_are": "epochs over all training users"
         if config.algorithm == CENTRALIZED

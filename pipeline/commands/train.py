@@ -28,6 +28,7 @@ _CONFIG_FLAGS = {
     "algorithm": "algorithm",
     "rounds": "rounds",
     "noise-multiplier": "noise_multiplier",
+    "target-epsilon": "target_epsilon",
     "clip-norm": "clip_norm",
     "users-per-virtual-client": "users_per_virtual_client",
     "virtual-clients-per-round": "virtual_clients_per_round",
@@ -73,6 +74,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("string", "algorithm", "dp-fedemb | dp-fedavg | dp-ftrl-fedemb | centralized")
     define("integer", "rounds", "training rounds (epochs for centralized)")
     define("float", "noise-multiplier", "noise std / clip norm of a virtual client's update")
+    define(
+        "float",
+        "target-epsilon",
+        "instead of --noise-multiplier: calibrate it when training starts, from the real "
+        "number of training users, to the smallest one whose schedule costs at most this "
+        "epsilon (strict accounting) at the job's delta",
+    )
     define("float", "clip-norm", "L2 clip of each virtual client's backbone update")
     define("integer", "users-per-virtual-client", "users grouped into one virtual client (k)")
     define("integer", "virtual-clients-per-round", "virtual clients per round (M)")
