@@ -37,7 +37,7 @@ _FULL = {
     "rounds": 20,
     "virtual_clients_per_round": 12,
     "epochs": 8,
-    "noise": (0.5, 1.0),
+    "noise": (1.0, 2.0),
     "noiseless_rounds": 60,
 }
 _QUICK = {
@@ -49,7 +49,7 @@ _QUICK = {
     "rounds": 3,
     "virtual_clients_per_round": 4,
     "epochs": 1,
-    "noise": (0.5, 1.0),
+    "noise": (1.0, 2.0),
     "noiseless_rounds": 2,
 }
 _HELD_OUT_FRACTION = 0.2

@@ -142,6 +142,16 @@ def test_first_run_blesses_pushes_and_records_epsilon(first_run):
     privacy = lineage.privacy_of_pushed_model(store, pushed.id)
     assert privacy.epsilon == epsilon and privacy.delta == pytest.approx(1e-3)
     assert privacy.ledger_uri == ledger.uri
+    # What the epsilon means travels with it: strict accounting, substitute-one.
+    assert (privacy.accounting_convention, privacy.neighboring_relation) == (
+        "strict",
+        "replace_one",
+    )
+    assert ledger_json["spec"]["convention"] == "strict"
+    assert (summary.accounting_convention, summary.neighboring_relation) == (
+        "strict",
+        "replace_one",
+    )
     assert os.path.dirname(privacy.pushed_destination) == os.path.abspath(config.serving_dir)
     assert os.path.isfile(os.path.join(privacy.pushed_destination, "saved_model.pb"))
     assert summary.pushed_to == privacy.pushed_destination and summary.epsilon == epsilon
