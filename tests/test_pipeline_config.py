@@ -2,6 +2,8 @@
 
 import fcntl
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -139,6 +141,46 @@ def test_bad_files_are_one_line_errors(tmp_path):
     listing.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="mapping of sections"):
         config_lib.load_config(str(listing))
+
+
+def _readme_set_examples() -> list[str]:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    found = set(re.findall(r"--set ([a-z_.]+=[^\s`]+)", readme))
+    return sorted(e for e in found if not e.startswith("section."))  # the syntax line
+
+
+def _leaves(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def test_every_readme_set_example_changes_only_its_key():
+    examples = _readme_set_examples()
+    assert len(examples) >= 3, examples
+    default = _leaves(config_lib.load_config().to_dict())
+    for example in examples:
+        key, value = config_lib.parse_override(example)
+        changed = _leaves(config_lib.load_config(None, [example]).to_dict())
+        differing = {k for k in default.keys() | changed.keys() if default.get(k) != changed.get(k)}
+        assert differing <= {key}, (example, differing)
+        assert changed[key] == value
+
+
+def test_print_config_prints_the_effective_config_and_runs_nothing(tmp_path, capsys):
+    args = ["--output", str(tmp_path / "out"), "--set", "train.rounds=7"]
+    assert cli.main(["dp-fedemb", "run", *args, "--print-config"]) == 0
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(capsys.readouterr().out)
+    expected = config_lib.load_config(
+        None, ["train.rounds=7", f"pipeline.output_dir={tmp_path / 'out'}"]
+    )
+    assert config_lib.load_config(str(printed)) == expected
+    assert not (tmp_path / "out").exists()
 
 
 def test_run_command_reports_config_errors_on_one_line(capsys):

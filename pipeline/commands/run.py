@@ -5,6 +5,7 @@ ML Metadata SQLite store under --output. Ends by printing the pushed model, its 
 (found by the lineage query), recall@FAR on held-out identities, and the report.
 --set section.key=value overrides the config file; --from-component re-runs from that
 component on, reusing the previous run's artifacts upstream (e.g. PrivateTrain).
+--print-config prints the effective config (what the run would use) and exits.
 """
 
 import sys
@@ -26,6 +27,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "config override section.key=value (YAML value), repeatable",
         flag_values=flag_values,
     )
+    flags.DEFINE_boolean(
+        "print-config",
+        False,
+        "print the effective, validated config (defaults, file and --set overlaid) as YAML "
+        "and exit",
+        flag_values=flag_values,
+    )
     flags.DEFINE_multi_string(
         "from-component",
         [],
@@ -44,6 +52,11 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         overrides.append(f"pipeline.output_dir={flag_values['output'].value}")
     try:
         config = config_lib.load_config(flag_values["config"].value, overrides)
+        if flag_values["print-config"].value:
+            import yaml
+
+            print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+            return 0
         print(f"dp-fedemb run: output in {config.pipeline.output_dir}", flush=True)
 
         from pipeline import local_run
