@@ -102,3 +102,4 @@ def test_with_noise_the_lower_bound_stays_below_the_ledger_epsilon(tff_runtime, 
     # The ledger's ε is small enough that a broken mechanism could exceed it.
     assert 0 < result.theoretical_epsilon < LARGEST_BOUND
     assert result.epsilon_lower_bound <= result.theoretical_epsilon
+    assert result.accounting_convention == "strict"

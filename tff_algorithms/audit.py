@@ -253,6 +253,7 @@ class CanaryAuditResult:
     delta: float
     epsilon_lower_bound: float
     theoretical_epsilon: float
+    accounting_convention: str  # what theoretical_epsilon was accounted under
     noise_multiplier: float
     training_seconds: float
 
@@ -322,6 +323,7 @@ def run_canary_audit(
             population.canaries, guesses.guesses, guesses.correct, delta, confidence
         ),
         theoretical_epsilon=result.epsilon,
+        accounting_convention=result.metrics["accounting"]["convention"],
         noise_multiplier=config.noise_multiplier,
         training_seconds=float(result.metrics["wall_seconds"]),
     )
