@@ -510,12 +510,14 @@ def validate(config: PipelineConfig) -> None:
         raise ValueError(
             f"config partition.num_shards must be >= 1, got {config.partition.num_shards}"
         )
-    train = config.train_job_dict()
-    if train["algorithm"] not in ALGORITHMS:
+    # Before the job config is built: its own errors would hide that this is the wrong step.
+    algorithm = config.train.get("algorithm")
+    if algorithm not in ALGORITHMS:
         raise ValueError(
             f"config train.algorithm must be one of {', '.join(ALGORITHMS)} (private training), "
-            f"got {train['algorithm']!r}"
+            f"got {algorithm!r}"
         )
+    config.train_job_dict()
     from beam_jobs import records_io
     from tff_algorithms import runtime
 
