@@ -236,6 +236,58 @@ def test_virtual_clients_do_not_change_substitute_one(convention, effective):
     assert epsilon(**base.to_dict()) == epsilon(**grouped.to_dict())
 
 
+# Bounds: documented ranges and costs.
+
+
+@pytest.mark.parametrize(
+    "total_steps, participations, separation",
+    [(35, 4, 9), (64, 2, 31), (100, 10, 9), (200, 3, 66), (300, 30, 9), (77, 1, 76), (500, 7, 75)],
+)
+def test_tree_sensitivity_bound_is_above_the_exact_search(total_steps, participations, separation):
+    """The closed-form bound used beyond EXACT_TREE_MAX_ROUNDS never undercuts TF
+    Privacy's exact worst case, and stays within half again of it."""
+    exact = accounting.single_tree_squared_sensitivity(total_steps, participations, separation)
+    bound = accounting.tree_sensitivity_bound(total_steps, participations, separation)
+    assert exact <= bound <= 1.5 * exact
+
+
+def test_long_single_trees_use_the_bound_and_stay_cheap():
+    """A hundred million rounds of one tree: the closed form, O(log rounds)."""
+    spec = AccountingSpec(1000, 100, 10**8, 1.0, 1e-5, mechanism="dpftrl")
+    assert spec.rounds > accounting.EXACT_TREE_MAX_ROUNDS
+    expected = accounting.tree_sensitivity_bound(10**8, 10**7, 9)
+    assert accounting.tree_squared_sensitivity(spec) == expected
+    assert math.isfinite(accounting.compute_privacy(spec).epsilon)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(noise_multiplier=1e308), "noise multiplier must be at most"),
+        (dict(noise_multiplier=1e160), "noise multiplier must be at most"),
+        (dict(population=10**11, users_per_round=10), "population .* at most"),
+        (dict(rounds=10**10), "rounds must be at most"),
+        (dict(delta=1e-200), "delta must be at least"),
+    ],
+)
+def test_numbers_outside_the_documented_ranges_are_one_line_errors(kwargs, message):
+    base = dict(population=1000, users_per_round=100, rounds=10, noise_multiplier=1.0, delta=1e-5)
+    with pytest.raises(ValueError, match=message):
+        AccountingSpec(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("target", [1e300, 100.5])
+def test_calibration_refuses_targets_above_the_range(target):
+    with pytest.raises(ValueError, match="target epsilon must be in"):
+        accounting.calibrate_noise_multiplier(AccountingSpec(1000, 100, 10, 1.0, 1e-5), target)
+
+
+def test_calibration_says_when_no_noise_suffices():
+    # RDP's conversion leaves a floor at small delta whatever the noise.
+    with pytest.raises(accounting.TargetOutOfReach, match="out of reach"):
+        accounting.calibrate_noise_multiplier(AccountingSpec(100, 100, 10, 1.0, 1e-90), 1e-3)
+
+
 # Monotonicity.
 
 
@@ -430,3 +482,9 @@ def test_tree_accounting_uses_the_separation_the_schedule_guarantees():
     assert spec.rounds_per_epoch == stats.rounds_per_epoch
     assert spec.tree_min_separation == stats.min_separation
     assert spec.max_participations == stats.max_participations
+
+
+def test_pld_refuses_noise_its_grid_cannot_hold():
+    spec = AccountingSpec(3000, 30, 120, 0.01, 1e-5, sampling="poisson", accountant="pld")
+    with pytest.raises(ValueError, match="use the RDP accountant"):
+        accounting.compute_privacy(spec)

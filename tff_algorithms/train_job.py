@@ -357,7 +357,7 @@ class TrainJobConfig:
         spec = accounting_spec_for(fixed, num_users)
         try:
             noise = accounting.calibrate_noise_multiplier(spec, float(self.target_epsilon))
-        except ValueError:
+        except accounting.TargetOutOfReach:
             noise = math.inf
         # Beyond z = M the noise on every coordinate of the averaged update exceeds the
         # norm of the largest update a client may send: nothing would be learnt.

@@ -17,23 +17,38 @@ from tff_algorithms import accounting
 
 def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer(
-        "users", None, "Users in the training population (N).", flag_values=flag_values
+        "users",
+        None,
+        f"Users in the training population (N), 1 to {accounting.MAX_POPULATION:.0e}.",
+        flag_values=flag_values,
     )
     flags.DEFINE_integer(
-        "users-per-round", None, "Users taking part in each round (M).", flag_values=flag_values
+        "users-per-round",
+        None,
+        "Users taking part in each round (M), 1 to N.",
+        flag_values=flag_values,
     )
-    flags.DEFINE_integer("rounds", None, "Training rounds (T).", flag_values=flag_values)
-    flags.DEFINE_float("delta", None, "Target delta, in (0, 1).", flag_values=flag_values)
+    flags.DEFINE_integer(
+        "rounds",
+        None,
+        f"Training rounds (T), 1 to {accounting.MAX_ROUNDS:.0e}.",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_float(
+        "delta", None, f"Target delta, in [{accounting.MIN_DELTA:g}, 1).", flag_values=flag_values
+    )
     flags.DEFINE_float(
         "noise-multiplier",
         None,
-        "Noise standard deviation over the clip norm of one virtual client's update.",
+        "Noise standard deviation over the clip norm of one virtual client's update, 0 to "
+        f"{accounting.MAX_NOISE_MULTIPLIER:g}.",
         flag_values=flag_values,
     )
     flags.DEFINE_float(
         "target-epsilon",
         None,
-        "Instead of --noise-multiplier: find the smallest noise multiplier reaching this.",
+        "Instead of --noise-multiplier: find the smallest noise multiplier reaching this "
+        f"epsilon, in (0, {accounting.MAX_TARGET_EPSILON:g}].",
         flag_values=flag_values,
     )
     flags.DEFINE_enum(
