@@ -5,6 +5,12 @@
 every key and type, and validates the values by building the library objects they
 configure (SyntheticConfig, SplitConfig, DedupConfig, TrainJobConfig, ...). Every
 problem is a ValueError with one line, raised before anything runs.
+
+Layering, for every section: what the file and the overrides set overlays the section's
+default key by key (the training sections' defaults are the recipes of
+tff_algorithms.recipes, layered by its rule); a key set to null restores the library
+default (TrainJobConfig's, or the section dataclass's), except for keys where null is
+itself a value (`data.synthetic_public: null` renders no public data).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
+
+from tff_algorithms import recipes
 
 ALGORITHMS = ("dp-fedemb", "dp-fedavg", "dp-ftrl-fedemb")
 PRETRAIN_SOURCES = ("public", "import", "none")
@@ -97,16 +105,6 @@ class PartitionSection:
     num_shards: int = 4
 
 
-# The default pretraining: centralized, every layer, momentum SGD in batches of 32.
-PRETRAIN_RECIPE = {
-    "rounds": 12,
-    "evaluate_every": 4,
-    "server_learning_rate": 0.02,
-    "server_momentum": 0.9,
-    "batch_size": 32,
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class PretrainSection:
     # public: train non-privately on the public split; import: use backbone_dir;
@@ -114,9 +112,10 @@ class PretrainSection:
     source: str = "public"
     backbone_dir: str = ""
     # TrainJobConfig fields for the centralized run (rounds are epochs; it uses the
-    # server learning rate and momentum), over the default pretraining recipe's, over
-    # those of `train`: `pretrain.job.rounds=5` changes the epochs only.
-    job: Mapping[str, Any] = dataclasses.field(default_factory=lambda: dict(PRETRAIN_RECIPE))
+    # server learning rate and momentum), over the pretraining recipe
+    # (tff_algorithms.recipes.PRETRAIN), over those of `train`: `pretrain.job.rounds=5`
+    # changes the epochs only.
+    job: Mapping[str, Any] = dataclasses.field(default_factory=lambda: dict(recipes.PRETRAIN))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,45 +168,6 @@ class PushSection:
     serving_dir: str = ""
 
 
-def _default_train() -> dict[str, Any]:
-    # Measured on the default data (README, "Population, trained parameters and noise"):
-    # 8 users per virtual client make the clients' updates agree; the convolutions and
-    # GroupNorm layers (52k parameters, the 401k of the dense embedding layer frozen)
-    # learn nearly as much as the whole backbone without noise and keep far more of it
-    # with noise; server lr 0.3 keeps the per-round noise on each weight small.
-    return {
-        "algorithm": "dp-fedemb",
-        "rounds": 20,
-        # The noise multiplier is calibrated when private training starts, from the real
-        # training users after dedup and partition, to the smallest one whose 20 rounds
-        # cost at most epsilon 8 at delta 1e-4 under the strict accounting convention
-        # (z ~1.77 for the default data's ~3,000 training users). Setting
-        # train.noise_multiplier replaces the target.
-        "target_epsilon": 8.0,
-        "clip_norm": 1.0,
-        "users_per_virtual_client": 8,
-        "virtual_clients_per_round": 48,
-        "client_learning_rate": 0.01,
-        "local_epochs": 3,
-        # A virtual client holds ~32 images: batches of 8 make 12 local steps, not 3, so
-        # the fresh local head learns and the backbone update means something.
-        "batch_size": 8,
-        # Each local head starts at its identities' mean embeddings, so the first local
-        # steps already pull the backbone towards separating them (a random head spends
-        # them learning where the identities are).
-        "head_init": "class_means",
-        # CosFace (scale 30, margin 0.35; unit embeddings against unit head rows) trains the
-        # directions that verification compares: measured above softmax with and without
-        # noise (README "Head loss"). Pretraining takes it too, so the start has the same
-        # geometry.
-        "head_loss": "cosface",
-        "server_learning_rate": 0.3,
-        "server_momentum": 0.0,
-        "trainable_layers": ["conv*", "gn*"],
-        "delta": 1e-4,
-    }
-
-
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     pipeline: PipelineSection = PipelineSection()
@@ -216,8 +176,9 @@ class PipelineConfig:
     dedup: DedupSection = DedupSection()
     partition: PartitionSection = PartitionSection()
     pretrain: PretrainSection = PretrainSection()
-    # TrainJobConfig fields (tff_algorithms.train_job) of the private training run.
-    train: Mapping[str, Any] = dataclasses.field(default_factory=_default_train)
+    # TrainJobConfig fields (tff_algorithms.train_job) of the private training run, over
+    # the default recipe (tff_algorithms.recipes.DEFAULT).
+    train: Mapping[str, Any] = dataclasses.field(default_factory=lambda: recipes.recipe("default"))
     runtime: RuntimeSection = RuntimeSection()
     evaluate: EvaluateSection = EvaluateSection()
     budget: BudgetSection = BudgetSection()
@@ -258,23 +219,12 @@ class PipelineConfig:
 
     def train_job_dict(self) -> dict[str, Any]:
         """The private run's TrainJobConfig as a dict (validated)."""
-        return _train_job_config(dict(self.train), "train").to_dict()
+        return _train_job_config(self.train, "train").to_dict()
 
     def pretrain_job_dict(self) -> dict[str, Any]:
-        """The centralized pretraining run: train, then PRETRAIN_RECIPE, then pretrain.job."""
-        # Public data costs no budget: a train.max_epsilon must not stop the (noiseless) run.
-        # Freezing is for private training: pretraining trains every layer unless
-        # pretrain.job says otherwise.
-        values = {
-            **self.train,
-            "trainable_layers": ["*"],
-            **PRETRAIN_RECIPE,
-            **self.pretrain.job,
-            "algorithm": "centralized",
-            "max_epsilon": None,
-            "noise_multiplier": None,
-            "target_epsilon": None,
-        }
+        """The centralized pretraining run (recipes.pretrain_values): `train`, every
+        layer, the pretraining recipe, then pretrain.job."""
+        values = recipes.pretrain_values(self.train, self.pretrain.job)
         return _train_job_config(values, "pretrain.job").to_dict()
 
 
@@ -328,6 +278,12 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     raise TypeError(f"unsupported config annotation {_type_name(annotation)} at {key}")
 
 
+def _admits_none(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(
+        None
+    ) in typing.get_args(annotation)
+
+
 def _build_section(section_type: type, values: Mapping[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(section_type)
     names = [f.name for f in dataclasses.fields(section_type)]
@@ -340,6 +296,12 @@ def _build_section(section_type: type, values: Mapping[str, Any], prefix: str) -
             f"{', '.join(names)})"
         )
     fields = {f.name: f for f in dataclasses.fields(section_type)}
+    # null restores the library default, except where None is itself a value of the key.
+    values = {
+        name: value
+        for name, value in values.items()
+        if value is not None or _admits_none(hints[name])
+    }
     kwargs = {
         name: _coerce(
             _overlay_default(fields[name], values[name]),
@@ -352,14 +314,11 @@ def _build_section(section_type: type, values: Mapping[str, Any], prefix: str) -
     return section_type(**kwargs)
 
 
-# The train section's two ways to set the noise: giving one replaces the recipe's other.
-_NOISE_CHOICES = ("noise_multiplier", "target_epsilon")
-
-
 def _overlay_default(field: dataclasses.Field, value: Any) -> Any:
     """A mapping given for a section overlays the section's default, key by key: a
     section whose default differs from its type's defaults (the training recipe, the
-    synthetic public data) keeps every key the user did not set."""
+    synthetic public data) keeps every key the user did not set. Recipe sections layer
+    by `recipes.overlay`."""
     if not isinstance(value, Mapping):
         return value
     if field.default is not dataclasses.MISSING:
@@ -372,11 +331,7 @@ def _overlay_default(field: dataclasses.Field, value: Any) -> Any:
         return {**dataclasses.asdict(default), **value}
     if not isinstance(default, Mapping):
         return value
-    base = dict(default)
-    if any(name in value for name in _NOISE_CHOICES):
-        for name in _NOISE_CHOICES:
-            base.pop(name, None)
-    return {**base, **value}
+    return recipes.overlay(default, value)
 
 
 def _shown(text: str) -> str:
@@ -404,7 +359,7 @@ def _train_job_config(values: Mapping[str, Any], key: str) -> Any:
             f"unknown config key {key}.{_shown(unknown[0])} (known: {', '.join(names)})"
         )
     try:
-        return train_job.TrainJobConfig.from_dict(dict(values))
+        return train_job.TrainJobConfig.from_dict(recipes.job_fields(values))
     except (TypeError, ValueError) as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"config {key}: {message}") from None

@@ -26,11 +26,12 @@ TRAIN_CLI_DATA = synthetic.SyntheticConfig(identities=40, images_per_identity=6,
 def train_cli_flags(rounds: int) -> list[str]:
     """`dp-fedemb train` flags for a small DP-FedEmb run on TRAIN_CLI_DATA.
 
-    Every seed is fixed (the schedule and noise seeds behind their testing flags), so
+    The paper recipe (TrainJobConfig's defaults) under the flags. Every seed is fixed (the schedule and noise seeds behind their testing flags), so
     two runs with these flags train the same model bit for bit; evaluation every 2
     rounds, and 20% of the identities each for validation and test.
     """
     return [
+        "--recipe=paper",
         f"--rounds={rounds}",
         "--users-per-virtual-client=2",
         "--virtual-clients-per-round=3",

@@ -109,6 +109,7 @@ def train_run(tmp_path_factory):
             "train",
             f"--data={data}",
             f"--output={output}",
+            "--recipe=paper",
             "--rounds=2",
             "--noise-multiplier=0.5",
             f"--users-per-virtual-client={USERS_PER_VIRTUAL_CLIENT}",

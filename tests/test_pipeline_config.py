@@ -54,6 +54,31 @@ def test_the_noise_is_set_one_way_and_either_way_replaces_the_recipes():
         config_lib.load_config(None, ["train.noise_multiplier=1.2", "train.target_epsilon=4"])
 
 
+def test_null_restores_the_library_default():
+    from tff_algorithms import train_job
+
+    library = train_job.TrainJobConfig()
+    job = config_lib.load_config(
+        None, ["train.head_loss=null", "train.virtual_clients_per_round=null"]
+    ).train_job_dict()
+    assert (job["head_loss"], job["virtual_clients_per_round"]) == (
+        library.head_loss,
+        library.virtual_clients_per_round,
+    )
+    # The recipe's target gone, the noise multiplier falls back to the library's.
+    job = config_lib.load_config(None, ["train.target_epsilon=null"]).train_job_dict()
+    assert (job["noise_multiplier"], job["target_epsilon"]) == (library.noise_multiplier, None)
+    # A pretraining key: not the pretraining recipe's 12 epochs, nor train's 20.
+    pretrain = config_lib.load_config(None, ["pretrain.job.rounds=null"]).pretrain_job_dict()
+    assert pretrain["rounds"] == library.rounds
+    config = config_lib.load_config(None, ["dedup.hamming_threshold=null", "partition=null"])
+    assert config.dedup == config_lib.DedupSection()
+    assert config.partition == config_lib.PartitionSection()
+    # Where null is a value of its own, it stays one.
+    no_public = ["data.synthetic_public=null", "pretrain.source=none"]
+    assert config_lib.load_config(None, no_public).data.synthetic_public is None
+
+
 def test_a_synthetic_public_override_keeps_the_rest_of_its_default():
     """The public default is another seed and style than SyntheticSection's defaults:
     overriding its size must not turn it into the private population."""

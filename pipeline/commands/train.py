@@ -23,6 +23,8 @@ from typing import Any
 
 from absl import flags
 
+from tff_algorithms import recipes
+
 # Flag name -> TrainJobConfig field, for the hyperparameters passed straight through.
 _CONFIG_FLAGS = {
     "algorithm": "algorithm",
@@ -64,13 +66,22 @@ PREPARED_FILE = "prepared.json"
 
 
 def define_flags(flag_values: flags.FlagValues) -> None:
-    # Hyperparameter flags default to None, meaning TrainJobConfig's default (see
-    # tff_algorithms/train_job.py); naming them here would import TensorFlow for --help.
+    # Hyperparameter flags default to None, meaning the recipe's value, or where the
+    # recipe has none TrainJobConfig's default (tff_algorithms/recipes.py).
     def define(kind: str, name: str, help_text: str, default: Any = None) -> None:
         getattr(flags, f"DEFINE_{kind}")(name, default, help_text, flag_values=flag_values)
 
     define("string", "data", "image folder or directory of canonical TFRecords")
     define("string", "output", "output directory (re-running with it resumes)")
+    flags.DEFINE_enum(
+        "recipe",
+        "default",
+        list(recipes.RECIPES),
+        "hyperparameters the flags below overlay: default (the pipeline's private training, "
+        "README) or paper (the paper's EMNIST appendix D values); centralized runs take the "
+        "pretraining recipe over it",
+        flag_values=flag_values,
+    )
     define("string", "algorithm", "dp-fedemb | dp-fedavg | dp-ftrl-fedemb | centralized")
     define("integer", "rounds", "training rounds (epochs for centralized)")
     define("float", "noise-multiplier", "noise std / clip norm of a virtual client's update")
@@ -243,10 +254,21 @@ def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazil
     return budget.BudgetPolicy(ledger, total, value["override-budget"])
 
 
+def job_config(value: Mapping[str, Any]):  # noqa: ANN201 - imports TF lazily
+    """The TrainJobConfig of parsed flags: the flags given over --recipe (for a
+    centralized run, over the pretraining recipe over it), by recipes' layering rule."""
+    from tff_algorithms import train_job
+
+    values, given = recipes.recipe(value["recipe"]), _config_values(value)
+    if given.get("algorithm", values.get("algorithm")) == train_job.CENTRALIZED:
+        values = recipes.pretrain_values(values, {})
+    return train_job.TrainJobConfig(**recipes.job_fields(recipes.overlay(values, given)))
+
+
 def _train(value: Mapping[str, Any]) -> dict[str, Any]:
     from tff_algorithms import train_job
 
-    config = train_job.TrainJobConfig(**_config_values(value))
+    config = job_config(value)
     budget_policy = _budget_policy(value)
     if not os.path.isdir(value["data"]):
         raise ValueError(f"--data {value['data']} is not a directory")

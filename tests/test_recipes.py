@@ -1,0 +1,73 @@
+"""The training recipes and their layering rule, shared by the pipeline and `dp-fedemb train`."""
+
+import dataclasses
+
+import pytest
+from absl import flags
+
+from pipeline import config as config_lib
+from pipeline.commands import train as train_command
+from tff_algorithms import recipes, train_job
+
+
+def _train_flags(*argv: str) -> dict:
+    flag_values = flags.FlagValues()
+    train_command.define_flags(flag_values)
+    flag_values(["dp-fedemb train", *argv])
+    return {name: flag_values[name].value for name in flag_values}
+
+
+def test_overlay_is_key_by_key_and_null_means_the_library_default():
+    base = {"rounds": 20, "batch_size": 8, "target_epsilon": 8.0}
+    layered = recipes.overlay(base, {"rounds": 5, "batch_size": None})
+    assert layered == {"rounds": 5, "batch_size": None, "target_epsilon": 8.0}
+    assert recipes.job_fields(layered) == {"rounds": 5, "target_epsilon": 8.0}
+
+
+@pytest.mark.parametrize("choice", recipes.NOISE_CHOICES)
+def test_either_noise_setting_drops_the_recipes_other(choice):
+    layered = recipes.overlay({"target_epsilon": 8.0, "noise_multiplier": None}, {choice: 2.0})
+    assert layered == {choice: 2.0}
+
+
+def test_pretraining_layers_over_the_private_recipe_without_noise():
+    values = recipes.pretrain_values(recipes.DEFAULT, {"rounds": 3})
+    assert values["rounds"] == 3
+    assert values["evaluate_every"] == recipes.PRETRAIN["evaluate_every"]
+    assert values["head_loss"] == recipes.DEFAULT["head_loss"]
+    assert values["trainable_layers"] == ["*"]
+    assert (values["algorithm"], values["noise_multiplier"], values["target_epsilon"]) == (
+        "centralized",
+        None,
+        None,
+    )
+
+
+def test_unknown_recipe_is_one_line():
+    with pytest.raises(ValueError, match="unknown recipe 'fast'; have default, paper"):
+        recipes.recipe("fast")
+
+
+def test_pipeline_and_train_command_start_from_the_same_recipe():
+    pipeline_job = config_lib.load_config().train_job_dict()
+    command_job = train_command.job_config(_train_flags()).to_dict()
+    assert command_job == pipeline_job == train_job.TrainJobConfig(**recipes.DEFAULT).to_dict()
+
+
+def test_train_command_paper_recipe_is_the_library_default():
+    job = train_command.job_config(_train_flags("--recipe=paper", "--rounds=7"))
+    assert job == dataclasses.replace(train_job.TrainJobConfig(), rounds=7)
+
+
+def test_train_command_flags_layer_like_pipeline_overrides():
+    command_job = train_command.job_config(_train_flags("--noise-multiplier=1.5", "--rounds=9"))
+    pipeline_job = config_lib.load_config(
+        None, ["train.noise_multiplier=1.5", "train.rounds=9"]
+    ).train_job_dict()
+    assert command_job.to_dict() == pipeline_job
+
+
+def test_train_command_centralized_takes_the_pretraining_recipe():
+    command_job = train_command.job_config(_train_flags("--algorithm=centralized"))
+    pipeline_job = config_lib.load_config().pretrain_job_dict()
+    assert command_job.to_dict() == pipeline_job
