@@ -27,12 +27,12 @@ _MIN_REPORT_FRACTION = 0.5
 
 
 def run(out_dir: str, quick: bool) -> dict:
-    sizes = bench_training._QUICK if quick else bench_training._FULL
+    sizes = bench_training.QUICK if quick else bench_training.FULL
     work = os.path.join(out_dir, "bench_privacy_dropout_work")
     shutil.rmtree(work, ignore_errors=True)
     data, _, pretrained = bench_training.prepare(work, sizes)
     base = dataclasses.replace(
-        bench_training._base_config(sizes),
+        bench_training.base_config(sizes),
         min_report_fraction=_MIN_REPORT_FRACTION,
         max_round_attempts=3,
     )

@@ -25,10 +25,9 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from beam_jobs import partition, synthetic
-from pipeline import config as config_lib
-from tff_algorithms import client_work, dropouts, models, runtime, train_job
+from tff_algorithms import client_work, dropouts, models, recipes, runtime, train_job
 
-_FULL = {
+FULL = {
     "identities": 1000,
     "images": 4,
     "public_identities": 300,
@@ -40,7 +39,7 @@ _FULL = {
     "noise": (1.0, 2.0),
     "noiseless_rounds": 60,
 }
-_QUICK = {
+QUICK = {
     "identities": 80,
     "images": 4,
     "public_identities": 20,
@@ -59,30 +58,33 @@ _NOISELESS = f"{train_job.DP_FEDEMB} z=0 every layer"
 
 
 def _at_bench_size(recipe: Mapping, sizes: Mapping) -> train_job.TrainJobConfig:
-    return dataclasses.replace(
-        train_job.TrainJobConfig.from_dict(dict(recipe)),
-        rounds=sizes["rounds"],
-        noise_multiplier=0.0,
-        virtual_clients_per_round=sizes["virtual_clients_per_round"],
-        evaluate_every=0,
-        seed=0,
-        # Every algorithm samples the same users in the same rounds, run after run.
-        schedule_seed=0,
-        testing_fixed_schedule=True,
-        noise_seed=1,
-        testing_fixed_noise=True,
-        delta=1e-5,
+    values = recipes.overlay(
+        recipe,
+        {
+            "rounds": sizes["rounds"],
+            "noise_multiplier": 0.0,
+            "virtual_clients_per_round": sizes["virtual_clients_per_round"],
+            "evaluate_every": 0,
+            "seed": 0,
+            # Every algorithm samples the same users in the same rounds, run after run.
+            "schedule_seed": 0,
+            "testing_fixed_schedule": True,
+            "noise_seed": 1,
+            "testing_fixed_noise": True,
+            "delta": 1e-5,
+        },
     )
+    return train_job.TrainJobConfig(**recipes.job_fields(values))
 
 
-def _base_config(sizes: Mapping) -> train_job.TrainJobConfig:
-    """The pipeline default's private training (pipeline/config.py), at the bench's size."""
-    return _at_bench_size(config_lib.PipelineConfig().train_job_dict(), sizes)
+def base_config(sizes: Mapping) -> train_job.TrainJobConfig:
+    """The default recipe's private training (tff_algorithms/recipes.py), at the bench's size."""
+    return _at_bench_size(recipes.DEFAULT, sizes)
 
 
-def _centralized_config(sizes: Mapping, epochs: int) -> train_job.TrainJobConfig:
-    """The pipeline default's (centralized, every layer) pretraining recipe for `epochs`."""
-    recipe = config_lib.PipelineConfig().pretrain_job_dict()
+def centralized_config(sizes: Mapping, epochs: int) -> train_job.TrainJobConfig:
+    """The default (centralized, every layer) pretraining recipe for `epochs`."""
+    recipe = recipes.pretrain_values(recipes.DEFAULT, {})
     return dataclasses.replace(_at_bench_size(recipe, sizes), rounds=epochs)
 
 
@@ -122,7 +124,7 @@ def pretrain(
 ) -> train_job.TrainJobResult:
     """The pipeline's pretraining (centralized, every layer) on the public partition, with
     `head_loss` instead of the pipeline's if given."""
-    config = _centralized_config(sizes, sizes["pretrain_epochs"])
+    config = centralized_config(sizes, sizes["pretrain_epochs"])
     if head_loss is not None:
         config = dataclasses.replace(config, head_loss=head_loss)
     output = os.path.join(work, "pretrained" if head_loss is None else f"pretrained_{head_loss}")
@@ -134,15 +136,15 @@ def pretrain(
 
 
 def run(out_dir: str, quick: bool) -> dict:
-    sizes = _QUICK if quick else _FULL
+    sizes = QUICK if quick else FULL
     work = os.path.join(out_dir, "bench_training_work")
     shutil.rmtree(work, ignore_errors=True)
     data, public_dir, pretrained = prepare(work, sizes)
     # The paper's loss from a start pretrained with it (the same pretraining, softmax):
     # from the CosFace-pretrained start, softmax local training of every layer diverged.
     pretrained_softmax = pretrain(work, sizes, public_dir, data[1], client_work.SOFTMAX)
-    base = _base_config(sizes)
-    centralized = _centralized_config(sizes, sizes["epochs"])
+    base = base_config(sizes)
+    centralized = centralized_config(sizes, sizes["epochs"])
     configs = {"centralized": centralized}
     softmax = {"head_loss": client_work.SOFTMAX}
     softmax_configs = {

@@ -71,3 +71,11 @@ def test_train_command_centralized_takes_the_pretraining_recipe():
     command_job = train_command.job_config(_train_flags("--algorithm=centralized"))
     pipeline_job = config_lib.load_config().pretrain_job_dict()
     assert command_job.to_dict() == pipeline_job
+
+
+def test_training_benchmark_builds_its_jobs_from_the_default_recipe():
+    from bench import bench_training
+
+    base = bench_training.base_config(bench_training.QUICK)
+    assert (base.head_loss, base.noise_multiplier, base.target_epsilon) == ("cosface", 0.0, None)
+    assert bench_training.centralized_config(bench_training.QUICK, 2).trainable_layers == ("*",)
