@@ -137,12 +137,25 @@ class _WriteShardFn(beam.DoFn):
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleSpec:
-    """Schedule parameters the partition job records participation statistics for."""
+    """Schedule parameters the partition job records participation statistics for.
+
+    virtual_clients_per_round may be `schedule.AUTO`: resolved from the partition's
+    users (`schedule.largest_virtual_clients_per_round`, at `over_selection`).
+    """
 
     users_per_virtual_client: int
-    virtual_clients_per_round: int
+    virtual_clients_per_round: int | str
     rounds: int
     mode: str = schedule.SAMPLED
+    over_selection: float = 0.0
+
+    def shape(self, num_users: int) -> schedule.ScheduleShape:
+        planned = self.virtual_clients_per_round
+        if planned == schedule.AUTO:
+            planned = schedule.largest_virtual_clients_per_round(
+                num_users, self.users_per_virtual_client, self.over_selection
+            )
+        return schedule.ScheduleShape(num_users, self.users_per_virtual_client, planned, self.mode)
 
 
 def _manifest(shard_counts: list[dict], num_shards: int, max_part_bytes: int) -> dict:
@@ -160,32 +173,32 @@ def _manifest(shard_counts: list[dict], num_shards: int, max_part_bytes: int) ->
     }
 
 
-def _participation(manifest: dict, spec: ScheduleSpec) -> dict:
-    # Counts only: the partition never sees the (secret) schedule seed.
-    shape = schedule.ScheduleShape(
-        manifest["users"], spec.users_per_virtual_client, spec.virtual_clients_per_round, spec.mode
-    )
-    return shape.participation_stats(spec.rounds).to_dict()
+def participation(manifest: dict, spec: ScheduleSpec) -> dict:
+    """The participation statistics of `spec` over the manifest's users. Counts only:
+    the partition never sees the (secret) schedule seed."""
+    return spec.shape(manifest["users"]).participation_stats(spec.rounds).to_dict()
+
+
+def write_participation(partition_dir: str, spec: ScheduleSpec) -> dict:
+    """participation.json of a written partition. Outside Beam: a schedule the users
+    cannot fill is one ValueError line, not a worker traceback."""
+    manifest = records_io.read_json(os.path.join(partition_dir, MANIFEST_FILE))
+    stats = participation(manifest, spec)
+    with tf.io.gfile.GFile(os.path.join(partition_dir, PARTICIPATION_FILE), "w") as f:
+        f.write(json.dumps(stats, indent=2, sort_keys=True) + "\n")
+    return stats
 
 
 class PartitionByUser(beam.PTransform):
-    """Serialized canonical records -> files under partition_dir; returns the manifest
-    (and writes participation.json when a ScheduleSpec is given)."""
+    """Serialized canonical records -> files under partition_dir; returns the manifest."""
 
-    def __init__(
-        self,
-        partition_dir: str,
-        num_shards: int = 16,
-        max_part_bytes: int = 64 << 20,
-        schedule_spec: ScheduleSpec | None = None,
-    ):
+    def __init__(self, partition_dir: str, num_shards: int = 16, max_part_bytes: int = 64 << 20):
         super().__init__()
         if num_shards < 1 or max_part_bytes < 1:
             raise ValueError("num shards and max part bytes must be >= 1")
         self._partition_dir = partition_dir
         self._num_shards = num_shards
         self._max_part_bytes = max_part_bytes
-        self._schedule_spec = schedule_spec
 
     def expand(self, records):
         num_shards, partition_dir = self._num_shards, self._partition_dir
@@ -206,13 +219,6 @@ class PartitionByUser(beam.PTransform):
         _ = manifest | "WriteManifest" >> records_io.WriteJson(
             os.path.join(partition_dir, MANIFEST_FILE)
         )
-        if self._schedule_spec is not None:
-            _ = (
-                manifest
-                | "Participation" >> beam.Map(_participation, self._schedule_spec)
-                | "WriteParticipation"
-                >> records_io.WriteJson(os.path.join(partition_dir, PARTICIPATION_FILE))
-            )
         return manifest
 
 
@@ -229,9 +235,10 @@ def run_partition(
         _ = (
             pipeline
             | "Read" >> records_io.ReadRecords(input_dir)
-            | "Partition"
-            >> PartitionByUser(partition_dir, num_shards, max_part_bytes, schedule_spec)
+            | "Partition" >> PartitionByUser(partition_dir, num_shards, max_part_bytes)
         )
+    if schedule_spec is not None:
+        write_participation(partition_dir, schedule_spec)
     return records_io.read_json(os.path.join(partition_dir, MANIFEST_FILE))
 
 

@@ -100,6 +100,35 @@ class ParticipationStats:
         return cls.from_dict(json.loads(text))
 
 
+# A virtual_clients_per_round resolved from the population: the largest it fills.
+AUTO = "auto"
+
+
+def largest_virtual_clients_per_round(
+    num_users: int, users_per_virtual_client: int, over_selection: float = 0.0
+) -> int:
+    """The largest M whose round, over-selected to ceil(M (1 + over_selection)) virtual
+    clients of `users_per_virtual_client` users, `num_users` users fill."""
+    groups = num_users // users_per_virtual_client
+    if groups < 1:
+        raise ValueError(
+            f"{num_users} training users cannot fill one virtual client of "
+            f"{users_per_virtual_client} users: set users_per_virtual_client to at most "
+            f"{num_users}, or train on more users"
+        )
+    largest = math.floor(groups / (1 + over_selection) + 1e-9)
+    # The rounding guard of the selection (tff_algorithms.dropouts) keeps 10 * 1.1 at 11.
+    while largest >= 1 and math.ceil(largest * (1 + over_selection) - 1e-9) > groups:
+        largest -= 1
+    if largest < 1:
+        raise ValueError(
+            f"{num_users} training users cannot fill one round over-selected by "
+            f"{over_selection:g}: set over_selection or users_per_virtual_client lower, or "
+            "train on more users"
+        )
+    return largest
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleShape:
     """The counts of a schedule without its seed: all its participation statistics need.
@@ -118,9 +147,17 @@ class ScheduleShape:
         if self.users_per_virtual_client < 1 or self.virtual_clients_per_round < 1:
             raise ValueError("users per virtual client and virtual clients per round must be >= 1")
         if self.num_users < self.users_per_round:
+            largest = self.num_users // self.users_per_virtual_client
+            fix = (
+                f"set virtual_clients_per_round to at most {largest} (or auto)"
+                if largest
+                else f"set users_per_virtual_client to at most {self.num_users}"
+            )
             raise ValueError(
-                f"{self.num_users} users cannot fill a round of {self.virtual_clients_per_round} "
-                f"virtual clients x {self.users_per_virtual_client} users"
+                f"{self.num_users} training users cannot fill a round of "
+                f"{self.virtual_clients_per_round} virtual clients x "
+                f"{self.users_per_virtual_client} users ({self.users_per_round}): {fix}, "
+                "or train on more users"
             )
 
     @property

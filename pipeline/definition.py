@@ -1,6 +1,6 @@
 """The dp-fedemb TFX pipeline (DESIGN.md section 7), built from a validated PipelineConfig.
 
-CanonicalExampleGen -> StatisticsGen -> SchemaGen -> ExampleValidator -> DeduplicateSplits
+CanonicalExampleGen -> CheckTrainingSchedule -> StatisticsGen -> SchemaGen -> ExampleValidator -> DeduplicateSplits
 -> PartitionVirtualClients -> [PretrainBackbone | backbone Importer] -> PrivateTrain
 -> EvaluateAndBless (+ latest blessed model resolver) -> Pusher -> RenderReport.
 
@@ -24,6 +24,7 @@ from pipeline.components import data, evaluation, reporting, training
 
 # Node ids, used by partial runs and tests.
 EXAMPLE_GEN = "CanonicalExampleGen"
+CHECK_SCHEDULE = "CheckTrainingSchedule"
 STATISTICS_GEN = "StatisticsGen"
 SCHEMA_GEN = "SchemaGen"
 EXAMPLE_VALIDATOR = "ExampleValidator"
@@ -93,18 +94,34 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         beam_args=beam_args,
         code_fingerprint=_code(data.DeduplicateSplits),
     ).with_id(DEDUP)
+    # Before anything slow: a schedule the training split cannot carry stops the run here.
+    check_schedule = training.CheckTrainingSchedule(
+        examples=example_gen.outputs["examples"],
+        train_job_config=json.dumps(train_job, sort_keys=True),
+        code_fingerprint=_code(training.CheckTrainingSchedule),
+    ).with_id(CHECK_SCHEDULE)
+    statistics_gen.add_upstream_node(check_schedule)
     examples = dedup.outputs["deduplicated_examples"]
     partition = data.PartitionVirtualClients(
         examples=examples,
         num_shards=config.partition.num_shards,
         users_per_virtual_client=train_job["users_per_virtual_client"],
-        virtual_clients_per_round=train_job["virtual_clients_per_round"],
+        virtual_clients_per_round=str(train_job["virtual_clients_per_round"]),
+        over_selection=float(train_job["over_selection"]),
         rounds=train_job["rounds"],
         schedule_mode=SCHEDULE_MODES[train_job["algorithm"]],
         beam_args=beam_args,
         code_fingerprint=_code(data.PartitionVirtualClients),
     ).with_id(PARTITION)
-    components = [example_gen, statistics_gen, schema_gen, example_validator, dedup, partition]
+    components = [
+        example_gen,
+        check_schedule,
+        statistics_gen,
+        schema_gen,
+        example_validator,
+        dedup,
+        partition,
+    ]
 
     backbone = None
     if config.pretrain.source == "public":

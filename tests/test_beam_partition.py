@@ -36,12 +36,11 @@ def partition_dir(tmp_path_factory):
     )
     # A small part limit forces several part files per shard.
     with TestPipeline(options=records_io.pipeline_options()) as pipeline:
-        manifest = (
-            pipeline | beam.Create(_records()) | partition.PartitionByUser(directory, 3, 600, spec)
-        )
+        manifest = pipeline | beam.Create(_records()) | partition.PartitionByUser(directory, 3, 600)
         assert_that(
             manifest | beam.Map(lambda m: (m["users"], m["records"])), equal_to([(40, 100)])
         )
+    partition.write_participation(directory, spec)
     return directory
 
 

@@ -1,5 +1,7 @@
 """The virtual-client schedule: coverage, disjointness, determinism, statistics."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -94,3 +96,28 @@ def test_a_million_users():
         for round_num in (0, 999, 123_456):
             users = plan.round_user_indices(round_num)
             assert users.shape == (64, 8) and len(np.unique(users)) == 512
+
+
+@pytest.mark.parametrize(
+    "users, k, over_selection, expected",
+    [(100, 8, 0.0, 12), (99, 8, 0.0, 12), (96, 8, 0.25, 9), (88, 8, 0.1, 10), (16, 8, 0.5, 1)],
+)
+def test_largest_virtual_clients_per_round_fills_the_selected_round(
+    users, k, over_selection, expected
+):
+    largest = schedule.largest_virtual_clients_per_round(users, k, over_selection)
+    assert largest == expected
+    # Its selected round fits; one more virtual client's would not.
+    selected = math.ceil(largest * (1 + over_selection) - 1e-9)
+    assert selected * k <= users
+    assert largest == 1 or math.ceil((largest + 1) * (1 + over_selection) - 1e-9) * k > users
+    schedule.ScheduleShape(users, k, selected)
+
+
+def test_a_population_smaller_than_one_virtual_client_names_the_setting():
+    with pytest.raises(ValueError, match="set users_per_virtual_client to at most 5"):
+        schedule.largest_virtual_clients_per_round(5, 8)
+    with pytest.raises(ValueError, match="set over_selection or users_per_virtual_client lower"):
+        schedule.largest_virtual_clients_per_round(8, 8, 0.5)
+    with pytest.raises(ValueError, match="set virtual_clients_per_round to at most 2 .or auto."):
+        schedule.ScheduleShape(20, 8, 3)

@@ -106,7 +106,7 @@ def test_participation_statistics_are_the_same_for_every_seed(mode):
         assert "seed" not in json.dumps(stats.to_dict())
     # What the partition job publishes is the shape's statistics.
     spec = partition.ScheduleSpec(3, 5, 40, mode)
-    assert partition._participation({"users": 103}, spec) == shape.participation_stats(40).to_dict()
+    assert partition.participation({"users": 103}, spec) == shape.participation_stats(40).to_dict()
 
 
 def test_compiled_pipelines_hold_no_schedule_seed(tmp_path):
@@ -120,7 +120,7 @@ def test_compiled_pipelines_hold_no_schedule_seed(tmp_path):
         for name, task in tasks.items()
         if (job := task.get("inputs", {}).get("parameters", {}).get("train_job_config"))
     }
-    assert set(jobs) == {definition.PRETRAIN, definition.PRIVATE_TRAIN}
+    assert set(jobs) == {definition.CHECK_SCHEDULE, definition.PRETRAIN, definition.PRIVATE_TRAIN}
     for job in jobs.values():
         assert job["schedule_seed"] is None and job["testing_fixed_schedule"] is False
         assert job["noise_seed"] is None and job["testing_fixed_noise"] is False

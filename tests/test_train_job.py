@@ -230,6 +230,22 @@ def test_too_few_users_for_a_round_is_refused(data, tmp_path):
         train_job.run_train_job(config, *data, str(tmp_path / "x"))
 
 
+def test_auto_virtual_clients_resolve_from_the_population():
+    config = dataclasses.replace(
+        CONFIG, virtual_clients_per_round=train_job.AUTO, users_per_virtual_client=4
+    )
+    resolved, source = config.calibrated_for(41)
+    assert resolved.virtual_clients_per_round == 10
+    assert source["virtual_clients_per_round"] == train_job.AUTO
+    # Before any round, a population that cannot fill one is one line naming the setting.
+    with pytest.raises(ValueError, match="set virtual_clients_per_round to at most 2"):
+        dataclasses.replace(
+            CONFIG, virtual_clients_per_round=9, users_per_virtual_client=4
+        ).calibrated_for(11)
+    with pytest.raises(ValueError, match="must be an integer or 'auto'"):
+        dataclasses.replace(CONFIG, virtual_clients_per_round="many")
+
+
 def test_config_round_trips_and_keeps_paper_momentum():
     assert train_job.TrainJobConfig.from_dict(CONFIG.to_dict()) == CONFIG
     assert train_job.TrainJobConfig().client_momentum == 0.9

@@ -79,6 +79,7 @@ DP_FTRL_FEDEMB = "dp-ftrl-fedemb"
 CENTRALIZED = "centralized"
 # The paper's EMNIST noise multiplier (appendix D), when neither it nor a target is given.
 DEFAULT_NOISE_MULTIPLIER = 0.62
+AUTO = schedule.AUTO
 ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, CENTRALIZED)
 
 CHECKPOINT_DIR = "checkpoints"
@@ -130,7 +131,11 @@ class TrainJobConfig:
         itself does. Giving both fields is an error.
       clip_norm: γ, L2 clip of each virtual client's update.
       users_per_virtual_client: k.
-      virtual_clients_per_round: M, also the fixed denominator of the aggregate.
+      virtual_clients_per_round: M, also the fixed denominator of the aggregate; `auto`
+        (`AUTO`): the largest M the training users fill at users_per_virtual_client
+        (`schedule.largest_virtual_clients_per_round`), fixed with the noise when the job
+        starts (`calibrated_for`). A round then takes nearly every user (no sampling
+        amplification; the accountant charges for it): for small populations.
       client_learning_rate: β1 (backbone); the head uses head_lr_scale·β1.
       client_momentum: client SGD momentum (paper: 0.9).
       server_learning_rate / server_momentum: server SGD with momentum (paper: 0.9).
@@ -190,7 +195,7 @@ class TrainJobConfig:
     target_epsilon: float | None = None
     clip_norm: float = 1.0
     users_per_virtual_client: int = 8
-    virtual_clients_per_round: int = 32
+    virtual_clients_per_round: int | str = 32
     client_learning_rate: float = 5e-3
     client_momentum: float = 0.9
     server_learning_rate: float = 0.02
@@ -232,7 +237,6 @@ class TrainJobConfig:
         for name in (
             "rounds",
             "users_per_virtual_client",
-            "virtual_clients_per_round",
             "local_epochs",
             "batch_size",
             "max_examples_per_client",
@@ -241,6 +245,14 @@ class TrainJobConfig:
             "max_round_attempts",
         ):
             _check_int(name, getattr(self, name), 1)
+        if isinstance(self.virtual_clients_per_round, str):
+            if self.virtual_clients_per_round != AUTO:
+                raise ValueError(
+                    f"virtual_clients_per_round must be an integer or {AUTO!r}, "
+                    f"got {self.virtual_clients_per_round!r}"
+                )
+        else:
+            _check_int("virtual_clients_per_round", self.virtual_clients_per_round, 1)
         if self.max_local_steps is not None:
             _check_int("max_local_steps", self.max_local_steps, 1)
         if self.max_client_seconds is not None:
@@ -343,14 +355,24 @@ class TrainJobConfig:
             )
 
     def calibrated_for(self, num_users: int) -> tuple[TrainJobConfig, dict[str, Any]]:
-        """The job with its noise multiplier fixed for `num_users` training users, and
-        where that multiplier came from (for metrics.json).
+        """The job with its virtual clients per round (when `auto`) and its noise
+        multiplier fixed for `num_users` training users, and where that multiplier came
+        from (for metrics.json). Refuses, in one line, a schedule the users cannot fill.
 
         With `target_epsilon`, the smallest z (within
         `accounting.CALIBRATION_RELATIVE_TOLERANCE`) whose planned schedule costs at most
         the target; the returned config carries that z and no target. A target that needs
         z above the virtual clients per round is refused as out of reach.
         """
+        if self.virtual_clients_per_round == AUTO:
+            largest = schedule.largest_virtual_clients_per_round(
+                num_users, self.users_per_virtual_client, float(self.over_selection)
+            )
+            resolved = dataclasses.replace(self, virtual_clients_per_round=largest)
+            config, source = resolved.calibrated_for(num_users)
+            return config, {**source, "virtual_clients_per_round": AUTO}
+        if self.algorithm != CENTRALIZED:
+            schedule_shape_for(self, num_users)  # one line when the users cannot fill a round
         if self.target_epsilon is None:
             return self, {"source": "configured", "noise_multiplier": self.noise_multiplier}
         fixed = dataclasses.replace(self, noise_multiplier=1.0, target_epsilon=None)

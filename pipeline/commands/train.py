@@ -94,7 +94,11 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     )
     define("float", "clip-norm", "L2 clip of each virtual client's backbone update")
     define("integer", "users-per-virtual-client", "users grouped into one virtual client (k)")
-    define("integer", "virtual-clients-per-round", "virtual clients per round (M)")
+    define(
+        "string",
+        "virtual-clients-per-round",
+        "virtual clients per round (M), or auto: the largest the training users fill",
+    )
     define("float", "client-lr", "client (backbone) learning rate beta1")
     define("float", "client-momentum", "client SGD momentum")
     define("float", "server-lr", "server learning rate (centralized: its learning rate)")
@@ -233,6 +237,14 @@ def _print_progress(total_rounds: int):
 def _config_values(value: Mapping[str, Any]) -> dict[str, Any]:
     """The TrainJobConfig fields given on the command line (others keep their defaults)."""
     given = {field: value[name] for name, field in _CONFIG_FLAGS.items() if value[name] is not None}
+    planned = given.get("virtual_clients_per_round")
+    if planned is not None and planned != "auto":
+        try:
+            given["virtual_clients_per_round"] = int(planned)
+        except ValueError:
+            raise ValueError(
+                f"--virtual-clients-per-round must be a count or auto, got {planned!r}"
+            ) from None
     # Boolean flags default to None; an explicit false keeps the config's default too.
     for name in ("restart-every-epoch", "testing-fixed-noise", "testing-fixed-schedule"):
         if not value[name]:

@@ -151,19 +151,27 @@ def PartitionVirtualClients(
     schedule_statistics: tfx.dsl.components.OutputArtifact[artifacts.ScheduleStatistics],
     num_shards: tfx.dsl.components.Parameter[int],
     users_per_virtual_client: tfx.dsl.components.Parameter[int],
-    virtual_clients_per_round: tfx.dsl.components.Parameter[int],
+    virtual_clients_per_round: tfx.dsl.components.Parameter[str],
+    over_selection: tfx.dsl.components.Parameter[float],
     rounds: tfx.dsl.components.Parameter[int],
     schedule_mode: tfx.dsl.components.Parameter[str],
     beam_args: tfx.dsl.components.Parameter[str],
     code_fingerprint: tfx.dsl.components.Parameter[str],
 ) -> None:
-    """Shards the private train split by user and records the schedule's participation."""
+    """Shards the private train split by user and records the schedule's participation.
+
+    `virtual_clients_per_round`: a count, or `auto` (beam_jobs.schedule.AUTO)."""
     from beam_jobs import partition as partition_job
     from beam_jobs import schedule, splits
 
     del code_fingerprint
+    planned = virtual_clients_per_round
     spec = partition_job.ScheduleSpec(
-        users_per_virtual_client, virtual_clients_per_round, rounds, schedule_mode
+        users_per_virtual_client,
+        planned if planned == schedule.AUTO else int(planned),
+        rounds,
+        schedule_mode,
+        over_selection,
     )
     partition_job.run_partition(
         layout.split_dir(examples, splits.TRAIN),

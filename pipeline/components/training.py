@@ -143,9 +143,19 @@ def PretrainBackbone(
 
 def _check_schedule(job: dict, statistics: types.Artifact) -> None:
     """The partition's participation statistics must describe this training schedule."""
+    from beam_jobs import schedule
+    from tff_algorithms import train_job
+
+    planned = job["virtual_clients_per_round"]
+    if planned == train_job.AUTO:
+        planned = schedule.largest_virtual_clients_per_round(
+            statistics.get_int_custom_property("users"),
+            job["users_per_virtual_client"],
+            job["over_selection"],
+        )
     expected = {
         "users_per_virtual_client": job["users_per_virtual_client"],
-        "virtual_clients_per_round": job["virtual_clients_per_round"],
+        "virtual_clients_per_round": planned,
         "rounds": job["rounds"],
     }
     for name, value in expected.items():
@@ -154,6 +164,26 @@ def _check_schedule(job: dict, statistics: types.Artifact) -> None:
             raise ValueError(
                 f"schedule statistics were made for {name}={recorded}, training uses {value}"
             )
+
+
+@tfx.dsl.components.component
+def CheckTrainingSchedule(
+    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
+    train_job_config: tfx.dsl.components.Parameter[str],
+    code_fingerprint: tfx.dsl.components.Parameter[str],
+) -> None:
+    """Stops the run in seconds, with one line naming the setting to change, when the
+    training split's users cannot carry the private schedule (a round they cannot fill,
+    a target epsilon out of reach). Runs right after the split; dedup may still remove
+    users, and the partition and the training step check again with the final count."""
+    from tff_algorithms import train_job
+
+    del code_fingerprint
+    users = examples.get_int_custom_property("users_train")
+    try:
+        train_job.TrainJobConfig.from_dict(json.loads(train_job_config)).calibrated_for(users)
+    except ValueError as e:
+        raise ValueError(f"train: {e}") from None
 
 
 @tfx.dsl.components.component
