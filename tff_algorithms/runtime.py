@@ -8,8 +8,30 @@ parent's stdout/stderr open (DESIGN.md section 1). `TffRuntime` replaces that:
 * each local worker dies with the process that started it, even on SIGKILL
   (Linux `PR_SET_PDEATHSIG`), and is stopped on normal exit, on exceptions
   (context manager / `atexit`) and on SIGTERM/SIGINT;
+* local workers listen on 127.0.0.1 only: no other host can reach them (see below);
 * remote workers (addresses such as "10.0.0.5:8000", started by a cluster
   scheduler) are only connected to, never started or stopped (DESIGN.md section 8).
+
+Why the loopback worker (issue 19). worker_binary serves insecure, unauthenticated
+gRPC, and whoever reaches it can run TF graphs that read the private data, the
+checkpoints and the seeds. The options weighed:
+
+* an in-process C++ executor stack, no worker process: TFF 0.87's pip package ships
+  no `executor_bindings` (no extension module at all); its own local factory
+  (`executor_factory.local_cpp_executor_factory`) starts worker_binary too;
+* a Unix domain socket, or a listen-address flag: worker_binary's flags are `--port`,
+  `--max_concurrent_computation_calls` and `--grpc_max_message_length_megabytes`; it
+  always listens on "[::]:port";
+* its own network namespace: needs unprivileged user namespaces (off under Docker's
+  and Kubernetes' default seccomp profile, restricted on recent Ubuntu) and a relay
+  process between a socket the trainer can reach and the worker's namespace;
+* the worker bound to loopback, chosen: `loopback_shim`, preloaded into worker_binary,
+  turns its wildcard bind into a 127.0.0.1 bind. The worker stays the same single
+  child process, so every guarantee above holds unchanged. What changes: starting a
+  local worker needs a C compiler once (the shim is built and cached on first use;
+  without one the runtime refuses to start local workers and names the fix), and the
+  runtime refuses a worker that runs without the shim. Loopback is reachable by other
+  users of the same host; on a shared host, run training in its own container or VM.
 
 With one worker the context is TFF's synchronous remote-execution context. With
 several, computations are compiled to mergeable form and each round's clients are
@@ -46,6 +68,8 @@ from tensorflow_federated.python.core.backends.native import mergeable_comp_comp
 from tensorflow_federated.python.core.environments.tensorflow_frontend import (
     tensorflow_computation,
 )
+
+from tff_algorithms import loopback_shim
 
 WORKER_BINARY = os.path.join(os.path.dirname(tff.__file__), "data", "worker_binary")
 
@@ -121,11 +145,11 @@ def _die_with_parent() -> None:
 
 
 class LocalWorker:
-    """One `worker_binary` child process, reached at 127.0.0.1.
+    """One `worker_binary` child process, listening on and reached at 127.0.0.1 only.
 
-    worker_binary has no bind-address flag: it listens on every interface, with no
-    authentication (docs/scaling.md), so on a shared host a firewall must keep its
-    port private.
+    worker_binary has no bind-address flag and would listen on every interface, with
+    no authentication; the preloaded `loopback_shim` library turns that bind into a
+    loopback one, and `check_loopback_only` refuses a worker it is not loaded into.
     """
 
     def __init__(
@@ -147,6 +171,8 @@ class LocalWorker:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._log.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(argv)}\n".encode())
         self._log.flush()
+        self.shim_path = loopback_shim.library_path()
+        preload = " ".join(filter(None, [self.shim_path, os.environ.get("LD_PRELOAD")]))
         self.process = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -154,11 +180,24 @@ class LocalWorker:
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
             close_fds=True,
+            env={**os.environ, "LD_PRELOAD": preload},
         )
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def check_loopback_only(self) -> None:
+        """Raises WorkerStartError unless the loopback shim is mapped into the worker:
+        the dynamic loader only warns, in the worker's log, about a preload it cannot
+        load, and the worker would then listen on every interface."""
+        with open(f"/proc/{self.process.pid}/maps") as maps:
+            if self.shim_path not in maps.read():
+                raise WorkerStartError(
+                    f"worker_binary pid {self.process.pid} runs without {self.shim_path}, "
+                    f"so it may listen on every interface; log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
 
     def log_tail(self, max_bytes: int = 2000) -> str:
         with open(self.log_path, "rb") as f:
@@ -271,6 +310,8 @@ class TffRuntime:
             self._channels.append(channel)
             stub = tff.framework.RemoteExecutorGrpcStub(channel)
             _wait_ready(stub, address, config.ready_timeout_s, worker)
+            if worker is not None:
+                worker.check_loopback_only()
             stubs.append(stub)
         self.addresses = tuple(address for address, _ in targets)
         self._context = self._make_context(stubs)
