@@ -37,7 +37,9 @@ that crashes and resumes is charged once.
 The ledger file is updated under an exclusive `fcntl` lock (concurrent runs on one
 machine or one shared POSIX filesystem serialise) and rewritten atomically: a
 temporary file, fsync, rename, fsync of the directory. It must be a local or mounted
-path: object stores give neither the lock nor the atomic rename.
+path: object stores give neither the lock nor the atomic rename. Its dataset
+fingerprints identify users' data, so it is a `secret_files` file: 0600, a directory
+created 0700, never written or read through a symlink.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -57,7 +58,7 @@ from typing import Any
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from tff_algorithms import accounting
+from tff_algorithms import accounting, secret_files
 
 BUDGET_LEDGER_FORMAT = "dp-fedemb-budget-ledger/1"
 FINGERPRINT_SCHEME = "sha256 of sorted training user ids"
@@ -175,48 +176,31 @@ def _empty_ledger() -> dict[str, Any]:
 
 
 def _read(path: str) -> dict[str, Any]:
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
+    text = secret_files.read_text(path)
+    if not text:
         return _empty_ledger()
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"budget ledger {path} is not valid JSON: {e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"budget ledger {path} is not valid JSON: {e}") from None
     if not isinstance(data, dict) or data.get("format") != BUDGET_LEDGER_FORMAT:
         raise ValueError(f"{path} is not a budget ledger (format {BUDGET_LEDGER_FORMAT!r})")
     return data
 
 
 def _write_atomically(path: str, data: Mapping[str, Any]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    descriptor, temporary = tempfile.mkstemp(prefix=".budget-", dir=directory)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(temporary)
-        raise
-    # The rename itself is durable only once the directory is.
-    directory_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(directory_fd)
-    finally:
-        os.close(directory_fd)
+    secret_files.write_text(path, json.dumps(data, indent=1, sort_keys=True, allow_nan=False))
 
 
 @contextlib.contextmanager
 def _locked(path: str) -> Iterator[None]:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(f"{path}.lock", "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    secret_files.private_dir(os.path.dirname(os.path.abspath(path)))
+    lock = secret_files.open_lock(f"{path}.lock")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(lock)  # closing releases the lock
 
 
 def _specs(dataset: Mapping[str, Any]) -> list[accounting.AccountingSpec]:

@@ -30,7 +30,10 @@ figures about failed reads and stragglers, labelled as outside the DP guarantee)
 training-user losses (not private) are never written. It omits the schedule seed and
 the noise seed: sampling amplification assumes the sample is secret, and whoever knows
 the noise seed can subtract the noise. OUTPUT/train_job.json and the checkpoints hold
-both, so keep them as private as the training data.
+both, so keep them as private as the training data. On a local OUTPUT the job does its
+part (`secret_files`): OUTPUT (when the job creates it) and OUTPUT/checkpoints are 0700,
+train_job.json, ledger.json and metrics.json 0600, replaced atomically, and a symlink
+planted at any of these paths is refused.
 
 Both seeds come from OS entropy unless a testing flag allows a fixed one. The schedule
 seed is drawn when a job first claims OUTPUT and recorded in OUTPUT/train_job.json (not
@@ -68,6 +71,7 @@ from tff_algorithms import (
     models,
     processes,
     runtime,
+    secret_files,
     training,
 )
 from tff_algorithms import budget as budget_lib
@@ -984,7 +988,33 @@ def _json_ready(value: Any) -> Any:
     return value
 
 
+# Local outputs hold secrets (the schedule seed, the noise state): `secret_files` keeps
+# them owner-only and never writes through a symlink. Cloud paths ("gs://...") have
+# neither modes nor symlinks; the bucket's access control applies.
+def _is_local(path: str) -> bool:
+    return "://" not in path
+
+
+def _make_dir(path: str, tighten_existing: bool = False) -> None:
+    if _is_local(path):
+        secret_files.private_dir(path, tighten_existing=tighten_existing)
+    else:
+        tf.io.gfile.makedirs(path)
+
+
+def _read_text(path: str) -> str | None:
+    if _is_local(path):
+        return secret_files.read_text(path)
+    if not tf.io.gfile.exists(path):
+        return None
+    with tf.io.gfile.GFile(path) as f:
+        return f.read()
+
+
 def _write_text(path: str, text: str) -> None:
+    if _is_local(path):
+        secret_files.write_text(path, text)
+        return
     temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with tf.io.gfile.GFile(temporary, "w") as f:
         f.write(text)
@@ -1029,9 +1059,9 @@ def _claim_output_dir(output_dir: str, job: dict[str, Any], config: TrainJobConf
     """Records the job in OUTPUT, or checks that a re-run is the same job (resume)."""
     path = os.path.join(output_dir, JOB_FILE)
     run_id, schedule_seed = uuid.uuid4().hex, config.schedule_seed
-    if tf.io.gfile.exists(path):
-        with tf.io.gfile.GFile(path) as f:
-            previous = json.load(f)
+    previous_text = _read_text(path)
+    if previous_text is not None:
+        previous = json.loads(previous_text)
         # Compared as JSON reads them back (tuples become lists).
         config_now = json.loads(json.dumps(job["config"]))
         changed = sorted(
@@ -1053,7 +1083,7 @@ def _claim_output_dir(output_dir: str, job: dict[str, Any], config: TrainJobConf
         schedule_seed = previous["schedule_seed"]
     if schedule_seed is None:
         schedule_seed = fresh_schedule_seed()
-    tf.io.gfile.makedirs(output_dir)
+    _make_dir(output_dir)
     record = {**job, "run_id": run_id, "schedule_seed": schedule_seed}
     _write_text(path, json.dumps(record, indent=1, sort_keys=True))
     return _ClaimedJob(run_id, schedule_seed)
@@ -1160,6 +1190,9 @@ def run_train_job(
             budget, budget_lib.dataset_fingerprint(user_ids), len(user_ids), claimed.run_id, spec
         )
     checkpoint_dir = os.path.join(output_dir, CHECKPOINT_DIR)
+    # Checkpoints carry the noise state and are written with the umask's modes: the
+    # directory, which this job owns, is what keeps them private.
+    _make_dir(checkpoint_dir, tighten_existing=True)
     arguments = (
         config,
         partition_dir,
