@@ -8,8 +8,9 @@ which then takes IPv4 loopback connections only), and passes every other bind
 through. worker_binary links glibc's `bind` dynamically, so the preload takes effect.
 
 The library is compiled from the source below with the system C compiler (`$CC`,
-else `cc`) on first use and cached, by source hash, in a directory only this user can
-write (it is loaded into the process that runs private computations).
+else `cc`) on first use and cached, by source hash, in $XDG_CACHE_HOME/dp-fedemb (default
+~/.cache/dp-fedemb), a directory only this user may write: the library is loaded
+into the process that runs private computations.
 """
 
 from __future__ import annotations
