@@ -159,3 +159,15 @@ def test_bootstrap_is_paired_and_separates_a_better_model():
     assert low < exact < high
     low, high = metrics.percentile_interval(samples["better"][:, 0] - samples["worse"][:, 0])
     assert 0 < low < high
+
+
+def test_bootstrap_over_few_identities_keeps_every_impostor_it_needs():
+    # Five identities: some resample weighs one or two heavily, and its threshold lies
+    # below the impostors kept for FAR 0.4; the pipeline's small test splits met this.
+    rng = np.random.default_rng(0)
+    embeddings, labels = _clustered(rng, identities=5, per_identity=6, dim=6, spread=0.5)
+    fars = (0.1, 0.01, 0.001)
+    samples = metrics.bootstrap_recall_at_far({"m": embeddings}, labels, fars, 300, seed=2)["m"]
+    weights = metrics.identity_resample_weights(5, 300, seed=2)
+    for row, w in zip(samples, weights):
+        np.testing.assert_allclose(row, _weighted_brute_force(embeddings, labels, w, fars))

@@ -260,12 +260,24 @@ def bootstrap_recall_at_far(
     mass = weights * images_per_identity
     total_impostor = (mass.sum(axis=1) ** 2 - (mass**2).sum(axis=1)) / 2.0
     keep_far = min(1.0, 4.0 * max(fars))
-    return {
-        name: _bootstrap_one(
-            _normalized(values), codes, weights, total_impostor, fars, keep_far, block_size
-        )
-        for name, values in embeddings.items()
-    }
+    results = {}
+    for name, values in embeddings.items():
+        normalized = _normalized(values)
+        try:
+            results[name] = _bootstrap_one(
+                normalized, codes, weights, total_impostor, fars, keep_far, block_size
+            )
+        except _KeptTooFewImpostors:
+            # Few identities: a resample that weighs a handful of them heavily can put
+            # its threshold below the kept impostors. Keep them all (small sets only).
+            results[name] = _bootstrap_one(
+                normalized, codes, weights, total_impostor, fars, 1.0, block_size
+            )
+    return results
+
+
+class _KeptTooFewImpostors(Exception):
+    """A resample's threshold lies below the impostors `_bootstrap_one` kept."""
 
 
 def identity_resample_weights(num_identities: int, num_resamples: int, seed: int) -> np.ndarray:
@@ -316,7 +328,7 @@ def _bootstrap_one(
             elif keep_far >= 1.0:
                 threshold = -np.inf
             else:
-                raise ValueError("bootstrap resample needs impostors below the kept ones")
+                raise _KeptTooFewImpostors
             rejected = int(np.searchsorted(genuine, threshold, side="right"))
             below = genuine_mass[rejected - 1] if rejected else 0.0
             # No genuine pair drawn (every multi-image identity missed): no recall.
