@@ -125,11 +125,17 @@ class RuntimeSection:
     worker_addresses: host:port of workers started by a cluster scheduler
     (docs/scaling.md); empty: `local_workers` workers started by the training step.
     Two or more split each round's virtual clients; DP noise is added once, after
-    the merge.
+    the merge. worker_ca, worker_cert, worker_key: PEM files for mutual TLS to the
+    worker addresses, read where training runs; without them, an address that is
+    not loopback needs allow_insecure_workers (an isolated network only).
     """
 
     worker_addresses: tuple[str, ...] = ()
     local_workers: int = 1
+    worker_ca: str | None = None
+    worker_cert: str | None = None
+    worker_key: str | None = None
+    allow_insecure_workers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,11 @@ parent's stdout/stderr open (DESIGN.md section 1). `TffRuntime` replaces that:
   (context manager / `atexit`) and on SIGTERM/SIGINT;
 * local workers listen on 127.0.0.1 only: no other host can reach them (see below);
 * remote workers (addresses such as "10.0.0.5:8000", started by a cluster
-  scheduler) are only connected to, never started or stopped (DESIGN.md section 8).
+  scheduler) are only connected to, never started or stopped (DESIGN.md section 8),
+  over mutual TLS: the runtime verifies the worker against a CA and presents a client
+  certificate, which a TLS-terminating proxy in front of the worker checks
+  (docs/scaling.md). A remote address that is not loopback is refused without TLS
+  unless `allow_insecure_workers` says the network is isolated.
 
 Why the loopback worker (issue 19). worker_binary serves insecure, unauthenticated
 gRPC, and whoever reaches it can run TF graphs that read the private data, the
@@ -49,6 +53,7 @@ import atexit
 import ctypes
 import dataclasses
 import gc
+import ipaddress
 import os
 import shutil
 import signal
@@ -106,6 +111,13 @@ class RuntimeConfig:
         directory, removed at stop unless a worker ended abnormally (then kept and
         logged, for debugging).
       ready_timeout_s: how long to wait for a worker to accept calls.
+      worker_ca: PEM file of the CA that signed the workers' (their TLS proxies')
+        server certificates. With `worker_cert` and `worker_key`, remote workers are
+        reached over mutual TLS; the three go together.
+      worker_cert: PEM file of the client certificate presented to the workers.
+      worker_key: PEM file of that certificate's private key.
+      allow_insecure_workers: allow plaintext, unauthenticated gRPC to worker
+        addresses that are not loopback; only for a network nothing else can reach.
     """
 
     worker_addresses: tuple[str, ...] = ()
@@ -114,6 +126,14 @@ class RuntimeConfig:
     default_num_clients: int = 0
     log_dir: str | None = None
     ready_timeout_s: float = 120.0
+    worker_ca: str | None = None
+    worker_cert: str | None = None
+    worker_key: str | None = None
+    allow_insecure_workers: bool = False
+
+    @property
+    def uses_tls(self) -> bool:
+        return any(getattr(self, name) for name in _TLS_SETTINGS)
 
     def __post_init__(self) -> None:
         for address in self.worker_addresses:
@@ -133,6 +153,71 @@ class RuntimeConfig:
             raise ValueError(f"worker addresses repeat: {', '.join(self.worker_addresses)}")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s must be positive, got {self.ready_timeout_s}")
+        if self.uses_tls:
+            missing = [name for name in _TLS_SETTINGS if not getattr(self, name)]
+            if missing:
+                raise ValueError(
+                    f"mutual TLS to the workers needs {', '.join(_TLS_SETTINGS)} together; "
+                    f"missing {', '.join(missing)}"
+                )
+            if not self.worker_addresses:
+                raise ValueError(
+                    f"{', '.join(_TLS_SETTINGS)} apply to worker_addresses (--workers) only; "
+                    "local workers listen on loopback"
+                )
+        elif not self.allow_insecure_workers:
+            exposed = [a for a in self.worker_addresses if not _is_loopback(a)]
+            if exposed:
+                raise ValueError(
+                    f"refusing plaintext gRPC to worker {exposed[0]}: whoever reaches its port "
+                    "can run TF graphs that read the private data and the seeds; give "
+                    "worker_ca, worker_cert and worker_key (--worker-ca, --worker-cert, "
+                    "--worker-key) for mutual TLS, or set allow_insecure_workers "
+                    "(--allow-insecure-workers) on an isolated network"
+                )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """The mutual-TLS credentials of the workers' channels, None without TLS.
+
+        Reads the three files now (once per runtime start); a missing or unreadable
+        file, or one that holds no PEM, is a ValueError naming its setting.
+        """
+        if not self.uses_tls:
+            return None
+        pem = {name: _read_pem(name, getattr(self, name)) for name in _TLS_SETTINGS}
+        return grpc.ssl_channel_credentials(
+            root_certificates=pem["worker_ca"],
+            private_key=pem["worker_key"],
+            certificate_chain=pem["worker_cert"],
+        )
+
+
+_TLS_SETTINGS = ("worker_ca", "worker_cert", "worker_key")
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether a host:port names this host's loopback: localhost, 127.0.0.0/8 or ::1."""
+    host = address.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:  # a DNS name: it may resolve anywhere
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def _read_pem(setting: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{setting} {path}: {e.strerror or e}") from None
+    # grpc would only fail the handshake later, as a worker that never gets ready.
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{setting} {path} holds no PEM data")
+    return data
 
 
 def _die_with_parent() -> None:
@@ -285,6 +370,8 @@ class TffRuntime:
 
     def _start_workers_and_context(self) -> None:
         config = self.config
+        # Before any worker starts: a bad TLS file fails without side effects.
+        credentials = config.channel_credentials()
         if config.worker_addresses:
             targets = [(address, None) for address in config.worker_addresses]
         else:
@@ -306,7 +393,10 @@ class TffRuntime:
             targets = [(worker.address, worker) for worker in self.local_workers]
         stubs = []
         for address, worker in targets:
-            channel = grpc.insecure_channel(address, options=_GRPC_CHANNEL_OPTIONS)
+            if credentials is None:
+                channel = grpc.insecure_channel(address, options=_GRPC_CHANNEL_OPTIONS)
+            else:
+                channel = grpc.secure_channel(address, credentials, options=_GRPC_CHANNEL_OPTIONS)
             self._channels.append(channel)
             stub = tff.framework.RemoteExecutorGrpcStub(channel)
             _wait_ready(stub, address, config.ready_timeout_s, worker)

@@ -159,6 +159,16 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("integer", "num-shards", "user shards of the training partition", 16)
     define("list", "workers", "host:port of remote TFF workers (default: local workers)", [])
     define("integer", "local-workers", "local TFF workers splitting each round's clients", 1)
+    define("string", "worker-ca", "PEM CA certificate that verifies the --workers (mutual TLS)")
+    define("string", "worker-cert", "PEM client certificate presented to the --workers")
+    define("string", "worker-key", "PEM private key of --worker-cert")
+    define(
+        "boolean",
+        "allow-insecure-workers",
+        "allow plaintext, unauthenticated gRPC to --workers that are not loopback (only on "
+        "a network nothing else can reach: whoever reaches a worker reads the private data)",
+        False,
+    )
     define("string", "runner", "Beam runner for data preparation", "DirectRunner")
     define("string", "beam-args", "further Beam pipeline options, shell-quoted", "")
 
@@ -331,17 +341,23 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     # (its worker manager fails noisily at exit); SIGTERM/SIGINT stop the workers.
     try:
         runtime_config = runtime.RuntimeConfig(
-            worker_addresses=tuple(value["workers"]), local_workers=value["local-workers"]
+            worker_addresses=tuple(value["workers"]),
+            local_workers=value["local-workers"],
+            worker_ca=value["worker-ca"],
+            worker_cert=value["worker-cert"],
+            worker_key=value["worker-key"],
+            allow_insecure_workers=value["allow-insecure-workers"],
         )
+        # An active runtime (a caller's) is used unless workers were asked for: those
+        # get their own runtime, nested over it, never silently ignored.
+        owns_runtime = runtime.active() is None or runtime_config != runtime.RuntimeConfig()
+        if owns_runtime:
+            # Fails on an unreadable TLS file too, before any worker is reached.
+            runtime.start(runtime_config)
     except ValueError:
         if runtime.active() is None:
             runtime.release_import_time_context()
         raise
-    # An active runtime (a caller's) is used unless workers were asked for: those get
-    # their own runtime, nested over it, never silently ignored.
-    owns_runtime = runtime.active() is None or runtime_config != runtime.RuntimeConfig()
-    if owns_runtime:
-        runtime.start(runtime_config)
     try:
         summary = _train(value)
     finally:

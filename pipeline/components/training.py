@@ -56,8 +56,7 @@ def _run_job(
     if runtime_config:
         fields = json.loads(runtime_config)
         workers = runtime.RuntimeConfig(
-            worker_addresses=tuple(fields["worker_addresses"]),
-            local_workers=fields["local_workers"],
+            **{**fields, "worker_addresses": tuple(fields["worker_addresses"])}
         )
     # The job starts and stops its local TFF workers, or connects to the configured
     # remote ones (DESIGN.md sections 1 and 8).
