@@ -1,222 +1,120 @@
 """Deduplication of training (and public) data against evaluation (and private) data.
 
 Exact duplicates: equal SHA-256 of the decoded pixels (so a PNG re-compressed or
-re-encoded losslessly is still a duplicate). Near duplicates: perceptual hashes
-(imagehash.phash) joined by banded locality-sensitive hashing (each band, a fixed subset
-of hash bits, is a join key; CoGroupByKey brings together candidate pairs sharing any
-band) and verified by Hamming distance.
+re-encoded losslessly is still a duplicate). Near duplicates (beam_jobs/near_duplicates.py
+has the image side): every image becomes a 32x32 grey thumbnail and a perceptual hash;
+hashes joined by banded locality-sensitive hashing (each band, a fixed subset of hash
+bits, is a join key; the smaller side hashed at every small shift) give candidate pairs,
+and each candidate image's closest references by hash distance are then verified pixel
+by pixel, aligned (shift, scale) and intensity-matched.
 
-Small images defeat plain phash: a one-pixel shift of a 28x28 image moves it about as
-far as an unrelated image. So hashes are taken of the image interior (a `max_shift`
-border removed, lightly blurred), and the images of one side are also hashed at every
-integer offset up to `max_shift`: a shifted copy's interior then equals one probed
-interior exactly, leaving only re-encoding noise for the Hamming check. A shift is found
-from either side (probing the copy at -d meets the original at 0), so the smaller side is
-probed: (2*max_shift+1)^2 hashes per probed image, and up to num_bands times as many band
-keys, are the cost.
+Why the verification: a hash alone cannot tell a re-encoded copy from another image of
+the same kind. On real small grayscale images of distinct identities (digits, glyphs)
+the previous default (pHash Hamming distance <= 8, shift probes) removed 89% of a
+user's training images as near duplicates of other identities' evaluation images; on
+real digit scans 34% of distinct digits went (bench/bench_dedup.py, BENCHMARKS.md
+"Dedup on real images"). The hash now only proposes pairs; the verification decides.
 
-The band join carries only (record id, hashes) per key; the few pairs within the Hamming
-threshold are joined back to their full fingerprints afterwards.
+Every stage works on batches of images as numpy arrays (`Fingerprints`): the band join
+groups batches of entries by key bucket, not one element per image and band, so the
+Beam job's cost is the numpy work, not the runner's per-element bookkeeping. Joins run
+by bucket of keys, so no worker holds a whole side.
 
 Only the candidate side (train, public) ever loses records; reference records (the
 evaluation splits, the private data) pass through untouched. Users or identities on both
-sides are an error: splits must be disjoint by user and identity.
+sides are an error: splits must be disjoint by user and identity. A dedup that would
+remove more than `max_removed_fraction` of a candidate split stops the job after writing
+its report (`run_dedup`): so many near duplicates are more often a threshold wrong for
+the data than real copies.
 """
 
 import dataclasses
-import hashlib
 import os
-from collections.abc import Iterator
 
 import apache_beam as beam
-import imagehash
-import numpy as np
 import tensorflow as tf
-from apache_beam.metrics import Metrics
-from PIL import Image, ImageFilter
 
-from beam_jobs import records_io, schema, splits
+from beam_jobs import dedup_batches as batches
+from beam_jobs import near_duplicates as nd
+from beam_jobs import records_io, splits
+from beam_jobs.dedup_batches import EXACT, NEAR
 
 REPORT_FILE = "dedup_report.json"
-METRICS_NAMESPACE = "dp_fedemb.dedup"
-EXACT = "exact"
-NEAR = "near"
+_CANDIDATE, _REFERENCE = batches.CANDIDATE, batches.REFERENCE
 
 
 @dataclasses.dataclass(frozen=True)
 class DedupConfig:
-    hash_size: int = 8  # phash bits = hash_size ** 2
-    hamming_threshold: int = 8  # near duplicate when distance <= this
+    # Thumbnail pixels (of 32) the hash probes shift by; the verification searches one
+    # more. 2 is 1.75 pixels of a 28x28 image, 7 of a 112x112 one.
+    max_shift: int = 2
+    hamming_threshold: int = 16  # hash bits (of 63) a candidate pair may differ in
     num_bands: int = 24
-    bits_per_band: int = 16
-    max_shift: int = 2  # pixels; reference probed at every offset in [-max_shift, max_shift]^2
+    bits_per_band: int = 14
+    # Band keys also of the unshifted side's hash with each of its this many least certain
+    # bits flipped: more copies meet their original in some band (bench_dedup).
+    flipped_bits: int = 8
+    # References verified per candidate image: its closest by hash distance.
+    references_verified: int = 4
+    # Near duplicate when residual <= max_residual + residual_per_detail * detail
+    # (near_duplicates.py); chosen on half of bench/bench_dedup.py's real images.
+    max_residual: float = 0.2
+    residual_per_detail: float = 2.5
+    # A dedup removing more of a candidate split than this stops (module docstring).
+    max_removed_fraction: float = 0.1
     examples_in_report: int = 20
 
     def __post_init__(self) -> None:
-        bits = self.hash_size**2
-        if self.hash_size < 2 or not 0 <= self.hamming_threshold < bits:
-            raise ValueError(f"need hash size >= 2 and 0 <= hamming threshold < {bits}")
-        if self.num_bands < 1 or not 1 <= self.bits_per_band <= bits:
-            raise ValueError(f"need >= 1 band of 1..{bits} bits")
-        if self.max_shift < 0:
-            raise ValueError(f"max shift must be >= 0, got {self.max_shift}")
+        if not 0 <= self.hamming_threshold < nd.HASH_BITS:
+            raise ValueError(
+                f"hamming threshold must be in [0, {nd.HASH_BITS}), got {self.hamming_threshold}"
+            )
+        if self.num_bands < 1 or not 1 <= self.bits_per_band <= nd.HASH_BITS:
+            raise ValueError(f"need >= 1 band of 1..{nd.HASH_BITS} bits")
+        if not 0 <= self.max_shift <= 4:
+            raise ValueError(f"max shift must be in [0, 4] thumbnail pixels, got {self.max_shift}")
+        if not 0 <= self.flipped_bits <= nd.HASH_BITS:
+            raise ValueError(
+                f"flipped bits must be in [0, {nd.HASH_BITS}], got {self.flipped_bits}"
+            )
+        if self.references_verified < 1:
+            raise ValueError(f"references verified must be >= 1, got {self.references_verified}")
+        if self.max_residual < 0 or self.residual_per_detail < 0:
+            raise ValueError("max residual and residual per detail must be >= 0")
+        if not 0.0 <= self.max_removed_fraction <= 1.0:
+            raise ValueError(
+                f"max removed fraction must be in [0, 1], got {self.max_removed_fraction}"
+            )
 
-    def band_bits(self) -> np.ndarray:
-        """[num_bands, bits_per_band] bit positions: fixed, so every worker agrees."""
-        rng = np.random.default_rng(0)
-        bits = self.hash_size**2
-        return np.stack(
-            [
-                np.sort(rng.choice(bits, self.bits_per_band, replace=False))
-                for _ in range(self.num_bands)
-            ]
+
+class DedupRefused(ValueError):
+    """A dedup would remove more of a split than `max_removed_fraction`."""
+
+    def __init__(self, section: dict, report_path: str):
+        self.section, self.report_path = section, report_path
+        super().__init__(
+            f"dedup would remove {section['removed_fraction']:.1%} of the "
+            f"{section['candidate_split']} split ({section['removed_exact'] + section['removed_near']} "
+            f"of {section['candidate_records']} images as copies of {section['reference_splits']} "
+            f"images), over dedup.max_removed_fraction {section['max_removed_fraction']:g}; "
+            f"check the example pairs in {report_path} ({section['name']}), then raise "
+            "dedup.max_removed_fraction if they are real copies"
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class Fingerprint:
-    record_id: str  # hash of the serialized record
-    user_id: str
-    identity: str
-    pixel_sha256: str
-    phashes: tuple[int, ...]  # one, or one per probed offset on the probed side
+class Fingerprint(beam.PTransform):
+    """Serialized records -> dedup_batches.Fingerprints, one per batch of records."""
 
+    def __init__(self, config: DedupConfig):
+        super().__init__()
+        self._config = config
 
-def pixel_sha256(pixels: np.ndarray) -> str:
-    digest = hashlib.sha256(f"{pixels.shape}|{pixels.dtype}".encode())
-    digest.update(np.ascontiguousarray(pixels).tobytes())
-    return digest.hexdigest()
-
-
-def interior_phash(pixels: np.ndarray, config: DedupConfig, dx: int = 0, dy: int = 0) -> int:
-    """phash of the image minus a max_shift border, the window moved by (dx, dy)."""
-    border = min(config.max_shift, (min(pixels.shape[:2]) - 2) // 2)
-    height, width = pixels.shape[:2]
-    window = pixels[border + dy : height - border + dy, border + dx : width - border + dx]
-    # The blur keeps JPEG ringing and sensor-like noise out of the low frequencies.
-    image = Image.fromarray(np.ascontiguousarray(window)).filter(ImageFilter.GaussianBlur(0.8))
-    bits = imagehash.phash(image, hash_size=config.hash_size).hash.ravel()
-    return int.from_bytes(np.packbits(bits).tobytes(), "big")
-
-
-def fingerprint(serialized: bytes, config: DedupConfig, probe_offsets: bool) -> Fingerprint:
-    record = schema.parse(serialized)
-    pixels = schema.decode_image(record.image)
-    border = min(config.max_shift, (min(pixels.shape[:2]) - 2) // 2)
-    offsets = range(-border, border + 1) if probe_offsets else (0,)
-    phashes = tuple(interior_phash(pixels, config, dx, dy) for dx in offsets for dy in offsets)
-    return Fingerprint(
-        record_id=hashlib.blake2b(serialized, digest_size=16).hexdigest(),
-        user_id=record.user_id,
-        identity=record.identity,
-        pixel_sha256=pixel_sha256(pixels),
-        phashes=tuple(dict.fromkeys(phashes)),  # distinct, order kept
-    )
-
-
-def _hash_bytes(hash_bits: int) -> int:
-    """Bytes that hold a hash of `hash_bits` bits."""
-    return -(-hash_bits // 8)
-
-
-def _band_keys(phash: int, band_bits: np.ndarray, hash_bits: int) -> Iterator[tuple[int, int]]:
-    # Bit i is the i-th most significant of the hash's lowest hash_bits bits.
-    size = max(_hash_bytes(phash.bit_length()), _hash_bytes(hash_bits))
-    bits = np.unpackbits(np.frombuffer(phash.to_bytes(size, "big"), dtype=np.uint8))[-hash_bits:]
-    for band, packed in enumerate(np.packbits(bits[band_bits], axis=1)):
-        yield band, int.from_bytes(packed.tobytes(), "big")
-
-
-def _band_entries(fp: Fingerprint, band_bits: np.ndarray, hash_bits: int):
-    """(band key, (record id, all hashes packed)) for each distinct band key of a fingerprint.
-
-    Any shared band makes the pair a candidate, verified against every probed offset. The
-    hashes travel as bytes: Beam pickles a dataclass, and takes only ints below 2**63 on
-    its fast path.
-    """
-    width = _hash_bytes(hash_bits)
-    packed = b"".join(phash.to_bytes(width, "big") for phash in fp.phashes)
-    keys = {key for phash in fp.phashes for key in _band_keys(phash, band_bits, hash_bits)}
-    return [(key, (fp.record_id, packed)) for key in sorted(keys)]
-
-
-def _unpack(packed: bytes, width: int) -> list[int]:
-    return [int.from_bytes(packed[i : i + width], "big") for i in range(0, len(packed), width)]
-
-
-def _near_within(joined, hash_bits: int, threshold: int) -> Iterator[tuple[tuple[str, str], int]]:
-    """((candidate id, reference id), Hamming distance) for the close pairs of one band."""
-    _, groups = joined
-    width = _hash_bytes(hash_bits)
-    references = [(ref_id, _unpack(packed, width)) for ref_id, packed in groups["reference"]]
-    for candidate_id, packed in groups["candidate"] if references else ():
-        candidate_hashes = _unpack(packed, width)
-        for reference_id, reference_hashes in references:
-            distance = min((a ^ b).bit_count() for a in candidate_hashes for b in reference_hashes)
-            Metrics.counter(METRICS_NAMESPACE, "pairs_verified").inc()
-            if distance <= threshold:
-                yield (candidate_id, reference_id), distance
-
-
-def _attach_reference(joined) -> Iterator[tuple[str, tuple[Fingerprint, int]]]:
-    _, groups = joined
-    reference = next(iter(groups["fp"]))  # one record id: equal records, equal fingerprints
-    for candidate_id, distance in groups["pair"]:
-        yield candidate_id, (reference, distance)
-
-
-def _attach_candidate(joined) -> Iterator[tuple[str, dict]]:
-    candidate_id, groups = joined
-    candidate = next(iter(groups["fp"]))
-    for reference, distance in groups["pair"]:
-        yield candidate_id, _pair(NEAR, distance, candidate, reference)
-
-
-def _pair(kind: str, distance: int, candidate: Fingerprint, reference: Fingerprint) -> dict:
-    return {
-        "kind": kind,
-        "hamming_distance": distance,
-        "candidate": {
-            "user_id": candidate.user_id,
-            "identity": candidate.identity,
-            "record": candidate.record_id,
-        },
-        "reference": {
-            "user_id": reference.user_id,
-            "identity": reference.identity,
-            "record": reference.record_id,
-        },
-    }
-
-
-def _exact_pairs(joined) -> Iterator[tuple[str, dict]]:
-    _, groups = joined
-    references = list(groups["reference"])
-    if references:
-        for candidate in groups["candidate"]:
-            yield candidate.record_id, _pair(EXACT, 0, candidate, references[0])
-
-
-def _closest(pairs: list[dict]) -> dict:
-    # Exact before near, then by distance, then by reference record for determinism.
-    return min(
-        pairs, key=lambda p: (p["kind"] != EXACT, p["hamming_distance"], p["reference"]["record"])
-    )
-
-
-def _keep_or_remove(joined):
-    _, groups = joined
-    matches = list(groups["match"])
-    for serialized in groups["record"]:
-        if matches:
-            Metrics.counter(METRICS_NAMESPACE, f"removed_{matches[0]['kind']}").inc()
-            yield beam.pvalue.TaggedOutput("removed", matches[0])
-        else:
-            yield serialized
-
-
-def _overlap_keys(fp: Fingerprint) -> list[tuple[str, str]]:
-    return [("user", fp.user_id), ("identity", fp.identity)]
+    def expand(self, records):
+        return (
+            records
+            | "Batch" >> beam.BatchElements(min_batch_size=512, max_batch_size=1024)
+            | "Fingerprints" >> beam.Map(batches.fingerprints, self._config.max_shift)
+        )
 
 
 def _overlap_error(overlaps: list[tuple[str, str]], name: str) -> None:
@@ -229,20 +127,100 @@ def _overlap_error(overlaps: list[tuple[str, str]], name: str) -> None:
         )
 
 
-def _report(counts: dict, examples: list[dict], config: DedupConfig, name: str) -> dict:
-    removed = {kind: counts.get(f"removed_{kind}", 0) for kind in (EXACT, NEAR)}
-    return {
-        "name": name,
-        "candidate_records": counts.get("candidates", 0),
-        "reference_records": counts.get("references", 0),
-        "removed_exact": removed[EXACT],
-        "removed_near": removed[NEAR],
-        "kept": counts.get("kept", 0),
-        "thresholds": dataclasses.asdict(config),
-        "examples": sorted(
-            (_without_names(p) for p in examples), key=lambda p: p["candidate"]["record"]
-        ),
-    }
+def _closest(pairs: list[dict]) -> dict:
+    # Exact before near, then by residual, then by reference record for determinism.
+    return min(pairs, key=lambda p: (p["kind"] != EXACT, p["residual"], p["reference"]["record"]))
+
+
+class FindDuplicates(beam.PTransform):
+    """{"candidates", "reference"} Fingerprints -> {"removed": (record id, pair) for each
+    candidate image equal or near a reference; "sizes": number of images per side}.
+    Steps in beam_jobs/dedup_batches.py."""
+
+    def __init__(self, config: DedupConfig, name: str):
+        super().__init__()
+        self._config = config
+        self._name = name
+
+    def expand(self, inputs):
+        config = self._config
+        sides = {_CANDIDATE: inputs["candidates"], _REFERENCE: inputs["reference"]}
+        sizes = {
+            side: fps
+            | f"Sizes{side}" >> beam.Map(len)
+            | f"Count{side}" >> beam.CombineGlobally(sum)
+            for side, fps in sides.items()
+        }
+        # The smaller side is hashed at every shift: a shift is found from either side.
+        probed_side = beam.pvalue.AsSingleton(
+            sizes[_CANDIDATE]
+            | "ProbedSide"
+            >> beam.Map(
+                lambda n, m: _CANDIDATE if n < m else _REFERENCE,
+                beam.pvalue.AsSingleton(sizes[_REFERENCE]),
+            )
+        )
+        bands = nd.band_bits(config.num_bands, config.bits_per_band)
+        joined = (
+            [
+                fps
+                | f"Entries{side}"
+                >> beam.FlatMap(
+                    batches.bucket_entries,
+                    side,
+                    probed_side,
+                    config.max_shift,
+                    config.flipped_bits,
+                    bands,
+                )
+                for side, fps in sides.items()
+            ]
+            | "AllEntries" >> beam.Flatten()
+            | "ByBucket" >> beam.GroupByKey()
+            | "Join"
+            >> beam.FlatMap(batches.join_bucket, config.hamming_threshold).with_outputs(
+                batches.SHARED_IDS, batches.EXACT_PAIRS, main="close"
+            )
+        )
+        overlap_check = (
+            joined[batches.SHARED_IDS]
+            | "AllShared" >> beam.combiners.ToList()
+            | "FailOnOverlap" >> beam.Map(_overlap_error, self._name)
+        )
+        requests = (
+            joined.close
+            | "ByCandidateBatch" >> beam.GroupByKey()
+            | "Closest" >> beam.FlatMap(batches.closest_references, config.references_verified)
+        )
+        by_key = {
+            side: fps | f"Key{side}" >> beam.Map(lambda fp: (fp.key, fp))
+            for side, fps in sides.items()
+        }
+        attached = (
+            {"fp": by_key[_REFERENCE], "request": requests}
+            | "JoinReferences" >> beam.CoGroupByKey()
+            | "AttachReferences" >> beam.FlatMap(batches.attach_references)
+        )
+        near = (
+            {"fp": by_key[_CANDIDATE], "references": attached}
+            | "JoinCandidates" >> beam.CoGroupByKey()
+            | "Verify"
+            >> beam.FlatMap(
+                batches.verified_pairs,
+                config.max_residual,
+                config.residual_per_detail,
+                config.max_shift + 1,
+            )
+        )
+        removed = (
+            (joined[batches.EXACT_PAIRS], near)
+            | "AllPairs" >> beam.Flatten()
+            | "GroupPairs" >> beam.GroupByKey()
+            | "ClosestPair" >> beam.MapTuple(lambda record, pairs: (record, _closest(list(pairs))))
+            # The overlap check is a side input so that the pairs (and the job) fail with it.
+            | "Checked" >> beam.Map(lambda p, _: p, beam.pvalue.AsSingleton(overlap_check))
+        )
+        return {"removed": removed, "sizes": sizes}
 
 
 def _without_names(pair: dict) -> dict:
@@ -255,6 +233,60 @@ def _without_names(pair: dict) -> dict:
     }
 
 
+def _report(
+    candidates: int, references: int, removed: list[dict], config: DedupConfig, names: dict
+) -> dict:
+    counts = {kind: sum(p["kind"] == kind for p in removed) for kind in (EXACT, NEAR)}
+    fraction = len(removed) / candidates if candidates else 0.0
+    examples = sorted(removed, key=lambda p: p["candidate"]["record"])
+    return {
+        **names,
+        "candidate_records": candidates,
+        "reference_records": references,
+        "removed_exact": counts[EXACT],
+        "removed_near": counts[NEAR],
+        "kept": candidates - len(removed),
+        "removed_fraction": round(fraction, 6),
+        "max_removed_fraction": config.max_removed_fraction,
+        "within_limit": fraction <= config.max_removed_fraction,
+        "thresholds": dataclasses.asdict(config),
+        "examples": [_without_names(p) for p in examples[: config.examples_in_report]],
+    }
+
+
+class Deduplicate(beam.PTransform):
+    """{"candidates", "reference": Fingerprints, "records": the candidates' serialized
+    records} -> {"kept", "removed", "report"}, as RemoveNearDuplicates."""
+
+    def __init__(self, config: DedupConfig, name: str, splits_compared: tuple[str, str]):
+        super().__init__()
+        self._config = config
+        self._names = {
+            "name": name,
+            "candidate_split": splits_compared[0] or "candidate",
+            "reference_splits": splits_compared[1] or "reference",
+        }
+
+    def expand(self, inputs):
+        config, names = self._config, self._names
+        found = {
+            "candidates": inputs["candidates"],
+            "reference": inputs["reference"],
+        } | "FindDuplicates" >> FindDuplicates(config, names["name"])
+        removed_ids = found["removed"] | "RemovedIds" >> beam.combiners.ToDict()
+        kept = inputs["records"] | "Kept" >> beam.Filter(
+            lambda s, removed: batches.record_id(s) not in removed,
+            beam.pvalue.AsSingleton(removed_ids),
+        ).with_output_types(bytes)
+        report = found["sizes"][_CANDIDATE] | "Report" >> beam.Map(
+            lambda n, m, removed: _report(n, m, list(removed.values()), config, names),
+            beam.pvalue.AsSingleton(found["sizes"][_REFERENCE]),
+            beam.pvalue.AsSingleton(removed_ids),
+        )
+        removed = found["removed"] | "Pairs" >> beam.Values()
+        return {"kept": kept, "removed": removed, "report": report}
+
+
 class RemoveNearDuplicates(beam.PTransform):
     """{"candidates", "reference"} serialized records -> {"kept", "removed", "report"}.
 
@@ -263,130 +295,20 @@ class RemoveNearDuplicates(beam.PTransform):
     never filtered. A user or identity on both sides fails the pipeline.
     """
 
-    def __init__(self, config: DedupConfig, name: str):
+    def __init__(self, config: DedupConfig, name: str, splits_compared: tuple[str, str] = ("", "")):
         super().__init__()
         self._config = config
         self._name = name
+        self._splits = splits_compared
 
     def expand(self, inputs):
-        config, name = self._config, self._name
-        candidates, reference = inputs["candidates"], inputs["reference"]
-        keyed_candidates = candidates | "KeyCandidates" >> beam.Map(
-            lambda s: (hashlib.blake2b(s, digest_size=16).hexdigest(), s)
-        )
-        # Counted once: for the side to probe and for the report.
-        totals = {
-            "candidates": candidates | "CountCandidates" >> beam.combiners.Count.Globally(),
-            "references": reference | "CountReferences" >> beam.combiners.Count.Globally(),
+        fps = {
+            side: inputs[side] | f"Fingerprint{side}" >> Fingerprint(self._config)
+            for side in ("candidates", "reference")
         }
-        probe_candidates = beam.pvalue.AsSingleton(
-            totals["candidates"]
-            | "SmallerSide"
-            >> beam.Map(lambda n, m: n < m, beam.pvalue.AsSingleton(totals["references"]))
+        return {**fps, "records": inputs["candidates"]} | Deduplicate(
+            self._config, self._name, self._splits
         )
-        candidate_fps = candidates | "FingerprintCandidates" >> beam.Map(
-            lambda s, probe: fingerprint(s, config, probe), probe_candidates
-        )
-        reference_fps = reference | "FingerprintReference" >> beam.Map(
-            lambda s, probe: fingerprint(s, config, not probe), probe_candidates
-        )
-
-        sides = {"candidate": candidate_fps, "reference": reference_fps}
-        shared_ids = (
-            {
-                side: fps
-                | f"Ids{side}" >> beam.FlatMap(_overlap_keys)
-                | f"Distinct{side}" >> beam.Distinct()
-                | f"KeyIds{side}" >> beam.Map(lambda key: (key, None))
-                for side, fps in sides.items()
-            }
-            | "JoinIds" >> beam.CoGroupByKey()
-            | "SharedIds"
-            >> beam.FlatMap(lambda kv: [kv[0]] if kv[1]["candidate"] and kv[1]["reference"] else [])
-            | "AllShared" >> beam.combiners.ToList()
-        )
-        overlap_check = shared_ids | "FailOnOverlap" >> beam.Map(_overlap_error, name)
-
-        exact = (
-            {
-                "candidate": candidate_fps
-                | "ExactKeyC" >> beam.Map(lambda fp: (fp.pixel_sha256, fp)),
-                "reference": reference_fps
-                | "ExactKeyR" >> beam.Map(lambda fp: (fp.pixel_sha256, fp)),
-            }
-            | "JoinExact" >> beam.CoGroupByKey()
-            | "ExactPairs" >> beam.FlatMap(_exact_pairs)
-        )
-        band_bits, hash_bits = config.band_bits(), config.hash_size**2
-        near_distances = (
-            {
-                side: fps | f"Bands{side}" >> beam.FlatMap(_band_entries, band_bits, hash_bits)
-                for side, fps in sides.items()
-            }
-            | "JoinBands" >> beam.CoGroupByKey()
-            | "WithinThreshold" >> beam.FlatMap(_near_within, hash_bits, config.hamming_threshold)
-            | "MinDistance" >> beam.CombinePerKey(min)
-        )
-        by_id = {
-            side: fps | f"ById{side}" >> beam.Map(lambda fp: (fp.record_id, fp))
-            for side, fps in sides.items()
-        }
-        near = (
-            {
-                "pair": near_distances
-                | "ByReference" >> beam.MapTuple(lambda ids, d: (ids[1], (ids[0], d))),
-                "fp": by_id["reference"],
-            }
-            | "JoinReference" >> beam.CoGroupByKey()
-            | "AttachReference" >> beam.FlatMap(_attach_reference)
-        )
-        near = (
-            {"pair": near, "fp": by_id["candidate"]}
-            | "JoinCandidate" >> beam.CoGroupByKey()
-            | "NearPairs" >> beam.FlatMap(_attach_candidate)
-        )
-        best_match = (
-            (exact, near)
-            | "AllPairs" >> beam.Flatten()
-            | "GroupPairs" >> beam.GroupByKey()
-            | "Closest"
-            >> beam.MapTuple(lambda record_id, pairs: (record_id, _closest(list(pairs))))
-        )
-        split = (
-            {"record": keyed_candidates, "match": best_match}
-            | "JoinMatches" >> beam.CoGroupByKey()
-            | "KeepOrRemove" >> beam.FlatMap(_keep_or_remove).with_outputs("removed", main="kept")
-        )
-        kept, removed = split.kept, split.removed
-
-        def keyed(total, label: str):
-            return total | f"Key{label}" >> beam.Map(lambda n: (label, n))
-
-        removed_by_kind = (
-            removed
-            | "RemovedKind" >> beam.Map(lambda p: f"removed_{p['kind']}")
-            | "CountKinds" >> beam.combiners.Count.PerElement()
-        )
-        counts = (
-            [
-                keyed(totals["candidates"], "candidates"),
-                keyed(totals["references"], "references"),
-                keyed(kept | "CountKept" >> beam.combiners.Count.Globally(), "kept"),
-                removed_by_kind,
-            ]
-            | "AllCounts" >> beam.Flatten()
-            | "CountsDict" >> beam.combiners.ToDict()
-        )
-        examples = removed | "Examples" >> beam.combiners.Top.Smallest(
-            config.examples_in_report, key=lambda p: p["candidate"]["record"]
-        )
-        # The overlap check is a side input so the report (and the job) fails with it.
-        report = counts | "Report" >> beam.Map(
-            lambda c, ex, _: _report(c, ex, config, name),
-            beam.pvalue.AsSingleton(examples),
-            beam.pvalue.AsSingleton(overlap_check),
-        )
-        return {"kept": kept, "removed": removed, "report": report}
 
 
 def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None) -> dict:
@@ -394,7 +316,9 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
 
     train loses records equal or near validation/test ones; public (when present) loses
     records equal or near any private (train/validation/test) one; validation and test are
-    copied unchanged. Writes OUT_DIR/dedup_report.json and returns it.
+    copied unchanged. Writes OUT_DIR/dedup_report.json and returns it; raises DedupRefused
+    (its record shards removed, the report kept) when a split would lose more than
+    `config.max_removed_fraction`.
     """
     present = [
         s
@@ -410,21 +334,27 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
             s: pipeline | f"Read{s}" >> records_io.ReadRecords(os.path.join(split_dir, s))
             for s in present
         }
-        evaluation = [data[s] for s in splits.EVALUATION_SPLITS] | "Evaluation" >> beam.Flatten()
+        # Each split is decoded and fingerprinted once, whatever it is compared with.
+        fps = {s: data[s] | f"Fingerprint{s}" >> Fingerprint(config) for s in present}
+        evaluation = [fps[s] for s in splits.EVALUATION_SPLITS] | "Evaluation" >> beam.Flatten()
         train = {
-            "candidates": data[splits.TRAIN],
+            "candidates": fps[splits.TRAIN],
             "reference": evaluation,
-        } | "TrainVsEvaluation" >> RemoveNearDuplicates(config, "train_vs_evaluation")
+            "records": data[splits.TRAIN],
+        } | "TrainVsEvaluation" >> Deduplicate(
+            config, "train_vs_evaluation", (splits.TRAIN, "/".join(splits.EVALUATION_SPLITS))
+        )
         reports = [train["report"]]
         outputs = {splits.TRAIN: train["kept"], **{s: data[s] for s in splits.EVALUATION_SPLITS}}
         if splits.PUBLIC in present:
-            private = [
-                data[s] for s in (splits.TRAIN, *splits.EVALUATION_SPLITS)
-            ] | "Private" >> beam.Flatten()
+            private = (splits.TRAIN, *splits.EVALUATION_SPLITS)
             public = {
-                "candidates": data[splits.PUBLIC],
-                "reference": private,
-            } | "PublicVsPrivate" >> RemoveNearDuplicates(config, "public_vs_private")
+                "candidates": fps[splits.PUBLIC],
+                "reference": [fps[s] for s in private] | "Private" >> beam.Flatten(),
+                "records": data[splits.PUBLIC],
+            } | "PublicVsPrivate" >> Deduplicate(
+                config, "public_vs_private", (splits.PUBLIC, "/".join(private))
+            )
             reports.append(public["report"])
             outputs[splits.PUBLIC] = public["kept"]
         for split_name, records in outputs.items():
@@ -438,4 +368,11 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
             | "ByName" >> beam.Map(lambda rs: {r["name"]: r for r in rs})
             | "WriteReport" >> records_io.WriteJson(report_path)
         )
-    return records_io.read_json(report_path)
+    report = records_io.read_json(report_path)
+    refused = [section for _, section in sorted(report.items()) if not section["within_limit"]]
+    if refused:
+        # Nothing downstream may train on a dedup that stopped; the report stays.
+        for split_name in outputs:
+            records_io.remove_records(os.path.join(out_dir, split_name))
+        raise DedupRefused(max(refused, key=lambda s: s["removed_fraction"]), report_path)
+    return report

@@ -96,8 +96,15 @@ class SplitSection:
 
 @dataclasses.dataclass(frozen=True)
 class DedupSection:
-    hamming_threshold: int = 8
+    """beam_jobs.dedup.DedupConfig: near duplicates are proposed by hash, verified by pixels."""
+
+    # Hash bits (of 63) a pair may differ in to be verified at all.
+    hamming_threshold: int = 16
+    # Shifts probed, in pixels of the 32x32 thumbnail every image is compared at.
     max_shift: int = 2
+    # Stop (after writing the dedup report) when dedup would remove more than this share
+    # of the train or public split: more often a threshold wrong for the data than copies.
+    max_removed_fraction: float = 0.1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -201,7 +201,7 @@ _SECTIONS = {
         "synthetic_public",
     ],
     "split": ["validation_fraction", "test_fraction", "public_fraction", "seed"],
-    "dedup": ["hamming_threshold", "max_shift"],
+    "dedup": ["hamming_threshold", "max_shift", "max_removed_fraction"],
     "partition": ["num_shards"],
     "pretrain": ["source", "backbone_dir", "job"],
     "train": ["algorithm", "rounds", "noise_multiplier", "clip_norm", "delta", "channels"],

@@ -67,8 +67,19 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "split: ingested records of separate public sources, all to the public split",
     )
     # dedup
-    define("integer", "hamming-threshold", 8, "dedup: near duplicate when phash distance <= this")
-    define("integer", "max-shift", 2, "dedup: pixel shifts probed on reference images")
+    define(
+        "integer",
+        "hamming-threshold",
+        16,
+        "dedup: hash bits (of 63) a pair may differ in to be verified as near duplicates",
+    )
+    define("integer", "max-shift", 2, "dedup: shifts probed, in pixels of the 32x32 thumbnail")
+    define(
+        "float",
+        "max-removed-fraction",
+        0.1,
+        "dedup: stop (after writing the report) when a split would lose more than this",
+    )
     # partition
     define("integer", "num-shards", 16, "partition: number of user shards")
     define("integer", "users-per-virtual-client", 1, "partition: users per virtual client (k)")
@@ -144,7 +155,9 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         )
     elif verb == "dedup":
         config = dedup.DedupConfig(
-            hamming_threshold=value["hamming-threshold"], max_shift=value["max-shift"]
+            hamming_threshold=value["hamming-threshold"],
+            max_shift=value["max-shift"],
+            max_removed_fraction=value["max-removed-fraction"],
         )
         result = dedup.run_dedup(_single_input(flag_values), value["out"], config, beam_args)
     else:

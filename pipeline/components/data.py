@@ -113,6 +113,8 @@ def DeduplicateSplits(
     """Removes train (and public) images equal or near to evaluation (and private) ones.
 
     Refuses data the ExampleValidator found anomalies in: validation gates what trains.
+    Stops when dedup would remove more of a split than dedup.max_removed_fraction; the
+    report then stays beside the (discarded) output artifact, and the error names it.
     """
     from beam_jobs import dedup
 
@@ -124,12 +126,22 @@ def DeduplicateSplits(
         )
     staging = os.path.join(deduplicated_examples.uri, _STAGING)
     layout.stage_splits(examples, os.path.join(staging, "input"))
-    report = dedup.run_dedup(
-        os.path.join(staging, "input"),
-        os.path.join(staging, "output"),
-        dedup.DedupConfig(**json.loads(dedup_config)),
-        json.loads(beam_args),
-    )
+    try:
+        report = dedup.run_dedup(
+            os.path.join(staging, "input"),
+            os.path.join(staging, "output"),
+            dedup.DedupConfig(**json.loads(dedup_config)),
+            json.loads(beam_args),
+        )
+    except dedup.DedupRefused as refused:
+        # TFX deletes a failed execution's output directories: the report moves next to
+        # them, where the error line points.
+        kept = f"{dedup_report.uri.rstrip('/')}-refused"
+        tf.io.gfile.makedirs(kept)
+        path = os.path.join(kept, dedup.REPORT_FILE)
+        tf.io.gfile.copy(refused.report_path, path, overwrite=True)
+        layout.remove_tree(staging)
+        raise dedup.DedupRefused(refused.section, path) from None
     layout.publish_splits(
         os.path.join(staging, "output"), layout.split_names(examples), deduplicated_examples
     )
@@ -141,6 +153,10 @@ def DeduplicateSplits(
     for name, part in report.items():
         dedup_report.set_int_custom_property(
             f"{name}_removed", part["removed_exact"] + part["removed_near"]
+        )
+        dedup_report.set_float_custom_property(f"{name}_removed_fraction", part["removed_fraction"])
+        dedup_report.set_float_custom_property(
+            f"{name}_max_removed_fraction", part["max_removed_fraction"]
         )
 
 

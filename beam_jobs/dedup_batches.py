@@ -1,0 +1,317 @@
+"""The steps of the dedup join (beam_jobs/dedup.py), on whole batches of images.
+
+Each function takes and returns numpy arrays for a batch (or a bucket of batches), so
+that the Beam job moves a few elements per batch rather than one per image and hash
+band: its cost is the numpy work, not the runner's per-element bookkeeping.
+
+The join, in Beam stages:
+1. `fingerprints`: decode a batch of records; thumbnails, unshifted hashes, pixel SHA-256.
+2. `bucket_entries`: per key bucket, a batch's band keys (every shift of the probed side),
+   pixel SHA-256s and user/identity ids.
+3. `join_bucket` (after grouping by bucket): ids on both sides, exact pairs, and pairs
+   whose hashes share a band and differ in few bits, by candidate batch.
+4. `closest_references` (by candidate batch): each candidate's k closest references by
+   hash distance, requested from their batches.
+5. `attach_references` (with each reference batch): the requested thumbnails.
+6. `verified_pairs` (with each candidate batch): pixel verification (near_duplicates).
+
+Ties are broken by record ids and shifts, never by batch or arrival order, so any runner
+and any batching give the same pairs.
+"""
+
+import dataclasses
+import hashlib
+import zlib
+
+import numpy as np
+from apache_beam import pvalue
+from apache_beam.metrics import Metrics
+
+from beam_jobs import near_duplicates as nd
+from beam_jobs import schema
+
+METRICS_NAMESPACE = "dp_fedemb.dedup"
+EXACT = "exact"
+NEAR = "near"
+CANDIDATE, REFERENCE = "candidate", "reference"
+SHARED_IDS = "shared_ids"  # tagged outputs of join_bucket
+EXACT_PAIRS = "exact_pairs"
+_BUCKETS = 16  # key buckets of the join: its parallelism
+
+
+@dataclasses.dataclass
+class Fingerprints:
+    """One batch of images: what dedup needs of each, as arrays."""
+
+    key: str  # unique per batch (from its record ids)
+    record_ids: list[str]  # hash of each serialized record
+    users: list[str]
+    identities: list[str]
+    pixel_sha256: list[str]
+    thumbnails: np.ndarray  # [n, T, T] uint8
+    hashes: np.ndarray  # [n] uint64, unshifted
+
+    def __len__(self) -> int:
+        return len(self.record_ids)
+
+    def named(self, row: int) -> dict:
+        return {
+            "user_id": self.users[row],
+            "identity": self.identities[row],
+            "record": self.record_ids[row],
+        }
+
+
+def record_id(serialized: bytes) -> str:
+    return hashlib.blake2b(serialized, digest_size=16).hexdigest()
+
+
+def pixel_sha256(pixels: np.ndarray) -> str:
+    digest = hashlib.sha256(f"{pixels.shape}|{pixels.dtype}".encode())
+    digest.update(np.ascontiguousarray(pixels).tobytes())
+    return digest.hexdigest()
+
+
+def fingerprints(batch: list[bytes], max_shift: int) -> Fingerprints:
+    records = [schema.parse(s) for s in batch]
+    pixels = [schema.decode_image(r.image) for r in records]
+    thumbnails = np.stack([nd.thumbnail(p) for p in pixels])
+    ids = [record_id(s) for s in batch]
+    Metrics.counter(METRICS_NAMESPACE, "images").inc(len(batch))
+    return Fingerprints(
+        key=hashlib.blake2b("".join(ids).encode(), digest_size=16).hexdigest(),
+        record_ids=ids,
+        users=[r.user_id for r in records],
+        identities=[r.identity for r in records],
+        pixel_sha256=[pixel_sha256(p) for p in pixels],
+        thumbnails=thumbnails,
+        hashes=nd.hashes(thumbnails, max_shift, probe=False)[:, 0],
+    )
+
+
+def pair(kind: str, candidate: dict, reference: dict, **measures) -> dict:
+    return {"kind": kind, **measures, "candidate": candidate, "reference": reference}
+
+
+def _bucket(text: str) -> int:
+    return zlib.crc32(text.encode()) % _BUCKETS
+
+
+def _band_arrays(
+    fp: Fingerprints, probed: bool, max_shift: int, flips: int, bands: np.ndarray
+) -> dict:
+    """Every band key of every image, once per image, with the hash and shift behind it:
+    at every shift when probed (the first shift giving a key, in their fixed order), else
+    of the hash and its variants with weak bits flipped (the hash itself carried)."""
+    if probed:
+        hashes = nd.hashes(fp.thumbnails, max_shift, probe=True)
+        keyed = hashes
+        offsets = np.array(nd.probe_offsets(max_shift), dtype=np.int8)
+    else:
+        keyed = nd.flipped_hashes(fp.thumbnails, max_shift, flips)
+        hashes = np.repeat(fp.hashes[:, None], keyed.shape[1], axis=1)
+        offsets = np.zeros((keyed.shape[1], 2), dtype=np.int8)
+    by_band = nd.band_keys(keyed, bands).transpose(0, 2, 1)  # [n, bands, variants]
+    order = np.argsort(by_band, axis=2, kind="stable")
+    by_band = np.take_along_axis(by_band, order, axis=2)
+    first = np.ones(by_band.shape, dtype=bool)
+    first[..., 1:] = by_band[..., 1:] != by_band[..., :-1]
+    rows, shifts = np.nonzero(first)[0], order[first]
+    return {
+        "key": by_band[first],
+        "row": rows.astype(np.int32),
+        "hash": hashes[rows, shifts],
+        "offset": offsets[shifts],
+        # The first 64 bits of the record id: ties broken the same way on every runner.
+        "id": np.array([int(r[:16], 16) for r in fp.record_ids], dtype=np.uint64)[rows],
+    }
+
+
+def _split_by(arrays: dict, labels: np.ndarray) -> dict:
+    """{label: arrays of the rows with that label}, rows kept in order (one sort, not a
+    mask per label)."""
+    order = np.argsort(labels, kind="stable")
+    values, starts = np.unique(labels[order], return_index=True)
+    bounds = np.r_[starts, len(order)]
+    return {
+        value: {name: array[order[bounds[i] : bounds[i + 1]]] for name, array in arrays.items()}
+        for i, value in enumerate(values)
+    }
+
+
+def bucket_entries(
+    fp: Fingerprints, side: str, probed_side: str, max_shift: int, flips: int, bands
+):
+    """(bucket, (side, batch key, {"bands": arrays, "sha": [(sha, named)], "ids": [..]}))."""
+    arrays = _band_arrays(fp, side == probed_side, max_shift, flips, bands)
+    entries = {
+        int(bucket): {"bands": part}
+        for bucket, part in _split_by(arrays, arrays["key"] % _BUCKETS).items()
+    }
+    for row, sha in enumerate(fp.pixel_sha256):
+        bucket = entries.setdefault(_bucket(sha), {})
+        bucket.setdefault("sha", []).append((sha, fp.named(row)))
+    for kind, names in (("user", fp.users), ("identity", fp.identities)):
+        for name in set(names):
+            entries.setdefault(_bucket(f"{kind}:{name}"), {}).setdefault("ids", []).append(
+                (kind, name)
+            )
+    return [(bucket, (side, fp.key, entry)) for bucket, entry in entries.items()]
+
+
+def _concatenated(parts: list[tuple[str, dict]]) -> tuple[list[str], dict]:
+    """Batch keys (sorted), and all parts' band arrays with "batch" (index into them)."""
+    parts = sorted(parts, key=lambda p: p[0])
+    keys = [key for key, _ in parts]
+    merged = {name: np.concatenate([b[name] for _, b in parts]) for name in parts[0][1]}
+    merged["batch"] = np.concatenate(
+        [np.full(len(b["key"]), i, dtype=np.int32) for i, (_, b) in enumerate(parts)]
+    )
+    return keys, merged
+
+
+def _exact_pairs(sha_entries: dict) -> list[tuple[str, dict]]:
+    references = {}
+    for sha, named in sha_entries[REFERENCE]:
+        # Several references with one sha: the smallest record, for determinism.
+        if sha not in references or named["record"] < references[sha]["record"]:
+            references[sha] = named
+    return [
+        (named["record"], pair(EXACT, named, references[sha], hamming_distance=0, residual=0.0))
+        for sha, named in sha_entries[CANDIDATE]
+        if sha in references
+    ]
+
+
+def join_bucket(joined, threshold: int):
+    """One bucket's ids on both sides (tagged SHARED_IDS), exact pairs (EXACT_PAIRS) and,
+    per candidate batch, the pairs whose hashes share a band and differ in <= threshold
+    bits: (candidate batch key, (reference batch keys, arrays))."""
+    _, entries = joined
+    bands = {CANDIDATE: [], REFERENCE: []}
+    sha = {CANDIDATE: [], REFERENCE: []}
+    ids = {CANDIDATE: set(), REFERENCE: set()}
+    for side, batch_key, entry in entries:
+        if "bands" in entry:
+            bands[side].append((batch_key, entry["bands"]))
+        sha[side].extend(entry.get("sha", ()))
+        ids[side].update(entry.get("ids", ()))
+    for shared in sorted(ids[CANDIDATE] & ids[REFERENCE]):
+        yield pvalue.TaggedOutput(SHARED_IDS, shared)
+    for exact in _exact_pairs(sha):
+        yield pvalue.TaggedOutput(EXACT_PAIRS, exact)
+    if not bands[CANDIDATE] or not bands[REFERENCE]:
+        return
+    candidate_keys, c = _concatenated(bands[CANDIDATE])
+    reference_keys, r = _concatenated(bands[REFERENCE])
+    left, right = nd.join_keys(c["key"], r["key"])
+    distance = nd.hamming(c["hash"][left], r["hash"][right])
+    close = distance <= threshold
+    left, right, distance = left[close], right[close], distance[close]
+    Metrics.counter(METRICS_NAMESPACE, "close_hash_pairs").inc(int(close.sum()))
+    pairs = {
+        "row": c["row"][left],
+        "reference_batch": r["batch"][right],
+        "reference_row": r["row"][right],
+        "reference_id": r["id"][right],
+        "distance": distance,
+        # The shift of the reference relative to the candidate at which the hashes met.
+        "offset": r["offset"][right].astype(np.int32) - c["offset"][left],
+    }
+    for batch, part in _split_by(pairs, c["batch"][left]).items():
+        yield candidate_keys[batch], (reference_keys, part)
+
+
+def closest_references(grouped, k: int):
+    """Each candidate's k closest references (by hash distance, then shift, then id),
+    requested from their batches: (reference batch key, (candidate batch key, arrays))."""
+    candidate_key, parts = grouped
+    parts = list(parts)
+    reference_keys = sorted({key for keys, _ in parts for key in keys})
+    index = {key: i for i, key in enumerate(reference_keys)}
+    merged = {}
+    for name in parts[0][1]:
+        merged[name] = np.concatenate(
+            [
+                np.array([index[keys[b]] for b in arrays[name]], dtype=np.int32)
+                if name == "reference_batch"
+                else arrays[name]
+                for keys, arrays in parts
+            ]
+        )
+    # Of equal (candidate, reference, distance), the smallest shift: the order below.
+    shift = (merged["offset"][:, 0] + 8) * 16 + merged["offset"][:, 1] + 8
+    order = np.lexsort((shift, merged["distance"], merged["reference_id"], merged["row"]))
+    merged = {name: value[order] for name, value in merged.items()}
+    kept = nd.closest(merged["row"], merged["reference_id"], merged["distance"], k)
+    merged = {name: value[kept] for name, value in merged.items()}
+    requested = {name: merged[name] for name in ("row", "reference_row", "distance", "offset")}
+    for batch, part in _split_by(requested, merged["reference_batch"]).items():
+        yield reference_keys[batch], (candidate_key, part)
+
+
+def attach_references(joined):
+    """The requested references' thumbnails and names, sent to each candidate batch."""
+    _, groups = joined
+    (fp,) = groups["fp"]
+    for candidate_key, request in groups["request"]:
+        rows = np.unique(request["reference_row"])
+        references = {
+            "thumbnails": fp.thumbnails[rows],
+            "named": [fp.named(row) for row in rows],
+            "sha": [fp.pixel_sha256[row] for row in rows],
+        }
+        local = np.searchsorted(rows, request["reference_row"])
+        yield candidate_key, (references, {**request, "reference_row": local})
+
+
+def verified_pairs(joined, max_residual: float, residual_per_detail: float, search: int):
+    """(candidate record id, pair) for each candidate image near a reference: the closest
+    verified one (by residual, then record)."""
+    _, groups = joined
+    (fp,) = groups["fp"]
+    attached = sorted(groups["references"], key=lambda a: a[0]["named"][0]["record"])
+    if not attached:
+        return
+    thumbnails = np.concatenate([references["thumbnails"] for references, _ in attached])
+    named = [n for references, _ in attached for n in references["named"]]
+    sha = [s for references, _ in attached for s in references["sha"]]
+    starts = np.cumsum([0] + [len(references["named"]) for references, _ in attached])
+    pairs = np.concatenate(
+        [
+            np.stack(
+                [
+                    request["row"],
+                    request["reference_row"] + start,
+                    request["offset"][:, 0],
+                    request["offset"][:, 1],
+                    request["distance"],
+                ],
+                axis=1,
+            )
+            for (_, request), start in zip(attached, starts)
+        ]
+    )
+    coarse, residual, detail = nd.verify(fp.thumbnails, thumbnails, pairs[:, :4], search)
+    allowed = max_residual + residual_per_detail * detail
+    Metrics.counter(METRICS_NAMESPACE, "pairs_verified").inc(len(pairs))
+    best = {}
+    for i in np.flatnonzero(residual <= allowed):
+        row = int(pairs[i, 0])
+        rank = (round(float(residual[i]), 6), named[pairs[i, 1]]["record"])
+        if row not in best or rank < best[row][0]:
+            best[row] = (rank, i)
+    for row, (_, i) in sorted(best.items()):
+        reference = int(pairs[i, 1])
+        yield (
+            fp.record_ids[row],
+            pair(
+                EXACT if sha[reference] == fp.pixel_sha256[row] else NEAR,
+                fp.named(row),
+                named[reference],
+                hamming_distance=int(pairs[i, 4]),
+                residual=round(float(residual[i]), 4),
+                allowed_residual=round(float(allowed[i]), 4),
+                correlation=round(float(coarse[i]), 4),
+            ),
+        )

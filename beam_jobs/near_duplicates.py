@@ -1,0 +1,391 @@
+"""Near-duplicate images in numpy: thumbnails, shift-probed hashes, verification.
+
+Everything here works on batches (of images, of pairs) so that one Beam stage
+(beam_jobs/dedup.py) or one plain loop (bench/bench_beam.py) handles thousands of images
+a call; nothing here knows about Beam.
+
+Thumbnail: every image, whatever its size or colour, becomes a THUMBNAIL x THUMBNAIL grey
+image (luma, antialiased resize). A 28x28 and a 112x112 copy of one picture then meet at
+one scale, and a colour image meets its grey copy exactly; shifts and search windows below
+are in thumbnail pixels (2 of them are 1.75 pixels at 28x28, 7 at 112x112).
+
+Hash (candidate generation only): the pHash of the thumbnail's interior, lightly blurred:
+the 63 lowest non-constant DCT coefficients, one bit each for above or below their median.
+A shifted copy is found by hashing one side at every integer offset up to `max_shift`.
+
+Verification (the decision): a hash cannot tell a re-encoded copy from another scan of the
+same glyph; low-entropy images (digits, sketches, faces at 28x28) of different people
+often share most hash bits. So every candidate pair is aligned and compared pixel by
+pixel: the best integer shift, then half-pixel offsets and scales of +-7% (crops resized
+back), over the overlap of the two images only. The candidate's grey levels are then
+rank-matched to the reference's, so that any monotone change (brightness, contrast,
+gamma, clipping) vanishes; what is left is blurred (sigma 1.5 px, so that JPEG and
+resampling noise averages out while a differing stroke does not) and its peak, in units
+of the reference's standard deviation, is the residual. Re-encoding and resizing destroy
+fine detail, so a copy may leave a residual that grows with the reference's own detail
+(mean |reference - blurred reference|, same units): a pair is a near duplicate when
+residual <= max_residual + residual_per_detail * detail. bench/bench_dedup.py measures
+both on real images (the thresholds were chosen on one half of them).
+"""
+
+import numpy as np
+from PIL import Image
+
+THUMBNAIL = 32
+_CENTRE = (THUMBNAIL - 1) / 2
+_DCT_SIDE = 8  # 8x8 lowest frequencies, less the constant one: 63 hash bits
+HASH_BITS = _DCT_SIDE * _DCT_SIDE - 1
+_HASH_BLUR = 0.8  # keeps JPEG ringing and noise out of the hash
+_RESIDUAL_BLUR = 1.5
+_DETAIL_BLUR = 1.0
+# A residual in units of max(std, _MIN_STD) grey levels: flat images are not
+# near-duplicates of each other because their noise differs.
+_MIN_STD = 8.0
+# Scales tried before refinement besides 1 (crops resized back: 2 pixels of 28 are 7%),
+# and the range refinement stays in.
+_GATE_SCALES = (0.93, 1.07)
+_SCALE_RANGE = (0.85, 1.18)
+# Pairs less correlated than this after coarse alignment are not refined (benchmark
+# copies: >= 0.78; distinct synthetic images: 86% below).
+GATE = 0.7
+_GRID = np.arange(THUMBNAIL, dtype=np.float32) - _CENTRE
+# Bits set in each byte value, for Hamming distances of uint64 hashes.
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+
+
+def thumbnail(pixels: np.ndarray) -> np.ndarray:
+    """THUMBNAIL x THUMBNAIL uint8 grey thumbnail of HxW or HxWx3 uint8 pixels."""
+    image = Image.fromarray(np.ascontiguousarray(pixels))
+    if image.mode != "L":
+        image = image.convert("L")  # ITU-R 601 luma, as a grey copy is made
+    # PIL's bilinear filter widens with the reduction: an area average when shrinking.
+    return np.asarray(image.resize((THUMBNAIL, THUMBNAIL), Image.BILINEAR))
+
+
+def _blur_matrix(sigma: float, size: int) -> np.ndarray:
+    """[size, size] Gaussian blur as a matrix (edges repeated): blurred = B @ image @ B.T."""
+    radius = int(np.ceil(3 * sigma))
+    taps = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
+    taps /= taps.sum()
+    matrix = np.zeros((size, size), dtype=np.float64)
+    for i in range(size):
+        for offset, weight in zip(range(-radius, radius + 1), taps):
+            matrix[i, min(max(i + offset, 0), size - 1)] += weight
+    return matrix.astype(np.float32)
+
+
+def blur(images: np.ndarray, sigma: float) -> np.ndarray:
+    """Gaussian blur of [..., T, T] images (edges repeated), as two matrix products."""
+    matrix = _blur_matrix(sigma, images.shape[-1])
+    rows = matrix @ images.astype(np.float32).reshape(-1, *images.shape[-2:])
+    return (rows.reshape(-1, images.shape[-1]) @ matrix.T).reshape(images.shape)
+
+
+def _dct_matrix(size: int) -> np.ndarray:
+    k = np.arange(_DCT_SIDE)[:, None]
+    i = np.arange(size)[None, :]
+    return np.cos(np.pi * (2 * i + 1) * k / (2 * size)).astype(np.float32)
+
+
+def probe_offsets(max_shift: int) -> list[tuple[int, int]]:
+    return [
+        (dx, dy)
+        for dy in range(-max_shift, max_shift + 1)
+        for dx in range(-max_shift, max_shift + 1)
+    ]
+
+
+def _coefficients(thumbnails: np.ndarray, max_shift: int, probe: bool):
+    """([N, probes, HASH_BITS] DCT coefficients of the interior windows, their medians)."""
+    count, side = len(thumbnails), THUMBNAIL - 2 * max_shift
+    images = blur(thumbnails, _HASH_BLUR)
+    dct = _dct_matrix(side)
+    offsets = probe_offsets(max_shift) if probe else [(0, 0)]
+    # D W D^T of each window W, in large products: first D times each row band, shared by
+    # every horizontal offset of that band.
+    by_row = {}
+    for dy in sorted({dy for _, dy in offsets}):
+        band = images[:, max_shift + dy : max_shift + dy + side, :]  # [N, side, T]
+        product = dct @ band.transpose(1, 0, 2).reshape(side, -1)  # [8, N * T]
+        by_row[dy] = product.reshape(_DCT_SIDE, count, THUMBNAIL).transpose(1, 0, 2)
+    coefficients = np.stack(
+        [
+            (
+                by_row[dy][:, :, max_shift + dx : max_shift + dx + side].reshape(-1, side) @ dct.T
+            ).reshape(count, -1)[:, 1:]
+            for dx, dy in offsets
+        ],
+        axis=1,
+    )
+    median = np.partition(coefficients, HASH_BITS // 2, axis=-1)[..., HASH_BITS // 2, None]
+    return coefficients, median
+
+
+def hashes(thumbnails: np.ndarray, max_shift: int, probe: bool) -> np.ndarray:
+    """[N, probes] uint64 pHashes of the interior (a max_shift border off), at every offset
+    up to max_shift when `probe`, else only at (0, 0) (probes = 1)."""
+    coefficients, median = _coefficients(thumbnails, max_shift, probe)
+    return _packed(coefficients > median)
+
+
+def flipped_hashes(thumbnails: np.ndarray, max_shift: int, flips: int) -> np.ndarray:
+    """[N, 1 + flips] uint64: the unshifted hash, then the hash with each of its `flips`
+    least certain bits flipped (coefficients closest to the median): the bits a copy's
+    hash most often differs in, so band keys of these variants find it more often."""
+    coefficients, median = _coefficients(thumbnails, max_shift, probe=False)
+    coefficients, median = coefficients[:, 0], median[:, 0]
+    base = _packed(coefficients > median)
+    weakest = np.argsort(np.abs(coefficients - median), axis=1, kind="stable")[:, :flips]
+    flipped = base[:, None] ^ (np.uint64(1) << weakest.astype(np.uint64))
+    return np.concatenate([base[:, None], flipped], axis=1)
+
+
+def _packed(bits: np.ndarray) -> np.ndarray:
+    """[..., HASH_BITS] booleans -> [...] uint64, bit i of the hash = bits[..., i]."""
+    packed = np.packbits(bits, axis=-1, bitorder="little")  # [..., 8] bytes, little end first
+    return np.ascontiguousarray(packed).view("<u8")[..., 0].astype(np.uint64)
+
+
+def _unpacked(hash_values: np.ndarray) -> np.ndarray:
+    """[...] uint64 -> [..., 64] uint8 bits (bit i of the hash at index i)."""
+    as_bytes = np.ascontiguousarray(hash_values, dtype="<u8")[..., None].view(np.uint8)
+    return np.unpackbits(as_bytes, axis=-1, bitorder="little")
+
+
+def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Bitwise distance of uint64 arrays (broadcast)."""
+    xor = np.ascontiguousarray(np.bitwise_xor(a, b), dtype=np.uint64)
+    return _POPCOUNT[xor.view(np.uint8)].reshape(*xor.shape, 8).sum(axis=-1, dtype=np.int32)
+
+
+def band_bits(num_bands: int, bits_per_band: int) -> np.ndarray:
+    """[num_bands, bits_per_band] hash bit positions: fixed, so every worker agrees."""
+    rng = np.random.default_rng(0)
+    return np.stack(
+        [np.sort(rng.choice(HASH_BITS, bits_per_band, replace=False)) for _ in range(num_bands)]
+    )
+
+
+def band_keys(hash_values: np.ndarray, bands: np.ndarray) -> np.ndarray:
+    """[..., num_bands] int64 join keys: the band's index above the band's bits."""
+    chosen = _unpacked(hash_values)[..., bands]  # [..., num_bands, bits_per_band]
+    packed = np.packbits(chosen, axis=-1, bitorder="little").astype(np.int64)
+    values = (packed << (8 * np.arange(packed.shape[-1], dtype=np.int64))).sum(axis=-1)
+    return values | (np.arange(len(bands), dtype=np.int64) << bands.shape[1])
+
+
+def join_keys(left_keys: np.ndarray, right_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(left positions, right positions) of every pair of equal keys (1-D int64 arrays)."""
+    order = np.argsort(right_keys, kind="stable")
+    sorted_keys = right_keys[order]
+    start = np.searchsorted(sorted_keys, left_keys, side="left")
+    count = np.searchsorted(sorted_keys, left_keys, side="right") - start
+    left = np.repeat(np.arange(len(left_keys)), count)
+    # Position within each left key's run of equal right keys.
+    within = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+    return left, order[np.repeat(start, count) + within]
+
+
+def closest(
+    candidates: np.ndarray, references: np.ndarray, distances: np.ndarray, k: int
+) -> np.ndarray:
+    """Indices of the pairs to verify: per candidate, its k closest references (each pair
+    once, at its smallest distance; ties broken by reference, so the choice is stable)."""
+    by_pair = np.lexsort((distances, references, candidates))
+    c, r = candidates[by_pair], references[by_pair]
+    first = np.r_[True, (c[1:] != c[:-1]) | (r[1:] != r[:-1])]
+    pairs = by_pair[first]
+    pairs = pairs[np.lexsort((references[pairs], distances[pairs], candidates[pairs]))]
+    c = candidates[pairs]
+    run_start = np.flatnonzero(np.r_[True, c[1:] != c[:-1]])
+    rank = np.arange(len(pairs)) - np.repeat(run_start, np.diff(np.r_[run_start, len(pairs)]))
+    return pairs[rank < k]
+
+
+def _integer_alignment(
+    x: np.ndarray, y: np.ndarray, dx: np.ndarray, dy: np.ndarray, search: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(dx, dy) [P]: the integer shift within one pixel of (dx, dy), and inside
+    [-search, search]^2, at which y is best correlated with x's centre (T - 2 search)^2."""
+    count, side, steps = len(x), THUMBNAIL - 2 * search, 2 * search + 1
+    centre = x[:, search : search + side, search : search + side].reshape(count, -1)
+    centre = centre - centre.mean(axis=1, keepdims=True)
+    # [P, 2 search + 1, 2 search + 1, side, side]: a view, nothing copied yet.
+    windows = np.lib.stride_tricks.sliding_window_view(y, (side, side), axis=(1, 2))
+    around = np.array([-1, 0, 1])
+    rows = np.clip(dy.astype(np.intp)[:, None] + around + search, 0, steps - 1)
+    columns = np.clip(dx.astype(np.intp)[:, None] + around + search, 0, steps - 1)
+    chosen = windows[np.arange(count)[:, None, None], rows[:, :, None], columns[:, None, :]]
+    chosen = chosen.reshape(count, 9, -1)
+    sums = chosen.sum(axis=2)
+    norms = np.sqrt(np.maximum((chosen * chosen).sum(axis=2) - sums * sums / side**2, 1e-6))
+    best = np.argmax((chosen @ centre[:, :, None])[..., 0] / norms, axis=1)
+    pick = np.arange(count)
+    return (
+        (columns[pick, best % 3] - search).astype(np.float32),
+        (rows[pick, best // 3] - search).astype(np.float32),
+    )
+
+
+def _interpolation(coordinates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[P, T, T] matrices that sample rows (or columns) at `coordinates` [P, T] linearly,
+    and [P, T] whether each coordinate lies inside the image."""
+    count = len(coordinates)
+    inside = (coordinates >= -1e-3) & (coordinates <= THUMBNAIL - 1 + 1e-3)
+    clipped = np.clip(coordinates, 0, THUMBNAIL - 1)
+    low = np.minimum(clipped.astype(np.intp), THUMBNAIL - 2)
+    weight = (clipped - low).astype(np.float32)
+    matrix = np.zeros((count, THUMBNAIL, THUMBNAIL), dtype=np.float32)
+    pairs, out = np.arange(count)[:, None], np.arange(THUMBNAIL)[None, :]
+    matrix[pairs, out, low] = 1 - weight
+    matrix[pairs, out, low + 1] += weight
+    return matrix, inside
+
+
+def _sample(images: np.ndarray, scale: np.ndarray, dx: np.ndarray, dy: np.ndarray):
+    """images [P, T, T] (or [P, K, T, T]) resampled bilinearly at centre + scale * (p -
+    centre) + (dx, dy) for every thumbnail pixel p, and [P, T, T] whether that lies inside
+    the image; scale, dx, dy per pair [P]. Two small matrix products per image."""
+    rows, inside_rows = _interpolation(_CENTRE + _GRID[None, :] * scale[:, None] + dy[:, None])
+    columns, inside_columns = _interpolation(
+        _CENTRE + _GRID[None, :] * scale[:, None] + dx[:, None]
+    )
+    if images.ndim == 4:
+        rows, columns = rows[:, None], columns[:, None]
+    sampled = rows @ images @ np.swapaxes(columns, -1, -2)
+    return sampled, inside_rows[:, :, None] & inside_columns[:, None, :]
+
+
+def _correlation(x: np.ndarray, y: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Pearson correlation of x and y over the valid pixels, per pair."""
+    m = valid.astype(np.float32)
+    n = np.maximum(m.sum(axis=(1, 2)), 1.0)
+    xm, ym = x * m, y * m
+    sx, sy = xm.sum(axis=(1, 2)), ym.sum(axis=(1, 2))
+    cov = (xm * y).sum(axis=(1, 2)) - sx * sy / n
+    vx = (xm * x).sum(axis=(1, 2)) - sx * sx / n
+    vy = (ym * y).sum(axis=(1, 2)) - sy * sy / n
+    return cov / np.sqrt(np.maximum(vx * vy, 1e-6))
+
+
+def _gradients(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Central differences along columns and rows (one-sided at the edges)."""
+    gx = np.empty_like(y)
+    gx[:, :, 1:-1] = (y[:, :, 2:] - y[:, :, :-2]) / 2
+    gx[:, :, 0], gx[:, :, -1] = y[:, :, 1] - y[:, :, 0], y[:, :, -1] - y[:, :, -2]
+    gy = np.empty_like(y)
+    gy[:, 1:-1] = (y[:, 2:] - y[:, :-2]) / 2
+    gy[:, 0], gy[:, -1] = y[:, 1] - y[:, 0], y[:, -1] - y[:, -2]
+    return gx, gy
+
+
+def _refine(x, y, dx, dy, scale, iterations: int = 4):
+    """Gauss-Newton steps on (dx, dy, scale), grey levels fitted by gain and offset; the
+    best correlation seen wins (a step may overshoot). Returns y sampled there, and where
+    it is valid."""
+    gradients = np.stack(_gradients(y), axis=1)  # [P, 2, T, T]
+    best, valid = _sample(y, scale, dx, dy)
+    score = _correlation(x, best, valid)
+    sampled, current_valid = best, valid
+    eye = np.eye(5, dtype=np.float32) * 1e-3
+    for _ in range(iterations):
+        gx, gy = _sample(gradients, scale, dx, dy)[0].transpose(1, 0, 2, 3)
+        # d sample / d scale at pixel p is the gradient times (p - centre).
+        gs = gx * _GRID[None, None, :] + gy * _GRID[None, :, None]
+        m = current_valid.astype(np.float32)
+        features = np.stack([sampled, np.ones_like(sampled), gx, gy, gs], axis=1)
+        features = (features * m[:, None]).reshape(len(x), 5, -1)
+        gram = features @ features.transpose(0, 2, 1) + eye
+        target = features @ (x * m).reshape(len(x), -1, 1)
+        theta = np.linalg.solve(gram, target)[..., 0]
+        gain = np.where(np.abs(theta[:, 0]) > 1e-3, theta[:, 0], 1e-3)
+        step = theta[:, 2:] / gain[:, None]
+        dx = dx + np.clip(step[:, 0], -1, 1).astype(np.float32)
+        dy = dy + np.clip(step[:, 1], -1, 1).astype(np.float32)
+        scale = np.clip(scale + np.clip(step[:, 2], -0.05, 0.05), *_SCALE_RANGE).astype(np.float32)
+        sampled, current_valid = _sample(y, scale, dx, dy)
+        current = _correlation(x, sampled, current_valid)
+        better = current > score
+        score = np.where(better, current, score)
+        best = np.where(better[:, None, None], sampled, best)
+        valid = np.where(better[:, None, None], current_valid, valid)
+    return best, valid
+
+
+def _rank_matched(x: np.ndarray, y: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """[P, N] x (integer grey levels) replaced by the y levels of equal rank over the valid
+    pixels; pixels of one x level share the mean of their y levels, so ties carry no order."""
+    count, size = x.shape
+    levels = x.astype(np.intp)
+    # Sorted valid y, and its running sum: the y of ranks [start, end) sum to a difference.
+    y_sorted = np.sort(np.where(valid, y, np.inf), axis=1)
+    running = np.zeros((count, size + 1))
+    running[:, 1:] = np.cumsum(np.where(np.isfinite(y_sorted), y_sorted, 0), axis=1)
+    histogram = np.bincount(
+        (np.arange(count)[:, None] * 256 + levels)[valid], minlength=count * 256
+    ).reshape(count, 256)
+    end = np.cumsum(histogram, axis=1)
+    start = end - histogram
+    rows = np.arange(count)[:, None]
+    means = (running[rows, end] - running[rows, start]) / np.maximum(histogram, 1)
+    return np.where(valid, np.take_along_axis(means, levels, axis=1), 0).astype(np.float32)
+
+
+def _residual(x: np.ndarray, y: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    count = len(x)
+    flat_valid = valid.reshape(count, -1)
+    n = np.maximum(flat_valid.sum(axis=1), 1)
+    y_flat = np.where(flat_valid, y.reshape(count, -1), 0)
+    matched = _rank_matched(x.reshape(count, -1), y_flat, flat_valid)
+    difference = np.where(flat_valid, matched - y_flat, 0).reshape(x.shape)
+    mean = y_flat.sum(axis=1) / n
+    std = np.sqrt(np.maximum((y_flat * y_flat).sum(axis=1) / n - mean * mean, 0))
+    unit = np.maximum(std, _MIN_STD)
+    residual = np.abs(blur(difference, _RESIDUAL_BLUR)).max(axis=(1, 2)) / unit
+    detail = (np.abs(y - blur(y, _DETAIL_BLUR)) * valid).sum(axis=(1, 2)) / n / unit
+    return residual, detail
+
+
+def verify(
+    candidates: np.ndarray,
+    references: np.ndarray,
+    pairs: np.ndarray,
+    search: int,
+    chunk: int = 1024,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(coarse correlation, residual, detail) [P] of uint8 thumbnails [N, T, T] paired by
+    `pairs` [P, 4]: candidate index, reference index, and the shift (dx, dy) of the
+    reference at which their hashes matched (module docstring). Pairs whose coarse
+    correlation (best integer shift within a pixel of that, best of three scales) is below
+    GATE are not refined: their residual is inf."""
+    results = [
+        _verify(
+            candidates[part[:, 0]].astype(np.float32),
+            references[part[:, 1]].astype(np.float32),
+            part[:, 2].astype(np.float32),
+            part[:, 3].astype(np.float32),
+            search,
+        )
+        for part in (pairs[start : start + chunk] for start in range(0, len(pairs), chunk))
+    ]
+    if not results:
+        return tuple(np.zeros(0, dtype=np.float32) for _ in range(3))
+    return tuple(np.concatenate(parts) for parts in zip(*results))
+
+
+def _verify(x, y, dx, dy, search):
+    dx, dy = _integer_alignment(x, y, dx, dy, search)
+    scale = np.ones(len(x), dtype=np.float32)
+    coarse = _correlation(x, *_sample(y, scale, dx, dy))
+    for factor in _GATE_SCALES:
+        v_scale = np.full(len(x), factor, dtype=np.float32)
+        v_score = _correlation(x, *_sample(y, v_scale, dx, dy))
+        scale = np.where(v_score > coarse, v_scale, scale)
+        coarse = np.maximum(coarse, v_score)
+    residual = np.full(len(x), np.inf, dtype=np.float32)
+    detail = np.zeros(len(x), dtype=np.float32)
+    close = np.flatnonzero(coarse >= GATE)
+    if len(close):
+        best, valid = _refine(x[close], y[close], dx[close], dy[close], scale[close])
+        residual[close], detail[close] = _residual(x[close], best, valid)
+    return coarse, residual, detail
