@@ -29,6 +29,7 @@ the data than real copies.
 """
 
 import dataclasses
+import math
 import os
 
 import apache_beam as beam
@@ -92,13 +93,17 @@ class DedupRefused(ValueError):
 
     def __init__(self, section: dict, report_path: str):
         self.section, self.report_path = section, report_path
+        fraction = section["removed_fraction"]
+        enough = math.ceil(fraction * 20 + 1e-9) / 20  # the next multiple of 0.05 above it
+        removed = section["removed_exact"] + section["removed_near"]
         super().__init__(
-            f"dedup would remove {section['removed_fraction']:.1%} of the "
-            f"{section['candidate_split']} split ({section['removed_exact'] + section['removed_near']} "
-            f"of {section['candidate_records']} images as copies of {section['reference_splits']} "
-            f"images), over dedup.max_removed_fraction {section['max_removed_fraction']:g}; "
-            f"check the example pairs in {report_path} ({section['name']}), then raise "
-            "dedup.max_removed_fraction if they are real copies"
+            f"dedup would remove {fraction:.1%} of the {section['candidate_split']} split "
+            f"({removed} of {section['candidate_records']} images as copies of "
+            f"{section['reference_splits']} images), over dedup.max_removed_fraction "
+            f"{section['max_removed_fraction']:g}; check the example pairs in {report_path} "
+            f"({section['name']}); if they are real copies, raise the limit (dp-fedemb run "
+            f"--set dedup.max_removed_fraction={enough:g}, dp-fedemb data dedup "
+            f"--max-removed-fraction {enough:g})"
         )
 
 
