@@ -348,12 +348,16 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             worker_key=value["worker-key"],
             allow_insecure_workers=value["allow-insecure-workers"],
         )
-        # An active runtime (a caller's) is used unless workers were asked for: those
-        # get their own runtime, nested over it, never silently ignored.
-        owns_runtime = runtime.active() is None or runtime_config != runtime.RuntimeConfig()
-        if owns_runtime:
-            # Fails on an unreadable TLS file too, before any worker is reached.
+        # Fails on an unreadable TLS file too, before any worker is reached.
+        if runtime.active() is None:
             runtime.start(runtime_config)
+            stop = runtime.stop
+        elif runtime_config != runtime.RuntimeConfig():
+            # Workers asked for under a caller's runtime: a nested one, never silently
+            # ignored; stopping it gives the caller's runtime its context back.
+            stop = runtime.TffRuntime(runtime_config).start().stop
+        else:
+            stop = None  # the caller's runtime
     except ValueError:
         if runtime.active() is None:
             runtime.release_import_time_context()
@@ -361,7 +365,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     try:
         summary = _train(value)
     finally:
-        if owns_runtime:
-            runtime.stop()
+        if stop is not None:
+            stop()
     print(json.dumps(summary, sort_keys=True))
     return 0
