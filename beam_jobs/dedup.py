@@ -108,18 +108,23 @@ class DedupRefused(ValueError):
 
 
 class Fingerprint(beam.PTransform):
-    """Serialized records -> dedup_batches.Fingerprints, one per batch of records."""
+    """Serialized records -> {"fingerprints": dedup_batches.Fingerprints, one per batch;
+    "records": (record ids, records) of each batch, for the filter that keeps them}."""
 
     def __init__(self, config: DedupConfig):
         super().__init__()
         self._config = config
 
     def expand(self, records):
-        return (
+        out = (
             records
             | "Batch" >> beam.BatchElements(min_batch_size=512, max_batch_size=1024)
-            | "Fingerprints" >> beam.Map(batches.fingerprints, self._config.max_shift)
+            | "Fingerprints"
+            >> beam.FlatMap(batches.fingerprints_and_records, self._config.max_shift).with_outputs(
+                batches.RECORDS, main="fingerprints"
+            )
         )
+        return {"fingerprints": out.fingerprints, "records": out[batches.RECORDS]}
 
 
 def _overlap_error(overlaps: list[tuple[str, str]], name: str) -> None:
@@ -260,8 +265,9 @@ def _report(
 
 
 class Deduplicate(beam.PTransform):
-    """{"candidates", "reference": Fingerprints, "records": the candidates' serialized
-    records} -> {"kept", "removed", "report"}, as RemoveNearDuplicates."""
+    """{"candidates", "reference": Fingerprints, "records": the candidates' batches of
+    (record ids, records) from Fingerprint} -> {"kept", "removed", "report"}, as
+    RemoveNearDuplicates."""
 
     def __init__(self, config: DedupConfig, name: str, splits_compared: tuple[str, str]):
         super().__init__()
@@ -279,9 +285,8 @@ class Deduplicate(beam.PTransform):
             "reference": inputs["reference"],
         } | "FindDuplicates" >> FindDuplicates(config, names["name"])
         removed_ids = found["removed"] | "RemovedIds" >> beam.combiners.ToDict()
-        kept = inputs["records"] | "Kept" >> beam.Filter(
-            lambda s, removed: batches.record_id(s) not in removed,
-            beam.pvalue.AsSingleton(removed_ids),
+        kept = inputs["records"] | "Kept" >> beam.FlatMap(
+            batches.kept_records, beam.pvalue.AsSingleton(removed_ids)
         ).with_output_types(bytes)
         report = found["sizes"][_CANDIDATE] | "Report" >> beam.Map(
             lambda n, m, removed: _report(n, m, list(removed.values()), config, names),
@@ -311,9 +316,11 @@ class RemoveNearDuplicates(beam.PTransform):
             side: inputs[side] | f"Fingerprint{side}" >> Fingerprint(self._config)
             for side in ("candidates", "reference")
         }
-        return {**fps, "records": inputs["candidates"]} | Deduplicate(
-            self._config, self._name, self._splits
-        )
+        return {
+            "candidates": fps["candidates"]["fingerprints"],
+            "reference": fps["reference"]["fingerprints"],
+            "records": fps["candidates"]["records"],
+        } | Deduplicate(self._config, self._name, self._splits)
 
 
 def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None) -> dict:
@@ -340,12 +347,13 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
             for s in present
         }
         # Each split is decoded and fingerprinted once, whatever it is compared with.
-        fps = {s: data[s] | f"Fingerprint{s}" >> Fingerprint(config) for s in present}
+        prints = {s: data[s] | f"Fingerprint{s}" >> Fingerprint(config) for s in present}
+        fps = {s: out["fingerprints"] for s, out in prints.items()}
         evaluation = [fps[s] for s in splits.EVALUATION_SPLITS] | "Evaluation" >> beam.Flatten()
         train = {
             "candidates": fps[splits.TRAIN],
             "reference": evaluation,
-            "records": data[splits.TRAIN],
+            "records": prints[splits.TRAIN]["records"],
         } | "TrainVsEvaluation" >> Deduplicate(
             config, "train_vs_evaluation", (splits.TRAIN, "/".join(splits.EVALUATION_SPLITS))
         )
@@ -356,7 +364,7 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
             public = {
                 "candidates": fps[splits.PUBLIC],
                 "reference": [fps[s] for s in private] | "Private" >> beam.Flatten(),
-                "records": data[splits.PUBLIC],
+                "records": prints[splits.PUBLIC]["records"],
             } | "PublicVsPrivate" >> Deduplicate(
                 config, "public_vs_private", (splits.PUBLIC, "/".join(private))
             )

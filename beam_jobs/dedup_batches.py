@@ -36,6 +36,7 @@ NEAR = "near"
 CANDIDATE, REFERENCE = "candidate", "reference"
 SHARED_IDS = "shared_ids"  # tagged outputs of join_bucket
 EXACT_PAIRS = "exact_pairs"
+RECORDS = "records"  # tagged output of fingerprints_and_records
 _BUCKETS = 16  # key buckets of the join: its parallelism
 
 
@@ -89,6 +90,19 @@ def fingerprints(batch: list[bytes], max_shift: int) -> Fingerprints:
     )
 
 
+def fingerprints_and_records(batch: list[bytes], max_shift: int):
+    """The batch's Fingerprints, and (tagged RECORDS) its records with their ids, for the
+    filter that keeps the candidates: one pass over the records, in batches."""
+    fp = fingerprints(batch, max_shift)
+    yield fp
+    yield pvalue.TaggedOutput(RECORDS, (fp.record_ids, batch))
+
+
+def kept_records(ids_and_records: tuple[list[str], list[bytes]], removed: dict) -> list[bytes]:
+    ids, records = ids_and_records
+    return [serialized for i, serialized in zip(ids, records) if i not in removed]
+
+
 def pair(kind: str, candidate: dict, reference: dict, **measures) -> dict:
     return {"kind": kind, **measures, "candidate": candidate, "reference": reference}
 
@@ -97,9 +111,19 @@ def _bucket(text: str) -> int:
     return zlib.crc32(text.encode()) % _BUCKETS
 
 
+def _table(**columns: np.ndarray) -> np.ndarray:
+    """One structured array of equal-length columns: a Beam element of these pickles as
+    one buffer, not one object per column."""
+    count = len(next(iter(columns.values())))
+    table = np.empty(count, dtype=[(name, c.dtype, c.shape[1:]) for name, c in columns.items()])
+    for name, column in columns.items():
+        table[name] = column
+    return table
+
+
 def _band_arrays(
     fp: Fingerprints, probed: bool, max_shift: int, flips: int, bands: np.ndarray
-) -> dict:
+) -> np.ndarray:
     """Every band key of every image, once per image, with the hash and shift behind it:
     at every shift when probed (the first shift giving a key, in their fixed order), else
     of the hash and its variants with weak bits flipped (the hash itself carried)."""
@@ -117,26 +141,23 @@ def _band_arrays(
     first = np.ones(by_band.shape, dtype=bool)
     first[..., 1:] = by_band[..., 1:] != by_band[..., :-1]
     rows, shifts = np.nonzero(first)[0], order[first]
-    return {
-        "key": by_band[first],
-        "row": rows.astype(np.int32),
-        "hash": hashes[rows, shifts],
-        "offset": offsets[shifts],
+    return _table(
+        key=by_band[first],
+        row=rows.astype(np.int32),
+        hash=hashes[rows, shifts],
+        offset=offsets[shifts],
         # The first 64 bits of the record id: ties broken the same way on every runner.
-        "id": np.array([int(r[:16], 16) for r in fp.record_ids], dtype=np.uint64)[rows],
-    }
+        id=np.array([int(r[:16], 16) for r in fp.record_ids], dtype=np.uint64)[rows],
+    )
 
 
-def _split_by(arrays: dict, labels: np.ndarray) -> dict:
-    """{label: arrays of the rows with that label}, rows kept in order (one sort, not a
-    mask per label)."""
+def _split_by(table: np.ndarray, labels: np.ndarray) -> dict:
+    """{label: the rows of `table` with that label}, in order (one sort, not a mask per
+    label)."""
     order = np.argsort(labels, kind="stable")
     values, starts = np.unique(labels[order], return_index=True)
     bounds = np.r_[starts, len(order)]
-    return {
-        value: {name: array[order[bounds[i] : bounds[i + 1]]] for name, array in arrays.items()}
-        for i, value in enumerate(values)
-    }
+    return {value: table[order[bounds[i] : bounds[i + 1]]] for i, value in enumerate(values)}
 
 
 def bucket_entries(
@@ -159,15 +180,13 @@ def bucket_entries(
     return [(bucket, (side, fp.key, entry)) for bucket, entry in entries.items()]
 
 
-def _concatenated(parts: list[tuple[str, dict]]) -> tuple[list[str], dict]:
-    """Batch keys (sorted), and all parts' band arrays with "batch" (index into them)."""
+def _concatenated(parts: list[tuple[str, np.ndarray]]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Batch keys (sorted), all parts' band tables in that order, and each row's batch
+    (an index into the keys)."""
     parts = sorted(parts, key=lambda p: p[0])
     keys = [key for key, _ in parts]
-    merged = {name: np.concatenate([b[name] for _, b in parts]) for name in parts[0][1]}
-    merged["batch"] = np.concatenate(
-        [np.full(len(b["key"]), i, dtype=np.int32) for i, (_, b) in enumerate(parts)]
-    )
-    return keys, merged
+    batch = np.concatenate([np.full(len(t), i, dtype=np.int32) for i, (_, t) in enumerate(parts)])
+    return keys, np.concatenate([t for _, t in parts]), batch
 
 
 def _exact_pairs(sha_entries: dict) -> list[tuple[str, dict]]:
@@ -202,23 +221,23 @@ def join_bucket(joined, threshold: int):
         yield pvalue.TaggedOutput(EXACT_PAIRS, exact)
     if not bands[CANDIDATE] or not bands[REFERENCE]:
         return
-    candidate_keys, c = _concatenated(bands[CANDIDATE])
-    reference_keys, r = _concatenated(bands[REFERENCE])
+    candidate_keys, c, c_batch = _concatenated(bands[CANDIDATE])
+    reference_keys, r, r_batch = _concatenated(bands[REFERENCE])
     left, right = nd.join_keys(c["key"], r["key"])
     distance = nd.hamming(c["hash"][left], r["hash"][right])
     close = distance <= threshold
     left, right, distance = left[close], right[close], distance[close]
     Metrics.counter(METRICS_NAMESPACE, "close_hash_pairs").inc(int(close.sum()))
-    pairs = {
-        "row": c["row"][left],
-        "reference_batch": r["batch"][right],
-        "reference_row": r["row"][right],
-        "reference_id": r["id"][right],
-        "distance": distance,
+    pairs = _table(
+        row=c["row"][left],
+        reference_batch=r_batch[right],
+        reference_row=r["row"][right],
+        reference_id=r["id"][right],
+        distance=distance,
         # The shift of the reference relative to the candidate at which the hashes met.
-        "offset": r["offset"][right].astype(np.int32) - c["offset"][left],
-    }
-    for batch, part in _split_by(pairs, c["batch"][left]).items():
+        offset=r["offset"][right].astype(np.int32) - c["offset"][left],
+    )
+    for batch, part in _split_by(pairs, c_batch[left]).items():
         yield candidate_keys[batch], (reference_keys, part)
 
 
@@ -229,24 +248,26 @@ def closest_references(grouped, k: int):
     parts = list(parts)
     reference_keys = sorted({key for keys, _ in parts for key in keys})
     index = {key: i for i, key in enumerate(reference_keys)}
-    merged = {}
-    for name in parts[0][1]:
-        merged[name] = np.concatenate(
-            [
-                np.array([index[keys[b]] for b in arrays[name]], dtype=np.int32)
-                if name == "reference_batch"
-                else arrays[name]
-                for keys, arrays in parts
-            ]
-        )
+    merged = np.concatenate([table for _, table in parts])
+    reference_batch = np.concatenate(
+        [
+            np.array([index[k] for k in keys], dtype=np.int32)[t["reference_batch"]]
+            for keys, t in parts
+        ]
+    )
     # Of equal (candidate, reference, distance), the smallest shift: the order below.
     shift = (merged["offset"][:, 0] + 8) * 16 + merged["offset"][:, 1] + 8
     order = np.lexsort((shift, merged["distance"], merged["reference_id"], merged["row"]))
-    merged = {name: value[order] for name, value in merged.items()}
+    merged, reference_batch = merged[order], reference_batch[order]
     kept = nd.closest(merged["row"], merged["reference_id"], merged["distance"], k)
-    merged = {name: value[kept] for name, value in merged.items()}
-    requested = {name: merged[name] for name in ("row", "reference_row", "distance", "offset")}
-    for batch, part in _split_by(requested, merged["reference_batch"]).items():
+    merged, reference_batch = merged[kept], reference_batch[kept]
+    requested = _table(
+        row=merged["row"],
+        reference_row=merged["reference_row"],
+        distance=merged["distance"],
+        offset=merged["offset"],
+    )
+    for batch, part in _split_by(requested, reference_batch).items():
         yield reference_keys[batch], (candidate_key, part)
 
 
@@ -261,8 +282,9 @@ def attach_references(joined):
             "named": [fp.named(row) for row in rows],
             "sha": [fp.pixel_sha256[row] for row in rows],
         }
-        local = np.searchsorted(rows, request["reference_row"])
-        yield candidate_key, (references, {**request, "reference_row": local})
+        request = request.copy()
+        request["reference_row"] = np.searchsorted(rows, request["reference_row"])
+        yield candidate_key, (references, request)
 
 
 def verified_pairs(joined, max_residual: float, residual_per_detail: float, search: int):

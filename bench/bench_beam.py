@@ -127,14 +127,15 @@ def _plain_dedup(split_dir: str, out_dir: str) -> int:
             joined, config.max_residual, config.residual_per_detail, config.max_shift + 1
         ):
             removed[record].append(pair)
-    os.makedirs(os.path.join(out_dir, "train"), exist_ok=True)
     kept = 0
-    path = os.path.join(out_dir, "train", "records-00000-of-00001.tfrecord")
-    with tf.io.TFRecordWriter(path) as writer:
-        for serialized in records["train"]:
-            if batches.record_id(serialized) not in removed:
-                writer.write(serialized)
-                kept += 1
+    for name, items in records.items():  # as run_dedup: train filtered, the rest copied
+        os.makedirs(os.path.join(out_dir, name), exist_ok=True)
+        path = os.path.join(out_dir, name, "records-00000-of-00001.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for serialized in items:
+                if name != "train" or batches.record_id(serialized) not in removed:
+                    writer.write(serialized)
+                    kept += name == "train"
     return kept
 
 
