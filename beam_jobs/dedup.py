@@ -1,31 +1,34 @@
 """Deduplication of training (and public) data against evaluation (and private) data.
 
 Exact duplicates: equal SHA-256 of the decoded pixels (so a PNG re-compressed or
-re-encoded losslessly is still a duplicate). Near duplicates (beam_jobs/near_duplicates.py
-has the image side): every image becomes a 32x32 grey thumbnail and a perceptual hash;
-hashes joined by banded locality-sensitive hashing (each band, a fixed subset of hash
-bits, is a join key; the smaller side hashed at every small shift) give candidate pairs,
-and each candidate image's closest references by hash distance are then verified pixel
-by pixel, aligned (shift, scale) and intensity-matched.
+re-encoded losslessly is still a duplicate). Near duplicates: every image becomes a 32x32
+grey thumbnail and a perceptual hash (beam_jobs/near_duplicates.py); hashes joined by
+banded locality-sensitive hashing (each band, a fixed subset of hash bits, is a join key;
+the smaller side hashed at every small shift) propose pairs, and each candidate image's
+`references_verified` closest references by hash distance are verified pixel by pixel:
+aligned in shift and scale, grey levels rank-matched, the blurred residual compared with
+what re-encoding can leave of the reference's detail.
 
 Why the verification: a hash alone cannot tell a re-encoded copy from another image of
-the same kind. On real small grayscale images of distinct identities (digits, glyphs)
-the previous default (pHash Hamming distance <= 8, shift probes) removed 89% of a
-user's training images as near duplicates of other identities' evaluation images; on
-real digit scans 34% of distinct digits went (bench/bench_dedup.py, BENCHMARKS.md
-"Dedup on real images"). The hash now only proposes pairs; the verification decides.
+the same kind. On a user's real small grayscale images of distinct identities (glyph-like)
+the previous default (64-bit pHash within Hamming distance 8 at shifts up to 2 pixels)
+removed 89% of the training images as near duplicates of other identities' evaluation
+images. On bench/bench_dedup.py's real images it removed 25-31% of distinct images (34-42%
+of digit scans: another writer's same digit) while missing 2-11% of copies; with the
+verification it removes 0.7% (three pairs of nearly identical 8x8 scans) and finds 99.6-
+99.8% of copies at 28x28 and 112x112 (BENCHMARKS.md, "Dedup on real images").
 
-Every stage works on batches of images as numpy arrays (`Fingerprints`): the band join
-groups batches of entries by key bucket, not one element per image and band, so the
-Beam job's cost is the numpy work, not the runner's per-element bookkeeping. Joins run
-by bucket of keys, so no worker holds a whole side.
+The Beam job moves numpy arrays per batch of images and key bucket
+(beam_jobs/dedup_batches.py), not one element per image and hash band: its cost is the
+numpy work, not the runner's per-element bookkeeping. Joins run by bucket of keys and by
+batch, so no worker holds a whole side.
 
 Only the candidate side (train, public) ever loses records; reference records (the
 evaluation splits, the private data) pass through untouched. Users or identities on both
 sides are an error: splits must be disjoint by user and identity. A dedup that would
 remove more than `max_removed_fraction` of a candidate split stops the job after writing
-its report (`run_dedup`): so many near duplicates are more often a threshold wrong for
-the data than real copies.
+its report (`run_dedup`): that many near duplicates is more often a threshold wrong for
+the data than real copies, and training on what is left would be training on little.
 """
 
 import dataclasses

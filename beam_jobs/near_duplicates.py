@@ -1,32 +1,37 @@
-"""Near-duplicate images in numpy: thumbnails, shift-probed hashes, verification.
+"""Near-duplicate images in numpy: thumbnails, shift-probed hashes, pixel verification.
 
 Everything here works on batches (of images, of pairs) so that one Beam stage
-(beam_jobs/dedup.py) or one plain loop (bench/bench_beam.py) handles thousands of images
-a call; nothing here knows about Beam.
+(beam_jobs/dedup_batches.py) or one plain loop (bench/bench_beam.py) handles a thousand
+images a call; nothing here knows about Beam.
 
 Thumbnail: every image, whatever its size or colour, becomes a THUMBNAIL x THUMBNAIL grey
 image (luma, antialiased resize). A 28x28 and a 112x112 copy of one picture then meet at
-one scale, and a colour image meets its grey copy exactly; shifts and search windows below
-are in thumbnail pixels (2 of them are 1.75 pixels at 28x28, 7 at 112x112).
+one scale, and a colour image meets its grey copy exactly; shifts are in thumbnail pixels
+(2 of them are 1.75 pixels at 28x28, 7 at 112x112).
 
 Hash (candidate generation only): the pHash of the thumbnail's interior, lightly blurred:
 the 63 lowest non-constant DCT coefficients, one bit each for above or below their median.
-A shifted copy is found by hashing one side at every integer offset up to `max_shift`.
+A shifted copy is found by hashing one side at every integer shift up to `max_shift`, and
+more copies are found by also keying the other side's hash with its least certain bits
+(coefficients nearest the median) flipped, the bits a re-encoded copy most often loses.
 
 Verification (the decision): a hash cannot tell a re-encoded copy from another scan of the
-same glyph; low-entropy images (digits, sketches, faces at 28x28) of different people
-often share most hash bits. So every candidate pair is aligned and compared pixel by
-pixel: the best integer shift, then half-pixel offsets and scales of +-7% (crops resized
-back), over the overlap of the two images only. The candidate's grey levels are then
-rank-matched to the reference's, so that any monotone change (brightness, contrast,
-gamma, clipping) vanishes; what is left is blurred (sigma 1.5 px, so that JPEG and
-resampling noise averages out while a differing stroke does not) and its peak, in units
-of the reference's standard deviation, is the residual. Re-encoding and resizing destroy
-fine detail, so a copy may leave a residual that grows with the reference's own detail
-(mean |reference - blurred reference|, same units): a pair is a near duplicate when
-residual <= max_residual + residual_per_detail * detail. bench/bench_dedup.py measures
-both on real images (the thresholds were chosen on one half of them).
+same glyph; low-entropy images (digits, sketches, small faces) of different people often
+share most hash bits. So a pair is aligned and compared pixel by pixel, over the overlap
+of the two images only: the integer shift within a pixel of the one its hashes met at;
+then, when the images correlate at all there (GATE, at scales 1 and +-7% for crops
+resized back), Gauss-Newton steps on shift and scale. The candidate's grey levels are
+rank-matched to the reference's, so any monotone change (brightness, contrast, gamma,
+clipping) vanishes; what remains is blurred (sigma 1.5 px: JPEG and resampling noise
+averages out, a stroke that differs does not) and its peak, in units of the reference's
+standard deviation, is the residual. Re-encoding and resizing destroy fine detail, so a
+copy may leave a residual that grows with the reference's own detail (mean |reference -
+blurred reference|, same units): near duplicates have residual <= max_residual +
+residual_per_detail * detail (beam_jobs/dedup.py). bench/bench_dedup.py measures this on
+real images; the thresholds were chosen on one half of them and checked on the other.
 """
+
+import functools
 
 import numpy as np
 from PIL import Image
@@ -38,15 +43,15 @@ HASH_BITS = _DCT_SIDE * _DCT_SIDE - 1
 _HASH_BLUR = 0.8  # keeps JPEG ringing and noise out of the hash
 _RESIDUAL_BLUR = 1.5
 _DETAIL_BLUR = 1.0
-# A residual in units of max(std, _MIN_STD) grey levels: flat images are not
-# near-duplicates of each other because their noise differs.
+# Residuals are in units of max(std, _MIN_STD) grey levels: on a nearly flat image the
+# noise of re-encoding is not magnified into a difference.
 _MIN_STD = 8.0
 # Scales tried before refinement besides 1 (crops resized back: 2 pixels of 28 are 7%),
 # and the range refinement stays in.
 _GATE_SCALES = (0.93, 1.07)
 _SCALE_RANGE = (0.85, 1.18)
-# Pairs less correlated than this after coarse alignment are not refined (benchmark
-# copies: >= 0.78; distinct synthetic images: 86% below).
+# Pairs less correlated than this after coarse alignment are not refined: bench_dedup's
+# copies all correlate >= 0.73, 86% of the default synthetic data's closest pairs < 0.7.
 GATE = 0.7
 _GRID = np.arange(THUMBNAIL, dtype=np.float32) - _CENTRE
 # Bits set in each byte value, for Hamming distances of uint64 hashes.
@@ -62,6 +67,7 @@ def thumbnail(pixels: np.ndarray) -> np.ndarray:
     return np.asarray(image.resize((THUMBNAIL, THUMBNAIL), Image.BILINEAR))
 
 
+@functools.cache
 def _blur_matrix(sigma: float, size: int) -> np.ndarray:
     """[size, size] Gaussian blur as a matrix (edges repeated): blurred = B @ image @ B.T."""
     radius = int(np.ceil(3 * sigma))
