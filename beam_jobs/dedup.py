@@ -32,6 +32,7 @@ the data than real copies, and training on what is left would be training on lit
 """
 
 import dataclasses
+import json
 import math
 import os
 
@@ -141,8 +142,18 @@ def _overlap_error(overlaps: list[tuple[str, str]], name: str) -> None:
 
 
 def _closest(pairs: list[dict]) -> dict:
-    # Exact before near, then by residual, then by reference record for determinism.
-    return min(pairs, key=lambda p: (p["kind"] != EXACT, p["residual"], p["reference"]["record"]))
+    # Exact before near, then by residual, then by reference record; the whole pair last:
+    # an exact copy is found by both joins (with and without the verification's fields),
+    # and the runner decides which arrives first.
+    return min(
+        pairs,
+        key=lambda p: (
+            p["kind"] != EXACT,
+            p["residual"],
+            p["reference"]["record"],
+            json.dumps(p, sort_keys=True),
+        ),
+    )
 
 
 class FindDuplicates(beam.PTransform):
