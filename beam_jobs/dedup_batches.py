@@ -22,6 +22,8 @@ and any batching give the same pairs.
 import dataclasses
 import hashlib
 import zlib
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 from apache_beam import pvalue
@@ -90,7 +92,7 @@ def fingerprints(batch: list[bytes], max_shift: int) -> Fingerprints:
     )
 
 
-def fingerprints_and_records(batch: list[bytes], max_shift: int):
+def fingerprints_and_records(batch: list[bytes], max_shift: int) -> Iterator[Any]:
     """The batch's Fingerprints, and (tagged RECORDS) its records with their ids, for the
     filter that keeps the candidates: one pass over the records, in batches."""
     fp = fingerprints(batch, max_shift)
@@ -161,9 +163,10 @@ def _split_by(table: np.ndarray, labels: np.ndarray) -> dict:
 
 
 def bucket_entries(
-    fp: Fingerprints, side: str, probed_side: str, max_shift: int, flips: int, bands
-):
-    """(bucket, (side, batch key, {"bands": arrays, "sha": [(sha, named)], "ids": [..]}))."""
+    fp: Fingerprints, side: str, probed_side: str, max_shift: int, flips: int, bands: np.ndarray
+) -> list[tuple[int, tuple[str, str, dict]]]:
+    """(bucket, (side, batch key, {"bands": table, "sha": [(sha, named)], "ids": [..]})):
+    the batch's band keys by key bucket, its pixel hashes and ids by their own."""
     arrays = _band_arrays(fp, side == probed_side, max_shift, flips, bands)
     entries = {
         int(bucket): {"bands": part}
@@ -202,7 +205,7 @@ def _exact_pairs(sha_entries: dict) -> list[tuple[str, dict]]:
     ]
 
 
-def join_bucket(joined, threshold: int):
+def join_bucket(joined: tuple[Any, Any], threshold: int) -> Iterator[Any]:
     """One bucket's ids on both sides (tagged SHARED_IDS), exact pairs (EXACT_PAIRS) and,
     per candidate batch, the pairs whose hashes share a band and differ in <= threshold
     bits: (candidate batch key, (reference batch keys, arrays))."""
@@ -241,7 +244,7 @@ def join_bucket(joined, threshold: int):
         yield candidate_keys[batch], (reference_keys, part)
 
 
-def closest_references(grouped, k: int):
+def closest_references(grouped: tuple[Any, Any], k: int) -> Iterator[Any]:
     """Each candidate's k closest references (by hash distance, then shift, then id),
     requested from their batches: (reference batch key, (candidate batch key, arrays))."""
     candidate_key, parts = grouped
@@ -271,7 +274,7 @@ def closest_references(grouped, k: int):
         yield reference_keys[batch], (candidate_key, part)
 
 
-def attach_references(joined):
+def attach_references(joined: tuple[Any, Any]) -> Iterator[Any]:
     """The requested references' thumbnails and names, sent to each candidate batch."""
     _, groups = joined
     (fp,) = groups["fp"]
@@ -287,7 +290,9 @@ def attach_references(joined):
         yield candidate_key, (references, request)
 
 
-def verified_pairs(joined, max_residual: float, residual_per_detail: float, search: int):
+def verified_pairs(
+    joined: tuple[Any, Any], max_residual: float, residual_per_detail: float, search: int
+) -> Iterator[Any]:
     """(candidate record id, pair) for each candidate image near a reference: the closest
     verified one (by residual, then record)."""
     _, groups = joined

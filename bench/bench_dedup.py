@@ -1,8 +1,10 @@
 """Near-duplicate dedup on real images: recall on copies, distinct images kept.
 
-The images are real (bench/real_images.py: handwritten digit scans, photo, MRI,
-elevation and graphics tiles that scikit-learn and matplotlib ship; sources and licenses
-in that module). For each image side (28 and 112 pixels) the references (the evaluation
+The images are real, and ship with packages in the venv (bench/real_images.py loads
+them): scikit-learn's 8x8 handwritten digit scans (`load_digits`, UCI; BSD-3-Clause) and
+its `china.jpg` / `flower.jpg` photos (CC BY 2.0, sklearn/datasets/images/README.txt);
+matplotlib's sample data (PSF-style licence): `grace_hopper.jpg` (public domain), the MRI
+slice `s1045.ima.gz`, the elevation model `jacksboro_fault_dem.npz` and two graphics. For each image side (28 and 112 pixels) the references (the evaluation
 side of dedup) are half the originals; the candidates (the training side) are one copy
 of each reference per transformation in `real_images.TRANSFORMS`, which dedup must
 remove, and the other half of the originals, distinct images it must keep: another scan
