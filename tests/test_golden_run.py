@@ -1,0 +1,159 @@
+"""Golden run: a small federated job and a small centralized one, with every seed fixed,
+must reproduce the metrics and the exported model recorded in tests/golden/.
+
+The record was made with the code before `train_job.py` was split by concept (issue
+25); a refactoring that preserves behaviour keeps this test passing. Compared:
+recall@FAR, epsilon, delta, the round history without wall-clock times, the client
+counts, and the exported SavedModel (each variable's shape, sum and sum of squares,
+and the serving embeddings of the held-out images). Floats are compared with an
+absolute tolerance of `TOLERANCE` (runs on one machine are bit for bit identical; the
+tolerance absorbs another CPU's summation order).
+
+To re-record after an intended change of behaviour:
+GOLDEN_UPDATE=1 .venv/bin/python -m pytest tests/test_golden_run.py
+"""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from beam_jobs import schema, synthetic
+from tests import support
+from tff_algorithms import export, train_job
+
+GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
+TOLERANCE = 1e-6
+
+SYNTH = synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
+TRAIN_IDENTITIES = 32  # identities (= users) 0..31 train, 32..39 held out
+FEDERATED = train_job.TrainJobConfig(
+    algorithm=train_job.DP_FEDEMB,
+    rounds=3,
+    noise_multiplier=0.5,
+    clip_norm=1.0,
+    users_per_virtual_client=2,
+    virtual_clients_per_round=3,
+    client_learning_rate=0.05,
+    server_learning_rate=1.0,
+    head_lr_scale=10.0,
+    batch_size=8,
+    head_capacity=7,
+    embedding_size=16,
+    evaluate_every=2,
+    seed=1,
+    schedule_seed=4,
+    testing_fixed_schedule=True,
+    noise_seed=11,
+    testing_fixed_noise=True,
+)
+CENTRALIZED = dataclasses.replace(
+    FEDERATED,
+    algorithm=train_job.CENTRALIZED,
+    rounds=1,
+    server_learning_rate=0.05,
+    schedule_seed=None,
+    testing_fixed_schedule=False,
+    noise_seed=None,
+    testing_fixed_noise=False,
+)
+# metrics.json fields that are deterministic for fixed seeds (no paths, no times).
+METRIC_FIELDS = (
+    "algorithm",
+    "recall_at_far",
+    "private",
+    "privacy",
+    "epsilon",
+    "delta",
+    "zcdp_rho",
+    "accounting",
+    "noise_multiplier_source",
+    "rounds",
+    "resumed_from_round",
+    "training_users",
+    "trained_parameters",
+    "frozen_parameters",
+    "client_failures",
+    "config",
+)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return support.write_partition_and_held_out(
+        tmp_path_factory.mktemp("golden_data"), SYNTH, TRAIN_IDENTITIES
+    )
+
+
+def _observed(result, eval_records: str) -> dict:
+    """What the golden record holds of one finished job."""
+    metrics = {name: result.metrics[name] for name in METRIC_FIELDS}
+    metrics["history"] = support.without_round_seconds(result.metrics["history"])
+    path = os.path.join(result.saved_model_dir, "variables", "variables")
+    variables = {}
+    for name, shape in tf.train.list_variables(path):
+        value = tf.train.load_variable(path, name)
+        if not isinstance(value, np.ndarray) or value.dtype.kind != "f":
+            continue
+        value = value.astype(np.float64)
+        variables[name] = {
+            "shape": list(shape),
+            "sum": float(value.sum()),
+            "sum_of_squares": float(np.square(value).sum()),
+        }
+    serve = tf.saved_model.load(result.saved_model_dir).signatures[export.SIGNATURE]
+    files = sorted(tf.io.gfile.glob(os.path.join(eval_records, "*")))
+    encoded = [
+        tf.train.Example.FromString(record.numpy())
+        .features.feature[schema.IMAGE_KEY]
+        .bytes_list.value[0]
+        for record in tf.data.TFRecordDataset(files)
+    ]
+    embeddings = serve(**{export.INPUT_KEY: tf.constant(encoded)})[export.OUTPUT_KEY].numpy()
+    return {
+        "metrics": json.loads(json.dumps(metrics)),
+        "variables": variables,
+        "embeddings": embeddings.astype(np.float64).tolist(),
+    }
+
+
+def _assert_close(observed, expected, where: str = "") -> None:
+    if isinstance(expected, dict):
+        assert isinstance(observed, dict), where
+        assert sorted(observed) == sorted(expected), where
+        for key in expected:
+            _assert_close(observed[key], expected[key], f"{where}/{key}")
+    elif isinstance(expected, list):
+        assert isinstance(observed, list) and len(observed) == len(expected), where
+        for index, (o, e) in enumerate(zip(observed, expected, strict=True)):
+            _assert_close(o, e, f"{where}[{index}]")
+    elif isinstance(expected, float) and not isinstance(observed, bool):
+        assert isinstance(observed, (int, float)), where
+        assert observed == pytest.approx(expected, rel=0, abs=TOLERANCE), where
+    else:
+        assert observed == expected, where
+
+
+def _check_golden(name: str, observed: dict) -> None:
+    path = os.path.join(GOLDEN_DIR, f"{name}.json")
+    if os.environ.get("GOLDEN_UPDATE"):
+        os.makedirs(GOLDEN_DIR, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(observed, f, indent=1, sort_keys=True)
+            f.write("\n")
+    with open(path) as f:
+        expected = json.load(f)
+    _assert_close(observed, expected, name)
+
+
+def test_federated_golden_run(tff_runtime, data, tmp_path):
+    result = train_job.run_train_job(FEDERATED, *data, str(tmp_path / "federated"))
+    _check_golden("dp_fedemb_run", _observed(result, data[1]))
+
+
+def test_centralized_golden_run(data, tmp_path):
+    result = train_job.run_train_job(CENTRALIZED, *data, str(tmp_path / "centralized"))
+    _check_golden("centralized_run", _observed(result, data[1]))
