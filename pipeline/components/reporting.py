@@ -1,4 +1,10 @@
-"""RenderReport: the HTML report of a run, as a typed artifact in ML Metadata."""
+"""RenderReport: the HTML report of a run and its model card, as a typed artifact.
+
+The model card (pipeline/model_card.py: model_card.json in the Model Card Toolkit
+schema's field names, with model_card.md and model_card.html) goes into the report
+artifact for every run, and next to the pushed SavedModel (in the Pusher's versioned
+directory, beside saved_model.pb) when the model was pushed.
+"""
 
 import json
 import os
@@ -29,19 +35,36 @@ def RenderReport(
     report: tfx.dsl.components.OutputArtifact[artifacts.PipelineReport],
     code_fingerprint: tfx.dsl.components.Parameter[str],
 ) -> None:
-    """Renders index.html: outcome, privacy ledger and extrapolation, ROC, recall history."""
+    """Renders index.html (privacy statement, outcome, accounting, utility, training
+    history, data) and the model card."""
     from beam_jobs import dedup, partition
+    from pipeline import model_card
     from pipeline import report as report_lib
 
     del code_fingerprint
     pushed = pushed_model.get_int_custom_property("pushed") == 1
-    page = report_lib.render_report(
+    pushed_to = pushed_model.get_string_custom_property("pushed_destination") if pushed else None
+    inputs = dict(
         evaluation=_read_json(model_evaluation, evaluation.EVALUATION_FILE),
         ledger=_read_json(privacy_ledger, training.LEDGER_FILE),
         training_metrics=_read_json(training_metrics, training.METRICS_FILE),
         schedule=_read_json(schedule_statistics, partition.PARTICIPATION_FILE),
+    )
+    card = model_card.build_model_card(
+        **inputs,
+        pushed_to=pushed_to,
+        version=os.path.basename(pushed_to.rstrip("/")) if pushed_to else None,
+    )
+    model_card.write_model_card(card, report.uri)
+    card_link = model_card.HTML_FILE
+    if pushed_to:
+        model_card.write_model_card(card, pushed_to)
+        card_link = os.path.join(pushed_to, model_card.HTML_FILE)
+    page = report_lib.render_report(
+        **inputs,
         dedup=_read_json(dedup_report, dedup.REPORT_FILE),
-        pushed_to=pushed_model.get_string_custom_property("pushed_destination") if pushed else None,
+        pushed_to=pushed_to,
+        model_card=card_link,
     )
     with tf.io.gfile.GFile(os.path.join(report.uri, REPORT_FILE), "w") as f:
         f.write(page)

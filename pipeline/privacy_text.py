@@ -1,0 +1,180 @@
+"""Plain-language privacy wording and human labels, from a run's privacy ledger.
+
+The report and the model card both open with `privacy_statement`. Every number in it
+comes from the ledger (`tff_algorithms.ledger` format: `spec` is an
+`accounting.AccountingSpec` as a dict, `history` the epsilon after each round), and
+every name from the accounting enums, so the wording cannot drift from what was
+accounted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from tff_algorithms import accounting
+
+_RELATION_CHANGE = {
+    accounting.NeighboringRelation.REPLACE_ONE.value: (
+        "replacing all of any one user's images with another user's"
+    ),
+    accounting.NeighboringRelation.ADD_OR_REMOVE_ONE.value: (
+        "adding or removing all of any one user's images"
+    ),
+    accounting.NeighboringRelation.REPLACE_SPECIAL.value: (
+        "adding or removing all of any one user's images"
+    ),
+}
+RELATION_LABELS = {
+    accounting.NeighboringRelation.REPLACE_ONE.value: "substitute one user (replace_one)",
+    accounting.NeighboringRelation.ADD_OR_REMOVE_ONE.value: "add or remove one user",
+    accounting.NeighboringRelation.REPLACE_SPECIAL.value: (
+        "add or remove one user, with a special element (replace_special)"
+    ),
+}
+ACCOUNTANT_LABELS = {
+    accounting.Accountant.RDP.value: "RDP (Rényi differential privacy, dp_accounting)",
+    accounting.Accountant.PLD.value: "PLD (privacy loss distributions, dp_accounting)",
+}
+MECHANISM_LABELS = {
+    accounting.Mechanism.DPSGD.value: "Gaussian noise added independently every round",
+    accounting.Mechanism.DPFTRL.value: "tree-aggregated Gaussian noise (DP-FTRL)",
+}
+SAMPLING_LABELS = {
+    accounting.Sampling.UNIFORM.value: "a fixed number of users drawn without replacement each round",
+    accounting.Sampling.POISSON.value: "each user independently with probability M / N",
+    accounting.Sampling.EPOCH.value: "each user at most once per epoch",
+}
+CONVENTION_LABELS = {
+    accounting.Convention.STRICT.value: "strict",
+    accounting.Convention.PAPER.value: "paper (comparison only: understates epsilon)",
+}
+
+
+def final_epsilon(ledger: Mapping[str, Any]) -> float:
+    """Epsilon after the last recorded round; inf when trained without noise."""
+    history = ledger.get("history") or []
+    if not history:
+        return 0.0
+    value = history[-1]["epsilon"]
+    return math.inf if value is None else float(value)
+
+
+def sensitivity_in_clips(spec: Mapping[str, Any]) -> float:
+    return accounting.AccountingSpec.from_dict(dict(spec)).sensitivity_in_clips
+
+
+def convention_text(spec: Mapping[str, Any]) -> str:
+    label = CONVENTION_LABELS.get(spec["convention"], spec["convention"])
+    return f"{label} (L2 sensitivity {sensitivity_in_clips(spec):g} × clip norm)"
+
+
+def format_epsilon(epsilon: float) -> str:
+    return "∞" if math.isinf(epsilon) else f"{epsilon:.2f}"
+
+
+def privacy_statement(ledger: Mapping[str, Any]) -> str:
+    """One paragraph saying what the trained model's (epsilon, delta) guarantee means."""
+    spec = ledger["spec"]
+    epsilon, delta = final_epsilon(ledger), float(spec["delta"])
+    relation = spec["neighboring_relation"]
+    details = (
+        f"Unit: user (all of one user's images together). Neighbouring relation: "
+        f"{RELATION_LABELS.get(relation, relation)}. Accountant: "
+        f"{ACCOUNTANT_LABELS.get(spec['accountant'], spec['accountant'])}. Convention: "
+        f"{convention_text(spec)}."
+    )
+    if math.isinf(epsilon):
+        return (
+            "This model was trained without privacy noise: it carries no differential "
+            "privacy guarantee for the users whose images trained it. " + details
+        )
+    factor = math.exp(epsilon)
+    factor_text = f"{factor:.3g}" if factor < 10 or factor >= 1e6 else f"{factor:,.0f}"
+    return (
+        f"User-level differential privacy with ε = {format_epsilon(epsilon)} and "
+        f"δ = {delta:g}: {_RELATION_CHANGE.get(relation, 'changing any one user')} changed "
+        f"the chance of any output of training (this model, and anything computed from it "
+        f"alone) by at most a factor e^ε = e^{format_epsilon(epsilon)} ≈ {factor_text}, "
+        f"except with probability at most δ = {delta:g}. This covers the "
+        f"{spec['population']:,} training users over all {spec['rounds']:,} rounds; it "
+        f"does not cover the public pretraining data or the held-out evaluation users. " + details
+    )
+
+
+def accounting_rows(ledger: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The accounting spec as (human label, value with unit) rows."""
+    spec = ledger["spec"]
+    k = int(spec.get("users_per_virtual_client", 1))
+    users_per_round = int(spec["users_per_round"])
+    rows = [
+        ("ε after the last round", format_epsilon(final_epsilon(ledger))),
+        ("δ", f"{float(spec['delta']):g}"),
+        ("training users (population N)", f"{int(spec['population']):,} users"),
+        (
+            "users per round (M)",
+            f"{users_per_round:,} users"
+            + (f" ({users_per_round // k:,} virtual clients of {k} users)" if k > 1 else ""),
+        ),
+        ("rounds (T)", f"{int(spec['rounds']):,} rounds"),
+        ("noise multiplier z", f"{float(spec['noise_multiplier']):.4g} (noise std / clip norm)"),
+        (
+            "noise multiplier given to the accountant",
+            f"{float(spec['noise_multiplier']) / sensitivity_in_clips(spec):.4g} "
+            "(z / sensitivity in clips)",
+        ),
+        ("mechanism", MECHANISM_LABELS.get(spec["mechanism"], spec["mechanism"])),
+        ("sampling", SAMPLING_LABELS.get(spec.get("sampling") or "", str(spec.get("sampling")))),
+        (
+            "neighbouring relation",
+            RELATION_LABELS.get(spec["neighboring_relation"], spec["neighboring_relation"]),
+        ),
+        ("accountant", ACCOUNTANT_LABELS.get(spec["accountant"], spec["accountant"])),
+        ("convention", convention_text(spec)),
+    ]
+    if spec["mechanism"] == accounting.Mechanism.DPFTRL.value:
+        rows.append(("tree restarted every epoch", "yes" if spec["restart_every_epoch"] else "no"))
+        if spec.get("min_separation") is not None:
+            rows.append(
+                ("minimum separation", f"{int(spec['min_separation'])} rounds between uses")
+            )
+    return rows
+
+
+# participation.json (beam_jobs.partition) keys -> (label, unit).
+SCHEDULE_LABELS = {
+    "users": ("training users", "users"),
+    "sampling_units": ("sampling units (users or user groups drawn)", "units"),
+    "units_per_round": ("sampling units per round", "units"),
+    "users_per_round": ("users per round", "users"),
+    "users_per_virtual_client": ("users per virtual client", "users"),
+    "virtual_clients_per_round": ("virtual clients per round", "virtual clients"),
+    "rounds": ("rounds", "rounds"),
+    "rounds_per_epoch": ("rounds per epoch (every user once)", "rounds"),
+    "max_participations": ("most rounds one user can take part in", "rounds"),
+    "min_separation": ("fewest rounds between two participations of one user", "rounds"),
+    "unscheduled_users": ("users never scheduled", "users"),
+    "mode": ("schedule", ""),
+}
+
+
+def schedule_rows(schedule: Mapping[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    ordered = [key for key in SCHEDULE_LABELS if key in schedule]
+    ordered += sorted(key for key in schedule if key not in SCHEDULE_LABELS)
+    for key in ordered:
+        label, unit = SCHEDULE_LABELS.get(key, (key.replace("_", " "), ""))
+        value = schedule[key]
+        if isinstance(value, int) and not isinstance(value, bool):
+            text = f"{value:,}" + (f" {unit}" if unit else "")
+        else:
+            text = str(value)
+            if key == "mode":
+                text = {
+                    "sampled": "users sampled at random each round",
+                    "epoch": "each user once per epoch",
+                    "fixed": "fixed virtual clients (whole groups of k users)",
+                }.get(text, text)
+        rows.append((label, text))
+    return rows
