@@ -5,16 +5,26 @@ Each subcommand lives in `pipeline.commands.<module>` and provides
 into a fresh `absl.flags.FlagValues` per invocation, so subcommands may reuse
 flag names and can be called in-process by tests.
 
+A subcommand may also provide `check(flag_values, args)`: the checks of its flags,
+config and paths that need no TensorFlow, TFF, Beam or TFX (`pipeline.commands.checks`),
+run before `run` imports anything heavy, so a refusal comes within about a second
+(issue 29), and `help_defaults()`: flag name -> its effective default, appended to the
+flag's `--help` line where the flag's own default is None (e.g. `train`'s recipe values).
+
 Input errors (`ValueError`, `FileNotFoundError`, bad flags) end with one line on
-stderr and a non-zero exit; anything else is a bug and keeps its traceback.
+stderr and a non-zero exit; anything else is a bug and keeps its traceback. An unknown
+command, flag or enum value names the closest valid one.
 """
 
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 
 from absl import flags
+
+from pipeline.commands import checks
 
 # Subcommand name -> module implementing it.
 COMMANDS: dict[str, str] = {
@@ -36,6 +46,34 @@ def _usage() -> str:
     return f"usage: dp-fedemb {{{names}}} [--flags]   (dp-fedemb COMMAND --help for its flags)"
 
 
+def _one_line(text: str) -> str:
+    return "; ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+def _flag_error(flag_values: flags.FlagValues, error: flags.Error) -> str:
+    """absl's message of a bad flag, on one line, naming the closest valid flag or value."""
+    if isinstance(error, flags.UnrecognizedFlagError):
+        name = error.flagname
+        hint = checks.did_you_mean(name, list(flag_values), "--")
+        return f"unknown flag --{checks.shown(name)}{hint} (see --help)"
+    message = _one_line(str(error))
+    match = re.match(r"flag --([\w-]+)=(.*): value should be one of <", message)
+    if match and match.group(1) in flag_values:
+        parser = flag_values[match.group(1)].parser
+        choices = getattr(parser, "enum_values", None) or []
+        message = checks.shown(message) + checks.did_you_mean(match.group(2), choices)
+    return checks.shown(message)
+
+
+def _print_help(name: str, command, flag_values: flags.FlagValues) -> None:
+    defaults = getattr(command, "help_defaults", dict)()
+    for flag_name, text in defaults.items():
+        if flag_name in flag_values and flag_values[flag_name].default is None:
+            flag_values[flag_name].help += f" (effective default: {text})"
+    print(f"dp-fedemb {name}: {(command.__doc__ or '').strip().splitlines()[0]}")
+    print(flag_values.get_help())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
@@ -43,7 +81,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if len(argv) >= 2 else EXIT_USAGE
     name = argv[1]
     if name not in COMMANDS:
-        print(f"dp-fedemb: error: unknown command {name!r}; {_usage()}", file=sys.stderr)
+        hint = checks.did_you_mean(name, COMMANDS)
+        print(
+            f"dp-fedemb: error: unknown command {checks.shown(repr(name))}{hint} {_usage()}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     # TensorFlow's C++ INFO lines (one per graph optimisation) drown the progress
     # output; set before TF is imported, and only when the user has not chosen.
@@ -52,22 +94,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     flag_values = flags.FlagValues()
     command.define_flags(flag_values)
     if any(a in ("-h", "--help", "--helpfull") for a in argv[2:]):
-        print(f"dp-fedemb {name}: {(command.__doc__ or '').strip().splitlines()[0]}")
-        print(flag_values.get_help())
+        _print_help(name, command, flag_values)
         return 0
     try:
         rest = flag_values([f"dp-fedemb {name}", *argv[2:]])
         flag_values.validate_all_flags()
     except flags.Error as e:
         # absl reports several bad flags on several lines; keep to one error line.
-        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        print(f"dp-fedemb {name}: error: {message}", file=sys.stderr)
+        print(f"dp-fedemb {name}: error: {_flag_error(flag_values, e)}", file=sys.stderr)
         return EXIT_USAGE
     try:
+        if hasattr(command, "check"):
+            command.check(flag_values, rest[1:])
         return int(command.run(flag_values, rest[1:]) or 0)
-    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"dp-fedemb {name}: error: {message}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        message = _one_line(str(e)) if str(e) else type(e).__name__
+        print(f"dp-fedemb {name}: error: {checks.shown(message)}", file=sys.stderr)
         return EXIT_INPUT_ERROR
 
 

@@ -16,6 +16,7 @@ itself a value (`data.synthetic_public: null` renders no public data).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -305,8 +306,8 @@ def _build_section(section_type: type, values: Mapping[str, Any], prefix: str) -
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ValueError(
-            f"unknown config key {where}{_shown(unknown[0])} (known in {prefix or 'the top level'}: "
-            f"{', '.join(names)})"
+            f"unknown config key {where}{_shown(unknown[0])} ({_closest(unknown[0], names)}"
+            f"known in {prefix or 'the top level'}: {', '.join(names)})"
         )
     fields = {f.name: f for f in dataclasses.fields(section_type)}
     # null restores the library default, except where None is itself a value of the key.
@@ -347,6 +348,12 @@ def _overlay_default(field: dataclasses.Field, value: Any) -> Any:
     return recipes.overlay(default, value)
 
 
+def _closest(name: str, known: Sequence[str]) -> str:
+    """'did you mean X; ' for the known key closest to `name`, or ''."""
+    match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
+    return f"did you mean {match[0]}? " if match else ""
+
+
 def _shown(text: str) -> str:
     """`text` for an error message: escaped when it holds line breaks or control
     characters, so every error stays one line."""
@@ -369,7 +376,8 @@ def _train_job_config(values: Mapping[str, Any], key: str) -> Any:
     unknown = sorted(set(values) - set(names))
     if unknown:
         raise ValueError(
-            f"unknown config key {key}.{_shown(unknown[0])} (known: {', '.join(names)})"
+            f"unknown config key {key}.{_shown(unknown[0])} "
+            f"({_closest(unknown[0], names)}known: {', '.join(names)})"
         )
     try:
         return train_job.TrainJobConfig.from_dict(recipes.job_fields(values))
@@ -429,25 +437,48 @@ def config_from_dict(values: Mapping[str, Any]) -> PipelineConfig:
     return config
 
 
-def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> PipelineConfig:
-    """The validated config from an optional file and `section.key=value` overrides."""
+def _values(path: str | None, overrides: Sequence[str]) -> dict[str, Any]:
     values = read_config_file(path) if path else {}
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(values, key, value)
-    return config_from_dict(values)
+    return values
 
 
-def validate(config: PipelineConfig) -> None:
-    """Checks values by building the library objects they configure; one-line errors."""
-    from beam_jobs import dedup, splits, synthetic
+def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> PipelineConfig:
+    """The validated config from an optional file and `section.key=value` overrides."""
+    return config_from_dict(_values(path, overrides))
 
-    def check(what: str, build) -> None:
-        try:
-            build()
-        except ValueError as e:
-            raise ValueError(f"config {what}: {str(e).splitlines()[0]}") from None
 
+def check_config(path: str | None = None, overrides: Sequence[str] = ()) -> PipelineConfig:
+    """The config's keys, types and the value checks that need no TensorFlow, TFF or
+    Beam (about a second): what commands run before their heavy imports. `load_config`
+    still validates everything."""
+    config = _build_section(PipelineConfig, _values(path, overrides), "")
+    validate_light(config)
+    return config
+
+
+def _check_train_light(values: Mapping[str, Any], key: str) -> None:
+    """Unknown keys and non-finite numbers of a TrainJobConfig mapping, without TF."""
+    _check_keys(values, key)
+    from pipeline.commands import source_values
+
+    known = source_values.train_job_defaults()
+    if known:
+        unknown = sorted(set(values) - set(known) - {"trainable_layers"})
+        if unknown:
+            raise ValueError(
+                f"unknown config key {key}.{_shown(unknown[0])} "
+                f"({_closest(unknown[0], list(known))}known: {', '.join(known)})"
+            )
+    for name, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"config {key}.{name} must be finite, got {value!r}")
+
+
+def validate_light(config: PipelineConfig) -> None:
+    """The checks of `validate` that need no library import (TF-free, fast)."""
     if not config.pipeline.name.replace("-", "").replace("_", "").isalnum():
         raise ValueError(
             f"config pipeline.name must be letters, digits, - or _, got {config.pipeline.name!r}"
@@ -466,14 +497,6 @@ def validate(config: PipelineConfig) -> None:
         raise ValueError(
             f"config data.max_image_pixels must be >= 1, got {config.data.max_image_pixels}"
         )
-    for key in ("synthetic", "synthetic_public"):
-        section = getattr(config.data, key)
-        if section is not None:
-            check(
-                f"data.{key}", lambda s=section: synthetic.SyntheticConfig(**dataclasses.asdict(s))
-            )
-    check("split", lambda: splits.SplitConfig(**config.split_config_dict()))
-    check("dedup", lambda: dedup.DedupConfig(**dataclasses.asdict(config.dedup)))
     if config.partition.num_shards < 1:
         raise ValueError(
             f"config partition.num_shards must be >= 1, got {config.partition.num_shards}"
@@ -483,14 +506,10 @@ def validate(config: PipelineConfig) -> None:
     if algorithm not in ALGORITHMS:
         raise ValueError(
             f"config train.algorithm must be one of {', '.join(ALGORITHMS)} (private training), "
-            f"got {algorithm!r}"
+            f"got {_shown(repr(algorithm))}"
         )
-    config.train_job_dict()
-    from beam_jobs import records_io
-    from tff_algorithms import runtime
-
-    check("pipeline.beam_args", lambda: records_io.pipeline_options(config.pipeline.beam_args))
-    check("runtime", lambda: runtime.RuntimeConfig(**dataclasses.asdict(config.runtime)))
+    _check_train_light(config.train, "train")
+    _check_train_light(config.pretrain.job, "pretrain.job")
     pretrain = config.pretrain
     if pretrain.source not in PRETRAIN_SOURCES:
         raise ValueError(
@@ -500,25 +519,17 @@ def validate(config: PipelineConfig) -> None:
         raise ValueError(
             f"config pretrain.backbone_dir {pretrain.backbone_dir!r} is not a directory (pretrain.source is import)"
         )
-    if pretrain.source == "public":
-        if config.split.public_fraction <= 0 and not config.has_public_inputs:
-            raise ValueError(
-                "config pretrain.source is public but there is no public data: give "
-                "data.public_inputs or split.public_fraction > 0"
-            )
-        config.pretrain_job_dict()
+    if pretrain.source == "public" and (
+        config.split.public_fraction <= 0 and not config.has_public_inputs
+    ):
+        raise ValueError(
+            "config pretrain.source is public but there is no public data: give "
+            "data.public_inputs or split.public_fraction > 0"
+        )
     evaluate = config.evaluate
     if not evaluate.privacy_budget_epsilon > 0:
         raise ValueError(
             f"config evaluate.privacy_budget_epsilon must be > 0, got {evaluate.privacy_budget_epsilon}"
-        )
-    from tff_algorithms import budget, metrics
-
-    check("budget", lambda: budget.BudgetPolicy(**config.budget_policy_dict()))
-    if evaluate.gate_far not in metrics.DEFAULT_FARS:
-        raise ValueError(
-            f"config evaluate.gate_far must be one of {list(metrics.DEFAULT_FARS)}, "
-            f"got {evaluate.gate_far}"
         )
     if not 0 <= evaluate.max_recall_regression <= 1:
         raise ValueError(
@@ -530,3 +541,40 @@ def validate(config: PipelineConfig) -> None:
         )
     if not 0 < evaluate.confidence < 1:
         raise ValueError(f"config evaluate.confidence must be in (0, 1), got {evaluate.confidence}")
+
+
+def validate(config: PipelineConfig) -> None:
+    """Checks values by building the library objects they configure; one-line errors."""
+    validate_light(config)
+    from beam_jobs import dedup, splits, synthetic
+
+    def check(what: str, build) -> None:
+        try:
+            build()
+        except ValueError as e:
+            raise ValueError(f"config {what}: {str(e).splitlines()[0]}") from None
+
+    for key in ("synthetic", "synthetic_public"):
+        section = getattr(config.data, key)
+        if section is not None:
+            check(
+                f"data.{key}", lambda s=section: synthetic.SyntheticConfig(**dataclasses.asdict(s))
+            )
+    check("split", lambda: splits.SplitConfig(**config.split_config_dict()))
+    check("dedup", lambda: dedup.DedupConfig(**dataclasses.asdict(config.dedup)))
+    config.train_job_dict()
+    from beam_jobs import records_io
+    from tff_algorithms import runtime
+
+    check("pipeline.beam_args", lambda: records_io.pipeline_options(config.pipeline.beam_args))
+    check("runtime", lambda: runtime.RuntimeConfig(**dataclasses.asdict(config.runtime)))
+    if config.pretrain.source == "public":
+        config.pretrain_job_dict()
+    from tff_algorithms import budget, metrics
+
+    check("budget", lambda: budget.BudgetPolicy(**config.budget_policy_dict()))
+    if config.evaluate.gate_far not in metrics.DEFAULT_FARS:
+        raise ValueError(
+            f"config evaluate.gate_far must be one of {list(metrics.DEFAULT_FARS)}, "
+            f"got {config.evaluate.gate_far}"
+        )

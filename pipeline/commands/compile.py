@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 from absl import flags
 
+from pipeline.commands import checks
+
 TARGETS = ("kubeflow", "airflow")
 
 
@@ -38,6 +40,27 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     )
 
 
+def _overrides(flag_values: flags.FlagValues) -> list[str]:
+    overrides = list(flag_values["set"].value)
+    if flag_values["image"].value is not None:
+        overrides.append(f"pipeline.image={flag_values['image'].value}")
+    return overrides
+
+
+def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
+    """Flags, config and the output file, before TFX is imported (issue 29)."""
+    checks.no_arguments(args)
+    checks.required(flag_values, "target", "out")
+    if flag_values["config"].value is not None:
+        checks.input_path("config", flag_values["config"].value, "file")
+    if flag_values["image"].value is not None and not flag_values["image"].value.strip():
+        raise ValueError("--image must name a container image")
+    from pipeline import config as config_lib
+
+    config_lib.check_config(flag_values["config"].value, _overrides(flag_values))
+    checks.output_file("out", flag_values["out"].value)
+
+
 def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     if args:
         raise ValueError(f"unexpected arguments: {' '.join(args)}")
@@ -47,10 +70,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     from pipeline import compile_targets, definition
     from pipeline import config as config_lib
 
-    overrides = list(flag_values["set"].value)
-    if flag_values["image"].value:
-        overrides.append(f"pipeline.image={flag_values['image'].value}")
-    config = config_lib.load_config(flag_values["config"].value, overrides)
+    config = config_lib.load_config(flag_values["config"].value, _overrides(flag_values))
     root = flag_values["pipeline-root"].value or definition.pipeline_root(config)
     if flag_values["target"].value == "kubeflow":
         written = compile_targets.compile_kubeflow(config, flag_values["out"].value, root)

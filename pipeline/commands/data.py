@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 from absl import flags
 
+from pipeline.commands import checks
+
 VERBS = ("synth", "ingest", "split", "dedup", "partition")
 
 
@@ -108,6 +110,60 @@ def _single_input(flag_values: flags.FlagValues) -> str:
     if len(flag_values["input"].value) != 1:
         raise ValueError("exactly one --input is expected")
     return flag_values["input"].value[0]
+
+
+_POSITIVE = (
+    "identities",
+    "images-per-identity",
+    "image-size",
+    "identities-per-user",
+    "num-shards",
+    "users-per-virtual-client",
+    "virtual-clients-per-round",
+    "rounds",
+)
+# Inputs each verb reads (flag -> kind); ingest takes patterns and several inputs.
+_INPUTS = {"ingest": "any", "split": "dir", "dedup": "dir", "partition": "dir"}
+
+
+def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
+    """The verb, flags and paths, before Beam or TensorFlow is imported (issue 29)."""
+    if len(args) != 1 or args[0] not in VERBS:
+        got = checks.shown(" ".join(args)) or "nothing"
+        hint = checks.did_you_mean(args[0], VERBS) if len(args) == 1 else ""
+        raise ValueError(f"usage: dp-fedemb data {{{'|'.join(VERBS)}}} --flags (got {got}){hint}")
+    verb = args[0]
+    value = {name: flag_values[name].value for name in flag_values}
+    checks.required(flag_values, "out")
+    for name in _POSITIVE:
+        checks.number(name, value[name], 1)
+    if value["channels"] not in (1, 3):
+        raise ValueError(f"--channels must be 1 or 3, got {value['channels']}")
+    checks.number("image-size", value["image-size"], 1, 4096)
+    checks.number("seed", value["seed"], 0)
+    for name in ("max-bad-fraction", "validation-fraction", "test-fraction", "public-fraction"):
+        checks.number(name, value[name], 0, 1)
+    for name in ("max-removed-fraction",):
+        checks.number(name, value[name], 0, 1)
+    checks.number("hamming-threshold", value["hamming-threshold"], 0, 63)
+    checks.number("max-shift", value["max-shift"], 0, 31)
+    try:
+        import shlex
+
+        shlex.split(value["beam-args"])
+    except ValueError as e:
+        raise ValueError(f"--beam-args cannot be split as shell words: {e}") from None
+    if not value["runner"]:
+        raise ValueError("--runner must name a Beam runner (e.g. DirectRunner)")
+    if verb in _INPUTS:
+        checks.required(flag_values, "input")
+        if verb != "ingest" and len(value["input"]) != 1:
+            raise ValueError("exactly one --input is expected")
+        for path in value["input"]:
+            checks.input_path("input", path, _INPUTS[verb])
+    if verb == "split" and value["public-input"] is not None:
+        checks.input_path("public-input", value["public-input"])
+    checks.output_dir("out", value["out"])
 
 
 def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 from absl import flags
 
+from pipeline.commands import checks
+
 
 def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_string("model", None, "serving SavedModel directory", flag_values=flag_values)
@@ -23,9 +25,23 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "compare", None, "another serving SavedModel to compare with", flag_values=flag_values
     )
     flags.DEFINE_integer(
-        "bootstrap-resamples", 1000, "identity resamples of the intervals", flag_values=flag_values
+        "bootstrap-resamples",
+        1000,
+        "identity resamples of the intervals, 1 to 1e6",
+        flag_values=flag_values,
     )
     flags.DEFINE_boolean("json", False, "print one JSON object", flag_values=flag_values)
+
+
+def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
+    """Flags and paths, before TensorFlow is imported (issue 29)."""
+    checks.no_arguments(args)
+    checks.required(flag_values, "model", "data")
+    checks.number("bootstrap-resamples", flag_values["bootstrap-resamples"].value, 1, 10**6)
+    checks.input_path("model", flag_values["model"].value, "dir")
+    checks.input_path("data", flag_values["data"].value)
+    if flag_values["compare"].value is not None:
+        checks.input_path("compare", flag_values["compare"].value, "dir")
 
 
 def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
@@ -37,14 +53,14 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     resamples = flag_values["bootstrap-resamples"].value
     if resamples < 1:
         raise ValueError(f"--bootstrap-resamples must be >= 1, got {resamples}")
-    from tff_algorithms import runtime, train_job
+    from tff_algorithms import evaluation, runtime
 
     # Evaluation needs no TFF; drop TFF's import-time context before it can fail at exit.
     runtime.release_import_time_context()
     models = {"model": flag_values["model"].value}
     if flag_values["compare"].value:
         models["compare"] = flag_values["compare"].value
-    result = train_job.compare_saved_models(models, flag_values["data"].value, resamples)["model"]
+    result = evaluation.compare_saved_models(models, flag_values["data"].value, resamples)["model"]
     if flag_values["json"].value:
         print(json.dumps(result, sort_keys=True))
         return 0

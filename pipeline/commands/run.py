@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from absl import flags
 
+from pipeline.commands import checks
+
 
 def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_string(
@@ -42,16 +44,36 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     )
 
 
+def _overrides(flag_values: flags.FlagValues) -> list[str]:
+    overrides = list(flag_values["set"].value)
+    if flag_values["output"].value is not None:
+        overrides.append(f"pipeline.output_dir={flag_values['output'].value}")
+    return overrides
+
+
+def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
+    """The config file, --set overrides (keys, types, the checks that need no library)
+    and the output directory, before TensorFlow, Beam or TFX is imported (issue 29)."""
+    checks.no_arguments(args)
+    from pipeline import config as config_lib
+
+    if flag_values["config"].value is not None:
+        checks.input_path("config", flag_values["config"].value, "file")
+    if flag_values["output"].value is not None and not flag_values["output"].value:
+        raise ValueError("--output must not be empty")
+    config = config_lib.check_config(flag_values["config"].value, _overrides(flag_values))
+    checks.output_dir(
+        "output", config.pipeline.output_dir, create=not flag_values["print-config"].value
+    )
+
+
 def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     if args:
         raise ValueError(f"unexpected arguments: {' '.join(args)}")
     from pipeline import config as config_lib
 
-    overrides = list(flag_values["set"].value)
-    if flag_values["output"].value:
-        overrides.append(f"pipeline.output_dir={flag_values['output'].value}")
     try:
-        config = config_lib.load_config(flag_values["config"].value, overrides)
+        config = config_lib.load_config(flag_values["config"].value, _overrides(flag_values))
         if flag_values["print-config"].value:
             import yaml
 

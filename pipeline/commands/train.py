@@ -23,7 +23,14 @@ from typing import Any
 
 from absl import flags
 
+from pipeline.commands import checks, source_values
 from tff_algorithms import recipes
+
+_BOUNDS = source_values.accounting_bounds()
+MAX_ROUNDS = _BOUNDS["MAX_ROUNDS"] or 10**9
+MAX_NOISE_MULTIPLIER = _BOUNDS["MAX_NOISE_MULTIPLIER"] or 1e6
+MIN_DELTA = _BOUNDS["MIN_DELTA"] or 1e-100
+MAX_TARGET_EPSILON = _BOUNDS["MAX_TARGET_EPSILON"] or 100.0
 
 # Flag name -> TrainJobConfig field, for the hyperparameters passed straight through.
 _CONFIG_FLAGS = {
@@ -83,14 +90,18 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         flag_values=flag_values,
     )
     define("string", "algorithm", "dp-fedemb | dp-fedavg | dp-ftrl-fedemb | centralized")
-    define("integer", "rounds", "training rounds (epochs for centralized)")
-    define("float", "noise-multiplier", "noise std / clip norm of a virtual client's update")
+    define("integer", "rounds", f"training rounds (epochs for centralized), 1 to {MAX_ROUNDS:.0e}")
+    define(
+        "float",
+        "noise-multiplier",
+        f"noise std / clip norm of a virtual client's update, 0 to {MAX_NOISE_MULTIPLIER:g}",
+    )
     define(
         "float",
         "target-epsilon",
         "instead of --noise-multiplier: calibrate it when training starts, from the real "
         "number of training users, to the smallest one whose schedule costs at most this "
-        "epsilon (strict accounting) at the job's delta",
+        f"epsilon (strict accounting) at the job's delta; in (0, {MAX_TARGET_EPSILON:g}]",
     )
     define("float", "clip-norm", "L2 clip of each virtual client's backbone update")
     define("integer", "users-per-virtual-client", "users grouped into one virtual client (k)")
@@ -121,7 +132,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("integer", "embedding-size", "embedding size")
     define("integer", "image-size", "backbone input side in pixels")
     define("integer", "channels", "backbone input channels (1 or 3)")
-    define("float", "delta", "target delta (default: training users ^ -1.1)")
+    define("float", "delta", f"target delta in [{MIN_DELTA:g}, 1) (default: training users ^ -1.1)")
     define("integer", "evaluate-every", "evaluate on validation identities every N rounds")
     define("integer", "seed", "initialisation seed: backbone, local heads (public)")
     define(
@@ -326,6 +337,142 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         dataset_budget=result.metrics["dataset_budget"],
     )
     return summary
+
+
+# What a None (unset) TrainJobConfig field means, for --help.
+_UNSET_MEANS = {
+    "noise_multiplier": "unset: --target-epsilon calibrates it, or with neither {z}",
+    "target_epsilon": "unset",
+    "head_lr_scale": "100, dp-fedavg 1",
+    "head_capacity": "users per virtual client",
+    "delta": "training users ^ -1.1",
+    "schedule_seed": "drawn from OS entropy",
+    "noise_seed": "drawn from OS entropy",
+    "max_epsilon": "no budget",
+}
+
+
+def _default_text(field: str, value: Any) -> str:
+    if value is None:
+        z = source_values.train_job_constant("DEFAULT_NOISE_MULTIPLIER")
+        return _UNSET_MEANS.get(field, "unset").format(z=z if z is not None else "the paper's")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def help_defaults() -> dict[str, str]:
+    """Flag -> its effective default under each recipe: the recipe's value, else
+    TrainJobConfig's (read from its source, so --help needs no TensorFlow)."""
+    library = source_values.train_job_defaults()
+    shown = {}
+    for flag, field in _CONFIG_FLAGS.items():
+        per_recipe = {}
+        for name in recipes.RECIPES:
+            values = recipes.recipe(name)
+            if field in values:
+                per_recipe[name] = _default_text(field, values[field])
+            elif field in library:
+                per_recipe[name] = _default_text(field, library[field])
+        if not per_recipe:
+            continue
+        texts = set(per_recipe.values())
+        if len(texts) == 1 and len(per_recipe) == len(recipes.RECIPES):
+            shown[flag] = texts.pop()
+        else:
+            shown[flag] = ", ".join(
+                f"{text} with --recipe={name}" for name, text in per_recipe.items()
+            )
+    return shown
+
+
+# Flags whose value must be one of a module's choices (module, constant; None: the
+# module defining TrainJobConfig).
+_CHOICES = {
+    "algorithm": (None, "ALGORITHMS"),
+    "head-init": ("client_work", "HEAD_INITS"),
+    "head-loss": ("client_work", "HEAD_LOSSES"),
+    "architecture": ("models", "ARCHITECTURES"),
+}
+_POSITIVE_INTS = (
+    "rounds",
+    "users-per-virtual-client",
+    "local-epochs",
+    "batch-size",
+    "max-examples-per-client",
+    "head-capacity",
+    "embedding-size",
+    "image-size",
+    "num-shards",
+    "local-workers",
+)
+
+
+def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
+    """Flags, paths and combinations, before TensorFlow is imported (issue 29)."""
+    checks.no_arguments(args)
+    value = {name: flag_values[name].value for name in flag_values}
+    checks.required(flag_values, "data", "output")
+    if value["override-budget"] and value["budget-ledger"] is None:
+        raise ValueError("--override-budget needs --budget-ledger (and --dataset-budget-epsilon)")
+    if (value["budget-ledger"] is None) != (value["dataset-budget-epsilon"] is None):
+        raise ValueError("--budget-ledger and --dataset-budget-epsilon go together; give both")
+    if value["noise-multiplier"] is not None and value["target-epsilon"] is not None:
+        raise ValueError("give at most one of --noise-multiplier and --target-epsilon")
+    for name, (module, constant) in _CHOICES.items():
+        choices = (
+            source_values.train_job_constant(constant)
+            if module is None
+            else source_values.module_value(module, constant)
+        )
+        if value[name] is not None and choices and value[name] not in choices:
+            raise ValueError(
+                f"--{name} must be one of {', '.join(choices)}, got "
+                f"{checks.shown(repr(value[name]))}{checks.did_you_mean(value[name], choices)}"
+            )
+    planned = value["virtual-clients-per-round"]
+    if planned is not None and planned != "auto":
+        try:
+            count = int(planned)
+        except ValueError:
+            hint = checks.did_you_mean(planned, ["auto"])
+            raise ValueError(
+                f"--virtual-clients-per-round must be a count or auto, got "
+                f"{checks.shown(repr(planned))}{hint}"
+            ) from None
+        checks.number("virtual-clients-per-round", count, 1)
+    for name in _POSITIVE_INTS:
+        checks.number(name, value[name], 1)
+    checks.number("rounds", value["rounds"], 1, MAX_ROUNDS)
+    if value["channels"] not in (None, 1, 3):
+        raise ValueError(f"--channels must be 1 or 3, got {value['channels']}")
+    for name in ("seed", "split-seed", "evaluate-every", "schedule-seed", "noise-seed"):
+        checks.number(name, value[name], 0)
+    checks.number("noise-multiplier", value["noise-multiplier"], 0, MAX_NOISE_MULTIPLIER)
+    checks.number("target-epsilon", value["target-epsilon"], 0, MAX_TARGET_EPSILON, low_open=True)
+    checks.number("delta", value["delta"], MIN_DELTA, 1, high_open=True)
+    for name in ("clip-norm", "client-lr", "server-lr", "head-lr-scale", "class-means-norm"):
+        checks.number(name, value[name], 0, low_open=True)
+    for name in ("max-epsilon", "dataset-budget-epsilon", "head-loss-scale"):
+        checks.number(name, value[name], 0, low_open=True)
+    for name in ("client-momentum", "server-momentum"):
+        checks.number(name, value[name], 0, 1, high_open=True)
+    checks.number("head-loss-margin", value["head-loss-margin"], 0)
+    for name in ("validation-fraction", "test-fraction"):
+        checks.number(name, value[name], 0, 1, high_open=True)
+    try:
+        shlex.split(value["beam-args"])
+    except ValueError as e:
+        raise ValueError(f"--beam-args cannot be split as shell words: {e}") from None
+    checks.input_path("data", value["data"], "dir")
+    checks.output_dir("output", value["output"])
+    if value["budget-ledger"] is not None:
+        checks.output_file("budget-ledger", value["budget-ledger"])
+    if value["pretrained"] is not None:
+        checks.input_path("pretrained", value["pretrained"])
+    for name in ("worker-ca", "worker-cert", "worker-key"):
+        if value[name] is not None:
+            checks.input_path(name, value[name], "file")
 
 
 def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
