@@ -175,9 +175,21 @@ def number(
         raise ValueError(f"--{flag} must be a finite number, got {value}")
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and (value >= high if high_open else value > high)
-    if too_low or too_high:
-        left = "(" if low_open else "["
-        right = ")" if high_open else "]"
-        low_text = "-inf" if low is None else f"{low:g}"
-        high_text = "inf" if high is None else f"{high:g}"
-        raise ValueError(f"--{flag} must be in {left}{low_text}, {high_text}{right}, got {value:g}")
+    if not (too_low or too_high):
+        return
+    if high is None:
+        bound = f"{'>' if low_open else '>='} {_number_text(low)}"
+    elif low is None:
+        bound = f"{'<' if high_open else '<='} {_number_text(high)}"
+    else:
+        left, right = "(" if low_open else "[", ")" if high_open else "]"
+        bound = f"in {left}{_number_text(low)}, {_number_text(high)}{right}"
+    raise ValueError(f"--{flag} must be {bound}, got {_number_text(value)}")
+
+
+def _number_text(value: float | int) -> str:
+    """A number for a message, without float conversion of huge integers."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        text = str(value)
+        return text if len(text) <= 24 else f"{text[:8]}...({len(text)} digits)"
+    return f"{value:g}"
