@@ -30,11 +30,11 @@ clean:
 
 .PHONY: run
 RUN_ARGS ?=
-# The whole TFX pipeline on the built-in synthetic data (README "The pipeline").
+# The whole TFX pipeline on the built-in synthetic data (docs/pipeline.md).
 run: setup
 	.venv/bin/dp-fedemb run $(RUN_ARGS)
 
-# Bazel (README "Bazel"): Debian's Bazel 4.2.3 with the .venv interpreter, offline.
+# Bazel (docs/development.md, "Bazel"): Debian's Bazel 4.2.3 with the .venv interpreter, offline.
 .PHONY: bazel-setup bazel-check bazel-smoke bazel-test
 BAZEL_DEBS := bazel-bootstrap bazel-rules-java
 BAZEL_TARGETS ?= //...

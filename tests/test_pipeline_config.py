@@ -171,8 +171,11 @@ def test_bad_files_are_one_line_errors(tmp_path):
 
 
 def _readme_set_examples() -> list[str]:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    found = set(re.findall(r"--set ([a-z_.]+=[^\s`]+)", readme))
+    """`--set` examples of the user docs: README.md and docs/*.md (the config reference)."""
+    root = Path(__file__).parent.parent
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    text = "\n".join(path.read_text() for path in docs)
+    found = set(re.findall(r"--set ([a-z_.]+=[^\s`]+)", text))
     return sorted(e for e in found if not e.startswith("section."))  # the syntax line
 
 

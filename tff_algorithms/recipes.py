@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-# Measured on the default synthetic data (README, "Population, trained parameters and
-# noise"): 8 users per virtual client make the clients' updates agree; the convolutions
+# Measured on the default synthetic data (docs/recipes.md, "Population, trained
+# parameters and noise"): 8 users per virtual client make the clients' updates agree; the convolutions
 # and GroupNorm layers (52k parameters; the 401k of the dense embedding layer frozen)
 # learn nearly as much as the whole backbone without noise and keep far more of it with
 # noise; server lr 0.3 keeps the per-round noise on each weight small.
@@ -40,7 +40,7 @@ DEFAULT: Mapping[str, Any] = {
     # steps already pull the backbone towards separating them.
     "head_init": "class_means",
     # CosFace (scale 30, margin 0.35) trains the directions that verification compares:
-    # measured above softmax with and without noise (README "Head loss").
+    # measured above softmax with and without noise (docs/recipes.md, "Head loss").
     "head_loss": "cosface",
     "server_learning_rate": 0.3,
     "server_momentum": 0.0,
