@@ -190,7 +190,7 @@ class PipelineConfig:
     dedup: DedupSection = DedupSection()
     partition: PartitionSection = PartitionSection()
     pretrain: PretrainSection = PretrainSection()
-    # TrainJobConfig fields (tff_algorithms.train_job) of the private training run, over
+    # TrainJobConfig fields (tff_algorithms.job_config) of the private training run, over
     # the default recipe (tff_algorithms.recipes.DEFAULT).
     train: Mapping[str, Any] = dataclasses.field(default_factory=lambda: recipes.recipe("default"))
     runtime: RuntimeSection = RuntimeSection()
@@ -369,10 +369,10 @@ def _check_keys(values: Mapping[str, Any], prefix: str) -> None:
 
 
 def _train_job_config(values: Mapping[str, Any], key: str) -> Any:
-    from tff_algorithms import train_job
+    from tff_algorithms.job_config import TrainJobConfig
 
     _check_keys(values, key)
-    names = [f.name for f in dataclasses.fields(train_job.TrainJobConfig)]
+    names = [f.name for f in dataclasses.fields(TrainJobConfig)]
     unknown = sorted(set(values) - set(names))
     if unknown:
         raise ValueError(
@@ -380,7 +380,7 @@ def _train_job_config(values: Mapping[str, Any], key: str) -> Any:
             f"({_closest(unknown[0], names)}known: {', '.join(names)})"
         )
     try:
-        return train_job.TrainJobConfig.from_dict(recipes.job_fields(values))
+        return TrainJobConfig.from_dict(recipes.job_fields(values))
     except (TypeError, ValueError) as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"config {key}: {message}") from None

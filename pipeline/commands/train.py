@@ -290,12 +290,12 @@ def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazil
 def job_config(value: Mapping[str, Any]):  # noqa: ANN201 - imports TF lazily
     """The TrainJobConfig of parsed flags: the flags given over --recipe (for a
     centralized run, over the pretraining recipe over it), by recipes' layering rule."""
-    from tff_algorithms import train_job
+    from tff_algorithms.job_config import CENTRALIZED, TrainJobConfig
 
     values, given = recipes.recipe(value["recipe"]), _config_values(value)
-    if given.get("algorithm", values.get("algorithm")) == train_job.CENTRALIZED:
+    if given.get("algorithm", values.get("algorithm")) == CENTRALIZED:
         values = recipes.pretrain_values(values, {})
-    return train_job.TrainJobConfig(**recipes.job_fields(recipes.overlay(values, given)))
+    return TrainJobConfig(**recipes.job_fields(recipes.overlay(values, given)))
 
 
 def _train(value: Mapping[str, Any]) -> dict[str, Any]:
