@@ -18,7 +18,7 @@ import os
 import shutil
 
 from bench import bench_training
-from tff_algorithms import train_job
+from tff_algorithms import job_config, job_outputs
 
 _FAILURE_RATES = (0.0, 0.1, 0.3)
 # bench_training's largest noise multiplier.
@@ -65,7 +65,7 @@ def run(out_dir: str, quick: bool) -> dict:
     }
 
 
-def _describe(config: train_job.TrainJobConfig, result: train_job.TrainJobResult) -> dict:
+def _describe(config: job_config.TrainJobConfig, result: job_outputs.TrainJobResult) -> dict:
     return {
         "noise_multiplier": config.noise_multiplier,
         "failure_injection_rate": config.failure_injection_rate,

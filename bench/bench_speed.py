@@ -178,9 +178,9 @@ def _cpu_seconds() -> float:
 
 
 def _train_config(clients_per_round: int, users_per_virtual_client: int):  # noqa: ANN202
-    from tff_algorithms import train_job
+    from tff_algorithms import job_config
 
-    return train_job.TrainJobConfig(
+    return job_config.TrainJobConfig(
         rounds=1_000,
         noise_multiplier=0.0,
         clip_norm=1.0,
@@ -228,12 +228,12 @@ class _Setting:
 
     def __init__(self, partition_dir: str, clients_per_round: int, users_per_vc: int) -> None:
         from beam_jobs import partition
-        from tff_algorithms import client_data, train_job
+        from tff_algorithms import client_data, job_config
 
         self.config = _train_config(clients_per_round, users_per_vc)
         started = time.perf_counter()
         user_ids = partition.PartitionReader(partition_dir).user_ids()
-        plan = train_job.schedule_for(self.config, len(user_ids))
+        plan = job_config.schedule_for(self.config, len(user_ids))
         self.ids = client_data.VirtualClientIds(partition_dir, plan, user_ids)
         self.setup_seconds = time.perf_counter() - started
         self.client_config = self.config.client_config()

@@ -25,7 +25,16 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from beam_jobs import partition, synthetic
-from tff_algorithms import client_work, dropouts, models, recipes, runtime, train_job
+from tff_algorithms import (
+    client_work,
+    dropouts,
+    job_config,
+    job_outputs,
+    models,
+    recipes,
+    runtime,
+    train_job,
+)
 
 FULL = {
     "identities": 1000,
@@ -52,12 +61,12 @@ QUICK = {
     "noiseless_rounds": 2,
 }
 _HELD_OUT_FRACTION = 0.2
-_RANDOM_HEAD = f"{train_job.DP_FEDEMB} random head"
+_RANDOM_HEAD = f"{job_config.DP_FEDEMB} random head"
 _SOFTMAX = "softmax loss"
-_NOISELESS = f"{train_job.DP_FEDEMB} z=0 every layer"
+_NOISELESS = f"{job_config.DP_FEDEMB} z=0 every layer"
 
 
-def _at_bench_size(recipe: Mapping, sizes: Mapping) -> train_job.TrainJobConfig:
+def _at_bench_size(recipe: Mapping, sizes: Mapping) -> job_config.TrainJobConfig:
     values = recipes.overlay(
         recipe,
         {
@@ -74,15 +83,15 @@ def _at_bench_size(recipe: Mapping, sizes: Mapping) -> train_job.TrainJobConfig:
             "delta": 1e-5,
         },
     )
-    return train_job.TrainJobConfig(**recipes.job_fields(values))
+    return job_config.TrainJobConfig(**recipes.job_fields(values))
 
 
-def base_config(sizes: Mapping) -> train_job.TrainJobConfig:
+def base_config(sizes: Mapping) -> job_config.TrainJobConfig:
     """The default recipe's private training (tff_algorithms/recipes.py), at the bench's size."""
     return _at_bench_size(recipes.DEFAULT, sizes)
 
 
-def centralized_config(sizes: Mapping, epochs: int) -> train_job.TrainJobConfig:
+def centralized_config(sizes: Mapping, epochs: int) -> job_config.TrainJobConfig:
     """The default (centralized, every layer) pretraining recipe for `epochs`."""
     recipe = recipes.pretrain_values(recipes.DEFAULT, {})
     return dataclasses.replace(_at_bench_size(recipe, sizes), rounds=epochs)
@@ -100,7 +109,7 @@ def _write_data(root: str, identities: int, images: int) -> tuple[str, str]:
     )
 
 
-def prepare(work: str, sizes: Mapping) -> tuple[tuple[str, str], str, train_job.TrainJobResult]:
+def prepare(work: str, sizes: Mapping) -> tuple[tuple[str, str], str, job_outputs.TrainJobResult]:
     """Under WORK: private data (training partition, held-out records), public sketches of
     other identities (their partition), and the backbone pretrained on those with the
     pipeline's head loss, evaluated on the private held-out photos."""
@@ -121,7 +130,7 @@ def prepare(work: str, sizes: Mapping) -> tuple[tuple[str, str], str, train_job.
 
 def pretrain(
     work: str, sizes: Mapping, public_dir: str, eval_dir: str, head_loss: str | None = None
-) -> train_job.TrainJobResult:
+) -> job_outputs.TrainJobResult:
     """The pipeline's pretraining (centralized, every layer) on the public partition, with
     `head_loss` instead of the pipeline's if given."""
     config = centralized_config(sizes, sizes["pretrain_epochs"])
@@ -150,14 +159,14 @@ def run(out_dir: str, quick: bool) -> dict:
     softmax_configs = {
         f"centralized {_SOFTMAX}": dataclasses.replace(centralized, **softmax),
     }
-    for algorithm in (train_job.DP_FEDEMB, train_job.DP_FEDAVG, train_job.DP_FTRL_FEDEMB):
+    for algorithm in (job_config.DP_FEDEMB, job_config.DP_FEDAVG, job_config.DP_FTRL_FEDEMB):
         for noise in (0.0, *sizes["noise"]):
             configs[f"{algorithm}@z={noise:g}"] = dataclasses.replace(
                 base, algorithm=algorithm, noise_multiplier=noise
             )
     # The paper's loss (softmax) and local head start (random) against the default's.
     for noise in (0.0, max(sizes["noise"])):
-        softmax_configs[f"{train_job.DP_FEDEMB} {_SOFTMAX}@z={noise:g}"] = dataclasses.replace(
+        softmax_configs[f"{job_config.DP_FEDEMB} {_SOFTMAX}@z={noise:g}"] = dataclasses.replace(
             base, noise_multiplier=noise, **softmax
         )
         configs[f"{_RANDOM_HEAD}@z={noise:g}"] = dataclasses.replace(
@@ -218,10 +227,10 @@ def run(out_dir: str, quick: bool) -> dict:
 
 def train_each(
     label: str,
-    configs: Mapping[str, train_job.TrainJobConfig],
+    configs: Mapping[str, job_config.TrainJobConfig],
     data: tuple[str, str],
     work: str,
-    describe: Callable[[train_job.TrainJobConfig, train_job.TrainJobResult], dict],
+    describe: Callable[[job_config.TrainJobConfig, job_outputs.TrainJobResult], dict],
     pretrained_backbone: str | None = None,
 ) -> dict[str, dict]:
     """Trains each named config on `data` (partition_dir, eval_dir) into WORK/<name>,
@@ -250,7 +259,7 @@ def train_each(
     return described
 
 
-def held_out_recall(result: train_job.TrainJobResult) -> dict[str, float]:
+def held_out_recall(result: job_outputs.TrainJobResult) -> dict[str, float]:
     """The job's recall at FAR 1e-3, 1e-2 and 1e-1 on held-out identities."""
     return {
         "recall_at_far_1e-3": result.recall_at_far["0.001"],
@@ -259,8 +268,8 @@ def held_out_recall(result: train_job.TrainJobResult) -> dict[str, float]:
     }
 
 
-def _utility(config: train_job.TrainJobConfig, result: train_job.TrainJobResult) -> dict:
-    if config.algorithm == train_job.CENTRALIZED:
+def _utility(config: job_config.TrainJobConfig, result: job_outputs.TrainJobResult) -> dict:
+    if config.algorithm == job_config.CENTRALIZED:
         # Not private, so no (epsilon, delta); its rounds are epochs over the training users.
         return {**held_out_recall(result), "epsilon": None, "epochs": config.rounds}
     return {
@@ -272,5 +281,5 @@ def _utility(config: train_job.TrainJobConfig, result: train_job.TrainJobResult)
 
 
 def _ordering(utility: dict[str, dict], noise: float) -> list[str]:
-    names = [f"{a}@z={noise:g}" for a in train_job.ALGORITHMS if a != train_job.CENTRALIZED]
+    names = [f"{a}@z={noise:g}" for a in job_config.ALGORITHMS if a != job_config.CENTRALIZED]
     return sorted(names, key=lambda n: -np.nan_to_num(utility[n].get("recall_at_far_1e-3", np.nan)))

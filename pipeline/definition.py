@@ -38,7 +38,7 @@ EVALUATE = "EvaluateAndBless"
 PUSHER = "Pusher"
 REPORT = "RenderReport"
 
-# The schedule each algorithm trains with (as tff_algorithms.train_job.schedule_shape_for), so
+# The schedule each algorithm trains with (as tff_algorithms.job_config.schedule_shape_for), so
 # the participation statistics published describe the real schedule.
 SCHEDULE_MODES = {"dp-fedemb": "sampled", "dp-fedavg": "sampled", "dp-ftrl-fedemb": "epoch"}
 

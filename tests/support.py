@@ -1,5 +1,6 @@
-"""Helpers that several test modules share: small training data on disk, the weights a
-training job exported, and the `dp-fedemb train` flags of the command-line tests.
+"""Helpers that several test modules share: small training data on disk, the small job
+configs of the training-job tests, the weights a training job exported, and the
+`dp-fedemb train` flags of the command-line tests.
 
 Plain functions and constants, not fixtures: each module keeps its own module-scoped
 fixture around them, so its synthetic config and the fixture's scope stay visible
@@ -15,12 +16,58 @@ import numpy as np
 import tensorflow as tf
 
 from beam_jobs import partition, synthetic
+from tff_algorithms import job_config
 
 # The console script of the environment running the tests (setup.py installs it).
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
 
 # The image folder the `dp-fedemb train` tests write: 40 identities, one user each.
 TRAIN_CLI_DATA = synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
+
+# The small DP-FedEmb job of the training-job tests (test_train_job, test_evaluation,
+# test_golden_run) on TRAIN_CLI_DATA: identities (= users) 0..31 train, 32..39 are held out.
+SMALL_JOB_TRAIN_IDENTITIES = 32
+SMALL_JOB = job_config.TrainJobConfig(
+    algorithm=job_config.DP_FEDEMB,
+    rounds=3,
+    noise_multiplier=0.5,
+    clip_norm=1.0,
+    users_per_virtual_client=2,
+    virtual_clients_per_round=3,
+    client_learning_rate=0.05,
+    server_learning_rate=1.0,
+    head_lr_scale=10.0,
+    batch_size=8,
+    head_capacity=7,
+    embedding_size=16,
+    evaluate_every=2,
+    seed=1,
+    noise_seed=11,
+    testing_fixed_noise=True,
+)
+
+# The small job the multi-worker tests (test_multi_worker, test_tls_workers) train with
+# every seed fixed, so runs on one worker and on several can be compared.
+MULTI_WORKER_JOB = job_config.TrainJobConfig(
+    algorithm=job_config.DP_FEDEMB,
+    rounds=3,
+    noise_multiplier=1.0,
+    clip_norm=1.0,
+    users_per_virtual_client=2,
+    virtual_clients_per_round=4,
+    client_learning_rate=0.01,
+    client_momentum=0.0,
+    server_learning_rate=1.0,
+    head_lr_scale=10.0,
+    batch_size=8,
+    embedding_size=16,
+    evaluate_every=0,
+    seed=3,
+    schedule_seed=3,
+    testing_fixed_schedule=True,
+    noise_seed=5,
+    testing_fixed_noise=True,
+)
 
 
 def train_cli_flags(rounds: int) -> list[str]:

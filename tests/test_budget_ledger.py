@@ -9,7 +9,7 @@ import pytest
 
 from beam_jobs import partition, synthetic
 from tests import support
-from tff_algorithms import accounting, budget, train_job
+from tff_algorithms import accounting, budget, job_config, job_outputs, train_job
 
 DPSGD = accounting.AccountingSpec(
     population=1000, users_per_round=50, rounds=40, noise_multiplier=1.1, delta=1e-5
@@ -179,7 +179,7 @@ def test_paper_convention_runs_cannot_be_charged(tmp_path):
 
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=3)
-JOB = train_job.TrainJobConfig(
+JOB = job_config.TrainJobConfig(
     rounds=1,
     noise_multiplier=0.8,
     users_per_virtual_client=2,
@@ -201,7 +201,7 @@ def small_data(tmp_path_factory):
 def test_train_job_is_charged_once_and_a_second_job_over_budget_refused(
     tff_runtime, small_data, tmp_path
 ):
-    spec = train_job.accounting_spec_for(JOB, 20)
+    spec = job_config.accounting_spec_for(JOB, 20)
     one = accounting.compute_privacy(spec).epsilon
     twice = budget.composed_epsilon([spec, spec], spec.delta)
     policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), total_epsilon=(one + twice) / 2)
@@ -221,4 +221,4 @@ def test_train_job_is_charged_once_and_a_second_job_over_budget_refused(
     second_dir = str(tmp_path / "second")
     with pytest.raises(ValueError, match="dataset privacy budget exceeded"):
         train_job.run_train_job(JOB, *small_data, second_dir, budget=policy)
-    assert not os.path.exists(os.path.join(second_dir, train_job.CHECKPOINT_DIR))
+    assert not os.path.exists(os.path.join(second_dir, job_outputs.CHECKPOINT_DIR))

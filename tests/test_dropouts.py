@@ -18,6 +18,7 @@ from tff_algorithms import (
     client_data,
     client_work,
     dropouts,
+    job_config,
     models,
     processes,
     train_job,
@@ -268,7 +269,7 @@ def test_retries_draw_a_fresh_deterministic_selection():
     assert set(epoch.round_user_indices(7).ravel()) == set(epoch.round_user_indices(7, 2).ravel())
 
 
-JOB = train_job.TrainJobConfig(
+JOB = job_config.TrainJobConfig(
     rounds=50,
     noise_multiplier=0.8,
     users_per_virtual_client=2,
@@ -280,7 +281,7 @@ JOB = train_job.TrainJobConfig(
 def test_over_selection_is_accounted_with_the_selected_sampling():
     over = dataclasses.replace(JOB, over_selection=0.5)
     assert over.report_policy().selected_per_round == 6
-    spec = train_job.accounting_spec_for(over, 1000)
+    spec = job_config.accounting_spec_for(over, 1000)
     assert (spec.users_per_round, spec.population) == (12, 1000)
     epsilon = accounting.compute_privacy(spec).epsilon
     assert (
@@ -289,7 +290,7 @@ def test_over_selection_is_accounted_with_the_selected_sampling():
             accounting.AccountingSpec(1000, 12, 50, 0.8, 1e-5, users_per_virtual_client=2)
         ).epsilon
     )
-    assert epsilon > accounting.compute_privacy(train_job.accounting_spec_for(JOB, 1000)).epsilon
+    assert epsilon > accounting.compute_privacy(job_config.accounting_spec_for(JOB, 1000)).epsilon
 
 
 def test_dropouts_never_reduce_the_reported_epsilon():
@@ -297,7 +298,7 @@ def test_dropouts_never_reduce_the_reported_epsilon():
     dropping = dataclasses.replace(
         JOB, failure_injection_rate=0.3, max_local_steps=1, max_client_seconds=5.0
     )
-    assert train_job.accounting_spec_for(dropping, 1000) == train_job.accounting_spec_for(JOB, 1000)
+    assert job_config.accounting_spec_for(dropping, 1000) == job_config.accounting_spec_for(JOB, 1000)
 
 
 @pytest.mark.parametrize(
@@ -330,7 +331,7 @@ def job_data(tmp_path_factory):
 def test_a_training_job_with_injected_failures_reports_them_and_is_charged_as_planned(
     tff_runtime, job_data, tmp_path
 ):
-    planned = train_job.TrainJobConfig(
+    planned = job_config.TrainJobConfig(
         rounds=3,
         noise_multiplier=1.0,
         users_per_virtual_client=2,
@@ -361,7 +362,7 @@ def test_a_training_job_with_injected_failures_reports_them_and_is_charged_as_pl
     assert "not covered by the DP guarantee" in totals["note"]
     # The ledger is what a run without failures records: the planned schedule's epsilon.
     without_failures = ledger_lib.PrivacyLedger(
-        train_job.accounting_spec_for(planned, TRAIN_IDENTITIES)
+        job_config.accounting_spec_for(planned, TRAIN_IDENTITIES)
     )
     for round_num in range(1, 4):
         without_failures.record_round(round_num)
@@ -400,7 +401,7 @@ def test_pipeline_config_accepts_the_dropout_settings():
             "train.failure_injection_rate=0.1",
         ],
     )
-    job = train_job.TrainJobConfig.from_dict(config.train_job_dict())
+    job = job_config.TrainJobConfig.from_dict(config.train_job_dict())
     assert job.report_policy() == dropouts.ReportPolicy(job.virtual_clients_per_round, 0.25, 0.6, 5)
     assert (job.max_local_steps, job.max_client_seconds, job.failure_injection_rate) == (
         40,

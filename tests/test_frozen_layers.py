@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from pipeline import config as pipeline_config
-from tff_algorithms import client_work, export, models, processes, train_job
+from tff_algorithms import client_work, export, job_config, models, processes
 
 FULL = models.BackboneConfig(models.SMALL_CNN, (28, 28, 1), embedding_size=8)
 NORMS_ONLY = dataclasses.replace(FULL, trainable_layers=("gn*",))
@@ -29,14 +29,14 @@ def _parameter_count(arrays):
 
 def test_unknown_layer_pattern_is_a_one_line_config_error():
     with pytest.raises(ValueError, match="matches no layer of small_cnn; layers: conv0, gn0"):
-        train_job.TrainJobConfig(trainable_layers=["gn*", "head"])
+        job_config.TrainJobConfig(trainable_layers=["gn*", "head"])
     with pytest.raises(ValueError, match="list of layer-name patterns"):
-        train_job.TrainJobConfig(trainable_layers="gn*")
+        job_config.TrainJobConfig(trainable_layers="gn*")
 
 
 def test_json_round_trip_and_pretraining_trains_every_layer():
-    config = train_job.TrainJobConfig(trainable_layers=["gn*", "conv0"])
-    assert train_job.TrainJobConfig.from_dict(config.to_dict()) == config
+    config = job_config.TrainJobConfig(trainable_layers=["gn*", "conv0"])
+    assert job_config.TrainJobConfig.from_dict(config.to_dict()) == config
     pipeline = pipeline_config.PipelineConfig(train={"trainable_layers": ["gn*"]})
     assert pipeline.train_job_dict()["trainable_layers"] == ("gn*",)
     assert pipeline.pretrain_job_dict()["trainable_layers"] == ("*",)

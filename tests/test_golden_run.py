@@ -21,38 +21,18 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from beam_jobs import schema, synthetic
+from beam_jobs import schema
 from tests import support
-from tff_algorithms import export, train_job
+from tff_algorithms import export, job_config, train_job
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
 TOLERANCE = 1e-6
 
-SYNTH = synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
-TRAIN_IDENTITIES = 32  # identities (= users) 0..31 train, 32..39 held out
-FEDERATED = train_job.TrainJobConfig(
-    algorithm=train_job.DP_FEDEMB,
-    rounds=3,
-    noise_multiplier=0.5,
-    clip_norm=1.0,
-    users_per_virtual_client=2,
-    virtual_clients_per_round=3,
-    client_learning_rate=0.05,
-    server_learning_rate=1.0,
-    head_lr_scale=10.0,
-    batch_size=8,
-    head_capacity=7,
-    embedding_size=16,
-    evaluate_every=2,
-    seed=1,
-    schedule_seed=4,
-    testing_fixed_schedule=True,
-    noise_seed=11,
-    testing_fixed_noise=True,
-)
+# The small job of the training-job tests, with its schedule seed fixed too.
+FEDERATED = dataclasses.replace(support.SMALL_JOB, schedule_seed=4, testing_fixed_schedule=True)
 CENTRALIZED = dataclasses.replace(
     FEDERATED,
-    algorithm=train_job.CENTRALIZED,
+    algorithm=job_config.CENTRALIZED,
     rounds=1,
     server_learning_rate=0.05,
     schedule_seed=None,
@@ -84,7 +64,9 @@ METRIC_FIELDS = (
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return support.write_partition_and_held_out(
-        tmp_path_factory.mktemp("golden_data"), SYNTH, TRAIN_IDENTITIES
+        tmp_path_factory.mktemp("golden_data"),
+        support.TRAIN_CLI_DATA,
+        support.SMALL_JOB_TRAIN_IDENTITIES,
     )
 
 

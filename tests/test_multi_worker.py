@@ -20,26 +20,7 @@ from tff_algorithms import client_work, models, processes, runtime, train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=36, images_per_identity=5, seed=7)
 TRAIN_IDENTITIES = 28  # identities (= users) 0..27 train, 28..35 held out
-CONFIG = train_job.TrainJobConfig(
-    algorithm=train_job.DP_FEDEMB,
-    rounds=3,
-    noise_multiplier=1.0,
-    clip_norm=1.0,
-    users_per_virtual_client=2,
-    virtual_clients_per_round=4,
-    client_learning_rate=0.01,
-    client_momentum=0.0,
-    server_learning_rate=1.0,
-    head_lr_scale=10.0,
-    batch_size=8,
-    embedding_size=16,
-    evaluate_every=0,
-    seed=3,
-    schedule_seed=3,
-    testing_fixed_schedule=True,
-    noise_seed=5,
-    testing_fixed_noise=True,
-)
+CONFIG = support.MULTI_WORKER_JOB
 # Float32 summation-order tolerance on trained weights (justified in the test).
 WEIGHT_TOLERANCE = 1e-5
 

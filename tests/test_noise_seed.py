@@ -14,12 +14,12 @@ from beam_jobs import synthetic
 from pipeline import cli
 from pipeline import config as config_lib
 from tests import support
-from tff_algorithms import train_job
+from tff_algorithms import job_config, train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=8)
 # Production noise. The schedule is fixed (its own testing flag, tests/test_seed_secrecy.py)
 # so that runs can differ by their noise only.
-PRODUCTION = train_job.TrainJobConfig(
+PRODUCTION = job_config.TrainJobConfig(
     rounds=1,
     noise_multiplier=1.0,
     users_per_virtual_client=2,

@@ -57,9 +57,9 @@ def test_the_noise_is_set_one_way_and_either_way_replaces_the_recipes():
 
 
 def test_null_restores_the_library_default():
-    from tff_algorithms import train_job
+    from tff_algorithms import job_config
 
-    library = train_job.TrainJobConfig()
+    library = job_config.TrainJobConfig()
     job = config_lib.load_config(
         None, ["train.head_loss=null", "train.virtual_clients_per_round=null"]
     ).train_job_dict()

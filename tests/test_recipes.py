@@ -7,7 +7,7 @@ from absl import flags
 
 from pipeline import config as config_lib
 from pipeline.commands import train as train_command
-from tff_algorithms import recipes, train_job
+from tff_algorithms import job_config, recipes
 
 
 def _train_flags(*argv: str) -> dict:
@@ -51,12 +51,12 @@ def test_unknown_recipe_is_one_line():
 def test_pipeline_and_train_command_start_from_the_same_recipe():
     pipeline_job = config_lib.load_config().train_job_dict()
     command_job = train_command.job_config(_train_flags()).to_dict()
-    assert command_job == pipeline_job == train_job.TrainJobConfig(**recipes.DEFAULT).to_dict()
+    assert command_job == pipeline_job == job_config.TrainJobConfig(**recipes.DEFAULT).to_dict()
 
 
 def test_train_command_paper_recipe_is_the_library_default():
     job = train_command.job_config(_train_flags("--recipe=paper", "--rounds=7"))
-    assert job == dataclasses.replace(train_job.TrainJobConfig(), rounds=7)
+    assert job == dataclasses.replace(job_config.TrainJobConfig(), rounds=7)
 
 
 def test_train_command_flags_layer_like_pipeline_overrides():

@@ -29,13 +29,13 @@ from pipeline import cli, compile_targets, definition
 from pipeline import config as config_lib
 from pipeline.components import artifacts
 from tests import support
-from tff_algorithms import train_job
+from tff_algorithms import job_config, job_outputs, train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=11)
 TRAIN_IDENTITIES = 20
 # Production schedule; the noise is fixed (its own testing flag, tests/test_noise_seed.py)
 # so that runs can differ by their schedule only.
-PRODUCTION = train_job.TrainJobConfig(
+PRODUCTION = job_config.TrainJobConfig(
     rounds=2,
     noise_multiplier=0.5,
     users_per_virtual_client=2,
@@ -136,12 +136,12 @@ def data(tmp_path_factory):
 
 
 def _recorded_seed(output_dir: str) -> int:
-    with open(os.path.join(output_dir, train_job.JOB_FILE)) as f:
+    with open(os.path.join(output_dir, job_outputs.JOB_FILE)) as f:
         return json.load(f)["schedule_seed"]
 
 
 def _users_per_round(seed: int) -> list[list[int]]:
-    plan = train_job.schedule_for(PRODUCTION, TRAIN_IDENTITIES, seed)
+    plan = job_config.schedule_for(PRODUCTION, TRAIN_IDENTITIES, seed)
     return [sorted(plan.round_user_indices(r).ravel().tolist()) for r in range(PRODUCTION.rounds)]
 
 
@@ -176,8 +176,8 @@ def test_production_runs_sample_different_users_and_a_resume_keeps_its_seed(
     # What a kill after round 1 leaves: the same job resumes with the recorded seed.
     resumed_dir = str(tmp_path / "resumed")
     shutil.copytree(runs[0].output_dir, resumed_dir)
-    shutil.rmtree(os.path.join(resumed_dir, train_job.CHECKPOINT_DIR, "round_2"))
-    shutil.rmtree(os.path.join(resumed_dir, train_job.SAVED_MODEL_DIR))
+    shutil.rmtree(os.path.join(resumed_dir, job_outputs.CHECKPOINT_DIR, "round_2"))
+    shutil.rmtree(os.path.join(resumed_dir, job_outputs.SAVED_MODEL_DIR))
     resumed = train_job.run_train_job(PRODUCTION, *data, resumed_dir)
     assert resumed.metrics["resumed_from_round"] == 1
     assert _recorded_seed(resumed_dir) == seeds[0]
@@ -188,8 +188,8 @@ def test_a_job_record_without_a_schedule_seed_is_refused(tmp_path, data):
     output = str(tmp_path / "out")
     os.makedirs(output)
     reader = partition.PartitionReader(data[0])
-    record = {**train_job._job_record(PRODUCTION, reader), "run_id": "r"}
-    with open(os.path.join(output, train_job.JOB_FILE), "w") as f:
+    record = {**job_outputs.job_record(PRODUCTION, reader), "run_id": "r"}
+    with open(os.path.join(output, job_outputs.JOB_FILE), "w") as f:
         json.dump(record, f)
     with pytest.raises(ValueError, match="records no schedule seed; use a new output directory"):
         train_job.run_train_job(PRODUCTION, *data, output)

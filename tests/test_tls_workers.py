@@ -31,24 +31,9 @@ from tff_algorithms import runtime, train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=11)
 TRAIN_IDENTITIES = 20
-CONFIG = train_job.TrainJobConfig(
-    algorithm=train_job.DP_FEDEMB,
-    rounds=2,
-    noise_multiplier=1.0,
-    clip_norm=1.0,
-    users_per_virtual_client=2,
-    virtual_clients_per_round=4,
-    client_learning_rate=0.01,
-    client_momentum=0.0,
-    server_learning_rate=1.0,
-    batch_size=8,
-    embedding_size=8,
-    evaluate_every=0,
-    seed=3,
-    schedule_seed=3,
-    testing_fixed_schedule=True,
-    noise_seed=5,
-    testing_fixed_noise=True,
+# Smaller than the multi-worker tests' job: what is tested is the connection.
+CONFIG = dataclasses.replace(
+    support.MULTI_WORKER_JOB, rounds=2, head_lr_scale=None, embedding_size=8
 )
 # Long enough for a TLS handshake on a loaded machine, short for one that never ends.
 REJECT_TIMEOUT_S = 5.0

@@ -10,30 +10,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from beam_jobs import synthetic
 from tests import support
-from tff_algorithms import accounting, client_work, train_job
+from tff_algorithms import accounting, client_work, job_config, job_outputs, train_job
 
-SYNTH = synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
-TRAIN_IDENTITIES = 32  # identities (= users) 0..31 train, 32..39 held out
-CONFIG = train_job.TrainJobConfig(
-    algorithm=train_job.DP_FEDEMB,
-    rounds=3,
-    noise_multiplier=0.5,
-    clip_norm=1.0,
-    users_per_virtual_client=2,
-    virtual_clients_per_round=3,
-    client_learning_rate=0.05,
-    server_learning_rate=1.0,
-    head_lr_scale=10.0,
-    batch_size=8,
-    head_capacity=7,
-    embedding_size=16,
-    evaluate_every=2,
-    seed=1,
-    noise_seed=11,
-    testing_fixed_noise=True,
-)
+SYNTH = support.TRAIN_CLI_DATA
+TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES  # identities 32..39 are held out
+CONFIG = support.SMALL_JOB
 HEAD_SHAPE = (CONFIG.embedding_size, CONFIG.head_capacity)
 
 
@@ -57,7 +39,7 @@ def test_metrics_ledger_and_saved_model_are_written(straight_run):
     assert summary["rounds"] == 3 and summary["private"] is True
     assert summary["wall_seconds"] > 0
     # Epsilon is the accountant's for the planned schedule, at the documented default delta.
-    spec = train_job.accounting_spec_for(CONFIG, TRAIN_IDENTITIES)
+    spec = job_config.accounting_spec_for(CONFIG, TRAIN_IDENTITIES)
     assert summary["delta"] == pytest.approx(TRAIN_IDENTITIES**-1.1)
     assert summary["epsilon"] == pytest.approx(accounting.compute_privacy(spec).epsilon)
     assert [r["round"] for r in summary["history"] if "eval" in r] == [2, 3]
@@ -73,9 +55,9 @@ def test_interrupted_and_resumed_equals_uninterrupted(tff_runtime, data, straigh
     # What a kill after round 2 leaves behind: the checkpoints of rounds 1 and 2 only.
     resumed_dir = str(tmp_path / "resumed")
     shutil.copytree(straight_run.output_dir, resumed_dir)
-    shutil.rmtree(os.path.join(resumed_dir, train_job.CHECKPOINT_DIR, "round_3"))
-    shutil.rmtree(os.path.join(resumed_dir, train_job.SAVED_MODEL_DIR))
-    for name in (train_job.METRICS_FILE, train_job.LEDGER_FILE):
+    shutil.rmtree(os.path.join(resumed_dir, job_outputs.CHECKPOINT_DIR, "round_3"))
+    shutil.rmtree(os.path.join(resumed_dir, job_outputs.SAVED_MODEL_DIR))
+    for name in (job_outputs.METRICS_FILE, job_outputs.LEDGER_FILE):
         os.remove(os.path.join(resumed_dir, name))
 
     resumed = train_job.run_train_job(CONFIG, *data, resumed_dir)
@@ -95,7 +77,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(tff_runtime, data, straigh
 
 def test_no_head_variable_in_checkpoint_or_export(straight_run):
     checkpoint = os.path.join(
-        straight_run.output_dir, train_job.CHECKPOINT_DIR, "round_3", "variables", "variables"
+        straight_run.output_dir, job_outputs.CHECKPOINT_DIR, "round_3", "variables", "variables"
     )
     exported = os.path.join(straight_run.saved_model_dir, "variables", "variables")
     for path in (checkpoint, exported):
@@ -104,18 +86,9 @@ def test_no_head_variable_in_checkpoint_or_export(straight_run):
         assert HEAD_SHAPE not in shapes and HEAD_SHAPE[::-1] not in shapes
 
 
-def test_serving_evaluation_matches_training_evaluation(straight_run, data):
-    evaluation = train_job.evaluate_saved_model(straight_run.saved_model_dir, data[1])
-    assert evaluation["images"] == 8 * SYNTH.images_per_identity
-    assert evaluation["identities"] == 8
-    for far, recall in straight_run.recall_at_far.items():
-        assert evaluation["recall_at_far"][far] == pytest.approx(recall, abs=1e-6)
-    assert len(evaluation["roc"]["far"]) == len(evaluation["roc"]["recall"])
-
-
 def test_centralized_oracle_writes_the_same_outputs_marked_non_private(data, tmp_path):
     config = dataclasses.replace(
-        CONFIG, algorithm=train_job.CENTRALIZED, rounds=2, server_learning_rate=0.05
+        CONFIG, algorithm=job_config.CENTRALIZED, rounds=2, server_learning_rate=0.05
     )
     result = train_job.run_train_job(config, *data, str(tmp_path / "central"))
     summary = json.loads(open(result.metrics_path).read())
@@ -130,7 +103,7 @@ def test_centralized_oracle_writes_the_same_outputs_marked_non_private(data, tmp
     ]
 
 
-def _exported_weights(result: train_job.TrainJobResult) -> dict[str, np.ndarray]:
+def _exported_weights(result: job_outputs.TrainJobResult) -> dict[str, np.ndarray]:
     path = os.path.join(result.saved_model_dir, "variables", "variables")
     return {name: tf.train.load_variable(path, name) for name, _ in tf.train.list_variables(path)}
 
@@ -142,10 +115,10 @@ def test_head_lr_scale_defaults_follow_the_paper():
 
     # DP-FedEmb's local heads learn 100x faster (section 3.3); DP-FedAvg trains backbone
     # and global head with one client optimizer (Alg. 2).
-    assert scale() == scale(algorithm=train_job.DP_FTRL_FEDEMB) == 100.0
-    assert scale(algorithm=train_job.DP_FEDAVG) == 1.0
+    assert scale() == scale(algorithm=job_config.DP_FTRL_FEDEMB) == 100.0
+    assert scale(algorithm=job_config.DP_FEDAVG) == 1.0
     assert dataclasses.replace(
-        CONFIG, algorithm=train_job.DP_FEDAVG, head_lr_scale=10.0
+        CONFIG, algorithm=job_config.DP_FEDAVG, head_lr_scale=10.0
     ).client_config().head_learning_rate == pytest.approx(10.0 * CONFIG.client_learning_rate)
 
 
@@ -155,7 +128,7 @@ def test_head_loss_reaches_local_heads_and_the_oracle(data, tmp_path):
         CONFIG, **cosface
     ).client_config().head_loss == client_work.HeadLossConfig("cosface", 16.0, 0.2)
     oracle = dataclasses.replace(
-        CONFIG, algorithm=train_job.CENTRALIZED, rounds=1, server_learning_rate=0.05
+        CONFIG, algorithm=job_config.CENTRALIZED, rounds=1, server_learning_rate=0.05
     )
     runs = {
         name: _exported_weights(
@@ -202,7 +175,7 @@ def test_target_epsilon_calibrates_the_noise_from_the_training_users(data, tmp_p
     assert result.metrics["accounting"]["sensitivity_in_clips"] == 2.0
     assert result.epsilon <= target
     fixed = dataclasses.replace(config, target_epsilon=None, noise_multiplier=z)
-    spec = train_job.accounting_spec_for(fixed, TRAIN_IDENTITIES)
+    spec = job_config.accounting_spec_for(fixed, TRAIN_IDENTITIES)
     assert accounting.compute_privacy(spec).epsilon == pytest.approx(result.epsilon)
     lower = spec.with_noise_multiplier(z * (1 - accounting.CALIBRATION_RELATIVE_TOLERANCE))
     assert accounting.compute_privacy(lower).epsilon > target
@@ -232,11 +205,11 @@ def test_too_few_users_for_a_round_is_refused(data, tmp_path):
 
 def test_auto_virtual_clients_resolve_from_the_population():
     config = dataclasses.replace(
-        CONFIG, virtual_clients_per_round=train_job.AUTO, users_per_virtual_client=4
+        CONFIG, virtual_clients_per_round=job_config.AUTO, users_per_virtual_client=4
     )
     resolved, source = config.calibrated_for(41)
     assert resolved.virtual_clients_per_round == 10
-    assert source["virtual_clients_per_round"] == train_job.AUTO
+    assert source["virtual_clients_per_round"] == job_config.AUTO
     # Before any round, a population that cannot fill one is one line naming the setting.
     with pytest.raises(ValueError, match="set virtual_clients_per_round to at most 2"):
         dataclasses.replace(
@@ -247,10 +220,10 @@ def test_auto_virtual_clients_resolve_from_the_population():
 
 
 def test_config_round_trips_and_keeps_paper_momentum():
-    assert train_job.TrainJobConfig.from_dict(CONFIG.to_dict()) == CONFIG
-    assert train_job.TrainJobConfig().client_momentum == 0.9
+    assert job_config.TrainJobConfig.from_dict(CONFIG.to_dict()) == CONFIG
+    assert job_config.TrainJobConfig().client_momentum == 0.9
     with pytest.raises(ValueError, match="unknown training config fields: bogus"):
-        train_job.TrainJobConfig.from_dict({"bogus": 1})
+        job_config.TrainJobConfig.from_dict({"bogus": 1})
 
 
 @pytest.mark.parametrize(

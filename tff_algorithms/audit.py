@@ -43,7 +43,7 @@ import tensorflow_federated as tff
 from scipy import stats
 
 from beam_jobs import canaries
-from tff_algorithms import export, models, train_job
+from tff_algorithms import export, job_config, models, train_job
 
 
 def randomized_response_accuracy(epsilon: float) -> float:
@@ -198,7 +198,7 @@ def audit_train_config(
     rounds: int = 6,
     delta: float = 1e-5,
     noise_seed: int | None = None,
-) -> train_job.TrainJobConfig:
+) -> job_config.TrainJobConfig:
     """DP-FedEmb settings that give each user as much influence as the mechanism allows.
 
     One virtual client holding every user, every round (users per round = population,
@@ -215,8 +215,8 @@ def audit_train_config(
     users in the one virtual client) behind `TrainJobConfig`'s testing flags, so an
     audit repeats exactly.
     """
-    return train_job.TrainJobConfig(
-        algorithm=train_job.DP_FEDEMB,
+    return job_config.TrainJobConfig(
+        algorithm=job_config.DP_FEDEMB,
         rounds=rounds,
         noise_multiplier=noise_multiplier,
         clip_norm=5.0,
@@ -266,7 +266,7 @@ class CanaryAuditResult:
 
 def run_canary_audit(
     population: canaries.CanaryPopulation,
-    config: train_job.TrainJobConfig,
+    config: job_config.TrainJobConfig,
     work_dir: str,
     guesses_per_side: int,
     confidence: float = 0.95,
@@ -281,7 +281,7 @@ def run_canary_audit(
     lowest, and converts the right guesses with `epsilon_lower_bound` at the ledger's δ.
     Needs a running TFF runtime or starts one (as `train_job.run_train_job`).
     """
-    if config.algorithm != train_job.DP_FEDEMB:
+    if config.algorithm != job_config.DP_FEDEMB:
         raise ValueError(f"the canary audit runs dp-fedemb, got {config.algorithm}")
     files = canaries.write_population(population, os.path.join(work_dir, "data"))
     result = train_job.run_train_job(

@@ -33,9 +33,9 @@ EVALUATION_FILE = "evaluation.json"
 def _comparison(
     model_dirs: dict[str, str], records_dir: str, num_resamples: int, confidence: float
 ) -> dict[str, dict]:
-    from tff_algorithms import train_job
+    from tff_algorithms import evaluation
 
-    return train_job.compare_saved_models(model_dirs, records_dir, num_resamples, confidence)
+    return evaluation.compare_saved_models(model_dirs, records_dir, num_resamples, confidence)
 
 
 def _far_key(far: float) -> str:

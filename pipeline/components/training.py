@@ -21,7 +21,7 @@ from tfx.types import standard_artifacts
 from pipeline.components import artifacts, layout
 
 if TYPE_CHECKING:  # imported lazily at run time: TFF is slow to import
-    from tff_algorithms import train_job
+    from tff_algorithms import job_outputs
 
 # File names inside the TrainingMetrics and PrivacyLedger artifacts.
 METRICS_FILE = "metrics.json"
@@ -47,10 +47,11 @@ def _run_job(
     pretrained_backbone: types.Artifact | None,
     runtime_config: str | None = None,
     budget_policy: str | None = None,
-) -> "train_job.TrainJobResult":
+) -> "job_outputs.TrainJobResult":
     from tff_algorithms import budget, runtime, train_job
+    from tff_algorithms.job_config import TrainJobConfig
 
-    config = train_job.TrainJobConfig.from_dict(json.loads(job_config))
+    config = TrainJobConfig.from_dict(json.loads(job_config))
     backbone_dir = layout.serving_model_dir(pretrained_backbone) if pretrained_backbone else None
     workers = None
     if runtime_config:
@@ -72,7 +73,7 @@ def _run_job(
 
 
 def _publish_model(
-    result: "train_job.TrainJobResult", model: types.Artifact, metrics: types.Artifact
+    result: "job_outputs.TrainJobResult", model: types.Artifact, metrics: types.Artifact
 ) -> None:
     """Moves the serving SavedModel where the Pusher looks, and copies metrics.json."""
     tf.io.gfile.rename(result.saved_model_dir, os.path.join(model.uri, layout.SERVING_MODEL_DIR))
@@ -143,10 +144,10 @@ def PretrainBackbone(
 def _check_schedule(job: dict, statistics: types.Artifact) -> None:
     """The partition's participation statistics must describe this training schedule."""
     from beam_jobs import schedule
-    from tff_algorithms import train_job
+    from tff_algorithms.job_config import AUTO
 
     planned = job["virtual_clients_per_round"]
-    if planned == train_job.AUTO:
+    if planned == AUTO:
         planned = schedule.largest_virtual_clients_per_round(
             statistics.get_int_custom_property("users"),
             job["users_per_virtual_client"],
@@ -175,12 +176,12 @@ def CheckTrainingSchedule(
     training split's users cannot carry the private schedule (a round they cannot fill,
     a target epsilon out of reach). Runs right after the split; dedup may still remove
     users, and the partition and the training step check again with the final count."""
-    from tff_algorithms import train_job
+    from tff_algorithms.job_config import TrainJobConfig
 
     del code_fingerprint
     users = examples.get_int_custom_property("users_train")
     try:
-        train_job.TrainJobConfig.from_dict(json.loads(train_job_config)).calibrated_for(users)
+        TrainJobConfig.from_dict(json.loads(train_job_config)).calibrated_for(users)
     except ValueError as e:
         raise ValueError(f"train: {e}") from None
 

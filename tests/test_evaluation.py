@@ -1,0 +1,49 @@
+"""Held-out evaluation: record reading, and a SavedModel scored as training scored it."""
+
+import dataclasses
+
+import pytest
+
+from tests import support
+from tff_algorithms import evaluation, train_job
+
+SYNTH = support.TRAIN_CLI_DATA
+HELD_OUT_IDENTITIES = SYNTH.identities - support.SMALL_JOB_TRAIN_IDENTITIES
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return support.write_partition_and_held_out(
+        tmp_path_factory.mktemp("data"), SYNTH, support.SMALL_JOB_TRAIN_IDENTITIES
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tff_runtime, data, tmp_path_factory):
+    config = dataclasses.replace(support.SMALL_JOB, rounds=1)
+    return train_job.run_train_job(config, *data, str(tmp_path_factory.mktemp("trained")))
+
+
+def test_serving_evaluation_matches_training_evaluation(trained, data):
+    result = evaluation.evaluate_saved_model(trained.saved_model_dir, data[1])
+    assert result["images"] == HELD_OUT_IDENTITIES * SYNTH.images_per_identity
+    assert result["identities"] == HELD_OUT_IDENTITIES
+    for far, recall in trained.recall_at_far.items():
+        assert result["recall_at_far"][far] == pytest.approx(recall, abs=1e-6)
+    assert len(result["roc"]["far"]) == len(result["roc"]["recall"])
+
+
+def test_a_model_compared_with_itself_differs_by_nothing(trained, data):
+    models = {"a": trained.saved_model_dir, "b": trained.saved_model_dir}
+    results = evaluation.compare_saved_models(models, data[1], num_resamples=20)
+    assert results["a"]["recall_at_far"] == results["b"]["recall_at_far"]
+    for far, versus in results["a"]["versus"]["b"].items():
+        assert versus["difference"] == 0.0, far
+        assert versus["interval"] == [0.0, 0.0], far
+
+
+def test_records_that_are_not_there_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="no TFRecord files found"):
+        evaluation.record_files(str(tmp_path / "missing-*"))
+    with pytest.raises(ValueError, match="neither TFRecords nor"):
+        evaluation.encoded_images(str(tmp_path))

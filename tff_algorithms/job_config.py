@@ -1,0 +1,487 @@
+"""The configuration of one training job, and the schedule and accounting it implies.
+
+`TrainJobConfig` holds a job's hyperparameters and validates each of them;
+`schedule_shape_for` / `schedule_for` give the virtual-client schedule a federated job
+trains with, and `accounting_spec_for` the accounting spec of that schedule. The job
+(`train_job.run_train_job`) takes its schedule and its accounting spec from here.
+
+delta: `TrainJobConfig.delta=None` resolves to N^-1.1 for N training users, which is
+below 1/N as (epsilon, delta)-DP needs (N=6800 gives 6.1e-5, N=10M gives 2e-8).
+
+Seeds: the schedule seed (which users form each round's virtual clients) and the noise
+seed come from OS entropy unless a testing flag allows a fixed one; neither is ever
+published (`public_dict`): sampling amplification assumes the sample is secret, and
+whoever knows the noise seed can subtract the noise. `seed` seeds only what is public
+anyway (the initial backbone, the local heads' initialisation, the oracle's shuffling)
+and says nothing about who trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from beam_jobs import schedule
+from tff_algorithms import accounting, client_work, dropouts, models
+
+DP_FEDEMB = "dp-fedemb"
+DP_FEDAVG = "dp-fedavg"
+DP_FTRL_FEDEMB = "dp-ftrl-fedemb"
+CENTRALIZED = "centralized"
+# The paper's EMNIST noise multiplier (appendix D), when neither it nor a target is given.
+DEFAULT_NOISE_MULTIPLIER = 0.62
+AUTO = schedule.AUTO
+ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, CENTRALIZED)
+
+# Never published (module docstring).
+_SECRET_FIELDS = ("schedule_seed", "noise_seed")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_number(name: str, value: Any, low: float, high: float, *, low_open: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    above_low = value > low if low_open else value >= low
+    if not (math.isfinite(value) and above_low and value < high):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g})"
+        raise ValueError(f"{name} must be finite and in {interval}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainJobConfig:
+    """Hyperparameters of one training job (defaults: paper, EMNIST small CNN, appendix D).
+
+    Attributes:
+      algorithm: one of `ALGORITHMS`.
+      rounds: training rounds (epochs for `centralized`).
+      noise_multiplier: z, noise std over the clip norm of one virtual client's update.
+        None: `DEFAULT_NOISE_MULTIPLIER` (the paper's EMNIST value), unless target_epsilon
+        is set.
+      target_epsilon: instead of noise_multiplier: the noise multiplier is calibrated when
+        the job starts, from the real number of training users (after dedup and
+        partition), to the smallest z whose planned schedule costs at most this epsilon at
+        `delta` (`calibrated_for`). The user count is treated as public, as the accounting
+        itself does. Giving both fields is an error.
+      clip_norm: γ, L2 clip of each virtual client's update.
+      users_per_virtual_client: k.
+      virtual_clients_per_round: M, also the fixed denominator of the aggregate; `auto`
+        (`AUTO`): the largest M the training users fill at users_per_virtual_client
+        (`schedule.largest_virtual_clients_per_round`), fixed with the noise when the job
+        starts (`calibrated_for`). A round then takes nearly every user (no sampling
+        amplification; the accountant charges for it): for small populations.
+      client_learning_rate: β1 (backbone); the head uses head_lr_scale·β1.
+      client_momentum: client SGD momentum (paper: 0.9).
+      server_learning_rate / server_momentum: server SGD with momentum (paper: 0.9).
+      head_lr_scale: β2 / β1 of the client's head; None: 100 for the DP-FedEmb variants
+        (paper, section 3.3) and 1 for DP-FedAvg, whose client trains backbone and global
+        head with one optimizer (paper, Alg. 2): at 100 the global head's update fills the
+        clipped delta and the backbone barely moves (BENCHMARKS.md, "Training").
+      head_init / class_means_norm: how each local head starts (`client_work.ClientConfig`):
+        `random` (the paper) or `class_means` (rows are the client's per-identity mean
+        unit embeddings under the received backbone, of norm class_means_norm). Local
+        heads only: DP-FedAvg's and the oracle's global head start from the model.
+      head_loss / head_loss_scale / head_loss_margin: the loss on every head's logits,
+        local, DP-FedAvg's and the oracle's (`client_work.HeadLossConfig`): `softmax`
+        (the paper), `cosface` or `arcface`; scale s and margin m apply to the last two.
+      local_epochs, batch_size, max_examples_per_client: local training (paper: 1, 32, 2048).
+      head_capacity: rows of the local head; None means users_per_virtual_client, exact
+        when every user holds one identity (faces). A round with examples beyond it stops
+        the job with an error naming this field.
+      architecture, embedding_size, image_size, channels: the backbone and its input.
+      trainable_layers: layer-name patterns of the backbone layers training updates
+        (`models.BackboneConfig.trainable_layers`); the others keep their initial
+        (pretrained) values and are neither aggregated nor noised.
+      delta: None resolves to N^-1.1 (module docstring).
+      evaluate_every: evaluate every this many rounds (0: only after the last).
+      seed: backbone initialisation, local-head initialisation and the centralized
+        oracle's shuffling. Public: none of it depends on which users train.
+      schedule_seed: which users form the virtual clients of each round; None draws one
+        from OS entropy when the job first runs and keeps it in OUTPUT/train_job.json
+        (production: sampling amplification assumes nobody knows the sample). A fixed
+        seed is refused unless `testing_fixed_schedule` is set.
+      testing_fixed_schedule: the explicit testing flag that allows a fixed
+        `schedule_seed`, to compare runs in tests and reproduce one; recorded in
+        metrics.json.
+      noise_seed: DP noise seed; None draws one from OS entropy (production). A fixed
+        seed makes the noise predictable (whoever guesses it can subtract the noise),
+        so it is refused unless `testing_fixed_noise` is set.
+      testing_fixed_noise: the explicit testing flag that allows a fixed `noise_seed`:
+        for tests and benchmarks only; recorded in metrics.json.
+      restart_every_epoch: DP-FTRL only: restart the noise tree every epoch.
+      max_epsilon: privacy budget; the job refuses to start when the planned rounds
+        would cost more. None: no budget.
+      over_selection: o; a round selects ceil(M(1 + o)) virtual clients and keeps the
+        first M that report. Accounting uses the selected set's sampling
+        (`tff_algorithms.dropouts`).
+      min_report_fraction: a round with fewer than ceil(f·M) reporting virtual clients
+        is retried with a fresh selection, never applied.
+      max_round_attempts: attempts per round before the job stops with an error.
+      max_local_steps / max_client_seconds: a virtual client needing more local steps
+        or wall-clock seconds is a straggler and is dropped (None: no limit).
+      failure_injection_rate: fraction of virtual clients made to fail their read, to
+        measure dropout robustness (tests and benchmarks only).
+    """
+
+    algorithm: str = DP_FEDEMB
+    rounds: int = 200
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    clip_norm: float = 1.0
+    users_per_virtual_client: int = 8
+    virtual_clients_per_round: int | str = 32
+    client_learning_rate: float = 5e-3
+    client_momentum: float = 0.9
+    server_learning_rate: float = 0.02
+    server_momentum: float = 0.9
+    head_lr_scale: float | None = None
+    head_init: str = client_work.HEAD_INIT_RANDOM
+    class_means_norm: float = client_work.ClientConfig.class_means_norm
+    head_loss: str = client_work.HeadLossConfig.loss
+    head_loss_scale: float = client_work.HeadLossConfig.scale
+    head_loss_margin: float = client_work.HeadLossConfig.margin
+    local_epochs: int = 1
+    batch_size: int = 32
+    max_examples_per_client: int = 2048
+    head_capacity: int | None = None
+    architecture: str = models.SMALL_CNN
+    embedding_size: int = 128
+    image_size: int = 28
+    channels: int = 1
+    delta: float | None = None
+    evaluate_every: int = 10
+    seed: int = 0
+    schedule_seed: int | None = None
+    testing_fixed_schedule: bool = False
+    noise_seed: int | None = None
+    testing_fixed_noise: bool = False
+    restart_every_epoch: bool = False
+    max_epsilon: float | None = None
+    over_selection: float = 0.0
+    min_report_fraction: float = 0.5
+    max_round_attempts: int = 3
+    max_local_steps: int | None = None
+    max_client_seconds: float | None = None
+    failure_injection_rate: float = 0.0
+    trainable_layers: tuple[str, ...] = models.ALL_LAYERS
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        for name in (
+            "rounds",
+            "users_per_virtual_client",
+            "local_epochs",
+            "batch_size",
+            "max_examples_per_client",
+            "embedding_size",
+            "image_size",
+            "max_round_attempts",
+        ):
+            _check_int(name, getattr(self, name), 1)
+        if isinstance(self.virtual_clients_per_round, str):
+            if self.virtual_clients_per_round != AUTO:
+                raise ValueError(
+                    f"virtual_clients_per_round must be an integer or {AUTO!r}, "
+                    f"got {self.virtual_clients_per_round!r}"
+                )
+        else:
+            _check_int("virtual_clients_per_round", self.virtual_clients_per_round, 1)
+        if self.max_local_steps is not None:
+            _check_int("max_local_steps", self.max_local_steps, 1)
+        if self.max_client_seconds is not None:
+            _check_number("max_client_seconds", self.max_client_seconds, 0, math.inf, low_open=True)
+        _check_number("over_selection", self.over_selection, 0, 100, low_open=False)
+        for name in ("min_report_fraction", "failure_injection_rate"):
+            value = getattr(self, name)
+            _check_number(name, value, 0, math.inf, low_open=False)
+            if value > 1:
+                raise ValueError(f"{name} must be a fraction in [0, 1], got {value}")
+        for name in ("evaluate_every", "seed"):
+            _check_int(name, getattr(self, name), 0)
+        if self.head_capacity is not None:
+            _check_int("head_capacity", self.head_capacity, 1)
+        for name in ("testing_fixed_noise", "testing_fixed_schedule"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.schedule_seed is not None:
+            _check_int("schedule_seed", self.schedule_seed, 0)
+            if not self.testing_fixed_schedule:
+                raise ValueError(
+                    "a fixed schedule_seed makes the sampled users predictable and is for tests "
+                    "only: production runs draw it from OS entropy; set testing_fixed_schedule "
+                    "(--testing-fixed-schedule) to use one"
+                )
+        if self.noise_seed is not None:
+            _check_int("noise_seed", self.noise_seed, 0)
+            if not self.testing_fixed_noise:
+                raise ValueError(
+                    "a fixed noise_seed makes the DP noise predictable and is for tests only: "
+                    "production runs draw it from OS entropy; set testing_fixed_noise "
+                    "(--testing-fixed-noise) to use one"
+                )
+        if self.channels not in (1, 3):
+            raise ValueError(f"channels must be 1 or 3, got {self.channels!r}")
+        self._resolve_noise()
+        if self.head_init not in client_work.HEAD_INITS:
+            raise ValueError(
+                f"head_init must be one of {client_work.HEAD_INITS}, got {self.head_init!r}"
+            )
+        for name in (
+            "clip_norm",
+            "client_learning_rate",
+            "server_learning_rate",
+            "class_means_norm",
+            "head_loss_scale",
+        ):
+            _check_number(name, getattr(self, name), 0, math.inf, low_open=True)
+        if self.head_lr_scale is not None:
+            _check_number("head_lr_scale", self.head_lr_scale, 0, math.inf, low_open=True)
+        _check_number("head_loss_margin", self.head_loss_margin, 0, math.pi / 2, low_open=False)
+        if self.head_loss not in client_work.HEAD_LOSSES:
+            raise ValueError(
+                f"head_loss must be one of {client_work.HEAD_LOSSES}, got {self.head_loss!r}"
+            )
+        for name in ("client_momentum", "server_momentum"):
+            _check_number(name, getattr(self, name), 0, 1, low_open=False)
+        if self.delta is not None:
+            _check_number("delta", self.delta, 0, 1, low_open=True)
+        if self.max_epsilon is not None:
+            _check_number("max_epsilon", self.max_epsilon, 0, math.inf, low_open=True)
+        if not isinstance(self.restart_every_epoch, bool):
+            raise ValueError(
+                f"restart_every_epoch must be a boolean, got {self.restart_every_epoch!r}"
+            )
+        if self.restart_every_epoch and self.algorithm != DP_FTRL_FEDEMB:
+            raise ValueError("restart_every_epoch applies only to dp-ftrl-fedemb")
+        if isinstance(self.trainable_layers, str) or not all(
+            isinstance(p, str) for p in self.trainable_layers
+        ):
+            raise ValueError(
+                f"trainable_layers must be a list of layer-name patterns, "
+                f"got {self.trainable_layers!r}"
+            )
+        # JSON gives lists; a tuple keeps the config hashable.
+        object.__setattr__(self, "trainable_layers", tuple(self.trainable_layers))
+        # Checks the architecture against the input size.
+        _ = self.backbone_config
+
+    def _resolve_noise(self) -> None:
+        if self.target_epsilon is None:
+            if self.noise_multiplier is None:
+                object.__setattr__(self, "noise_multiplier", DEFAULT_NOISE_MULTIPLIER)
+            _check_number("noise_multiplier", self.noise_multiplier, 0, math.inf, low_open=False)
+            return
+        _check_number("target_epsilon", self.target_epsilon, 0, math.inf, low_open=True)
+        if self.noise_multiplier is not None:
+            raise ValueError(
+                "give noise_multiplier or target_epsilon, not both: the noise multiplier is "
+                "calibrated for the target (set noise_multiplier to null)"
+            )
+        if self.algorithm == CENTRALIZED:
+            raise ValueError(
+                "target_epsilon applies to the private algorithms; centralized has no noise"
+            )
+        if self.max_epsilon is not None and self.target_epsilon > self.max_epsilon:
+            raise ValueError(
+                f"target_epsilon {self.target_epsilon:g} exceeds max_epsilon "
+                f"{self.max_epsilon:g}: lower the target or raise the budget"
+            )
+
+    def calibrated_for(self, num_users: int) -> tuple[TrainJobConfig, dict[str, Any]]:
+        """The job with its virtual clients per round (when `auto`) and its noise
+        multiplier fixed for `num_users` training users, and where that multiplier came
+        from (for metrics.json). Refuses, in one line, a schedule the users cannot fill.
+
+        With `target_epsilon`, the smallest z (within
+        `accounting.CALIBRATION_RELATIVE_TOLERANCE`) whose planned schedule costs at most
+        the target; the returned config carries that z and no target. A target that needs
+        z above the virtual clients per round is refused as out of reach.
+        """
+        if self.virtual_clients_per_round == AUTO:
+            largest = schedule.largest_virtual_clients_per_round(
+                num_users, self.users_per_virtual_client, float(self.over_selection)
+            )
+            resolved = dataclasses.replace(self, virtual_clients_per_round=largest)
+            config, source = resolved.calibrated_for(num_users)
+            return config, {**source, "virtual_clients_per_round": AUTO}
+        if self.algorithm != CENTRALIZED:
+            schedule_shape_for(self, num_users)  # one line when the users cannot fill a round
+        if self.target_epsilon is None:
+            return self, {"source": "configured", "noise_multiplier": self.noise_multiplier}
+        fixed = dataclasses.replace(self, noise_multiplier=1.0, target_epsilon=None)
+        spec = accounting_spec_for(fixed, num_users)
+        try:
+            noise = accounting.calibrate_noise_multiplier(spec, float(self.target_epsilon))
+        except accounting.TargetOutOfReach:
+            noise = math.inf
+        # Beyond z = M the noise on every coordinate of the averaged update exceeds the
+        # norm of the largest update a client may send: nothing would be learnt.
+        if noise > self.virtual_clients_per_round:
+            raise ValueError(
+                f"target_epsilon {self.target_epsilon:g} is out of reach for this schedule "
+                f"({num_users} training users, {spec.users_per_round} per round, "
+                f"{spec.rounds} rounds, delta {spec.delta:.3g}): it needs a noise multiplier "
+                f"of {noise:.4g}, above the {self.virtual_clients_per_round} virtual clients "
+                "per round that average it; raise the target or delta, or train on more "
+                "users, for fewer rounds or with fewer users per round"
+            )
+        return dataclasses.replace(fixed, noise_multiplier=noise), {
+            "source": "calibrated",
+            "target_epsilon": self.target_epsilon,
+            "training_users": num_users,
+            "noise_multiplier": noise,
+            "relative_tolerance": accounting.CALIBRATION_RELATIVE_TOLERANCE,
+        }
+
+    @property
+    def backbone_config(self) -> models.BackboneConfig:
+        return models.BackboneConfig(
+            self.architecture,
+            (self.image_size, self.image_size, self.channels),
+            self.embedding_size,
+            trainable_layers=self.trainable_layers,
+        )
+
+    @property
+    def resolved_head_lr_scale(self) -> float:
+        if self.head_lr_scale is not None:
+            return float(self.head_lr_scale)
+        if self.algorithm == DP_FEDAVG:
+            return 1.0
+        return client_work.ClientConfig.head_learning_rate_scale
+
+    @property
+    def head_loss_config(self) -> client_work.HeadLossConfig:
+        return client_work.HeadLossConfig(
+            self.head_loss, float(self.head_loss_scale), float(self.head_loss_margin)
+        )
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (self.image_size, self.image_size, self.channels)
+
+    @property
+    def private(self) -> bool:
+        if self.algorithm == CENTRALIZED:
+            return False
+        return self.target_epsilon is not None or self.noise_multiplier > 0
+
+    def client_config(self) -> client_work.ClientConfig:
+        return client_work.ClientConfig(
+            backbone_learning_rate=self.client_learning_rate,
+            head_learning_rate_scale=self.resolved_head_lr_scale,
+            momentum=self.client_momentum,
+            head_capacity=self.head_capacity or self.users_per_virtual_client,
+            epochs=self.local_epochs,
+            batch_size=self.batch_size,
+            max_examples=self.max_examples_per_client,
+            shuffle_buffer=self.max_examples_per_client,
+            head_seed=self.seed,
+            head_init=self.head_init,
+            class_means_norm=self.class_means_norm,
+            head_loss=self.head_loss_config,
+            max_local_steps=self.max_local_steps,
+            max_seconds=self.max_client_seconds,
+            failure_injection_rate=float(self.failure_injection_rate),
+        )
+
+    def report_policy(self) -> dropouts.ReportPolicy:
+        return dropouts.ReportPolicy(
+            self.virtual_clients_per_round,
+            float(self.over_selection),
+            float(self.min_report_fraction),
+            self.max_round_attempts,
+        )
+
+    def resolved_delta(self, num_users: int) -> float:
+        return self.delta if self.delta is not None else float(num_users) ** -1.1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def public_dict(self) -> dict[str, Any]:
+        """`to_dict` without the seeds (module docstring)."""
+        return {k: v for k, v in self.to_dict().items() if k not in _SECRET_FIELDS}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainJobConfig:
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown training config fields: {', '.join(unknown)}")
+        return cls(**values)
+
+
+def fresh_schedule_seed() -> int:
+    """A schedule seed from OS entropy, for production runs."""
+    return secrets.randbits(62)
+
+
+def schedule_shape_for(config: TrainJobConfig, num_users: int) -> schedule.ScheduleShape:
+    """The counts of a federated job's schedule over `num_users` users (no seed needed).
+
+    It selects `report_policy().selected_per_round` virtual clients per round (more
+    than planned when over-selecting), so the accounting spec built from its
+    participation statistics uses the selected set's sampling.
+    """
+    mode = schedule.EPOCH if config.algorithm == DP_FTRL_FEDEMB else schedule.SAMPLED
+    return schedule.ScheduleShape(
+        num_users,
+        config.users_per_virtual_client,
+        config.report_policy().selected_per_round,
+        mode,
+    )
+
+
+def schedule_for(
+    config: TrainJobConfig, num_users: int, schedule_seed: int | None = None
+) -> schedule.VirtualClientSchedule:
+    """The virtual-client schedule of a federated job over `num_users` users.
+
+    `schedule_seed`: the job's seed (`run_train_job` passes the one it resolved); None
+    takes `config.schedule_seed`, or draws a fresh one from OS entropy when that is None.
+    """
+    shape = schedule_shape_for(config, num_users)
+    if schedule_seed is None:
+        schedule_seed = (
+            config.schedule_seed if config.schedule_seed is not None else fresh_schedule_seed()
+        )
+    return schedule.VirtualClientSchedule(
+        shape.num_users,
+        shape.users_per_virtual_client,
+        shape.virtual_clients_per_round,
+        schedule_seed,
+        shape.mode,
+    )
+
+
+def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.AccountingSpec:
+    """The accounting spec of the planned job (centralized: every user every epoch, no noise)."""
+    if config.target_epsilon is not None:
+        raise ValueError("the noise multiplier is not calibrated yet: use config.calibrated_for")
+    delta = config.resolved_delta(num_users)
+    if config.algorithm == CENTRALIZED:
+        return accounting.AccountingSpec(num_users, num_users, config.rounds, 0.0, delta)
+    stats = schedule_shape_for(config, num_users).participation_stats(config.rounds)
+    is_tree = config.algorithm == DP_FTRL_FEDEMB
+    return accounting.AccountingSpec(
+        population=stats.sampling_units,
+        users_per_round=stats.units_per_round,
+        rounds=stats.rounds,
+        noise_multiplier=config.noise_multiplier,
+        delta=delta,
+        mechanism=accounting.Mechanism.DPFTRL if is_tree else accounting.Mechanism.DPSGD,
+        users_per_virtual_client=config.users_per_virtual_client,
+        restart_every_epoch=config.restart_every_epoch,
+        min_separation=stats.min_separation if is_tree and not config.restart_every_epoch else None,
+    )
