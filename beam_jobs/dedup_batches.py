@@ -77,7 +77,7 @@ def pixel_sha256(pixels: np.ndarray) -> str:
 
 def fingerprints(batch: list[bytes], max_shift: int) -> Fingerprints:
     records = [schema.parse(s) for s in batch]
-    pixels = [schema.decode_image(r.image) for r in records]
+    pixels = [schema.decode_validated_image(r.image) for r in records]
     thumbnails = np.stack([nd.thumbnail(p) for p in pixels])
     ids = [record_id(s) for s in batch]
     Metrics.counter(METRICS_NAMESPACE, "images").inc(len(batch))

@@ -105,7 +105,7 @@ def _sample_data(name: str):
 
 
 @functools.cache
-def _sources() -> dict[str, np.ndarray]:
+def sources() -> dict[str, np.ndarray]:
     """Source name -> uint8 HxW or HxWx3 array."""
     from sklearn.datasets import load_sample_image
 
@@ -143,7 +143,7 @@ def _tiles(size: int) -> list[Original]:
     source_margin = -(-margin * _TILE // size)
     stride = _TILE + 2 * source_margin
     originals = []
-    for source, image in _sources().items():
+    for source, image in sources().items():
         height, width = image.shape[:2]
         for row, top in enumerate(range(0, height - stride + 1, stride)):
             for column, left in enumerate(range(0, width - stride + 1, stride)):
