@@ -459,6 +459,18 @@ def check_config(path: str | None = None, overrides: Sequence[str] = ()) -> Pipe
     return config
 
 
+# TrainJobConfig annotations the light check understands (source text -> test).
+_LIGHT_TYPES = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "None": lambda v: v is None,
+}
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string"}
+
+
 def _check_train_light(values: Mapping[str, Any], key: str) -> None:
     """Unknown keys and non-finite numbers of a TrainJobConfig mapping, without TF."""
     _check_keys(values, key)
@@ -472,9 +484,18 @@ def _check_train_light(values: Mapping[str, Any], key: str) -> None:
                 f"unknown config key {key}.{_shown(unknown[0])} "
                 f"({_closest(unknown[0], list(known))}known: {', '.join(known)})"
             )
+    annotations = source_values.train_job_annotations()
     for name, value in values.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"config {key}.{name} must be finite, got {value!r}")
+        kinds = {part.strip() for part in annotations.get(name, "").split("|")}
+        if value is None or not kinds or not kinds <= set(_LIGHT_TYPES):
+            continue
+        if not any(_LIGHT_TYPES[kind](value) for kind in kinds):
+            wanted = " or ".join(_TYPE_WORDS[kind] for kind in sorted(kinds - {"None"}))
+            raise ValueError(
+                f"config {key}: {name} must be {wanted}, got {_shown(repr(value))[:80]}"
+            )
 
 
 def validate_light(config: PipelineConfig) -> None:

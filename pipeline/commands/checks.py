@@ -90,7 +90,9 @@ def _probe_writable(flag: str, path: str) -> None:
 
 def output_dir(flag: str, path: str, *, create: bool = True) -> None:
     """`path` is a writable directory, or is made one (with its parents) when `create`;
-    without `create` its nearest existing ancestor must be a directory."""
+    without `create` nothing is written and its nearest existing ancestor must be a
+    writable directory (`os.access`: exact for read-only mounts, not for root's
+    permission bits)."""
     _path_text(flag, path)
     if _is_remote(path):
         return
@@ -104,6 +106,8 @@ def output_dir(flag: str, path: str, *, create: bool = True) -> None:
             )
         if create:
             _probe_writable(flag, path)
+        elif not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"--{flag} {shown(path)} is not writable; give a writable directory")
         return
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
@@ -116,6 +120,10 @@ def output_dir(flag: str, path: str, *, create: bool = True) -> None:
             "made; give another path"
         )
     if not create:
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"--{flag} {shown(path)} cannot be made: {shown(parent)} is not writable"
+            )
         return
     try:
         os.makedirs(path, exist_ok=True)

@@ -62,9 +62,8 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     if flag_values["output"].value is not None and not flag_values["output"].value:
         raise ValueError("--output must not be empty")
     config = config_lib.check_config(flag_values["config"].value, _overrides(flag_values))
-    checks.output_dir(
-        "output", config.pipeline.output_dir, create=not flag_values["print-config"].value
-    )
+    # Checked, not made: the pipeline makes it (a refused run leaves nothing behind).
+    checks.output_dir("output", config.pipeline.output_dir, create=False)
 
 
 def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:

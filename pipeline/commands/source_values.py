@@ -158,3 +158,15 @@ def train_job_constant(name: str) -> Any:
     """A module-level constant of the module defining TrainJobConfig, or None."""
     module = _find_class("TrainJobConfig")
     return None if module is None else module_value(module, name)
+
+
+@functools.cache
+def train_job_annotations() -> dict[str, str]:
+    """TrainJobConfig's field annotations as source text (field -> e.g. 'float | None')."""
+    module = _find_class("TrainJobConfig")
+    body = (_class_body(module, "TrainJobConfig") if module else None) or []
+    return {
+        node.target.id: ast.unparse(node.annotation)
+        for node in body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
