@@ -154,6 +154,11 @@ def test_first_run_blesses_pushes_and_records_epsilon(first_run):
     )
     assert os.path.dirname(privacy.pushed_destination) == os.path.abspath(config.serving_dir)
     assert os.path.isfile(os.path.join(privacy.pushed_destination, "saved_model.pb"))
+    # Its model card beside it (pipeline/model_card.py), pointing at it.
+    with open(os.path.join(privacy.pushed_destination, "model_card.json")) as f:
+        card = json.load(f)
+    assert card["model_details"]["path"] == privacy.pushed_destination
+    assert os.path.isfile(os.path.join(privacy.pushed_destination, "model_card.html"))
     assert summary.pushed_to == privacy.pushed_destination and summary.epsilon == epsilon
     assert set(summary.recall_at_far) == {"0.1", "0.01", "0.001"}
     # Every recall with its bootstrap interval; the gain over the pretrained start paired.
@@ -244,6 +249,7 @@ def test_report_renders_in_headless_chromium(first_run, tmp_path):
         page = f.read()
     assert page.count("<img") >= 4 and "ROC" in page
     assert "gain over the pretrained start at FAR=0.01" in page and "bootstrap intervals" in page
+    assert '<p class="statement">' in page and "Model card:" in page
     screenshot = tmp_path / "report.png"
     subprocess.run(
         [
