@@ -26,11 +26,11 @@ import numpy as np
 
 from beam_jobs import partition, synthetic
 from tff_algorithms import (
-    client_work,
+    client_config,
     dropouts,
     job_config,
     job_outputs,
-    models,
+    model_config,
     recipes,
     runtime,
     train_job,
@@ -151,11 +151,11 @@ def run(out_dir: str, quick: bool) -> dict:
     data, public_dir, pretrained = prepare(work, sizes)
     # The paper's loss from a start pretrained with it (the same pretraining, softmax):
     # from the CosFace-pretrained start, softmax local training of every layer diverged.
-    pretrained_softmax = pretrain(work, sizes, public_dir, data[1], client_work.SOFTMAX)
+    pretrained_softmax = pretrain(work, sizes, public_dir, data[1], client_config.SOFTMAX)
     base = base_config(sizes)
     centralized = centralized_config(sizes, sizes["epochs"])
     configs = {"centralized": centralized}
-    softmax = {"head_loss": client_work.SOFTMAX}
+    softmax = {"head_loss": client_config.SOFTMAX}
     softmax_configs = {
         f"centralized {_SOFTMAX}": dataclasses.replace(centralized, **softmax),
     }
@@ -170,13 +170,13 @@ def run(out_dir: str, quick: bool) -> dict:
             base, noise_multiplier=noise, **softmax
         )
         configs[f"{_RANDOM_HEAD}@z={noise:g}"] = dataclasses.replace(
-            base, head_init=client_work.HEAD_INIT_RANDOM, noise_multiplier=noise
+            base, head_init=client_config.HEAD_INIT_RANDOM, noise_multiplier=noise
         )
     # "Federated without noise close to centralized": every layer, as the oracle trains,
     # server momentum 0.9, and three times the bench's rounds; with either loss.
     noiseless = dataclasses.replace(
         base,
-        trainable_layers=models.ALL_LAYERS,
+        trainable_layers=model_config.ALL_LAYERS,
         rounds=sizes["noiseless_rounds"],
         server_learning_rate=1.0,
         server_momentum=0.9,

@@ -15,19 +15,22 @@ from pipeline import config as config_lib
 from tests import support
 from tff_algorithms import (
     accounting,
+    client_config,
     client_data,
     client_work,
     dropouts,
     job_config,
+    model_config,
     models,
     processes,
+    report_policy,
     train_job,
 )
 from tff_algorithms import ledger as ledger_lib
 
-BACKBONE = models.BackboneConfig(models.SMALL_CNN, (28, 28, 1), embedding_size=8)
+BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 # One batch of 4 per healthy client; a straggler with 8 examples needs 2 steps.
-CONFIG = client_work.ClientConfig(
+CONFIG = client_config.ClientConfig(
     backbone_learning_rate=0.05, head_capacity=4, batch_size=4, max_local_steps=1
 )
 PLANNED = 10
@@ -194,7 +197,7 @@ def test_over_selection_keeps_the_first_planned_reports(no_noise):
 
 
 def test_a_round_below_the_minimum_is_retried_with_a_fresh_selection(no_noise):
-    policy = dropouts.ReportPolicy(PLANNED, min_report_fraction=0.5, max_attempts=3)
+    policy = report_policy.ReportPolicy(PLANNED, min_report_fraction=0.5, max_attempts=3)
     assert policy.min_reports == 5
     state = no_noise.initialize()
     selections = {0: _round(healthy=3, dropped=7), 1: _round(healthy=6, dropped=4)}
@@ -216,7 +219,7 @@ def test_a_round_below_the_minimum_is_retried_with_a_fresh_selection(no_noise):
 
 def _round_error(process, attempts, healthy, dropped):
     """The error of a round whose every attempt selects the same too-few healthy clients."""
-    policy = dropouts.ReportPolicy(PLANNED, min_report_fraction=0.5, max_attempts=attempts)
+    policy = report_policy.ReportPolicy(PLANNED, min_report_fraction=0.5, max_attempts=attempts)
     with pytest.raises(dropouts.RoundBelowMinimumReports) as raised:
         dropouts.run_round(
             process,
@@ -298,7 +301,9 @@ def test_dropouts_never_reduce_the_reported_epsilon():
     dropping = dataclasses.replace(
         JOB, failure_injection_rate=0.3, max_local_steps=1, max_client_seconds=5.0
     )
-    assert job_config.accounting_spec_for(dropping, 1000) == job_config.accounting_spec_for(JOB, 1000)
+    assert job_config.accounting_spec_for(dropping, 1000) == job_config.accounting_spec_for(
+        JOB, 1000
+    )
 
 
 @pytest.mark.parametrize(
@@ -402,7 +407,9 @@ def test_pipeline_config_accepts_the_dropout_settings():
         ],
     )
     job = job_config.TrainJobConfig.from_dict(config.train_job_dict())
-    assert job.report_policy() == dropouts.ReportPolicy(job.virtual_clients_per_round, 0.25, 0.6, 5)
+    assert job.report_policy() == report_policy.ReportPolicy(
+        job.virtual_clients_per_round, 0.25, 0.6, 5
+    )
     assert (job.max_local_steps, job.max_client_seconds, job.failure_injection_rate) == (
         40,
         30,

@@ -6,9 +6,9 @@ import numpy as np
 import tensorflow as tf
 from PIL import Image
 
-from tff_algorithms import client_work, export, models, processes
+from tff_algorithms import client_config, client_work, export, model_config, models, processes
 
-BACKBONE = models.BackboneConfig(models.SMALL_CNN, (28, 28, 1), embedding_size=8)
+BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 
 
 def _png(pixels: np.ndarray) -> bytes:
@@ -18,7 +18,7 @@ def _png(pixels: np.ndarray) -> bytes:
 
 
 def test_exported_embeddings_equal_the_tff_state_embeddings(tff_runtime, tmp_path):
-    config = client_work.ClientConfig(backbone_learning_rate=0.05, head_capacity=3, batch_size=4)
+    config = client_config.ClientConfig(backbone_learning_rate=0.05, head_capacity=3, batch_size=4)
     process = processes.build_dp_fedemb_process(
         BACKBONE,
         config,

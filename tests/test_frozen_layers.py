@@ -8,11 +8,19 @@ import pytest
 import tensorflow as tf
 
 from pipeline import config as pipeline_config
-from tff_algorithms import client_work, export, job_config, models, processes
+from tff_algorithms import (
+    client_config,
+    client_work,
+    export,
+    job_config,
+    model_config,
+    models,
+    processes,
+)
 
-FULL = models.BackboneConfig(models.SMALL_CNN, (28, 28, 1), embedding_size=8)
+FULL = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 NORMS_ONLY = dataclasses.replace(FULL, trainable_layers=("gn*",))
-CONFIG = client_work.ClientConfig(backbone_learning_rate=0.05, head_capacity=2, batch_size=4)
+CONFIG = client_config.ClientConfig(backbone_learning_rate=0.05, head_capacity=2, batch_size=4)
 
 
 def _client_dataset(seed):

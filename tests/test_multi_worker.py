@@ -16,7 +16,14 @@ from tensorflow_federated.python.core.impl.execution_contexts import (
 from beam_jobs import synthetic
 from pipeline import cli
 from tests import support
-from tff_algorithms import client_work, models, processes, runtime, train_job
+from tff_algorithms import (
+    client_work,
+    model_config,
+    processes,
+    runtime,
+    train_job,
+)
+from tff_algorithms.client_config import ClientConfig
 
 SYNTH = synthetic.SyntheticConfig(identities=36, images_per_identity=5, seed=7)
 TRAIN_IDENTITIES = 28  # identities (= users) 0..27 train, 28..35 held out
@@ -86,7 +93,7 @@ def test_two_workers_train_the_one_worker_weights(two_workers, data, tmp_path):
     )
 
 
-def _client_dataset(seed: int, identities: list[str], config: client_work.ClientConfig):
+def _client_dataset(seed: int, identities: list[str], config: ClientConfig):
     images = np.random.default_rng(seed).random((len(identities), 28, 28, 1), dtype=np.float32)
     examples = tf.data.Dataset.from_tensor_slices(
         {"image": images, "identity": np.array(identities)}
@@ -101,10 +108,8 @@ def test_noise_is_added_once_after_the_merge(two_workers):
     give independent draws summing to sqrt(2) z clip / M, or, with the same seed on
     both, 2 z clip / M; the test allows 3%.
     """
-    backbone = models.BackboneConfig(models.SMALL_CNN, (28, 28, 1), embedding_size=8)
-    client_config = client_work.ClientConfig(
-        backbone_learning_rate=0.05, head_capacity=3, batch_size=4
-    )
+    backbone = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
+    client_config = ClientConfig(backbone_learning_rate=0.05, head_capacity=3, batch_size=4)
     z, clip, planned = 2.0, 0.5, 4
     addresses = tuple(w.address for w in two_workers)
     with runtime.TffRuntime(runtime.RuntimeConfig(worker_addresses=addresses)):

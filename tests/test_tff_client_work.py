@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_algorithms import client_work, models
+from tff_algorithms import client_config, client_work, model_config, models
 
-BACKBONE = models.BackboneConfig(models.SMALL_CNN, (28, 28, 1), embedding_size=8)
-CONFIG = client_work.ClientConfig(
+BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
+CONFIG = client_config.ClientConfig(
     backbone_learning_rate=0.05,
     head_learning_rate_scale=10.0,
     head_capacity=4,
@@ -66,7 +66,7 @@ def _hand_computed_update(weights, images, identities, config, round_num=0):
     models.assign_backbone_weights(backbone, weights)
     keys = client_work.identity_keys(tf.constant(identities))
     vocabulary = tf.sort(tf.unique(keys).y)
-    if config.head_init == client_work.HEAD_INIT_CLASS_MEANS:
+    if config.head_init == client_config.HEAD_INIT_CLASS_MEANS:
         # Row j: the mean unit embedding of local identity j, rescaled to the row norm.
         unit = tf.math.l2_normalize(backbone(images, training=False), axis=1).numpy()
         codes = np.searchsorted(vocabulary.numpy(), keys.numpy())
@@ -114,7 +114,7 @@ def test_update_matches_hand_computed_sgd_with_head_lr_scale(fedemb_work, initia
         initial_weights,
         images,
         IDENTITIES,
-        client_work.ClientConfig(**{**CONFIG.__dict__, "head_learning_rate_scale": 1.0}),
+        client_config.ClientConfig(**{**CONFIG.__dict__, "head_learning_rate_scale": 1.0}),
     )
     _assert_differs(result.update, unscaled)
     assert result.update_weight == 1.0
@@ -149,7 +149,7 @@ def test_head_is_fresh_per_round_and_virtual_client(fedemb_work, initial_weights
 
 def test_class_means_head_matches_hand_computed_sgd(tff_runtime, initial_weights):
     config = dataclasses.replace(
-        CONFIG, head_init=client_work.HEAD_INIT_CLASS_MEANS, class_means_norm=3.0
+        CONFIG, head_init=client_config.HEAD_INIT_CLASS_MEANS, class_means_norm=3.0
     )
     work = _client_work(config)
     images = _images(4)
@@ -170,12 +170,12 @@ def test_class_means_head_matches_hand_computed_sgd(tff_runtime, initial_weights
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("loss", [client_work.COSFACE, client_work.ARCFACE])
+@pytest.mark.parametrize("loss", [client_config.COSFACE, client_config.ARCFACE])
 def test_margin_loss_update_matches_hand_computed_sgd(tff_runtime, initial_weights, loss):
     config = dataclasses.replace(
         CONFIG,
-        head_init=client_work.HEAD_INIT_CLASS_MEANS,
-        head_loss=client_work.HeadLossConfig(loss, scale=16.0, margin=0.2),
+        head_init=client_config.HEAD_INIT_CLASS_MEANS,
+        head_loss=client_config.HeadLossConfig(loss, scale=16.0, margin=0.2),
     )
     work = _client_work(config)
     images = _images(5)
@@ -186,7 +186,7 @@ def test_margin_loss_update_matches_hand_computed_sgd(tff_runtime, initial_weigh
     for got, want in zip(output.result[0].update, expected):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6)
     # The loss matters: softmax from the same start gives another update.
-    softmax = dataclasses.replace(config, head_loss=client_work.HeadLossConfig())
+    softmax = dataclasses.replace(config, head_loss=client_config.HeadLossConfig())
     other = _hand_computed_update(initial_weights, images, IDENTITIES, softmax)
     _assert_differs(output.result[0].update, other)
 
@@ -203,7 +203,7 @@ def test_non_finite_update_becomes_zero(fedemb_work, initial_weights):
 
 
 def test_identities_beyond_head_capacity_are_dropped_and_counted(tff_runtime, initial_weights):
-    config = client_work.ClientConfig(backbone_learning_rate=0.05, head_capacity=2, batch_size=4)
+    config = client_config.ClientConfig(backbone_learning_rate=0.05, head_capacity=2, batch_size=4)
     work = _client_work(config, tf.int64)
     identities = np.array(
         [30, 10, 20, 10, 30, 30], np.int64
@@ -228,9 +228,9 @@ def test_masked_rows_get_zero_probability():
     embeddings = tf.random.stateless_normal([5, 8], seed=[1, 2])
     kernel = tf.random.stateless_normal([8, 6], seed=[3, 4])
     labels = tf.constant([0, 1, 2, 0, 1])
-    for loss in client_work.HEAD_LOSSES:
+    for loss in client_config.HEAD_LOSSES:
         logits = client_work.head_logits(
-            embeddings, kernel, labels, client_work.HeadLossConfig(loss), 3
+            embeddings, kernel, labels, client_config.HeadLossConfig(loss), 3
         )
         probabilities = tf.nn.softmax(logits).numpy()
         assert np.all(probabilities[:, 3:] == 0.0)
@@ -248,14 +248,14 @@ def test_margin_logits_match_their_definitions():
     scale, margin = 16.0, 0.3
 
     cosface = client_work.head_logits(
-        embeddings, kernel, labels, client_work.HeadLossConfig("cosface", scale, margin)
+        embeddings, kernel, labels, client_config.HeadLossConfig("cosface", scale, margin)
     )
     np.testing.assert_allclose(
         cosface, scale * np.where(onehot, cosine - margin, cosine), rtol=1e-5, atol=1e-5
     )
 
     arcface = client_work.head_logits(
-        embeddings, kernel, labels, client_work.HeadLossConfig("arcface", scale, margin)
+        embeddings, kernel, labels, client_config.HeadLossConfig("arcface", scale, margin)
     )
     theta = np.arccos(np.clip(cosine, -1, 1))
     target = np.where(
@@ -267,12 +267,12 @@ def test_margin_logits_match_their_definitions():
         arcface, scale * np.where(onehot, target, cosine), rtol=1e-4, atol=1e-4
     )
 
-    softmax = client_work.head_logits(embeddings, kernel, labels, client_work.HeadLossConfig())
+    softmax = client_work.head_logits(embeddings, kernel, labels, client_config.HeadLossConfig())
     np.testing.assert_allclose(softmax, embeddings.numpy() @ kernel.numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_client_dataset_element_spec_and_cap():
-    config = client_work.ClientConfig(backbone_learning_rate=0.1, batch_size=4, max_examples=5)
+    config = client_config.ClientConfig(backbone_learning_rate=0.1, batch_size=4, max_examples=5)
     dataset = _client_dataset(_images(4), IDENTITIES, config)
     assert dataset.element_spec == client_work.client_element_spec(BACKBONE.image_shape)
     batches = list(dataset)
@@ -291,7 +291,7 @@ def test_client_dataset_element_spec_and_cap():
 )
 def test_nonsense_client_config_is_rejected(kwargs):
     with pytest.raises(ValueError):
-        client_work.ClientConfig(**kwargs)
+        client_config.ClientConfig(**kwargs)
 
 
 def test_identity_vocabulary_is_sorted_and_distinct():

@@ -5,9 +5,9 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import models
+from tff_algorithms import model_config, models
 
-SMALL = models.BackboneConfig(models.SMALL_CNN, (28, 28, 1), embedding_size=16)
+SMALL = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=16)
 
 
 def _assert_no_batch_norm(model):
@@ -36,9 +36,9 @@ def test_embedding_of_an_image_does_not_depend_on_the_rest_of_the_batch():
     np.testing.assert_allclose(alone, together, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("architecture", [models.MOBILENET_V2, models.RESNET50])
+@pytest.mark.parametrize("architecture", [model_config.MOBILENET_V2, model_config.RESNET50])
 def test_large_backbones_use_group_norm_and_run_on_one_batch(architecture):
-    config = models.BackboneConfig(architecture, (32, 32, 3), embedding_size=8)
+    config = model_config.BackboneConfig(architecture, (32, 32, 3), embedding_size=8)
     model = models.build_backbone(config, seed=0)
     _assert_no_batch_norm(model)
     embeddings = models.embed(model, tf.random.stateless_uniform([2, 32, 32, 3], seed=[3, 3]))
@@ -77,7 +77,7 @@ def test_pretrained_weights_file_round_trip(tmp_path):
 
 def test_pretrained_model_of_another_shape_is_rejected(tmp_path):
     other = models.build_backbone(
-        models.BackboneConfig(models.SMALL_CNN, (28, 28, 1), embedding_size=4)
+        model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=4)
     )
     path = str(tmp_path / "other_saved_model")
     other.save(path)
@@ -98,9 +98,9 @@ def test_backbone_weights_type_matches_the_model():
     [
         dict(architecture="vgg"),
         dict(embedding_size=0),
-        dict(architecture=models.RESNET50, image_shape=(28, 28, 3)),
+        dict(architecture=model_config.RESNET50, image_shape=(28, 28, 3)),
     ],
 )
 def test_nonsense_backbone_configs_are_rejected(kwargs):
     with pytest.raises(ValueError):
-        models.BackboneConfig(**kwargs)
+        model_config.BackboneConfig(**kwargs)

@@ -5,10 +5,10 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import aggregators, client_work, models, processes
+from tff_algorithms import aggregators, client_config, client_work, model_config, models, processes
 
-BACKBONE = models.BackboneConfig(models.SMALL_CNN, (28, 28, 1), embedding_size=8)
-CONFIG = client_work.ClientConfig(backbone_learning_rate=0.05, head_capacity=5, batch_size=4)
+BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
+CONFIG = client_config.ClientConfig(backbone_learning_rate=0.05, head_capacity=5, batch_size=4)
 
 
 def _client_dataset(seed, identities, client_id=None):

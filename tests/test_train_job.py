@@ -11,7 +11,13 @@ import pytest
 import tensorflow as tf
 
 from tests import support
-from tff_algorithms import accounting, client_work, job_config, job_outputs, train_job
+from tff_algorithms import (
+    accounting,
+    client_config,
+    job_config,
+    job_outputs,
+    train_job,
+)
 
 SYNTH = support.TRAIN_CLI_DATA
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES  # identities 32..39 are held out
@@ -126,7 +132,7 @@ def test_head_loss_reaches_local_heads_and_the_oracle(data, tmp_path):
     cosface = {"head_loss": "cosface", "head_loss_scale": 16.0, "head_loss_margin": 0.2}
     assert dataclasses.replace(
         CONFIG, **cosface
-    ).client_config().head_loss == client_work.HeadLossConfig("cosface", 16.0, 0.2)
+    ).client_config().head_loss == client_config.HeadLossConfig("cosface", 16.0, 0.2)
     oracle = dataclasses.replace(
         CONFIG, algorithm=job_config.CENTRALIZED, rounds=1, server_learning_rate=0.05
     )

@@ -43,7 +43,7 @@ import tensorflow_federated as tff
 from scipy import stats
 
 from beam_jobs import canaries
-from tff_algorithms import export, job_config, models, train_job
+from tff_algorithms import export, job_config, model_config, models, train_job
 
 
 def randomized_response_accuracy(epsilon: float) -> float:
@@ -162,7 +162,7 @@ def separation_scores(embeddings: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def membership_scores(
-    backbone_config: models.BackboneConfig,
+    backbone_config: model_config.BackboneConfig,
     initial: tff.learning.models.ModelWeights,
     trained: tff.learning.models.ModelWeights,
     canary_images: Sequence[np.ndarray],

@@ -17,7 +17,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from beam_jobs import schema
-from tff_algorithms import export, metrics, models
+from tff_algorithms import export, metrics, model_config, models
 
 _EMBED_BATCH = 256
 
@@ -90,7 +90,7 @@ class HeldOutEvaluator:
     models in graph mode, which invalidates eager Keras models made before them.
     """
 
-    def __init__(self, backbone_config: models.BackboneConfig, records: str) -> None:
+    def __init__(self, backbone_config: model_config.BackboneConfig, records: str) -> None:
         self.records = records
         self.labels = _identities(records)
         self._backbone_config = backbone_config

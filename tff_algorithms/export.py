@@ -12,7 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import models
+from tff_algorithms import model_config, models
 
 SIGNATURE = "serving_default"
 INPUT_KEY = "images"
@@ -29,7 +29,7 @@ def decode_image(encoded: tf.Tensor, image_shape: tuple[int, int, int]) -> tf.Te
 
 
 class _EmbeddingServer(tf.Module):
-    def __init__(self, backbone: tf.keras.Model, config: models.BackboneConfig) -> None:
+    def __init__(self, backbone: tf.keras.Model, config: model_config.BackboneConfig) -> None:
         super().__init__()
         self.backbone = backbone
         # By position, for `models.load_pretrained_backbone`.
@@ -47,7 +47,7 @@ class _EmbeddingServer(tf.Module):
 
 
 def export_serving_model(
-    backbone_config: models.BackboneConfig,
+    backbone_config: model_config.BackboneConfig,
     backbone_weights: tff.learning.models.ModelWeights,
     export_dir: str,
 ) -> str:

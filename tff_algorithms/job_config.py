@@ -27,7 +27,12 @@ from typing import Any
 import numpy as np
 
 from beam_jobs import schedule
-from tff_algorithms import accounting, client_work, dropouts, models
+from tff_algorithms import (
+    accounting,
+    client_config,
+    model_config,
+    report_policy,
+)
 
 DP_FEDEMB = "dp-fedemb"
 DP_FEDAVG = "dp-fedavg"
@@ -87,12 +92,12 @@ class TrainJobConfig:
         (paper, section 3.3) and 1 for DP-FedAvg, whose client trains backbone and global
         head with one optimizer (paper, Alg. 2): at 100 the global head's update fills the
         clipped delta and the backbone barely moves (BENCHMARKS.md, "Training").
-      head_init / class_means_norm: how each local head starts (`client_work.ClientConfig`):
+      head_init / class_means_norm: how each local head starts (`client_config.ClientConfig`):
         `random` (the paper) or `class_means` (rows are the client's per-identity mean
         unit embeddings under the received backbone, of norm class_means_norm). Local
         heads only: DP-FedAvg's and the oracle's global head start from the model.
       head_loss / head_loss_scale / head_loss_margin: the loss on every head's logits,
-        local, DP-FedAvg's and the oracle's (`client_work.HeadLossConfig`): `softmax`
+        local, DP-FedAvg's and the oracle's (`client_config.HeadLossConfig`): `softmax`
         (the paper), `cosface` or `arcface`; scale s and margin m apply to the last two.
       local_epochs, batch_size, max_examples_per_client: local training (paper: 1, 32, 2048).
       head_capacity: rows of the local head; None means users_per_virtual_client, exact
@@ -100,7 +105,7 @@ class TrainJobConfig:
         the job with an error naming this field.
       architecture, embedding_size, image_size, channels: the backbone and its input.
       trainable_layers: layer-name patterns of the backbone layers training updates
-        (`models.BackboneConfig.trainable_layers`); the others keep their initial
+        (`model_config.BackboneConfig.trainable_layers`); the others keep their initial
         (pretrained) values and are neither aggregated nor noised.
       delta: None resolves to N^-1.1 (module docstring).
       evaluate_every: evaluate every this many rounds (0: only after the last).
@@ -145,16 +150,16 @@ class TrainJobConfig:
     server_learning_rate: float = 0.02
     server_momentum: float = 0.9
     head_lr_scale: float | None = None
-    head_init: str = client_work.HEAD_INIT_RANDOM
-    class_means_norm: float = client_work.ClientConfig.class_means_norm
-    head_loss: str = client_work.HeadLossConfig.loss
-    head_loss_scale: float = client_work.HeadLossConfig.scale
-    head_loss_margin: float = client_work.HeadLossConfig.margin
+    head_init: str = client_config.HEAD_INIT_RANDOM
+    class_means_norm: float = client_config.ClientConfig.class_means_norm
+    head_loss: str = client_config.HeadLossConfig.loss
+    head_loss_scale: float = client_config.HeadLossConfig.scale
+    head_loss_margin: float = client_config.HeadLossConfig.margin
     local_epochs: int = 1
     batch_size: int = 32
     max_examples_per_client: int = 2048
     head_capacity: int | None = None
-    architecture: str = models.SMALL_CNN
+    architecture: str = model_config.SMALL_CNN
     embedding_size: int = 128
     image_size: int = 28
     channels: int = 1
@@ -173,7 +178,7 @@ class TrainJobConfig:
     max_local_steps: int | None = None
     max_client_seconds: float | None = None
     failure_injection_rate: float = 0.0
-    trainable_layers: tuple[str, ...] = models.ALL_LAYERS
+    trainable_layers: tuple[str, ...] = model_config.ALL_LAYERS
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -233,9 +238,9 @@ class TrainJobConfig:
         if self.channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {self.channels!r}")
         self._resolve_noise()
-        if self.head_init not in client_work.HEAD_INITS:
+        if self.head_init not in client_config.HEAD_INITS:
             raise ValueError(
-                f"head_init must be one of {client_work.HEAD_INITS}, got {self.head_init!r}"
+                f"head_init must be one of {client_config.HEAD_INITS}, got {self.head_init!r}"
             )
         for name in (
             "clip_norm",
@@ -248,9 +253,9 @@ class TrainJobConfig:
         if self.head_lr_scale is not None:
             _check_number("head_lr_scale", self.head_lr_scale, 0, math.inf, low_open=True)
         _check_number("head_loss_margin", self.head_loss_margin, 0, math.pi / 2, low_open=False)
-        if self.head_loss not in client_work.HEAD_LOSSES:
+        if self.head_loss not in client_config.HEAD_LOSSES:
             raise ValueError(
-                f"head_loss must be one of {client_work.HEAD_LOSSES}, got {self.head_loss!r}"
+                f"head_loss must be one of {client_config.HEAD_LOSSES}, got {self.head_loss!r}"
             )
         for name in ("client_momentum", "server_momentum"):
             _check_number(name, getattr(self, name), 0, 1, low_open=False)
@@ -345,8 +350,8 @@ class TrainJobConfig:
         }
 
     @property
-    def backbone_config(self) -> models.BackboneConfig:
-        return models.BackboneConfig(
+    def backbone_config(self) -> model_config.BackboneConfig:
+        return model_config.BackboneConfig(
             self.architecture,
             (self.image_size, self.image_size, self.channels),
             self.embedding_size,
@@ -359,11 +364,11 @@ class TrainJobConfig:
             return float(self.head_lr_scale)
         if self.algorithm == DP_FEDAVG:
             return 1.0
-        return client_work.ClientConfig.head_learning_rate_scale
+        return client_config.ClientConfig.head_learning_rate_scale
 
     @property
-    def head_loss_config(self) -> client_work.HeadLossConfig:
-        return client_work.HeadLossConfig(
+    def head_loss_config(self) -> client_config.HeadLossConfig:
+        return client_config.HeadLossConfig(
             self.head_loss, float(self.head_loss_scale), float(self.head_loss_margin)
         )
 
@@ -377,8 +382,8 @@ class TrainJobConfig:
             return False
         return self.target_epsilon is not None or self.noise_multiplier > 0
 
-    def client_config(self) -> client_work.ClientConfig:
-        return client_work.ClientConfig(
+    def client_config(self) -> client_config.ClientConfig:
+        return client_config.ClientConfig(
             backbone_learning_rate=self.client_learning_rate,
             head_learning_rate_scale=self.resolved_head_lr_scale,
             momentum=self.client_momentum,
@@ -396,8 +401,8 @@ class TrainJobConfig:
             failure_injection_rate=float(self.failure_injection_rate),
         )
 
-    def report_policy(self) -> dropouts.ReportPolicy:
-        return dropouts.ReportPolicy(
+    def report_policy(self) -> report_policy.ReportPolicy:
+        return report_policy.ReportPolicy(
             self.virtual_clients_per_round,
             float(self.over_selection),
             float(self.min_report_fraction),

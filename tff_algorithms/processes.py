@@ -33,16 +33,17 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import aggregators, client_work, models
+from tff_algorithms import aggregators, client_work, model_config, models
+from tff_algorithms.client_config import ClientConfig, HeadLossConfig
 
-_SOFTMAX_LOSS = client_work.HeadLossConfig()
+_SOFTMAX_LOSS = HeadLossConfig()
 
 
-def _backbone_fn(config: models.BackboneConfig) -> Callable[[], tf.keras.Model]:
+def _backbone_fn(config: model_config.BackboneConfig) -> Callable[[], tf.keras.Model]:
     return lambda: models.build_backbone(config)
 
 
-def _initial_backbone_weights_fn(config: models.BackboneConfig, seed: int) -> tff.Computation:
+def _initial_backbone_weights_fn(config: model_config.BackboneConfig, seed: int) -> tff.Computation:
     @tff.tensorflow.computation
     def initial_weights():
         model = models.build_backbone(config, seed)
@@ -55,7 +56,7 @@ def _initial_backbone_weights_fn(config: models.BackboneConfig, seed: int) -> tf
 
 
 def _initial_fedavg_weights_fn(
-    config: models.BackboneConfig, seed: int, num_identities: int
+    config: model_config.BackboneConfig, seed: int, num_identities: int
 ) -> tff.Computation:
     @tff.tensorflow.computation
     def initial_weights():
@@ -97,8 +98,8 @@ def _compose(
 
 
 def build_fedemb_process(
-    backbone_config: models.BackboneConfig,
-    client_config: client_work.ClientConfig,
+    backbone_config: model_config.BackboneConfig,
+    client_config: ClientConfig,
     aggregator_factory: tff.aggregators.UnweightedAggregationFactory,
     server_optimizer: tff.learning.optimizers.Optimizer,
     *,
@@ -130,8 +131,8 @@ def _server_sgdm(learning_rate: float, momentum: float) -> tff.learning.optimize
 
 
 def build_dp_fedemb_process(
-    backbone_config: models.BackboneConfig,
-    client_config: client_work.ClientConfig,
+    backbone_config: model_config.BackboneConfig,
+    client_config: ClientConfig,
     *,
     noise_multiplier: float,
     clip: float,
@@ -161,8 +162,8 @@ def build_dp_fedemb_process(
 
 
 def build_dp_ftrl_fedemb_process(
-    backbone_config: models.BackboneConfig,
-    client_config: client_work.ClientConfig,
+    backbone_config: model_config.BackboneConfig,
+    client_config: ClientConfig,
     *,
     noise_multiplier: float,
     clip: float,
@@ -204,8 +205,8 @@ def build_dp_ftrl_fedemb_process(
 
 
 def build_fedavg_process(
-    backbone_config: models.BackboneConfig,
-    client_config: client_work.ClientConfig,
+    backbone_config: model_config.BackboneConfig,
+    client_config: ClientConfig,
     identity_vocabulary: np.ndarray,
     aggregator_factory: tff.aggregators.UnweightedAggregationFactory,
     server_optimizer: tff.learning.optimizers.Optimizer,
@@ -234,8 +235,8 @@ def build_fedavg_process(
 
 
 def build_dp_fedavg_process(
-    backbone_config: models.BackboneConfig,
-    client_config: client_work.ClientConfig,
+    backbone_config: model_config.BackboneConfig,
+    client_config: ClientConfig,
     identity_vocabulary: np.ndarray,
     *,
     noise_multiplier: float,
@@ -269,7 +270,7 @@ def build_dp_fedavg_process(
 def compose_with_client_loader(
     process: tff.learning.templates.LearningProcess,
     load_examples: Callable[[tf.Tensor], tf.data.Dataset],
-    client_config: client_work.ClientConfig,
+    client_config: ClientConfig,
     expected_examples: Callable[[tf.Tensor], tf.Tensor] | None = None,
     seed_name: Callable[[tf.Tensor], tf.Tensor] | None = None,
 ) -> tff.learning.templates.LearningProcess:
@@ -328,14 +329,14 @@ class CentralizedTrainer:
 
     def __init__(
         self,
-        backbone_config: models.BackboneConfig,
+        backbone_config: model_config.BackboneConfig,
         identity_vocabulary: np.ndarray,
         *,
         learning_rate: float,
         batch_size: int = 32,
         momentum: float = 0.9,
         shuffle_buffer: int = 10_000,
-        head_loss: client_work.HeadLossConfig = _SOFTMAX_LOSS,
+        head_loss: HeadLossConfig = _SOFTMAX_LOSS,
         seed: int = 0,
         initial_backbone: tff.learning.models.ModelWeights | None = None,
     ) -> None:
@@ -384,7 +385,7 @@ class CentralizedTrainer:
 
 
 def train_centralized(
-    backbone_config: models.BackboneConfig,
+    backbone_config: model_config.BackboneConfig,
     examples: tf.data.Dataset,
     identity_vocabulary: np.ndarray,
     *,
@@ -393,7 +394,7 @@ def train_centralized(
     batch_size: int = 32,
     momentum: float = 0.9,
     shuffle_buffer: int = 10_000,
-    head_loss: client_work.HeadLossConfig = _SOFTMAX_LOSS,
+    head_loss: HeadLossConfig = _SOFTMAX_LOSS,
     seed: int = 0,
 ) -> tuple[tf.keras.Model, np.ndarray, list[float]]:
     """Non-private oracle in one call (`CentralizedTrainer` for checkpointed runs).

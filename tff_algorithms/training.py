@@ -41,6 +41,7 @@ import tensorflow_federated as tff
 from absl import logging
 
 from tff_algorithms import dropouts
+from tff_algorithms.report_policy import ReportPolicy
 
 CHECKPOINT_PREFIX = "round_"
 
@@ -165,7 +166,7 @@ def train(
     evaluate: Callable[[Any, int], Mapping[str, Any]] | None = None,
     initial_state: Any = None,
     on_round: Callable[[Mapping[str, Any], Any], None] | None = None,
-    report_policy: dropouts.ReportPolicy | None = None,
+    report_policy: ReportPolicy | None = None,
 ) -> tuple[TrainingResult, Ledger]:
     """Runs (or resumes) training until `config.total_rounds` rounds are done.
 

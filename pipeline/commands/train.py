@@ -390,9 +390,9 @@ def help_defaults() -> dict[str, str]:
 # module defining TrainJobConfig).
 _CHOICES = {
     "algorithm": (None, "ALGORITHMS"),
-    "head-init": ("client_work", "HEAD_INITS"),
-    "head-loss": ("client_work", "HEAD_LOSSES"),
-    "architecture": ("models", "ARCHITECTURES"),
+    "head-init": ("client_config", "HEAD_INITS"),
+    "head-loss": ("client_config", "HEAD_LOSSES"),
+    "architecture": ("model_config", "ARCHITECTURES"),
 }
 _POSITIVE_INTS = (
     "rounds",

@@ -1,0 +1,55 @@
+"""How many virtual clients a round selects, how many it needs, and how often it is
+retried (`dropouts` applies the policy). No TensorFlow at import."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportPolicy:
+    """How many virtual clients a round selects, needs, and how often it is retried.
+
+    Attributes:
+      virtual_clients_per_round: M, the planned number (the aggregator's denominator).
+      over_selection: o >= 0; the round selects ceil(M * (1 + o)) virtual clients.
+      min_report_fraction: a round is applied only if at least ceil(f * M) virtual
+        clients are kept; 0 applies every round.
+      max_attempts: attempts per round, the first included.
+    """
+
+    virtual_clients_per_round: int
+    over_selection: float = 0.0
+    min_report_fraction: float = 0.0
+    max_attempts: int = 1
+
+    def __post_init__(self) -> None:
+        if self.virtual_clients_per_round < 1:
+            raise ValueError(
+                f"virtual_clients_per_round must be >= 1, got {self.virtual_clients_per_round}"
+            )
+        if not (math.isfinite(self.over_selection) and self.over_selection >= 0):
+            raise ValueError(f"over_selection must be >= 0, got {self.over_selection}")
+        if not 0 <= self.min_report_fraction <= 1:
+            raise ValueError(
+                f"min_report_fraction must be in [0, 1], got {self.min_report_fraction}"
+            )
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+    @property
+    def selected_per_round(self) -> int:
+        # The rounding guard keeps e.g. 10 * 1.1 at 11, not 12.
+        return math.ceil(self.virtual_clients_per_round * (1 + self.over_selection) - 1e-9)
+
+    @property
+    def min_reports(self) -> int:
+        return math.ceil(self.virtual_clients_per_round * self.min_report_fraction - 1e-9)
+
+    @property
+    def max_reports(self) -> int | None:
+        """Reports to keep: M when over-selecting, else None (keep every report)."""
+        if self.selected_per_round > self.virtual_clients_per_round:
+            return self.virtual_clients_per_round
+        return None
