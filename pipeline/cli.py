@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
+from pipeline import console
 from pipeline.commands import checks
 
 # Subcommand name -> module implementing it.
@@ -106,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if hasattr(command, "check"):
             command.check(flag_values, rest[1:])
-        return int(command.run(flag_values, rest[1:]) or 0)
+        with console.QuietStderr():
+            return int(command.run(flag_values, rest[1:]) or 0)
     except (ValueError, OSError) as e:
         message = _one_line(str(e)) if str(e) else type(e).__name__
         print(f"dp-fedemb {name}: error: {checks.shown(message)}", file=sys.stderr)

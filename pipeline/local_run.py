@@ -30,7 +30,7 @@ from tfx import v1 as tfx
 from tfx.orchestration import pipeline as tfx_pipeline
 
 from pipeline import config as config_lib
-from pipeline import definition, lineage
+from pipeline import console, definition, lineage
 from pipeline.components import artifacts, evaluation, reporting
 
 
@@ -80,8 +80,12 @@ def _progress_logging(handler: ComponentProgress | None) -> Iterator[None]:
     previous = (absl_logging.get_verbosity(), absl_logger.propagate)
     warnings_handler = logging.StreamHandler(sys.stderr)
     warnings_handler.setLevel(logging.WARNING)
+    log_file_handler = console.LogFileHandler()
+    # Warnings reach the log through stderr already.
+    log_file_handler.addFilter(lambda record: record.levelno < logging.WARNING)
     absl_logger.addHandler(handler)
     absl_logger.addHandler(warnings_handler)
+    absl_logger.addHandler(log_file_handler)
     absl_logger.propagate = False
     absl_logging.set_verbosity(absl_logging.INFO)
     try:
@@ -89,6 +93,7 @@ def _progress_logging(handler: ComponentProgress | None) -> Iterator[None]:
     finally:
         absl_logging.set_verbosity(previous[0])
         absl_logger.propagate = previous[1]
+        absl_logger.removeHandler(log_file_handler)
         absl_logger.removeHandler(warnings_handler)
         absl_logger.removeHandler(handler)
 
@@ -176,6 +181,7 @@ def run_pipeline(
     output_dir = os.path.abspath(config.pipeline.output_dir)
     os.makedirs(output_dir, exist_ok=True)
     with _only_run_in(output_dir):
+        console.keep_log_in(output_dir, "run")
         pipeline = definition.build_pipeline(
             config, metadata_connection_config=definition.local_metadata_config(config)
         )

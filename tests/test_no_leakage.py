@@ -164,7 +164,7 @@ def _artifact_dirs(store, type_names: tuple[str, ...]) -> list[str]:
 
 
 def test_pipeline_artifacts_and_metadata_leak_nothing(tiny_pipeline_first_run):
-    config, summary, store = tiny_pipeline_first_run
+    config, summary, store, _ = tiny_pipeline_first_run
     output_dir = os.path.abspath(config.pipeline.output_dir)
     data_dirs = _artifact_dirs(store, ("Examples", artifacts.VirtualClientPartition.TYPE_NAME))
     [partition_dir] = _artifact_dirs(store, (artifacts.VirtualClientPartition.TYPE_NAME,))

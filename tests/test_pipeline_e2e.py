@@ -22,8 +22,9 @@ from ml_metadata.metadata_store import metadata_store
 from ml_metadata.proto import metadata_store_pb2
 
 from pipeline import config as config_lib
-from pipeline import definition, lineage, local_run
+from pipeline import console, definition, lineage, local_run
 from pipeline.components import artifacts
+from tests import support
 
 pytestmark = pytest.mark.slow
 
@@ -96,12 +97,23 @@ COMPLETE = metadata_store_pb2.Execution.COMPLETE
 
 
 def run_first_pipeline(output_dir: str):
-    """The first run on TINY data: (config, run summary, MLMD store). conftest's
-    session fixture `tiny_pipeline_first_run` calls it once for every module using it."""
+    """The first run on TINY data, through the command line as a user runs it: (config,
+    run summary, MLMD store, the command's CompletedProcess). conftest's session fixture
+    `tiny_pipeline_first_run` calls it once for every module using it."""
     config = _config(output_dir)
-    summary = local_run.run_pipeline(config, progress=None)
+    config_path = os.path.join(os.path.dirname(output_dir), "tiny-config.json")
+    with open(config_path, "w") as f:
+        json.dump(config.to_dict(), f)
+    process = subprocess.run(
+        [support.CONSOLE_SCRIPT, "run", "--config", config_path],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert process.returncode == 0, process.stderr[-5000:]
+    summary = local_run.summarize(config)
     store = metadata_store.MetadataStore(definition.local_metadata_config(config))
-    return config, summary, store
+    return config, summary, store, process
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +122,7 @@ def first_run(tiny_pipeline_first_run):
 
 
 def test_first_run_blesses_pushes_and_records_epsilon(first_run):
-    config, summary, store = first_run
+    config, summary, store, _ = first_run
     for node, state in _states(store, COMPONENTS, 0).items():
         assert state == COMPLETE, node
     # Typed artifacts in ML Metadata.
@@ -186,8 +198,32 @@ def test_first_run_blesses_pushes_and_records_epsilon(first_run):
     assert os.path.isfile(summary.report_path)
 
 
+def test_first_run_shows_only_the_products_lines(first_run):
+    """`dp-fedemb run` prints component progress, each training round and the summary;
+    the libraries' noise goes to the full log only, and nothing at all to stderr."""
+    config, _, _, process = first_run
+    assert process.stderr == ""
+    lines = process.stdout.splitlines()
+    assert not [line for line in lines if console.is_noise(line)]
+    assert "Traceback" not in process.stdout and "Warning" not in process.stdout
+    rounds = config.train_job_dict()["rounds"]
+    for step in (definition.PRETRAIN, definition.PRIVATE_TRAIN, definition.REPORT):
+        assert any(f"] {step}: done in " in line for line in lines), step
+    assert any(
+        line.startswith(f"{definition.PRIVATE_TRAIN} round {rounds}/{rounds}  ") and "ε " in line
+        for line in lines
+    )
+    # The full log holds what the console left out.
+    [log_path] = [line.split(" full log in ", 1)[1] for line in lines if " full log in " in line]
+    assert os.path.dirname(log_path) == os.path.join(config.pipeline.output_dir, console.LOG_DIR)
+    with open(log_path) as f:
+        logged = f.read().splitlines()
+    assert any(console.is_noise(line) for line in logged)
+    assert any(f"Component {definition.PRIVATE_TRAIN} is running" in line for line in logged)
+
+
 def test_unchanged_reruns_reuse_cached_results(first_run):
-    config, _, store = first_run
+    config, _, store, _ = first_run
     local_run.run_pipeline(config, progress=None)
     for node, state in _states(store, UPSTREAM_OF_EVALUATION, 1).items():
         assert state == CACHED, node
@@ -202,7 +238,7 @@ def test_unchanged_reruns_reuse_cached_results(first_run):
 
 
 def test_partial_run_over_budget_is_not_blessed_or_pushed(first_run):
-    config, _, store = first_run
+    config, _, store, _ = first_run
     serving = os.path.abspath(config.serving_dir)
     pushed_before = sorted(os.listdir(serving))
     seen = {e.id for executions in _executions_by_node(store).values() for e in executions}
@@ -244,7 +280,7 @@ def test_report_renders_in_headless_chromium(first_run, tmp_path):
     browser = _chromium()
     if browser is None:
         pytest.skip("chromium is not installed (apt-get install -y chromium)")
-    _, summary, _ = first_run
+    _, summary, _, _ = first_run
     with open(summary.report_path) as f:
         page = f.read()
     assert page.count("<img") >= 4 and "ROC" in page

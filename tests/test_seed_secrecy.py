@@ -217,7 +217,7 @@ def test_pipeline_draws_the_schedule_seed_in_private_train_and_metadata_holds_no
 ):
     from tests import test_pipeline_e2e
 
-    config, _, store = tiny_pipeline_first_run
+    config, _, store, _ = tiny_pipeline_first_run
     # Other tests may have run the same pipeline again (cached or partial re-runs).
     executions = test_pipeline_e2e._executions_by_node(store)[definition.PRIVATE_TRAIN]
     assert executions

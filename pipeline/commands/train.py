@@ -23,6 +23,7 @@ from typing import Any
 
 from absl import flags
 
+from pipeline import console
 from pipeline.commands import checks, source_values
 from tff_algorithms import recipes
 
@@ -240,21 +241,6 @@ def prepare_data(
     return prepared
 
 
-def _print_progress(total_rounds: int):
-    def progress(record: Mapping[str, Any]) -> None:
-        epsilon = record["epsilon"]
-        parts = [
-            f"round {record['round']}/{total_rounds}",
-            f"{record['round_seconds']:.2f}s",
-            f"epsilon {epsilon:.4g}" if epsilon != float("inf") else "epsilon inf (non-private)",
-        ]
-        if "eval" in record:
-            parts.append(f"recall@FAR=1e-3 {record['eval']['recall_at_far']['0.001']:.4f}")
-        print("  ".join(parts), file=sys.stderr, flush=True)
-
-    return progress
-
-
 def _config_values(value: Mapping[str, Any]) -> dict[str, Any]:
     """The TrainJobConfig fields given on the command line (others keep their defaults)."""
     given = {field: value[name] for name, field in _CONFIG_FLAGS.items() if value[name] is not None}
@@ -321,7 +307,7 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         prepared.validation_dir,
         value["output"],
         value["pretrained"],
-        progress=_print_progress(config.rounds),
+        progress=console.RoundProgress(config.rounds, stream=sys.stderr),
         budget=budget_policy,
     )
     summary = {
@@ -514,5 +500,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     finally:
         if stop is not None:
             stop()
+        if os.path.isdir(value["output"]):
+            console.keep_log_in(value["output"], "train")
     print(json.dumps(summary, sort_keys=True))
     return 0

@@ -18,6 +18,7 @@ from tfx import types
 from tfx import v1 as tfx
 from tfx.types import standard_artifacts
 
+from pipeline import console
 from pipeline.components import artifacts, layout
 
 if TYPE_CHECKING:  # imported lazily at run time: TFF is slow to import
@@ -40,6 +41,7 @@ def _work_dir(output: types.Artifact, *keys: str) -> str:
 
 
 def _run_job(
+    component: str,
     job_config: str,
     partition_dir: str,
     eval_records: str,
@@ -69,6 +71,8 @@ def _run_job(
         pretrained_backbone=backbone_dir,
         runtime_config=workers,
         budget=budget.BudgetPolicy(**json.loads(budget_policy)) if budget_policy else None,
+        # Each round on the console as it ends (`dp-fedemb run`) or in the task's log.
+        progress=console.RoundProgress(config.rounds, label=component),
     )
 
 
@@ -129,6 +133,7 @@ def PretrainBackbone(
             beam_args=json.loads(beam_args),
         )
     result = _run_job(
+        "PretrainBackbone",
         train_job_config,
         public_partition,
         layout.split_dir(examples, splits.VALIDATION),
@@ -232,6 +237,7 @@ def PrivateTrain(
         keys.append(pretrained_backbone.uri)
     work_dir = _work_dir(model, *keys)
     result = _run_job(
+        "PrivateTrain",
         train_job_config,
         partition.uri,
         layout.split_dir(examples, splits.VALIDATION),

@@ -1,0 +1,87 @@
+"""pipeline/console.py: the libraries' known noise leaves the console for the full log,
+everything else still reaches the user; round progress lines."""
+
+import io
+import os
+import subprocess
+import sys
+import warnings
+
+from pipeline import console
+
+NOISE = (
+    "2026-11-25 15:19:01.517459: E tensorflow/compiler/xla/stream_executor/cuda/"
+    "cuda_dnn.cc:9342] Unable to register cuDNN factory: Attempting to register factory "
+    "for plugin cuDNN when one has already been registered"
+)
+UNKNOWN = "E0000 something nobody has seen before: disk full"
+
+
+def test_known_noise_goes_to_the_log_and_everything_else_to_the_console(tmp_path, capfd):
+    with console.QuietStderr() as quiet:
+        # Written by a child process that inherited descriptor 2, as C++ and workers do.
+        subprocess.run(
+            [sys.executable, "-c", f"import sys; print({NOISE!r}, file=sys.stderr)"], check=True
+        )
+        os.write(2, f"{UNKNOWN}\n".encode())
+        warnings.warn("a library's FutureWarning", FutureWarning, stacklevel=1)
+        console.keep_log_in(str(tmp_path), "test")
+        os.write(2, b"ArtifactQuery.property_predicate is not supported.\n")
+    captured = capfd.readouterr()
+    assert captured.err == f"{UNKNOWN}\n"
+    assert captured.out == f"dp-fedemb test: full log in {quiet.log_path}\n"
+    assert os.path.dirname(quiet.log_path) == str(tmp_path / console.LOG_DIR)
+    logged = open(quiet.log_path).read()
+    # Before and after the log's directory was known, in order.
+    for before, after in ((NOISE, UNKNOWN), (UNKNOWN, "FutureWarning"), ("Future", "Artifact")):
+        assert logged.index(before) < logged.index(after)
+    os.write(2, b"after the command\n")  # descriptor 2 is the console again
+    assert capfd.readouterr().err == "after the command\n"
+
+
+def test_verbose_shows_everything(monkeypatch, capfd):
+    monkeypatch.setenv(console.VERBOSE_ENV, "1")
+    with console.QuietStderr():
+        os.write(2, f"{NOISE}\n".encode())
+    assert capfd.readouterr().err == f"{NOISE}\n"
+
+
+def test_nested_filters_are_one(capfd):
+    with console.QuietStderr() as outer, console.QuietStderr() as inner:
+        assert inner is outer
+        os.write(2, f"{NOISE}\n{UNKNOWN}\n".encode())
+    assert capfd.readouterr().err == f"{UNKNOWN}\n"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _record(round_number: int, seconds: float, epsilon: float, recall=None) -> dict:
+    record = {"round": round_number, "round_seconds": seconds, "epsilon": epsilon}
+    if recall is not None:
+        record["eval"] = {"recall_at_far": {"0.001": recall}}
+    return record
+
+
+def test_round_progress_lines_piped_and_on_a_terminal():
+    piped = io.StringIO()
+    progress = console.RoundProgress(4, label="PrivateTrain", stream=piped)
+    progress(_record(1, 30.0, 1.5, recall=0.25))
+    progress(_record(2, 10.0, 2.25))
+    lines = piped.getvalue().splitlines()
+    # The last recall carries over; 2 rounds left at the mean of 30 s and 10 s.
+    assert lines == [
+        "PrivateTrain round 1/4  30.00s  ε 1.5  recall@FAR=1e-3 0.2500  1m30s left",
+        "PrivateTrain round 2/4  10.00s  ε 2.25  recall@FAR=1e-3 0.2500  40s left",
+    ]
+    terminal = _Terminal()
+    progress = console.RoundProgress(2, stream=terminal)
+    progress(_record(1, 1.0, float("inf")))
+    progress(_record(2, 1.0, float("inf")))
+    # One line rewritten in place, ended after the last round.
+    assert terminal.getvalue() == (
+        "\r\x1b[Kround 1/2  1.00s  ε inf (non-private)  1s left"
+        "\r\x1b[Kround 2/2  1.00s  ε inf (non-private)  0s left\n"
+    )
