@@ -137,17 +137,16 @@ def output_dir(flag: str, path: str, *, create: bool = True) -> None:
 
 def output_file(flag: str, path: str) -> None:
     """`path` is a file that can be written: not a directory, and its directory exists
-    or can be made."""
+    or is made."""
     _path_text(flag, path)
     if _is_remote(path):
         return
     _resolves(flag, path)
     if os.path.isdir(path):
         raise ValueError(f"--{flag} {shown(path)} is a directory; give a file name")
-    directory = os.path.dirname(os.path.abspath(path))
-    output_dir(flag, directory, create=False)
-    if os.path.isdir(directory):
-        _probe_writable(flag, directory)
+    # Its directory is made now (the command would make it next): what cannot be made
+    # (e.g. under /proc, where `os.access` says yes) is refused before any work.
+    output_dir(flag, os.path.dirname(os.path.abspath(path)))
 
 
 def input_path(flag: str, path: str, kind: str = "any") -> None:

@@ -327,7 +327,7 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
 
 # What a None (unset) TrainJobConfig field means, for --help.
 _UNSET_MEANS = {
-    "noise_multiplier": "unset: --target-epsilon calibrates it, or with neither {z}",
+    "noise_multiplier": "{z}",
     "target_epsilon": "unset",
     "head_lr_scale": "100, dp-fedavg 1",
     "head_capacity": "users per virtual client",
@@ -356,7 +356,9 @@ def help_defaults() -> dict[str, str]:
         per_recipe = {}
         for name in recipes.RECIPES:
             values = recipes.recipe(name)
-            if field in values:
+            if field == "noise_multiplier" and values.get("target_epsilon") is not None:
+                per_recipe[name] = f"calibrated for --target-epsilon {values['target_epsilon']}"
+            elif field in values:
                 per_recipe[name] = _default_text(field, values[field])
             elif field in library:
                 per_recipe[name] = _default_text(field, library[field])
