@@ -51,6 +51,11 @@ def metadata_path(config: config_lib.PipelineConfig) -> str:
     return os.path.join(os.path.abspath(config.pipeline.output_dir), "metadata.sqlite")
 
 
+def tensorboard_dir(config: config_lib.PipelineConfig) -> str:
+    """`tensorboard --logdir` this: one run per training execution."""
+    return os.path.join(os.path.abspath(config.pipeline.output_dir), "tensorboard")
+
+
 def _code(component_factory) -> str:
     return fingerprint.code_fingerprint(component_factory.__module__)
 
@@ -130,6 +135,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
             train_job_config=json.dumps(config.pretrain_job_dict(), sort_keys=True),
             num_shards=config.partition.num_shards,
             beam_args=beam_args,
+            tensorboard_dir=tensorboard_dir(config),
             code_fingerprint=_code(training.PretrainBackbone),
         ).with_id(PRETRAIN)
         components.append(pretrain)
@@ -150,6 +156,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         train_job_config=json.dumps(train_job, sort_keys=True),
         runtime_config=json.dumps(dataclasses.asdict(config.runtime), sort_keys=True),
         budget_policy=json.dumps(config.budget_policy_dict(), sort_keys=True),
+        tensorboard_dir=tensorboard_dir(config),
         code_fingerprint=_code(training.PrivateTrain),
     ).with_id(PRIVATE_TRAIN)
     baseline_resolver = tfx.dsl.Resolver(

@@ -222,6 +222,41 @@ def test_first_run_shows_only_the_products_lines(first_run):
     assert any(f"Component {definition.PRIVATE_TRAIN} is running" in line for line in logged)
 
 
+def _scalars(run_dir: str) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} of the TensorBoard event files in run_dir."""
+    import tensorflow as tf
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in tf.io.gfile.glob(os.path.join(run_dir, "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                number = float(tf.make_ndarray(value.tensor))
+                scalars.setdefault(value.tag, {})[event.step] = number
+    return scalars
+
+
+def test_tensorboard_shows_each_training_round(first_run):
+    config, _, store, _ = first_run
+    root = definition.tensorboard_dir(config)
+    [private_run] = os.listdir(os.path.join(root, definition.PRIVATE_TRAIN))
+    scalars = _scalars(os.path.join(root, definition.PRIVATE_TRAIN, private_run))
+    rounds = config.train_job_dict()["rounds"]
+    steps = list(range(1, rounds + 1))
+    for tag in ("privacy/epsilon", "privacy/noise_multiplier", "time/round_seconds"):
+        assert sorted(scalars[tag]) == steps, tag
+    assert sorted(scalars["validation/recall_at_far_0.001"]) == steps  # evaluate_every 1
+    assert any(tag.startswith("operations/") for tag in scalars)
+    # The last round's epsilon is the model's (its PrivacyLedger's in ML Metadata).
+    ledger = min(store.get_artifacts_by_type(artifacts.PrivacyLedger.TYPE_NAME), key=lambda a: a.id)
+    assert scalars["privacy/epsilon"][rounds] == pytest.approx(
+        ledger.custom_properties["epsilon"].double_value
+    )
+    # Pretraining is non-private: no privacy scalars, but its rounds and recall.
+    [pretrain_run] = os.listdir(os.path.join(root, definition.PRETRAIN))
+    pretrain = _scalars(os.path.join(root, definition.PRETRAIN, pretrain_run))
+    assert "privacy/epsilon" not in pretrain and "validation/recall_at_far_0.001" in pretrain
+
+
 def test_unchanged_reruns_reuse_cached_results(first_run):
     config, _, store, _ = first_run
     local_run.run_pipeline(config, progress=None)

@@ -51,6 +51,7 @@ from tff_algorithms import (
     models,
     processes,
     runtime,
+    tensorboard_rounds,
     training,
 )
 from tff_algorithms import budget as budget_lib
@@ -282,6 +283,20 @@ def _train_centralized(inputs: JobInputs) -> JobOutcome:
     return JobOutcome(models.backbone_weights(trainer.backbone), ledger, history, start)
 
 
+def _each_round(
+    *callbacks: Callable[[Mapping[str, Any]], None] | None,
+) -> Callable[[Mapping[str, Any]], None] | None:
+    given = [callback for callback in callbacks if callback is not None]
+    if not given:
+        return None
+
+    def each_round(record: Mapping[str, Any]) -> None:
+        for callback in given:
+            callback(record)
+
+    return each_round
+
+
 def run_train_job(
     config: TrainJobConfig,
     partition_dir: str,
@@ -292,6 +307,7 @@ def run_train_job(
     progress: Callable[[Mapping[str, Any]], None] | None = None,
     runtime_config: runtime.RuntimeConfig | None = None,
     budget: budget_lib.BudgetPolicy | None = None,
+    tensorboard_dir: str | None = None,
 ) -> TrainJobResult:
     """Trains (or resumes) one job and writes its outputs (module docstring).
 
@@ -308,6 +324,7 @@ def run_train_job(
       budget: the cross-run budget of the training users (`budget.charge_run`): the job
         is charged its planned schedule before training, or refused. None: no
         cross-run budget (`max_epsilon` still bounds this run alone).
+      tensorboard_dir: where each round's scalars go (`tensorboard_rounds`), or None.
 
     Raises:
       ValueError: bad input (not a partition, no evaluation records, too few users for a
@@ -336,6 +353,13 @@ def run_train_job(
         charge = budget_lib.charge_run(
             budget, budget_lib.dataset_fingerprint(user_ids), len(user_ids), claimed.run_id, spec
         )
+    board = None
+    if tensorboard_dir is not None:
+        # The calibrated noise multiplier: the mechanism as trained.
+        board = tensorboard_rounds.TensorBoardRounds(
+            tensorboard_dir,
+            {"noise_multiplier": config.noise_multiplier, "clip_norm": config.clip_norm},
+        )
     inputs = JobInputs(
         config,
         partition_dir,
@@ -345,7 +369,7 @@ def run_train_job(
         evaluator,
         job_outputs.make_checkpoint_dir(output_dir),
         pretrained,
-        progress,
+        _each_round(progress, board),
     )
     if config.algorithm == CENTRALIZED:
         outcome = _train_centralized(inputs)
@@ -363,6 +387,8 @@ def run_train_job(
             finally:
                 if owns_runtime:
                     runtime.stop()
+    if board is not None:
+        board.close()
     facts = job_outputs.JobFacts(
         noise_source, planned, eval_records, evaluator.labels, len(user_ids), charge
     )

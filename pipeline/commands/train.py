@@ -309,6 +309,7 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         value["pretrained"],
         progress=console.RoundProgress(config.rounds, stream=sys.stderr),
         budget=budget_policy,
+        tensorboard_dir=os.path.join(value["output"], "tensorboard"),
     )
     summary = {
         key: result.metrics[key]

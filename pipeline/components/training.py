@@ -40,6 +40,11 @@ def _work_dir(output: types.Artifact, *keys: str) -> str:
     return os.path.join(component_root, ".work", key)
 
 
+def _tensorboard_run(tensorboard_dir: str, component: str, output: types.Artifact) -> str:
+    # One TensorBoard run per execution: OUTPUT/tensorboard/<component>/execution-<id>.
+    return os.path.join(tensorboard_dir, component, f"execution-{os.path.basename(output.uri)}")
+
+
 def _run_job(
     component: str,
     job_config: str,
@@ -47,6 +52,7 @@ def _run_job(
     eval_records: str,
     work_dir: str,
     pretrained_backbone: types.Artifact | None,
+    tensorboard_dir: str,
     runtime_config: str | None = None,
     budget_policy: str | None = None,
 ) -> "job_outputs.TrainJobResult":
@@ -73,6 +79,7 @@ def _run_job(
         budget=budget.BudgetPolicy(**json.loads(budget_policy)) if budget_policy else None,
         # Each round on the console as it ends (`dp-fedemb run`) or in the task's log.
         progress=console.RoundProgress(config.rounds, label=component),
+        tensorboard_dir=tensorboard_dir,
     )
 
 
@@ -113,6 +120,7 @@ def PretrainBackbone(
     train_job_config: tfx.dsl.components.Parameter[str],
     num_shards: tfx.dsl.components.Parameter[int],
     beam_args: tfx.dsl.components.Parameter[str],
+    tensorboard_dir: tfx.dsl.components.Parameter[str],
     code_fingerprint: tfx.dsl.components.Parameter[str],
 ) -> None:
     """Non-private (centralized) training on the public split only.
@@ -139,6 +147,7 @@ def PretrainBackbone(
         layout.split_dir(examples, splits.VALIDATION),
         work_dir,
         pretrained_backbone=None,
+        tensorboard_dir=_tensorboard_run(tensorboard_dir, "PretrainBackbone", backbone),
     )
     _publish_model(result, backbone, training_metrics)
     layout.remove_tree(work_dir)
@@ -202,6 +211,7 @@ def PrivateTrain(
     train_job_config: tfx.dsl.components.Parameter[str],
     runtime_config: tfx.dsl.components.Parameter[str],
     budget_policy: tfx.dsl.components.Parameter[str],
+    tensorboard_dir: tfx.dsl.components.Parameter[str],
     code_fingerprint: tfx.dsl.components.Parameter[str],
     pretrained_backbone: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
 ) -> None:
@@ -243,6 +253,7 @@ def PrivateTrain(
         layout.split_dir(examples, splits.VALIDATION),
         work_dir,
         pretrained_backbone,
+        _tensorboard_run(tensorboard_dir, "PrivateTrain", model),
         runtime_config,
         budget_policy,
     )
