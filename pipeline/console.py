@@ -220,3 +220,9 @@ class RoundProgress:
         else:
             stream.write(text + "\n")
         stream.flush()
+
+
+def note(text: str) -> None:
+    """One indented line of what a pipeline component found (records read, copies
+    removed, users scheduled), printed before its "[i/n] ... done" line."""
+    print(f"    {text}", flush=True)

@@ -213,6 +213,9 @@ def test_first_run_shows_only_the_products_lines(first_run):
         line.startswith(f"{definition.PRIVATE_TRAIN} round {rounds}/{rounds}  ") and "ε " in line
         for line in lines
     )
+    # What the data steps found, in words.
+    for found in ("    read ", "    train: removed ", " training users; "):
+        assert any(found in line for line in lines), found
     # The full log holds what the console left out.
     [log_path] = [line.split(" full log in ", 1)[1] for line in lines if " full log in " in line]
     assert os.path.dirname(log_path) == os.path.join(config.pipeline.output_dir, console.LOG_DIR)

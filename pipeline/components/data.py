@@ -13,6 +13,7 @@ from tensorflow_metadata.proto.v0 import anomalies_pb2
 from tfx import v1 as tfx
 from tfx.types import standard_artifacts
 
+from pipeline import console
 from pipeline.components import artifacts, layout
 
 _STAGING = "_staging"
@@ -87,6 +88,12 @@ def CanonicalExampleGen(
         examples.set_int_custom_property("public_bad_inputs", summaries["ingest_public"]["bad"])
     for split in config.splits:
         examples.set_int_custom_property(f"users_{split}", split_summary["users"][split])
+    read = [f"{ingest_summary['records']:,} private images"]
+    if public_dir is not None:
+        read.append(f"{summaries['ingest_public']['records']:,} public")
+    bad = ingest_summary["bad"] + summaries.get("ingest_public", {}).get("bad", 0)
+    users = ", ".join(f"{split} {split_summary['users'][split]:,}" for split in config.splits)
+    console.note(f"read {' + '.join(read)} ({bad:,} bad inputs skipped); users: {users}")
 
 
 def _anomalies_found(anomalies: standard_artifacts.ExampleAnomalies) -> list[str]:
@@ -158,6 +165,11 @@ def DeduplicateSplits(
         dedup_report.set_float_custom_property(
             f"{name}_max_removed_fraction", part["max_removed_fraction"]
         )
+        console.note(
+            f"{part['candidate_split']}: removed {part['removed_exact']:,} exact and "
+            f"{part['removed_near']:,} near copies of {part['reference_splits']} images, "
+            f"kept {part['kept']:,} of {part['candidate_records']:,}"
+        )
 
 
 @tfx.dsl.components.component
@@ -205,6 +217,11 @@ def PartitionVirtualClients(
         overwrite=True,
     )
     partition.set_int_custom_property("users", stats.users)
+    console.note(
+        f"{stats.users:,} training users; {stats.rounds} rounds of "
+        f"{stats.virtual_clients_per_round} virtual clients x {stats.users_per_virtual_client} "
+        f"users; each user in at most {stats.max_participations} rounds"
+    )
     for name, value in stats.to_dict().items():
         if isinstance(value, int):
             schedule_statistics.set_int_custom_property(name, value)
