@@ -3,7 +3,7 @@ measured in the same run, because the benchmark machines are shared and noisy.
 
 Sections (all DP-FedEmb, small CNN on 28x28 faces-like users: one identity each):
 - `federation_overhead`: TFF round time vs a tuned plain TensorFlow loop doing the same
-  local steps (the same client graph and training loop, `client_work._LocalTrainer` on
+  local steps (the same client graph and training loop, `local_training.LocalTrainer` on
   the same tf.data pipeline, one `tf.function` per virtual client called from a thread
   pool, clipping, sum and server step in TensorFlow), at 8, 32 and 128 virtual clients
   per round. TFF and plain rounds alternate so that load changes hit both. Wall time and
@@ -263,13 +263,13 @@ class _PlainLoop:
     def __init__(self, setting: _Setting, initial_weights) -> None:  # noqa: ANN001
         import tensorflow as tf
 
-        from tff_algorithms import client_data, client_work, models
+        from tff_algorithms import client_data, client_work, local_training, models
 
         config, client_config = setting.config, setting.client_config
         self._ids = setting.ids
         self._clip = config.clip_norm
         self._clients = config.virtual_clients_per_round
-        trainer = client_work._LocalTrainer(
+        trainer = local_training.LocalTrainer(
             lambda: models.build_backbone(config.backbone_config), client_config, None
         )
         image_shape = config.image_shape
@@ -513,7 +513,7 @@ def _flops(spec: dict) -> dict:
     """FLOPs of one local step (profiler, checked analytically) and measured peaks."""
     import tensorflow as tf
 
-    from tff_algorithms import client_work, models
+    from tff_algorithms import local_training, models
 
     config = _train_config(spec["flops_clients_per_round"], spec["users_per_virtual_client"])
     client_config = config.client_config()
@@ -524,10 +524,10 @@ def _flops(spec: dict) -> dict:
 
     def loss_and_grads(images, labels):  # noqa: ANN001, ANN202
         with tf.GradientTape() as tape:
-            logits = client_work.head_logits(
+            logits = local_training.head_logits(
                 backbone(images, training=True), head, labels, client_config.head_loss
             )
-            loss = client_work.head_loss(logits, labels, tf.ones_like(labels, tf.bool))
+            loss = local_training.head_loss(logits, labels, tf.ones_like(labels, tf.bool))
         return loss, tape.gradient(loss, variables)
 
     image_spec = tf.TensorSpec([batch, *config.image_shape], tf.float32)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_algorithms import client_config, client_work, model_config, models
+from tff_algorithms import client_config, client_work, local_training, model_config, models
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 CONFIG = client_config.ClientConfig(
@@ -64,7 +64,7 @@ def _hand_computed_update(weights, images, identities, config, round_num=0):
     """Plain eager SGD on the backbone (β1) and local head (β2) over the same batches."""
     backbone = models.build_backbone(BACKBONE)
     models.assign_backbone_weights(backbone, weights)
-    keys = client_work.identity_keys(tf.constant(identities))
+    keys = local_training.identity_keys(tf.constant(identities))
     vocabulary = tf.sort(tf.unique(keys).y)
     if config.head_init == client_config.HEAD_INIT_CLASS_MEANS:
         # Row j: the mean unit embedding of local identity j, rescaled to the row norm.
@@ -76,23 +76,23 @@ def _hand_computed_update(weights, images, identities, config, round_num=0):
             head[:, code] = config.class_means_norm * mean / np.linalg.norm(mean)
         head = tf.constant(head)
     else:
-        seed = client_work.local_head_seed(
+        seed = local_training.local_head_seed(
             config.head_seed, round_num, client_work.client_seed_from_id(tf.constant(CLIENT_ID))
         )
         head = models.initial_head_kernel(seed, BACKBONE.embedding_size, config.head_capacity)
     theta = [tf.constant(w) for w in weights.trainable]
     for start in range(0, len(identities), config.batch_size):
         batch_keys = keys[start : start + config.batch_size]
-        labels, usable = client_work.labels_in_vocabulary(
+        labels, usable = local_training.labels_in_vocabulary(
             batch_keys, vocabulary, config.head_capacity
         )
         with tf.GradientTape() as tape:
             tape.watch(head)
             embeddings = backbone(images[start : start + config.batch_size], training=True)
-            logits = client_work.head_logits(
+            logits = local_training.head_logits(
                 embeddings, head, labels, config.head_loss, tf.size(vocabulary)
             )
-            loss = client_work.head_loss(logits, labels, usable)
+            loss = local_training.head_loss(logits, labels, usable)
         grads, head_grad = tape.gradient(loss, (backbone.trainable_weights, head))
         for variable, grad in zip(backbone.trainable_weights, grads):
             variable.assign_sub(config.backbone_learning_rate * grad)
@@ -140,7 +140,7 @@ def test_head_is_fresh_per_round_and_virtual_client(fedemb_work, initial_weights
     first = fedemb_work.next(state, [initial_weights], [_client_dataset(images, IDENTITIES)])
     second = fedemb_work.next(first.state, [initial_weights], [_client_dataset(images, IDENTITIES)])
     assert not np.allclose(first.result[0].update[-1], second.result[0].update[-1])
-    seed = client_work.local_head_seed
+    seed = local_training.local_head_seed
     kernel = models.initial_head_kernel
     assert np.array_equal(kernel(seed(5, 0, 1), 8, 4), kernel(seed(5, 0, 1), 8, 4))
     for other in (seed(5, 1, 1), seed(5, 0, 2), seed(6, 0, 1)):
@@ -217,7 +217,7 @@ def test_identities_beyond_head_capacity_are_dropped_and_counted(tff_runtime, in
 
 def test_labels_are_ranks_among_the_clients_identities():
     vocabulary = tf.constant([10, 20, 30], tf.int64)
-    labels, usable = client_work.labels_in_vocabulary(
+    labels, usable = local_training.labels_in_vocabulary(
         tf.constant([30, 10, 25, 99, 20], tf.int64), vocabulary, 3
     )
     np.testing.assert_array_equal(usable, [True, True, False, False, True])
@@ -229,7 +229,7 @@ def test_masked_rows_get_zero_probability():
     kernel = tf.random.stateless_normal([8, 6], seed=[3, 4])
     labels = tf.constant([0, 1, 2, 0, 1])
     for loss in client_config.HEAD_LOSSES:
-        logits = client_work.head_logits(
+        logits = local_training.head_logits(
             embeddings, kernel, labels, client_config.HeadLossConfig(loss), 3
         )
         probabilities = tf.nn.softmax(logits).numpy()
@@ -247,14 +247,14 @@ def test_margin_logits_match_their_definitions():
     onehot = np.eye(3)[labels.numpy()] > 0
     scale, margin = 16.0, 0.3
 
-    cosface = client_work.head_logits(
+    cosface = local_training.head_logits(
         embeddings, kernel, labels, client_config.HeadLossConfig("cosface", scale, margin)
     )
     np.testing.assert_allclose(
         cosface, scale * np.where(onehot, cosine - margin, cosine), rtol=1e-5, atol=1e-5
     )
 
-    arcface = client_work.head_logits(
+    arcface = local_training.head_logits(
         embeddings, kernel, labels, client_config.HeadLossConfig("arcface", scale, margin)
     )
     theta = np.arccos(np.clip(cosine, -1, 1))
@@ -267,7 +267,7 @@ def test_margin_logits_match_their_definitions():
         arcface, scale * np.where(onehot, target, cosine), rtol=1e-4, atol=1e-4
     )
 
-    softmax = client_work.head_logits(embeddings, kernel, labels, client_config.HeadLossConfig())
+    softmax = local_training.head_logits(embeddings, kernel, labels, client_config.HeadLossConfig())
     np.testing.assert_allclose(softmax, embeddings.numpy() @ kernel.numpy(), rtol=1e-5, atol=1e-5)
 
 
@@ -295,5 +295,5 @@ def test_nonsense_client_config_is_rejected(kwargs):
 
 
 def test_identity_vocabulary_is_sorted_and_distinct():
-    vocabulary = client_work.identity_keys_vocabulary(["x", "y", "z", "x"])
+    vocabulary = local_training.identity_keys_vocabulary(["x", "y", "z", "x"])
     assert len(vocabulary) == 3 and np.all(np.diff(vocabulary) > 0)

@@ -5,7 +5,15 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import aggregators, client_config, client_work, model_config, models, processes
+from tff_algorithms import (
+    aggregators,
+    client_config,
+    client_work,
+    local_training,
+    model_config,
+    models,
+    processes,
+)
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 CONFIG = client_config.ClientConfig(backbone_learning_rate=0.05, head_capacity=5, batch_size=4)
@@ -159,7 +167,7 @@ def test_dp_ftrl_process_runs_with_tree_noise_and_restarts(tff_runtime):
 
 
 def test_dp_fedavg_aggregates_and_noises_the_global_head(tff_runtime):
-    vocabulary = client_work.identity_keys_vocabulary(["a", "b", "c"])
+    vocabulary = local_training.identity_keys_vocabulary(["a", "b", "c"])
     process = processes.build_dp_fedavg_process(
         BACKBONE,
         CONFIG,
@@ -196,7 +204,7 @@ def test_centralized_oracle_reduces_its_loss():
     backbone, head, losses = processes.train_centralized(
         BACKBONE,
         examples,
-        client_work.identity_keys_vocabulary(["a", "b", "c"]),
+        local_training.identity_keys_vocabulary(["a", "b", "c"]),
         learning_rate=0.05,
         epochs=4,
         batch_size=8,

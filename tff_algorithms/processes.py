@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import aggregators, client_work, model_config, models
+from tff_algorithms import aggregators, client_work, local_training, model_config, models
 from tff_algorithms.client_config import ClientConfig, HeadLossConfig
 
 _SOFTMAX_LOSS = HeadLossConfig()
@@ -217,7 +217,7 @@ def build_fedavg_process(
 ) -> tff.learning.templates.LearningProcess:
     """FedAvg with a global head over `identity_vocabulary`, with any aggregator.
 
-    `identity_vocabulary` is `client_work.identity_keys_vocabulary(all training identities)`;
+    `identity_vocabulary` is `local_training.identity_keys_vocabulary(all training identities)`;
     `max_reports` as in `build_fedemb_process`.
     """
     initial_weights_fn = _initial_fedavg_weights_fn(
@@ -322,7 +322,7 @@ class CentralizedTrainer:
     `checkpoint_objects()` after epoch e continues exactly as an uninterrupted run.
 
     Args:
-      identity_vocabulary: `client_work.identity_keys_vocabulary` of the training identities.
+      identity_vocabulary: `local_training.identity_keys_vocabulary` of the training identities.
       initial_backbone: start from these backbone weights (e.g. pretrained) instead of
         the seeded initialisation.
     """
@@ -363,12 +363,12 @@ class CentralizedTrainer:
         return {"backbone": self.backbone, "head": self.head, "optimizer": self.optimizer}
 
     def _step(self, batch: dict[str, tf.Tensor]) -> tf.Tensor:
-        keys = client_work.identity_keys(batch["identity"])
-        labels, usable = client_work.labels_in_vocabulary(keys, self._vocabulary, self._num_rows)
+        keys = local_training.identity_keys(batch["identity"])
+        labels, usable = local_training.labels_in_vocabulary(keys, self._vocabulary, self._num_rows)
         with tf.GradientTape() as tape:
             embeddings = self.backbone(batch["image"], training=True)
-            loss = client_work.head_loss(
-                client_work.head_logits(embeddings, self.head, labels, self._head_loss),
+            loss = local_training.head_loss(
+                local_training.head_logits(embeddings, self.head, labels, self._head_loss),
                 labels,
                 usable,
             )
@@ -401,7 +401,7 @@ def train_centralized(
 
     Args:
       examples: per-example `{"image", "identity"}` of all training users.
-      identity_vocabulary: `client_work.identity_keys_vocabulary` of the training identities.
+      identity_vocabulary: `local_training.identity_keys_vocabulary` of the training identities.
 
     Returns:
       (backbone, head kernel, mean loss per epoch).

@@ -46,8 +46,8 @@ from tff_algorithms import (
     accounting,
     aggregators,
     client_data,
-    client_work,
     job_outputs,
+    local_training,
     models,
     processes,
     runtime,
@@ -112,7 +112,7 @@ def _training_identity_vocabulary(
     identities = {
         reader_record.identity for u in user_ids for reader_record in reader.user_records(u)
     }
-    return client_work.identity_keys_vocabulary(sorted(identities))
+    return local_training.identity_keys_vocabulary(sorted(identities))
 
 
 def _build_process(
