@@ -397,9 +397,9 @@ def test_every_command_answers_with_exit_0_or_one_line(command, sandbox):
 # Regression cases (issue 29's five, and what the fuzzer found), each one line.
 PRIVACY_BASE = ["privacy", "--users=1000", "--users-per-round=100", "--delta=1e-5"]
 REGRESSIONS = [
-    (PRIVACY_BASE + ["--rounds=10", "--noise-multiplier=1e308"], "noise multiplier"),
-    (PRIVACY_BASE + ["--rounds=10", "--noise-multiplier=1e160"], "noise multiplier"),
-    (PRIVACY_BASE + ["--rounds=10", "--target-epsilon=1e300"], "target epsilon"),
+    (PRIVACY_BASE + ["--rounds=10", "--noise-multiplier=1e308"], "--noise-multiplier must be"),
+    (PRIVACY_BASE + ["--rounds=10", "--noise-multiplier=1e160"], "--noise-multiplier must be"),
+    (PRIVACY_BASE + ["--rounds=10", "--target-epsilon=1e300"], "--target-epsilon must be"),
     (["train", "--data=empty_dir", "--output=file.txt"], "is an existing file"),
     (["train", "--data=empty_dir", "--output=out", "--override-budget"], "--budget-ledger"),
     (["train", "--data=empty_dir", "--output=loop1"], "--output loop1"),

@@ -90,7 +90,11 @@ def test_dpftrl_without_restart_in_process(capsys):
     [
         ({"--users-per-round": "200"}, ["--noise-multiplier", "1"], "exceeds the population"),
         ({}, ["--noise-multiplier", "-1"], "non-negative"),
-        ({"--delta": "1"}, ["--noise-multiplier", "1"], "delta must be in (0, 1)"),
+        ({"--delta": "1"}, ["--noise-multiplier", "1"], "--delta must be in [1e-100, 1)"),
+        ({}, ["--noise-multiplier", "1e308"], "--noise-multiplier must be in [0, 1e+06]"),
+        ({}, ["--target-epsilon", "1e300"], "--target-epsilon must be in (0, 100]"),
+        ({"--rounds": "1000000001"}, ["--noise-multiplier", "1"], "--rounds must be in"),
+        ({}, ["--noise-multiplier", "nan"], "finite"),
         ({}, ["--noise-multiplier", "1", "--target-epsilon", "2"], "exactly one of"),
         ({}, [], "exactly one of"),
         ({}, ["--noise-multiplier", "1", "--accountant", "pld"], "pld accountant has no analysis"),

@@ -170,3 +170,13 @@ def train_job_annotations() -> dict[str, str]:
         for node in body
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
     }
+
+
+def class_values(module: str, name: str) -> tuple[Any, ...] | None:
+    """The values assigned in class `name`'s body, in order (an Enum's member values),
+    or None when any cannot be read statically."""
+    body = _class_body(module, name)
+    if body is None:
+        return None
+    values = tuple(_resolve(module, node) for node in _assignments(body).values())
+    return None if not values or _UNRESOLVED in values else values
