@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test bench bench-quick lint lock clean
+.PHONY: setup test bench bench-quick lint lock clean airflow-setup airflow-lock
 
 setup:
 	@bash scripts/setup_env.sh
@@ -25,8 +25,16 @@ lint: setup
 lock: setup
 	bash scripts/lock.sh
 
+# Optional: Apache Airflow 2.7 beside the locked stack, in its own .venv-airflow from
+# requirements/airflow-lock.txt (.venv does not grow). tests/test_airflow.py uses it.
+airflow-setup: setup
+	@SETUP_VENV=.venv-airflow SETUP_LOCK=requirements/airflow-lock.txt bash scripts/setup_env.sh
+
+airflow-lock: setup
+	bash scripts/lock_airflow.sh
+
 clean:
-	rm -rf .venv .cache .pytest_cache
+	rm -rf .venv .venv-airflow .cache .pytest_cache
 
 .PHONY: run
 RUN_ARGS ?=

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with Python 3.10 and installs exactly requirements/lock.txt with uv,
 # then the project in editable mode. Quick no-op when nothing changed.
+# SETUP_VENV and SETUP_LOCK name another environment and lock (`make airflow-setup`:
+# .venv-airflow from requirements/airflow-lock.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,20 +40,23 @@ find_uv() {
   echo "$boot/bin/uv"
 }
 
+VENV="${SETUP_VENV:-.venv}"
+LOCK="${SETUP_LOCK:-requirements/lock.txt}"
+[ -f "$LOCK" ] || die "no lock file $LOCK"
 PY="$(find_python)"
 UV="$(find_uv "$PY")"
 
-if ! works_as_310 .venv/bin/python; then
-  rm -rf .venv
-  "$UV" venv --quiet --python "$PY" .venv
+if ! works_as_310 "$VENV"/bin/python; then
+  rm -rf "$VENV"
+  "$UV" venv --quiet --python "$PY" "$VENV"
 fi
 
-stamp=.venv/.dp-fedemb-installed
-want="$(cat requirements/lock.txt setup.py | sha256sum | cut -d' ' -f1)"
+stamp="$VENV"/.dp-fedemb-installed
+want="$(cat "$LOCK" setup.py | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-echo "setup: installing the locked environment into .venv" >&2
-"$UV" pip sync --quiet --python .venv/bin/python requirements/lock.txt
-"$UV" pip install --quiet --python .venv/bin/python --no-deps --no-build-isolation -e .
+echo "setup: installing the locked environment into $VENV" >&2
+"$UV" pip sync --quiet --python "$VENV"/bin/python "$LOCK"
+"$UV" pip install --quiet --python "$VENV"/bin/python --no-deps --no-build-isolation -e .
 echo "$want" > "$stamp"
