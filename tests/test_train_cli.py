@@ -103,11 +103,12 @@ def _error_line(capsys, *args: str) -> tuple[int, str]:
     [
         (["--virtual-clients-per-round=100"], "cannot fill a round"),
         (["--max-epsilon=0.5"], "over budget"),
-        (["--noise-multiplier=-1"], "noise_multiplier must be"),
-        (["--algorithm=fedsgd"], "algorithm must be one of"),
-        (["--head-init=zeros"], "head_init must be one of"),
-        (["--head-loss=triplet"], "head_loss must be one of"),
-        (["--target-epsilon=5"], "give noise_multiplier or target_epsilon, not both"),
+        (["--noise-multiplier=-1"], "--noise-multiplier must be in [0, 1e+06]"),
+        (["--algorithm=fedsgd"], "--algorithm must be one of"),
+        (["--head-init=zeros"], "--head-init must be one of"),
+        (["--head-loss=triplet"], "--head-loss must be one of"),
+        (["--head-loss=cosfase"], "did you mean cosface?"),
+        (["--target-epsilon=5"], "at most one of --noise-multiplier and --target-epsilon"),
     ],
 )
 def test_bad_hyperparameters_give_one_error_line(trained, capsys, extra, message):
@@ -123,8 +124,12 @@ def test_missing_inputs_give_one_error_line(tmp_path, capsys):
     code, lines = _error_line(
         capsys, "train", "--data", str(tmp_path / "missing"), "--output", str(tmp_path / "o")
     )
-    assert code != 0 and len(lines) == 1 and "not a directory" in lines[0], lines
+    assert code != 0 and len(lines) == 1 and "--data" in lines[0], lines
+    assert "does not exist" in lines[0], lines
     code, lines = _error_line(
         capsys, "evaluate", "--model", str(tmp_path / "none"), "--data", str(tmp_path)
     )
+    assert code != 0 and len(lines) == 1 and "--model" in lines[0], lines
+    assert "does not exist" in lines[0], lines
+    code, lines = _error_line(capsys, "evaluate", "--model", str(tmp_path), "--data", str(tmp_path))
     assert code != 0 and len(lines) == 1 and "not a SavedModel" in lines[0], lines
