@@ -354,6 +354,12 @@ def _closest(name: str, known: Sequence[str]) -> str:
     return f"did you mean {match[0]}? " if match else ""
 
 
+def _suggest(value: str, known: Sequence[str]) -> str:
+    """' (did you mean X?)' for the known value closest to `value`, or ''."""
+    hint = _closest(value, known).strip()
+    return f" ({hint})" if hint else ""
+
+
 def _shown(text: str) -> str:
     """`text` for an error message: escaped when it holds line breaks or control
     characters, so every error stays one line."""
@@ -496,6 +502,24 @@ def _check_train_light(values: Mapping[str, Any], key: str) -> None:
             raise ValueError(
                 f"config {key}: {name} must be {wanted}, got {_shown(repr(value))[:80]}"
             )
+        choices = _light_choices().get(name)
+        if choices and isinstance(value, str) and value not in choices:
+            raise ValueError(
+                f"config {key}.{name} must be one of {', '.join(choices)}, got "
+                f"{_shown(repr(value))[:80]}{_suggest(value, choices)}"
+            )
+
+
+def _light_choices() -> dict[str, tuple[str, ...]]:
+    """TrainJobConfig fields whose value is one of a module's names, read from source."""
+    from pipeline.commands import source_values
+
+    found = {
+        "head_init": source_values.find_constant("HEAD_INITS"),
+        "head_loss": source_values.find_constant("HEAD_LOSSES"),
+        "architecture": source_values.find_constant("ARCHITECTURES"),
+    }
+    return {name: tuple(values) for name, values in found.items() if values}
 
 
 def validate_light(config: PipelineConfig) -> None:
@@ -527,14 +551,16 @@ def validate_light(config: PipelineConfig) -> None:
     if algorithm not in ALGORITHMS:
         raise ValueError(
             f"config train.algorithm must be one of {', '.join(ALGORITHMS)} (private training), "
-            f"got {_shown(repr(algorithm))}"
+            f"got {_shown(repr(algorithm))[:80]}"
+            + (_suggest(algorithm, ALGORITHMS) if isinstance(algorithm, str) else "")
         )
     _check_train_light(config.train, "train")
     _check_train_light(config.pretrain.job, "pretrain.job")
     pretrain = config.pretrain
     if pretrain.source not in PRETRAIN_SOURCES:
         raise ValueError(
-            f"config pretrain.source must be one of {', '.join(PRETRAIN_SOURCES)}, got {pretrain.source!r}"
+            f"config pretrain.source must be one of {', '.join(PRETRAIN_SOURCES)}, got "
+            f"{_shown(repr(pretrain.source))[:80]}{_suggest(pretrain.source, PRETRAIN_SOURCES)}"
         )
     if pretrain.source == "import" and not os.path.isdir(pretrain.backbone_dir):
         raise ValueError(

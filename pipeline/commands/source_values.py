@@ -73,7 +73,10 @@ def _resolve(module: str, node: ast.expr, depth: int = 0) -> Any:
     if isinstance(node, ast.Name):
         tree = _module_tree(module)
         value = _assignments(tree.body).get(node.id) if tree is not None else None
-        return _UNRESOLVED if value is None else _resolve(module, value, depth + 1)
+        if value is not None:
+            return _resolve(module, value, depth + 1)
+        source = _imported_from(tree, node.id) if tree is not None else None
+        return _UNRESOLVED if source is None else _module_value(source, node.id)
     if isinstance(node, ast.Attribute):
         parts = []
         current: ast.expr = node
@@ -85,6 +88,30 @@ def _resolve(module: str, node: ast.expr, depth: int = 0) -> Any:
         parts.reverse()
         return module_value(current.id, ".".join(parts))
     return _UNRESOLVED
+
+
+def _imported_from(tree: ast.Module, name: str) -> str | None:
+    """The project module `name` is imported from (`from package.module import name`)."""
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            package, _, module = node.module.partition(".")
+            if package in _PACKAGES and module and any(a.name == name for a in node.names):
+                return module
+    return None
+
+
+def find_constant(name: str) -> Any:
+    """A module-level constant `name` of whichever tff_algorithms module defines it (the
+    modules are being reorganised; the name is what stays), or None."""
+    directory = os.path.join(_ROOT, "tff_algorithms")
+    for filename in sorted(os.listdir(directory)):
+        if filename.endswith(".py"):
+            tree = _module_tree(filename[:-3])
+            if tree is not None and name in _assignments(tree.body):
+                value = module_value(filename[:-3], name)
+                if value is not None:
+                    return value
+    return None
 
 
 def module_value(module: str, dotted: str) -> Any:

@@ -375,13 +375,12 @@ def help_defaults() -> dict[str, str]:
     return shown
 
 
-# Flags whose value must be one of a module's choices (module, constant; None: the
-# module defining TrainJobConfig).
+# Flags whose value must be one of a tff_algorithms constant (read from source).
 _CHOICES = {
-    "algorithm": (None, "ALGORITHMS"),
-    "head-init": ("client_config", "HEAD_INITS"),
-    "head-loss": ("client_config", "HEAD_LOSSES"),
-    "architecture": ("model_config", "ARCHITECTURES"),
+    "algorithm": "ALGORITHMS",
+    "head-init": "HEAD_INITS",
+    "head-loss": "HEAD_LOSSES",
+    "architecture": "ARCHITECTURES",
 }
 _POSITIVE_INTS = (
     "rounds",
@@ -408,12 +407,8 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         raise ValueError("--budget-ledger and --dataset-budget-epsilon go together; give both")
     if value["noise-multiplier"] is not None and value["target-epsilon"] is not None:
         raise ValueError("give at most one of --noise-multiplier and --target-epsilon")
-    for name, (module, constant) in _CHOICES.items():
-        choices = (
-            source_values.train_job_constant(constant)
-            if module is None
-            else source_values.module_value(module, constant)
-        )
+    for name, constant in _CHOICES.items():
+        choices = source_values.find_constant(constant)
         if value[name] is not None and choices and value[name] not in choices:
             raise ValueError(
                 f"--{name} must be one of {', '.join(choices)}, got "
