@@ -562,6 +562,8 @@ def validate_light(config: PipelineConfig) -> None:
             f"config pretrain.source must be one of {', '.join(PRETRAIN_SOURCES)}, got "
             f"{_shown(repr(pretrain.source))[:80]}{_suggest(pretrain.source, PRETRAIN_SOURCES)}"
         )
+    if pretrain.source == "none":
+        recipes.check_start(config.train, pretrained=False, where="config train.")
     if pretrain.source == "import" and not os.path.isdir(pretrain.backbone_dir):
         raise ValueError(
             f"config pretrain.backbone_dir {pretrain.backbone_dir!r} is not a directory (pretrain.source is import)"

@@ -195,7 +195,7 @@ def _pipeline_config(output_dir: str, **overrides) -> dict:
 
     values = json.loads(json.dumps(test_pipeline_e2e.TINY))
     values["pretrain"] = {"source": "none"}
-    values["train"]["rounds"] = 3
+    values["train"].update(rounds=3, trainable_layers=["*"])  # from a random start
     # Below any run's epsilon: training starts only on the explicit override.
     values["budget"] = {"dataset_epsilon": 0.01, "override": True}
     values["pipeline"] = {"output_dir": output_dir}

@@ -77,7 +77,11 @@ def test_null_restores_the_library_default():
     assert config.dedup == config_lib.DedupSection()
     assert config.partition == config_lib.PartitionSection()
     # Where null is a value of its own, it stays one.
-    no_public = ["data.synthetic_public=null", "pretrain.source=none"]
+    no_public = [
+        "data.synthetic_public=null",
+        "pretrain.source=none",
+        'train.trainable_layers=["*"]',
+    ]
     assert config_lib.load_config(None, no_public).data.synthetic_public is None
 
 

@@ -49,9 +49,22 @@ def test_unknown_recipe_is_one_line():
 
 
 def test_pipeline_and_train_command_start_from_the_same_recipe():
+    # The pipeline's private training starts from its pretrained backbone.
     pipeline_job = config_lib.load_config().train_job_dict()
-    command_job = train_command.job_config(_train_flags()).to_dict()
+    command_job = train_command.job_config(_train_flags("--pretrained=backbone")).to_dict()
     assert command_job == pipeline_job == job_config.TrainJobConfig(**recipes.DEFAULT).to_dict()
+
+
+def test_without_a_pretrained_backbone_every_layer_trains_or_the_run_is_refused():
+    """The recipe's trainable_layers fine-tune a pretrained backbone: from a random one
+    the frozen layers would stay random."""
+    assert recipes.DEFAULT["trainable_layers"] != recipes.EVERY_LAYER
+    command_job = train_command.job_config(_train_flags())
+    assert list(command_job.trainable_layers) == recipes.EVERY_LAYER
+    with pytest.raises(ValueError, match=r"config train.trainable_layers \['conv\*', 'gn\*'\] "):
+        config_lib.check_config(None, ["pretrain.source=none"])
+    config = config_lib.check_config(None, ["pretrain.source=none", 'train.trainable_layers=["*"]'])
+    assert config.train["trainable_layers"] == ["*"]
 
 
 def test_train_command_paper_recipe_is_the_library_default():
@@ -60,7 +73,9 @@ def test_train_command_paper_recipe_is_the_library_default():
 
 
 def test_train_command_flags_layer_like_pipeline_overrides():
-    command_job = train_command.job_config(_train_flags("--noise-multiplier=1.5", "--rounds=9"))
+    command_job = train_command.job_config(
+        _train_flags("--pretrained=backbone", "--noise-multiplier=1.5", "--rounds=9")
+    )
     pipeline_job = config_lib.load_config(
         None, ["train.noise_multiplier=1.5", "train.rounds=9"]
     ).train_job_dict()

@@ -66,6 +66,20 @@ PRETRAIN: Mapping[str, Any] = {
 }
 
 NOISE_CHOICES = ("noise_multiplier", "target_epsilon")
+EVERY_LAYER = ["*"]
+
+
+def check_start(values: Mapping[str, Any], pretrained: bool, where: str) -> None:
+    """A job with no pretrained backbone must train every layer: a frozen layer would
+    keep its random initial values (the recipe's trainable_layers fine-tune a pretrained
+    backbone). One-line ValueError naming the setting otherwise."""
+    layers = values.get("trainable_layers")
+    if not pretrained and layers is not None and list(layers) != EVERY_LAYER:
+        raise ValueError(
+            f"{where}trainable_layers {list(layers)} would keep the other layers at their "
+            f"random initial values: there is no pretrained backbone; set {where}"
+            f'trainable_layers to ["*"], or start from a pretrained backbone'
+        )
 
 
 def recipe(name: str) -> dict[str, Any]:
@@ -95,7 +109,7 @@ def job_fields(values: Mapping[str, Any]) -> dict[str, Any]:
 def pretrain_values(train: Mapping[str, Any], job: Mapping[str, Any]) -> dict[str, Any]:
     """The centralized pretraining run: the private `train` values, every layer, then
     PRETRAIN, then `job`; no noise and no budget (public data costs none)."""
-    values = overlay(overlay({**train, "trainable_layers": ["*"]}, PRETRAIN), job)
+    values = overlay(overlay({**train, "trainable_layers": list(EVERY_LAYER)}, PRETRAIN), job)
     values.update(algorithm="centralized", max_epsilon=None)
     for name in NOISE_CHOICES:
         values[name] = None

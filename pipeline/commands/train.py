@@ -281,6 +281,10 @@ def job_config(value: Mapping[str, Any]):  # noqa: ANN201 - imports TF lazily
     values, given = recipes.recipe(value["recipe"]), _config_values(value)
     if given.get("algorithm", values.get("algorithm")) == CENTRALIZED:
         values = recipes.pretrain_values(values, {})
+    elif value["pretrained"] is None:
+        # The recipe's layers fine-tune a pretrained backbone (recipes.check_start): from
+        # a random one, every layer trains.
+        values["trainable_layers"] = list(recipes.EVERY_LAYER)
     return TrainJobConfig(**recipes.job_fields(recipes.overlay(values, given)))
 
 
