@@ -1,6 +1,7 @@
 """Helpers that several test modules share: small training data on disk, the small job
-configs of the training-job tests, the weights a training job exported, and the
-`dp-fedemb train` flags of the command-line tests.
+configs of the training-job tests, a toy learning process for the training-program tests,
+the weights a training job exported, and the `dp-fedemb train` flags of the command-line
+tests.
 
 Plain functions and constants, not fixtures: each module keeps its own module-scoped
 fixture around them, so its synthetic config and the fixture's scope stay visible
@@ -9,14 +10,16 @@ where they are used.
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+import tensorflow_federated as tff
 
 from beam_jobs import partition, synthetic
-from tff_algorithms import job_config
+from tff_algorithms import accounting, job_config, training
+from tff_algorithms.ledger import PrivacyLedger
 
 # The console script of the environment running the tests (setup.py installs it).
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
@@ -128,3 +131,76 @@ def without_round_seconds(history: Sequence[Mapping[str, Any]]) -> list[dict[str
     """Training history records without their wall-clock times, the one field that
     differs between a resumed run and an uninterrupted one."""
     return [{k: v for k, v in record.items() if k != "round_seconds"} for record in history]
+
+
+# A toy learning process for the training-program tests (test_training_program,
+# test_crash_safety): unweighted FedAvg of a 3->2 dense model on synthetic clients.
+TOY_ROUNDS = 4
+
+
+def _toy_model_fn() -> tff.learning.models.VariableModel:
+    keras_model = tf.keras.Sequential(
+        [tf.keras.layers.Dense(2, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=1))]
+    )
+    keras_model.build((None, 3))
+    return tff.learning.models.from_keras_model(
+        keras_model,
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        input_spec=(tf.TensorSpec([None, 3], tf.float32), tf.TensorSpec([None], tf.int32)),
+    )
+
+
+def toy_process() -> tff.learning.templates.LearningProcess:
+    """The toy process, loading each client's data inside TFF from its id."""
+
+    @tff.tensorflow.computation(np.str_)
+    def client_data(client_id):  # noqa: ANN001, ANN202
+        # Deterministic synthetic examples derived from the id, built inside TFF.
+        seed = tf.strings.to_hash_bucket_fast(client_id, 2**31 - 1)
+        x = tf.random.stateless_normal([8, 3], seed=tf.stack([seed, 0]))
+        y = tf.cast(x[:, 0] > 0, tf.int32)
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+
+    fed_avg = tff.learning.algorithms.build_unweighted_fed_avg(
+        _toy_model_fn,
+        client_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=0.5),
+        server_optimizer_fn=tff.learning.optimizers.build_sgdm(learning_rate=1.0, momentum=0.9),
+    )
+    return tff.simulation.compose_dataset_computation_with_learning_process(client_data, fed_avg)
+
+
+def _toy_clients_for_round(round_num: int) -> list[str]:
+    return [f"r{round_num}-c{i}" for i in range(3)]
+
+
+def _toy_ledger() -> PrivacyLedger:
+    spec = accounting.AccountingSpec(
+        population=100, users_per_round=3, rounds=TOY_ROUNDS, noise_multiplier=1.0, delta=1e-5
+    )
+    return PrivacyLedger(spec)
+
+
+def toy_weights(process: tff.learning.templates.LearningProcess, state: Any) -> list[np.ndarray]:
+    """The toy model's trainable weights in `state`."""
+    return [np.asarray(w) for w in process.get_model_weights(state).trainable]
+
+
+def train_toy_rounds(
+    process: tff.learning.templates.LearningProcess,
+    directory: str,
+    rounds: int,
+    evaluate: Callable[[Any, int], Mapping[str, Any]] | None = None,
+    evaluate_every: int = 0,
+    initial_state: Any = None,
+) -> tuple[training.TrainingResult, PrivacyLedger]:
+    """Trains (or resumes, from DIRECTORY's checkpoints) the toy process on its clients
+    until `rounds` rounds are done, with a fresh ledger for a new run."""
+    return training.train(
+        process,
+        _toy_clients_for_round,
+        _toy_ledger(),
+        PrivacyLedger.from_json,
+        training.TrainingProgramConfig(rounds, directory, evaluate_every=evaluate_every),
+        evaluate,
+        initial_state=initial_state,
+    )

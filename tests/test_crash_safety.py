@@ -27,7 +27,6 @@ import tensorflow as tf
 
 from beam_jobs import synthetic
 from tests import support
-from tests.test_training_program import ROUNDS, _process, _weights, train_rounds
 from tff_algorithms import job_outputs
 
 CLI_ROUNDS = 4
@@ -36,7 +35,7 @@ KILL_SEED = 20240611
 
 @pytest.fixture(scope="module")
 def process(tff_runtime):
-    return _process()
+    return support.toy_process()
 
 
 def _tear(version_dir: str, how: str) -> None:
@@ -58,16 +57,20 @@ def _tear(version_dir: str, how: str) -> None:
 def test_torn_newest_checkpoint_is_removed_and_training_resumes_from_the_previous(
     process, tmp_path, how
 ):
-    straight, straight_ledger = train_rounds(process, str(tmp_path / "straight"), ROUNDS)
+    straight, straight_ledger = support.train_toy_rounds(
+        process, str(tmp_path / "straight"), support.TOY_ROUNDS
+    )
     directory = str(tmp_path / "torn")
-    train_rounds(process, directory, 2)
+    support.train_toy_rounds(process, directory, 2)
     _tear(os.path.join(directory, "round_2"), how)
 
-    resumed, resumed_ledger = train_rounds(process, directory, ROUNDS)
+    resumed, resumed_ledger = support.train_toy_rounds(process, directory, support.TOY_ROUNDS)
 
     assert resumed.resumed_from_round == 1
     for a, b in zip(
-        _weights(process, straight.state), _weights(process, resumed.state), strict=True
+        support.toy_weights(process, straight.state),
+        support.toy_weights(process, resumed.state),
+        strict=True,
     ):
         np.testing.assert_array_equal(a, b)
     assert resumed_ledger == straight_ledger
@@ -77,10 +80,10 @@ def test_torn_newest_checkpoint_is_removed_and_training_resumes_from_the_previou
 
 def test_checkpoint_that_reads_but_does_not_fit_is_an_error_not_a_torn_write(process, tmp_path):
     directory = str(tmp_path / "ckpt")
-    train_rounds(process, directory, 1)
+    support.train_toy_rounds(process, directory, 1)
     wrong_structure = {"state": process.initialize(), "other": 1}
     with pytest.raises((ValueError, TypeError)):
-        train_rounds(process, directory, 2, initial_state=wrong_structure)
+        support.train_toy_rounds(process, directory, 2, initial_state=wrong_structure)
     assert os.path.exists(os.path.join(directory, "round_1", "saved_model.pb"))
 
 
