@@ -69,8 +69,9 @@ overflow or an hour-long loop): population 1..`MAX_POPULATION` users, users per 
 [`MIN_DELTA`, 1), target epsilon in (0, `MAX_TARGET_EPSILON`]. Cost: independent noise and
 restarted trees are O(1) in the rounds (one event self-composed); a single tree without
 restart uses TF Privacy's exact worst-case search up to `EXACT_TREE_MAX_ROUNDS` rounds
-(seconds) and beyond it the closed-form level-wise bound `tree_sensitivity_bound`
-(O(log rounds), valid, 8-45% above the exact value where both were computed).
+(seconds) and beyond it the closed-form level-wise bound
+`tree_sensitivity.tree_sensitivity_bound` (O(log rounds), valid, 8-45% above the exact
+value where both were computed).
 Calibration brackets z by doubling or halving from 1 within
 [`MIN_CALIBRATED_NOISE_MULTIPLIER`, `MAX_NOISE_MULTIPLIER`], then bisects log z: about
 15 accountant calls for a typical target, at most ~35. PLD refuses effective noise
@@ -109,6 +110,12 @@ import dp_accounting
 import numpy as np
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
+
+from tff_algorithms.tree_sensitivity import (
+    single_tree_squared_sensitivity,
+    tree_depth,
+    tree_sensitivity_bound,
+)
 
 
 class Mechanism(str, enum.Enum):
@@ -424,57 +431,9 @@ class PrivacyResult:
         }
 
 
-def tree_depth(leaves: int) -> int:
-    """Nodes on a leaf-to-root path of a binary tree over `leaves` leaves."""
-    return leaves.bit_length()
-
-
 def _epoch_step_counts(spec: AccountingSpec) -> list[int]:
     full_epochs, last = divmod(spec.rounds, spec.rounds_per_epoch)
     return [spec.rounds_per_epoch] * full_epochs + ([last] if last else [])
-
-
-@functools.lru_cache(maxsize=256)
-def single_tree_squared_sensitivity(
-    total_steps: int, max_participation: int, min_separation: int
-) -> float:
-    """Worst-case sum over tree nodes of (times one user is counted)^2, from TF Privacy.
-
-    Imported here because importing tensorflow_privacy imports TensorFlow (seconds);
-    only DP-FTRL without restart needs it. TF Privacy's search is slow when the epoch is
-    long (minutes for hundreds of rounds per epoch with two participations); results
-    are cached per process, so calibration pays it once.
-    """
-    from tensorflow_privacy.privacy.analysis import tree_aggregation_accountant
-
-    # zCDP of the tree at noise multiplier 1 is S / 2.
-    return 2.0 * float(
-        tree_aggregation_accountant.compute_zcdp_single_tree(
-            noise_multiplier=1.0,
-            total_steps=total_steps,
-            max_participation=max_participation,
-            min_separation=min_separation,
-        )
-    )
-
-
-def tree_sensitivity_bound(total_steps: int, max_participation: int, min_separation: int) -> float:
-    """A closed-form upper bound on `single_tree_squared_sensitivity`, O(log total_steps).
-
-    Each level of the tree partitions the rounds into nodes of 2^l consecutive leaves, so a
-    user's p participations put counts c_n on a level's nodes with sum p, and, with at
-    least `min_separation` rounds strictly between two participations, each c_n <=
-    m = min(p, ceil(2^l / (min_separation + 1))). A sum of squares with a fixed sum and
-    each term at most m is largest with as many terms at m as fit: floor(p/m)·m² +
-    (p mod m)². Summing over the levels bounds S.
-    """
-    total = 0
-    p = max_participation
-    for level in range(tree_depth(total_steps)):
-        most = min(p, -(-(2**level) // (min_separation + 1)))
-        full, rest = divmod(p, most)
-        total += full * most**2 + rest**2
-    return float(total)
 
 
 def tree_squared_sensitivity(spec: AccountingSpec) -> float:
