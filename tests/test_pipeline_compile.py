@@ -1,5 +1,6 @@
 """`dp-fedemb compile`: the Kubeflow V2 JSON and the Airflow DAG file of the same pipeline."""
 
+import ast
 import importlib.util
 import json
 import runpy
@@ -7,6 +8,7 @@ import runpy
 import pytest
 
 from pipeline import cli, definition
+from pipeline import config as config_lib
 
 IMAGE = "registry.example/dp-fedemb:1.2"
 # (task, tasks it must depend on): the DAG edges of DESIGN.md section 7.
@@ -92,16 +94,45 @@ def test_airflow_dag_file_text(tmp_path):
     path = _airflow_file(tmp_path)
     with open(path) as f:
         source = f.read()
-    compile(source, path, "exec")
-    assert "AirflowDagRunner(" in source and "definition.build_pipeline(" in source
+    tree = ast.parse(source, path)
+    assert "airflow_tasks.run_component(" in source
     assert f"IMAGE = {IMAGE!r}" in source
     assert "PIPELINE_ROOT = '/airflow/dp-fedemb'" in source
-    # The embedded config is the validated one, with the override applied.
+    # Airflow parses the file within its 30 s dagbag_import_timeout: at the top level it
+    # imports only Airflow and the standard library; TF, TFX and the project load in tasks.
+    top_level = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            top_level |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            top_level.add(node.module.split(".")[0])
+    assert top_level == {"datetime", "airflow"}
+    # The embedded config is the validated one, with the override applied; TASKS are the
+    # pipeline's nodes and edges.
     namespace: dict = {}
-    config_start = source.index("CONFIG = ")
-    config_end = source.index("\n\nAIRFLOW_DAG_CONFIG")
-    exec(source[config_start:config_end], namespace)  # noqa: S102 - our own generated literal
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and node.targets[0].id in ("CONFIG", "TASKS"):
+            exec(ast.unparse(node), namespace)  # noqa: S102 - our own generated literals
     assert namespace["CONFIG"]["train"]["rounds"] == 12
+    for task, upstream in EDGES.items():
+        assert upstream <= set(namespace["TASKS"][task]), task
+    assert list(namespace["TASKS"])[0] == definition.EXAMPLE_GEN
+
+
+def test_output_artifacts_are_unique_per_type_and_key():
+    """TFX's Airflow driver names an output artifact "<output key>:<run id>" and ML
+    Metadata keeps (type, name) unique: two nodes with an output of the same type under
+    the same key would fail the second one's run (issue 28)."""
+    from tfx import v1 as tfx
+
+    config = config_lib.config_from_dict({"pipeline": {"output_dir": "/tmp/unused"}})
+    seen: dict[tuple[str, str], str] = {}
+    for node in definition.build_pipeline(config).components:
+        if isinstance(node, tfx.dsl.Resolver):
+            continue  # it passes existing artifacts on, and creates none
+        for key, channel in node.outputs.items():
+            owner = seen.setdefault((channel.type_name, key), node.id)
+            assert owner == node.id, f"{owner} and {node.id} both output {key}"
 
 
 def test_airflow_dag_builds_the_pipeline(tmp_path):

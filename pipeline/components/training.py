@@ -116,7 +116,9 @@ def _set_budget_properties(privacy_ledger: types.Artifact, charge: dict | None) 
 def PretrainBackbone(
     examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
     backbone: tfx.dsl.components.OutputArtifact[standard_artifacts.Model],
-    training_metrics: tfx.dsl.components.OutputArtifact[artifacts.TrainingMetrics],
+    # Not `training_metrics`: TFX's Airflow driver names an artifact "<output key>:<run id>"
+    # and ML Metadata keeps (type, name) unique, so PrivateTrain's would collide with it.
+    backbone_metrics: tfx.dsl.components.OutputArtifact[artifacts.TrainingMetrics],
     train_job_config: tfx.dsl.components.Parameter[str],
     num_shards: tfx.dsl.components.Parameter[int],
     beam_args: tfx.dsl.components.Parameter[str],
@@ -149,35 +151,40 @@ def PretrainBackbone(
         pretrained_backbone=None,
         tensorboard_dir=_tensorboard_run(tensorboard_dir, "PretrainBackbone", backbone),
     )
-    _publish_model(result, backbone, training_metrics)
+    _publish_model(result, backbone, backbone_metrics)
     layout.remove_tree(work_dir)
     backbone.set_string_custom_property("trained_on", "public")
-    _set_recall_properties(training_metrics, result.metrics)
+    _set_recall_properties(backbone_metrics, result.metrics)
 
 
-def _check_schedule(job: dict, statistics: types.Artifact) -> None:
-    """The partition's participation statistics must describe this training schedule."""
+def check_published_schedule(
+    job: dict, statistics: types.Artifact, training_users: int
+) -> None:
+    """The partition's published participation statistics must be those of the schedule
+    this job trains and is accounted with (`job_config.schedule_shape_for`): the whole
+    statistics, users per round, rounds and participation bounds included."""
+    from beam_jobs import partition as partition_job
     from beam_jobs import schedule
-    from tff_algorithms.job_config import AUTO
+    from tff_algorithms.job_config import TrainJobConfig, schedule_shape_for
 
-    planned = job["virtual_clients_per_round"]
-    if planned == AUTO:
-        planned = schedule.largest_virtual_clients_per_round(
-            statistics.get_int_custom_property("users"),
-            job["users_per_virtual_client"],
-            job["over_selection"],
+    config = TrainJobConfig.from_dict(job)
+    trained = schedule_shape_for(config, training_users).participation_stats(config.rounds)
+    path = os.path.join(statistics.uri, partition_job.PARTICIPATION_FILE)
+    with tf.io.gfile.GFile(path) as f:
+        published = schedule.ParticipationStats.from_json(f.read())
+    if published != trained:
+        differ = sorted(
+            name
+            for name, value in trained.to_dict().items()
+            if published.to_dict().get(name) != value
         )
-    expected = {
-        "users_per_virtual_client": job["users_per_virtual_client"],
-        "virtual_clients_per_round": planned,
-        "rounds": job["rounds"],
-    }
-    for name, value in expected.items():
-        recorded = statistics.get_int_custom_property(name)
-        if recorded != value:
-            raise ValueError(
-                f"schedule statistics were made for {name}={recorded}, training uses {value}"
+        raise ValueError(
+            "the partition's schedule statistics are not the trained schedule's: "
+            + ", ".join(
+                f"{name} {published.to_dict().get(name)} published, {trained.to_dict()[name]} trained"
+                for name in differ
             )
+        )
 
 
 @tfx.dsl.components.component
@@ -241,7 +248,7 @@ def PrivateTrain(
 
     del code_fingerprint
     job = json.loads(train_job_config)
-    _check_schedule(job, schedule_statistics)
+    check_published_schedule(job, schedule_statistics, partition.get_int_custom_property("users"))
     keys = [train_job_config, partition.uri, examples.uri]
     if pretrained_backbone is not None:
         keys.append(pretrained_backbone.uri)
