@@ -505,7 +505,7 @@ def _check_train_light(values: Mapping[str, Any], key: str) -> None:
         choices = _light_choices().get(name)
         if choices and isinstance(value, str) and value not in choices:
             raise ValueError(
-                f"config {key}.{name} must be one of {', '.join(choices)}, got "
+                f"config {key}: {name} must be one of {', '.join(choices)}, got "
                 f"{_shown(repr(value))[:80]}{_suggest(value, choices)}"
             )
 
