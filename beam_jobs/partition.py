@@ -150,12 +150,15 @@ class ScheduleSpec:
     over_selection: float = 0.0
 
     def shape(self, num_users: int) -> schedule.ScheduleShape:
-        planned = self.virtual_clients_per_round
-        if planned == schedule.AUTO:
-            planned = schedule.largest_virtual_clients_per_round(
-                num_users, self.users_per_virtual_client, self.over_selection
-            )
-        return schedule.ScheduleShape(num_users, self.users_per_virtual_client, planned, self.mode)
+        """The trained schedule (`schedule.trained_shape`): over-selected rounds count
+        every selected virtual client."""
+        return schedule.trained_shape(
+            num_users,
+            self.users_per_virtual_client,
+            self.virtual_clients_per_round,
+            self.mode,
+            self.over_selection,
+        )
 
 
 def _manifest(shard_counts: list[dict], num_shards: int, max_part_bytes: int) -> dict:

@@ -104,6 +104,37 @@ class ParticipationStats:
 AUTO = "auto"
 
 
+def selected_per_round(virtual_clients_per_round: int, over_selection: float = 0.0) -> int:
+    """The virtual clients a round selects when planning M and over-selecting by o:
+    ceil(M (1 + o)). The rounding guard keeps e.g. 10 * 1.1 at 11, not 12."""
+    return math.ceil(virtual_clients_per_round * (1 + over_selection) - 1e-9)
+
+
+def trained_shape(
+    num_users: int,
+    users_per_virtual_client: int,
+    virtual_clients_per_round: int | str,
+    mode: str,
+    over_selection: float = 0.0,
+) -> "ScheduleShape":
+    """The schedule a job trains with, the one source of it: the partition's published
+    participation statistics, the training selection and the accountant's sampling all
+    come from here. Its rounds select `selected_per_round` virtual clients (more than
+    the planned M when over-selecting: every selected user may contribute, so the
+    published and accounted schedule is the selected one). M may be AUTO."""
+    planned = virtual_clients_per_round
+    if planned == AUTO:
+        planned = largest_virtual_clients_per_round(
+            num_users, users_per_virtual_client, over_selection
+        )
+    return ScheduleShape(
+        num_users,
+        users_per_virtual_client,
+        selected_per_round(int(planned), over_selection),
+        mode,
+    )
+
+
 def largest_virtual_clients_per_round(
     num_users: int, users_per_virtual_client: int, over_selection: float = 0.0
 ) -> int:
@@ -117,8 +148,7 @@ def largest_virtual_clients_per_round(
             f"{num_users}, or train on more users"
         )
     largest = math.floor(groups / (1 + over_selection) + 1e-9)
-    # The rounding guard of the selection (tff_algorithms.dropouts) keeps 10 * 1.1 at 11.
-    while largest >= 1 and math.ceil(largest * (1 + over_selection) - 1e-9) > groups:
+    while largest >= 1 and selected_per_round(largest, over_selection) > groups:
         largest -= 1
     if largest < 1:
         raise ValueError(

@@ -440,11 +440,12 @@ def schedule_shape_for(config: TrainJobConfig, num_users: int) -> schedule.Sched
     participation statistics uses the selected set's sampling.
     """
     mode = schedule.EPOCH if config.algorithm == DP_FTRL_FEDEMB else schedule.SAMPLED
-    return schedule.ScheduleShape(
+    return schedule.trained_shape(
         num_users,
         config.users_per_virtual_client,
-        config.report_policy().selected_per_round,
+        config.virtual_clients_per_round,
         mode,
+        float(config.over_selection),
     )
 
 

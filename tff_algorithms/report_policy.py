@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from beam_jobs import schedule
+
 
 @dataclasses.dataclass(frozen=True)
 class ReportPolicy:
@@ -40,8 +42,7 @@ class ReportPolicy:
 
     @property
     def selected_per_round(self) -> int:
-        # The rounding guard keeps e.g. 10 * 1.1 at 11, not 12.
-        return math.ceil(self.virtual_clients_per_round * (1 + self.over_selection) - 1e-9)
+        return schedule.selected_per_round(self.virtual_clients_per_round, self.over_selection)
 
     @property
     def min_reports(self) -> int:
