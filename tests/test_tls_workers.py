@@ -377,4 +377,4 @@ def test_pipeline_config_and_train_command_refuse_plaintext_to_a_remote_worker(t
     tls_flags = ["--worker-ca", missing, "--worker-cert", missing, "--worker-key", missing]
     code = cli.main([*flags, "--workers", "10.0.0.5:8000", *tls_flags])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code != 0 and len(err) == 1 and "worker_ca" in err[0], err
+    assert code != 0 and len(err) == 1 and "--worker-ca" in err[0], err

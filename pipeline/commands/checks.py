@@ -135,9 +135,9 @@ def output_dir(flag: str, path: str, *, create: bool = True) -> None:
     _probe_writable(flag, path)
 
 
-def output_file(flag: str, path: str) -> None:
+def output_file(flag: str, path: str, *, create: bool = True) -> None:
     """`path` is a file that can be written: not a directory, and its directory exists
-    or is made."""
+    or is made (without `create`: could be made, see `output_dir`)."""
     _path_text(flag, path)
     if _is_remote(path):
         return
@@ -146,7 +146,7 @@ def output_file(flag: str, path: str) -> None:
         raise ValueError(f"--{flag} {shown(path)} is a directory; give a file name")
     # Its directory is made now (the command would make it next): what cannot be made
     # (e.g. under /proc, where `os.access` says yes) is refused before any work.
-    output_dir(flag, os.path.dirname(os.path.abspath(path)))
+    output_dir(flag, os.path.dirname(os.path.abspath(path)), create=create)
 
 
 def input_path(flag: str, path: str, kind: str = "any") -> None:

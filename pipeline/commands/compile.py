@@ -5,6 +5,7 @@ kubeflow: Kubeflow Pipelines V2 JSON (TFX KubeflowV2DagRunner); every component 
 The config (--config, --set) is validated first, as for `dp-fedemb run`.
 """
 
+import sys
 from collections.abc import Sequence
 
 from absl import flags
@@ -58,7 +59,8 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     from pipeline import config as config_lib
 
     config_lib.check_config(flag_values["config"].value, _overrides(flag_values))
-    checks.output_file("out", flag_values["out"].value)
+    # Checked, not made: `run` makes its directory once the whole config is valid.
+    checks.output_file("out", flag_values["out"].value, create=False)
 
 
 def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
@@ -70,11 +72,31 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     from pipeline import compile_targets, definition
     from pipeline import config as config_lib
 
-    config = config_lib.load_config(flag_values["config"].value, _overrides(flag_values))
-    root = flag_values["pipeline-root"].value or definition.pipeline_root(config)
-    if flag_values["target"].value == "kubeflow":
-        written = compile_targets.compile_kubeflow(config, flag_values["out"].value, root)
-    else:
-        written = compile_targets.compile_airflow(config, flag_values["out"].value, root)
+    out = flag_values["out"].value
+    try:
+        config = config_lib.load_config(flag_values["config"].value, _overrides(flag_values))
+        root = flag_values["pipeline-root"].value or definition.pipeline_root(config)
+        compile_target = (
+            compile_targets.compile_kubeflow
+            if flag_values["target"].value == "kubeflow"
+            else compile_targets.compile_airflow
+        )
+        try:
+            written = compile_target(config, out, root)
+        except Exception as e:
+            # The compilers write through TensorFlow's file API: a directory that cannot
+            # be made (e.g. under /proc, which passes `os.access`) is one line naming --out.
+            import tensorflow as tf
+
+            if isinstance(e, tf.errors.OpError):
+                raise ValueError(
+                    f"--out {checks.shown(out)} cannot be written: {e.message}"
+                ) from None
+            raise
+    finally:
+        # Validation imports TFF: its import-time context would otherwise fail noisily
+        # at exit, after the one error line.
+        if "tff_algorithms.runtime" in sys.modules:
+            sys.modules["tff_algorithms.runtime"].release_import_time_context()
     print(written)
     return 0

@@ -409,6 +409,16 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         raise ValueError("--override-budget needs --budget-ledger (and --dataset-budget-epsilon)")
     if (value["budget-ledger"] is None) != (value["dataset-budget-epsilon"] is None):
         raise ValueError("--budget-ledger and --dataset-budget-epsilon go together; give both")
+    if value["noise-seed"] is not None and not value["testing-fixed-noise"]:
+        raise ValueError(
+            "a fixed --noise-seed makes the DP noise predictable and is for tests only: "
+            "drop it, or add --testing-fixed-noise in a test"
+        )
+    if value["schedule-seed"] is not None and not value["testing-fixed-schedule"]:
+        raise ValueError(
+            "a fixed --schedule-seed makes the sampled users predictable and is for tests "
+            "only: drop it, or add --testing-fixed-schedule in a test"
+        )
     if value["noise-multiplier"] is not None and value["target-epsilon"] is not None:
         raise ValueError("give at most one of --noise-multiplier and --target-epsilon")
     for name, constant in _CHOICES.items():
