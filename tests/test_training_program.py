@@ -30,7 +30,8 @@ def test_resumed_training_equals_uninterrupted(process, tmp_path):
     straight, straight_ledger = support.train_toy_rounds(
         process, str(tmp_path / "straight"), ROUNDS, evaluate, evaluate_every=2
     )
-    assert straight.resumed_from_round == 0 and evaluations == [2, 4]
+    # The start (round 0) of a fresh run, every second round, the last.
+    assert straight.resumed_from_round == 0 and evaluations == [0, 2, 4]
 
     # Interrupted after 2 rounds (the process ends there), then resumed to 4.
     resumed_dir = str(tmp_path / "resumed")
@@ -47,13 +48,17 @@ def test_resumed_training_equals_uninterrupted(process, tmp_path):
         np.testing.assert_array_equal(a, b)
     assert resumed_ledger == straight_ledger
     assert resumed_ledger.rounds_recorded == ROUNDS
-    assert [h["round"] for h in resumed.history] == [1, 2, 3, 4]
+    # The resumed run does not evaluate its start again: round 0 is the first run's.
+    assert evaluations == [0, 2, 4, 0, 2, 4]
+    assert [h["round"] for h in resumed.history] == [0, 1, 2, 3, 4]
+    assert resumed.history[0] == straight.history[0]
     assert resumed.history == [
         {**h, "round_seconds": r["round_seconds"]}
         for h, r in zip(straight.history, resumed.history, strict=True)
     ]
     # Epsilon grows with every round and matches the accountant for that round.
-    eps = [h["epsilon"] for h in straight.history]
+    eps = [h["epsilon"] for h in straight.history[1:]]
+    assert straight.history[0]["epsilon"] == 0.0
     assert all(a < b for a, b in zip(eps, eps[1:]))
     spec = straight_ledger.spec
     assert eps[-1] == pytest.approx(accounting.compute_privacy(spec.with_rounds(ROUNDS)).epsilon)

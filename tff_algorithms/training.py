@@ -177,7 +177,9 @@ def train(
         checkpointed one when resuming.
       restore_ledger: JSON -> ledger, used on resume.
       config: rounds, checkpoint and evaluation cadence.
-      evaluate: (state, rounds completed) -> metrics on held-out identities.
+      evaluate: (state, rounds completed) -> metrics on held-out identities; called at
+        round 0 (the start, recorded first in the history) of a fresh run, every
+        `evaluate_every` rounds and after the last.
       initial_state: state to start from instead of `process.initialize()` (e.g. a
         pretrained backbone); ignored when a checkpoint exists.
       on_round: (history record, the process's training-user metrics) after each
@@ -220,6 +222,12 @@ def train(
         logging.info("Resuming from round %d of %d", start_round, config.total_rounds)
     elif ledger.rounds_recorded != 0:
         raise ValueError("a fresh training run needs a ledger with no rounds recorded")
+    elif evaluate is not None:
+        # Round 0: the start (a pretrained backbone, or the initial weights), so the
+        # recall curve shows what training changed. Nothing private is spent yet.
+        history.append(
+            {"round": 0, "epsilon": 0.0, "round_seconds": 0.0, "eval": dict(evaluate(state, 0))}
+        )
 
     started = time.perf_counter()
     for round_num in range(start_round, config.total_rounds):
