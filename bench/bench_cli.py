@@ -84,6 +84,13 @@ def _cases(work: str) -> dict[str, dict[str, list[str]]]:
     }
 
 
+def _env() -> dict[str, str]:
+    """This checkout first on the path: the processes run in a scratch directory."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root if not path else f"{root}{os.pathsep}{path}"}
+
+
 def _time(argv: list[str], repeats: int, cwd: str) -> dict:
     seconds, codes, lines = [], set(), set()
     for _ in range(repeats):
@@ -94,6 +101,7 @@ def _time(argv: list[str], repeats: int, cwd: str) -> dict:
             text=True,
             timeout=_TIMEOUT_S,
             cwd=cwd,
+            env=_env(),
         )
         seconds.append(time.perf_counter() - start)
         codes.add(done.returncode)

@@ -472,3 +472,18 @@ def test_flag_errors_come_before_tensorflow_in_a_fresh_process(sandbox):
     )
     assert done.stdout.strip() == "1 []", done.stdout + done.stderr
     assert done.stderr.count("\n") == 1 and "--budget-ledger" in done.stderr
+
+
+def test_bench_cli_quick_answers_every_case_in_one_line():
+    """bench/bench_cli.py's cases, one fresh process each: what BENCHMARKS.md times is
+    what the contract says (help exits 0; a flag error exits non-zero in one line)."""
+    from bench import bench_cli
+
+    results = bench_cli.run("", quick=True)
+    for command, cases in results["commands"].items():
+        assert cases["help"]["exit_codes"] == [0], (command, cases["help"])
+        for name, case in cases.items():
+            if name in ("help", "dpftrl_1e8_rounds"):
+                continue
+            assert 0 not in case["exit_codes"] and case["stderr_lines"] == [1], (command, case)
+    assert results["commands"]["privacy"]["dpftrl_1e8_rounds"]["exit_codes"] == [0]
