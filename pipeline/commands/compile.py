@@ -41,6 +41,18 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     )
 
 
+def help_defaults() -> dict[str, str]:
+    """Effective defaults of the flags that default to None (shown by --help)."""
+    from pipeline import config as config_lib
+
+    pipeline = config_lib.PipelineSection()
+    return {
+        "config": "none: the embedded defaults (docs/config.md)",
+        "image": f"pipeline.image of the config, {pipeline.image}",
+        "pipeline-root": f"{pipeline.output_dir}/pipeline_root (pipeline.output_dir)",
+    }
+
+
 def _overrides(flag_values: flags.FlagValues) -> list[str]:
     overrides = list(flag_values["set"].value)
     if flag_values["image"].value is not None:

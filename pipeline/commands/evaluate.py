@@ -33,6 +33,11 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_boolean("json", False, "print one JSON object", flag_values=flag_values)
 
 
+def help_defaults() -> dict[str, str]:
+    """Effective defaults of the flags that default to None (shown by --help)."""
+    return {"compare": "none: no comparison"}
+
+
 def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     """Flags and paths, before TensorFlow is imported (issue 29)."""
     checks.no_arguments(args)

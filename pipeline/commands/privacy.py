@@ -157,6 +157,15 @@ def _format_number(value: float | None) -> str:
     return "infinite" if value == float("inf") else f"{value:.4g}"
 
 
+def help_defaults() -> dict[str, str]:
+    """Effective defaults of the flags that default to None and whose help text does not
+    already say it (shown by --help)."""
+    return {
+        "noise-multiplier": "none: give it or --target-epsilon",
+        "target-epsilon": "none: give it or --noise-multiplier",
+    }
+
+
 def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     """The documented bounds (tff_algorithms/accounting.py, "Bounds"), before the
     accountant is imported; the accountant checks them again, with the combinations."""

@@ -51,6 +51,17 @@ def _overrides(flag_values: flags.FlagValues) -> list[str]:
     return overrides
 
 
+def help_defaults() -> dict[str, str]:
+    """Effective defaults of the flags that default to None (shown by --help)."""
+    from pipeline import config as config_lib
+
+    pipeline = config_lib.PipelineSection()
+    return {
+        "config": "none: the embedded defaults (synthetic data, docs/config.md)",
+        "output": f"pipeline.output_dir of the config, {pipeline.output_dir}",
+    }
+
+
 def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     """The config file, --set overrides (keys, types, the checks that need no library)
     and the output directory, before TensorFlow, Beam or TFX is imported (issue 29)."""
