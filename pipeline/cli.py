@@ -11,9 +11,9 @@ run before `run` imports anything heavy, so a refusal comes within about a secon
 (issue 29), and `help_defaults()`: flag name -> its effective default, appended to the
 flag's `--help` line where the flag's own default is None (e.g. `train`'s recipe values).
 
-Input errors (`ValueError`, `FileNotFoundError`, bad flags) end with one line on
-stderr and a non-zero exit; anything else is a bug and keeps its traceback. An unknown
-command, flag or enum value names the closest valid one.
+Input errors (`ValueError`, `OSError` such as a missing or unwritable path, bad flags)
+end with one line on stderr and a non-zero exit; anything else is a bug and keeps its
+traceback. An unknown command, flag or enum value names the closest valid one.
 """
 
 import importlib
