@@ -204,3 +204,54 @@ def train_toy_rounds(
         evaluate,
         initial_state=initial_state,
     )
+
+
+def run_refused(*args: str, timeout: int = 900) -> tuple[str, Any]:
+    """Runs `dp-fedemb ARGS` as a user does and checks it was refused as a user should
+    see it: a non-zero exit, one `dp-fedemb COMMAND: error` line and no traceback on
+    stderr. Returns that line and the completed process."""
+    import subprocess
+
+    process = subprocess.run(
+        [CONSOLE_SCRIPT, *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert process.returncode != 0, process.stdout[-2000:]
+    errors = [line for line in process.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and errors[0].startswith("dp-fedemb "), process.stderr[-3000:]
+    assert "Traceback" not in process.stderr
+    return errors[0], process
+
+
+def chromium() -> str | None:
+    """The Chromium binary for the report's browser tests (.ci/run installs Debian's)."""
+    import shutil
+
+    for candidate in ("chromium", "chromium-browser", "/usr/bin/chromium"):
+        found = shutil.which(candidate)
+        if found:
+            return found
+    return None
+
+
+def headless_chromium(browser: str, profile: str, *args: str) -> Any:
+    """Runs headless Chromium with a throwaway profile, nothing fetched from the network."""
+    import subprocess
+
+    return subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            *args,
+        ],
+        check=True,
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )

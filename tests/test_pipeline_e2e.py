@@ -14,7 +14,6 @@ checks artifacts, lineage, blessing and caching by reading ML Metadata:
 
 import json
 import os
-import shutil
 import subprocess
 
 import pytest
@@ -310,12 +309,8 @@ def test_partial_run_over_budget_is_not_blessed_or_pushed(first_run):
         lineage.privacy_of_pushed_model(store, latest_push.id)
 
 
-def _chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
 def test_report_renders_in_headless_chromium(first_run, tmp_path):
-    browser = _chromium()
+    browser = support.chromium()
     if browser is None:
         pytest.skip("chromium is not installed (apt-get install -y chromium)")
     _, summary, _, _ = first_run
@@ -325,24 +320,12 @@ def test_report_renders_in_headless_chromium(first_run, tmp_path):
     assert "gain over the pretrained start at FAR=0.01" in page and "bootstrap intervals" in page
     assert '<p class="statement">' in page and "Model card:" in page
     screenshot = tmp_path / "report.png"
-    subprocess.run(
-        [
-            browser,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--no-first-run",
-            f"--user-data-dir={tmp_path / 'profile'}",
-            "--window-size=1000,2400",
-            f"--screenshot={screenshot}",
-            f"file://{summary.report_path}",
-        ],
-        check=True,
-        timeout=120,
-        capture_output=True,
+    support.headless_chromium(
+        browser,
+        str(tmp_path / "profile"),
+        "--window-size=1000,2400",
+        f"--screenshot={screenshot}",
+        f"file://{summary.report_path}",
     )
     from PIL import Image
 

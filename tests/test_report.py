@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
-import subprocess
 
 import pytest
 
 from pipeline import model_card, privacy_text, report
+from tests import support
 from tff_algorithms import accounting
 
 FARS = ("0.1", "0.01", "0.001")
@@ -246,37 +245,8 @@ def test_model_card_fields_and_renderings(tmp_path):
     assert "| recall at FAR 0.01 | 0.4000 | [0.3800, 0.4200] |" in markdown
 
 
-def _chromium() -> str | None:
-    for candidate in ("chromium", "chromium-browser", "/usr/bin/chromium"):
-        found = shutil.which(candidate)
-        if found:
-            return found
-    return None
-
-
-def _headless(browser: str, profile, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            browser,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--no-first-run",
-            f"--user-data-dir={profile}",
-            *args,
-        ],
-        check=True,
-        timeout=120,
-        capture_output=True,
-        text=True,
-    )
-
-
 def test_report_and_card_render_in_headless_chromium(page, tmp_path):
-    browser = _chromium()
+    browser = support.chromium()
     if browser is None:
         pytest.skip(
             "no Chromium here (CI's .ci/run installs Debian's chromium; PyPI's playwright "
@@ -291,18 +261,23 @@ def test_report_and_card_render_in_headless_chromium(page, tmp_path):
     )
     model_card.write_model_card(card, str(tmp_path))
     # The DOM the browser built: every section is there after parsing, not just in the text.
-    dom = _headless(browser, tmp_path / "profile", "--dump-dom", f"file://{report_file}").stdout
+    dom = support.headless_chromium(
+        browser, str(tmp_path / "profile"), "--dump-dom", f"file://{report_file}"
+    ).stdout
     for section in report.SECTION_IDS:
         assert f'id="{section}"' in dom, f"report section {section!r} missing in Chromium's DOM"
-    card_dom = _headless(
-        browser, tmp_path / "profile", "--dump-dom", f"file://{tmp_path / model_card.HTML_FILE}"
+    card_dom = support.headless_chromium(
+        browser,
+        str(tmp_path / "profile"),
+        "--dump-dom",
+        f"file://{tmp_path / model_card.HTML_FILE}",
     ).stdout
     for section in ("privacy", "intended-use", "data", "utility", "limits"):
         assert f'id="{section}"' in card_dom, f"model card section {section!r} missing"
     screenshot = tmp_path / "report.png"
-    _headless(
+    support.headless_chromium(
         browser,
-        tmp_path / "profile",
+        str(tmp_path / "profile"),
         "--window-size=1000,3000",
         f"--screenshot={screenshot}",
         f"file://{report_file}",
