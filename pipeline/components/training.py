@@ -157,9 +157,7 @@ def PretrainBackbone(
     _set_recall_properties(backbone_metrics, result.metrics)
 
 
-def check_published_schedule(
-    job: dict, statistics: types.Artifact, training_users: int
-) -> None:
+def check_published_schedule(job: dict, statistics: types.Artifact, training_users: int) -> None:
     """The partition's published participation statistics must be those of the schedule
     this job trains and is accounted with (`job_config.schedule_shape_for`): the whole
     statistics, users per round, rounds and participation bounds included."""
