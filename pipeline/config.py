@@ -33,14 +33,20 @@ ALGORITHMS = ("dp-fedemb", "dp-fedavg", "dp-ftrl-fedemb")
 PRETRAIN_SOURCES = ("public", "import", "none")
 
 
+# The image the Dockerfile builds (`docker build -t dp-fedemb:0.1.0 .`): every pipeline
+# step, the TFF workers and the Beam SDK harness run in it. Tag = setup.py's version.
+IMAGE = "dp-fedemb:0.1.0"
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineSection:
     name: str = "dp-fedemb"
     # Where the pipeline root, the MLMD store, the serving directory and the report go.
     output_dir: str = "dp-fedemb-run"
     enable_cache: bool = True
-    # Container image of the components when compiled for Kubeflow or Airflow.
-    image: str = "dp-fedemb:latest"
+    # Container image of the components when compiled for Kubeflow or Airflow: the one the
+    # repository's Dockerfile builds (docs/scaling.md, "The image").
+    image: str = IMAGE
     beam_args: tuple[str, ...] = ("--runner=DirectRunner", "--direct_num_workers=1")
 
 
