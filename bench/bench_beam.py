@@ -5,13 +5,12 @@ identity, one image each), ingested from an image folder, partitioned by user, a
 deduplicated (train vs validation+test). The plain dedup is the Beam job's own batch
 steps (beam_jobs/dedup_batches.py) called in a loop with dicts for the groupings: it reads
 the split files and writes the kept training records, as the Beam job does.
-`run(out_dir, quick)` writes out_dir/beam.json; quick runs 10^4 users only, the full run
-adds 10^5 (about 10 minutes on 2 cores).
+`run(out_dir, quick)` returns the figures (bench.run_all writes them); quick runs 10^4
+users only, the full run adds 10^5 (about 10 minutes on 2 cores).
 """
 
 import collections
 import dataclasses
-import json
 import os
 import shutil
 import tempfile
@@ -210,18 +209,4 @@ def run(out_dir: str, quick: bool) -> dict:
             results["sizes"].append(_bench_size(users, work_dir))
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "beam.json"), "w") as f:
-        json.dump(results, f, indent=2)
     return results
-
-
-if __name__ == "__main__":
-    import sys
-
-    print(
-        json.dumps(
-            run(sys.argv[1] if len(sys.argv) > 1 else "bench_results", quick="--quick" in sys.argv),
-            indent=2,
-        )
-    )

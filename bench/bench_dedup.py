@@ -14,13 +14,12 @@ Per transformation: recall (copies removed), matched (removed against their own
 original) and precision as if the candidates were that transformation's copies plus
 every distinct image. Distinct images: the fraction removed, overall and per source,
 with the removed ones named. Every figure also per half of the originals (`Original.half`):
-thresholds are chosen on half 0, half 1 checks them. `run(out_dir, quick)` writes
-out_dir/dedup.json; quick uses 8 digits a class instead of 30.
+thresholds are chosen on half 0, half 1 checks them. `run(out_dir, quick)` returns
+the figures (bench.run_all writes them); quick uses 8 digits a class instead of 30.
 """
 
 import collections
 import dataclasses
-import json
 import os
 import tempfile
 import time
@@ -170,18 +169,4 @@ def run(out_dir: str, quick: bool) -> dict:
             "dedup_seconds": round(seconds, 2),
             **score(candidates, removed),
         }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "dedup.json"), "w") as f:
-        json.dump(results, f, indent=2)
     return results
-
-
-if __name__ == "__main__":
-    import sys
-
-    print(
-        json.dumps(
-            run(sys.argv[1] if len(sys.argv) > 1 else "bench_results", quick="--quick" in sys.argv),
-            indent=2,
-        )
-    )
