@@ -118,7 +118,7 @@ def test_dags_load_without_import_errors(airflow):
 
 def test_dag_run_pushes_a_model_with_epsilon_in_lineage(airflow):
     af, out = airflow
-    run = af("dags", "test", "dp-fedemb", LOGICAL_DATE, timeout=1200)
+    run = af("dags", "test", "dp-fedemb", LOGICAL_DATE, timeout=840)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-5000:]
     [(state,)] = af.query("SELECT state FROM dag_run WHERE dag_id = ?", "dp-fedemb")
@@ -132,6 +132,28 @@ def test_dag_run_pushes_a_model_with_epsilon_in_lineage(airflow):
             os.path.join(out, "pipeline_root", "metadata.sqlite")
         )
     )
+    # The artifacts LocalDagRunner records (tests/test_pipeline_e2e.py), from this one run:
+    # Examples from ExampleGen and dedup, Models from PretrainBackbone and PrivateTrain.
+    counts = {t.name: len(store.get_artifacts_by_type(t.name)) for t in store.get_artifact_types()}
+    assert counts == {
+        "Examples": 2,
+        "ExampleStatistics": 1,
+        "Schema": 1,
+        "ExampleAnomalies": 1,
+        artifacts.DedupReport.TYPE_NAME: 1,
+        artifacts.VirtualClientPartition.TYPE_NAME: 1,
+        artifacts.ScheduleStatistics.TYPE_NAME: 1,
+        "Model": 2,
+        artifacts.TrainingMetrics.TYPE_NAME: 2,
+        artifacts.PrivacyLedger.TYPE_NAME: 1,
+        "ModelEvaluation": 1,
+        "ModelBlessing": 1,
+        "PushedModel": 1,
+        artifacts.PipelineReport.TYPE_NAME: 1,
+    }, counts
+    # PretrainBackbone's and PrivateTrain's metrics: same type, names unique per output.
+    metrics = store.get_artifacts_by_type(artifacts.TrainingMetrics.TYPE_NAME)
+    assert sorted(a.name.split(":")[0] for a in metrics) == ["backbone_metrics", "training_metrics"]
     [pushed] = lineage.pushed_models(store)
     privacy = lineage.privacy_of_pushed_model(store, pushed.id)
     assert os.path.isdir(privacy.pushed_destination)
