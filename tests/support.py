@@ -8,6 +8,7 @@ fixture around them, so its synthetic config and the fixture's scope stay visibl
 where they are used.
 """
 
+import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -255,3 +256,55 @@ def headless_chromium(browser: str, profile: str, *args: str) -> Any:
         capture_output=True,
         text=True,
     )
+
+
+# The whole pipeline on tiny data (test_pipeline_e2e, the shared first run in conftest,
+# crash safety, Airflow): every component runs in a few seconds.
+TINY_PIPELINE = {
+    "data": {
+        "synthetic": {"identities": 30, "images_per_identity": 6},
+        "synthetic_public": {
+            "identities": 10,
+            "images_per_identity": 6,
+            "seed": 1,
+            "style": "sketch",
+        },
+    },
+    "partition": {"num_shards": 2},
+    "pretrain": {"job": {"rounds": 1, "evaluate_every": 1}},
+    "train": {
+        "algorithm": "dp-fedemb",
+        "rounds": 2,
+        "noise_multiplier": 0.5,
+        "users_per_virtual_client": 2,
+        "virtual_clients_per_round": 2,
+        "batch_size": 16,
+        "max_examples_per_client": 32,
+        "embedding_size": 32,
+        "evaluate_every": 1,
+        "delta": 1e-3,
+        "noise_seed": 0,
+        "testing_fixed_noise": True,
+    },
+    "evaluate": {"privacy_budget_epsilon": 100.0},
+    "budget": {"dataset_epsilon": 100.0},
+}
+
+
+def tiny_pipeline(output_dir: str, **section_overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """TINY_PIPELINE's config values with `output_dir` and some sections' keys replaced."""
+    values = json.loads(json.dumps(TINY_PIPELINE))
+    for section, overrides in section_overrides.items():
+        values.setdefault(section, {}).update(overrides)
+    values.setdefault("pipeline", {})["output_dir"] = output_dir
+    return values
+
+
+def executions_by_node(store: Any) -> dict[str, list]:
+    """An ML Metadata store's executions by pipeline node id, oldest first (node ids are
+    the node contexts' name suffix)."""
+    by_node: dict[str, list] = {}
+    for context in store.get_contexts_by_type("node"):
+        node_id = context.name.split(".")[-1]
+        by_node[node_id] = sorted(store.get_executions_by_context(context.id), key=lambda e: e.id)
+    return by_node

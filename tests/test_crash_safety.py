@@ -194,23 +194,14 @@ def test_sigkilled_training_resumes_to_exactly_the_uninterrupted_result(tmp_path
 
 
 def _pipeline_config(output_dir: str, **overrides) -> dict:
-    from tests import test_pipeline_e2e
-
-    values = json.loads(json.dumps(test_pipeline_e2e.TINY))
+    values = support.tiny_pipeline(output_dir)
     values["pretrain"] = {"source": "none"}
     values["train"].update(rounds=3, trainable_layers=["*"])  # from a random start
     # Below any run's epsilon: training starts only on the explicit override.
     values["budget"] = {"dataset_epsilon": 0.01, "override": True}
-    values["pipeline"] = {"output_dir": output_dir}
     for section, fields in overrides.items():
         values[section].update(fields)
     return values
-
-
-def _executions_by_node(store) -> dict[str, list]:
-    from tests import test_pipeline_e2e
-
-    return test_pipeline_e2e._executions_by_node(store)
 
 
 @pytest.mark.slow
@@ -253,7 +244,7 @@ def test_pipeline_killed_in_private_train_reruns_without_redoing_finished_compon
 
     config = config_lib.config_from_dict(_pipeline_config(output))
     store = metadata_store.MetadataStore(definition.local_metadata_config(config))
-    killed = {node: [e.id for e in ex] for node, ex in _executions_by_node(store).items()}
+    killed = {node: [e.id for e in ex] for node, ex in support.executions_by_node(store).items()}
     # The resolver of the last blessed model runs anew every time by design.
     finished_before_kill = [
         node
@@ -272,7 +263,7 @@ def test_pipeline_killed_in_private_train_reruns_without_redoing_finished_compon
 
     states = {
         node: [e.last_known_state for e in executions if e.id not in killed.get(node, [])]
-        for node, executions in _executions_by_node(store).items()
+        for node, executions in support.executions_by_node(store).items()
     }
     cached, complete = metadata_store_pb2.Execution.CACHED, metadata_store_pb2.Execution.COMPLETE
     for node in finished_before_kill:
@@ -309,7 +300,7 @@ def test_pipeline_killed_in_private_train_reruns_without_redoing_finished_compon
     assert budget.dataset_spent(policy["ledger_path"], fingerprint, trained["delta"]) > 0
     [train_execution] = [
         e
-        for e in _executions_by_node(store)[definition.PRIVATE_TRAIN]
+        for e in support.executions_by_node(store)[definition.PRIVATE_TRAIN]
         if e.last_known_state == complete
     ]
     assert json.loads(train_execution.custom_properties["budget_policy"].string_value)["override"]

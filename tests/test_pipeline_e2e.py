@@ -14,10 +14,8 @@ checks artifacts, lineage, blessing and caching by reading ML Metadata:
 
 import json
 import os
-import subprocess
 
 import pytest
-from ml_metadata.metadata_store import metadata_store
 from ml_metadata.proto import metadata_store_pb2
 
 from pipeline import config as config_lib
@@ -27,35 +25,6 @@ from tests import support
 
 pytestmark = pytest.mark.slow
 
-TINY = {
-    "data": {
-        "synthetic": {"identities": 30, "images_per_identity": 6},
-        "synthetic_public": {
-            "identities": 10,
-            "images_per_identity": 6,
-            "seed": 1,
-            "style": "sketch",
-        },
-    },
-    "partition": {"num_shards": 2},
-    "pretrain": {"job": {"rounds": 1, "evaluate_every": 1}},
-    "train": {
-        "algorithm": "dp-fedemb",
-        "rounds": 2,
-        "noise_multiplier": 0.5,
-        "users_per_virtual_client": 2,
-        "virtual_clients_per_round": 2,
-        "batch_size": 16,
-        "max_examples_per_client": 32,
-        "embedding_size": 32,
-        "evaluate_every": 1,
-        "delta": 1e-3,
-        "noise_seed": 0,
-        "testing_fixed_noise": True,
-    },
-    "evaluate": {"privacy_budget_epsilon": 100.0},
-    "budget": {"dataset_epsilon": 100.0},
-}
 UPSTREAM_OF_EVALUATION = (
     definition.EXAMPLE_GEN,
     definition.STATISTICS_GEN,
@@ -70,49 +39,16 @@ COMPONENTS = (*UPSTREAM_OF_EVALUATION, definition.EVALUATE, definition.PUSHER, d
 
 
 def _config(output_dir: str, **section_overrides) -> config_lib.PipelineConfig:
-    values = json.loads(json.dumps(TINY))
-    for section, overrides in section_overrides.items():
-        values.setdefault(section, {}).update(overrides)
-    values["pipeline"] = {"output_dir": output_dir}
-    return config_lib.config_from_dict(values)
-
-
-def _executions_by_node(store: metadata_store.MetadataStore) -> dict[str, list]:
-    """Node id -> its executions, oldest first (node ids are execution type names' suffix)."""
-    by_node: dict[str, list] = {}
-    for context in store.get_contexts_by_type("node"):
-        node_id = context.name.split(".")[-1]
-        by_node[node_id] = sorted(store.get_executions_by_context(context.id), key=lambda e: e.id)
-    return by_node
+    return config_lib.config_from_dict(support.tiny_pipeline(output_dir, **section_overrides))
 
 
 def _states(store, nodes, run_index: int) -> dict[str, int]:
-    executions = _executions_by_node(store)
+    executions = support.executions_by_node(store)
     return {node: executions[node][run_index].last_known_state for node in nodes}
 
 
 CACHED = metadata_store_pb2.Execution.CACHED
 COMPLETE = metadata_store_pb2.Execution.COMPLETE
-
-
-def run_first_pipeline(output_dir: str):
-    """The first run on TINY data, through the command line as a user runs it: (config,
-    run summary, MLMD store, the command's CompletedProcess). conftest's session fixture
-    `tiny_pipeline_first_run` calls it once for every module using it."""
-    config = _config(output_dir)
-    config_path = os.path.join(os.path.dirname(output_dir), "tiny-config.json")
-    with open(config_path, "w") as f:
-        json.dump(config.to_dict(), f)
-    process = subprocess.run(
-        [support.CONSOLE_SCRIPT, "run", "--config", config_path],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert process.returncode == 0, process.stderr[-5000:]
-    summary = local_run.summarize(config)
-    store = metadata_store.MetadataStore(definition.local_metadata_config(config))
-    return config, summary, store, process
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +214,7 @@ def test_partial_run_over_budget_is_not_blessed_or_pushed(first_run):
     config, _, store, _ = first_run
     serving = os.path.abspath(config.serving_dir)
     pushed_before = sorted(os.listdir(serving))
-    seen = {e.id for executions in _executions_by_node(store).values() for e in executions}
+    seen = {e.id for executions in support.executions_by_node(store).values() for e in executions}
     [ledger] = store.get_artifacts_by_type(artifacts.PrivacyLedger.TYPE_NAME)
     epsilon = ledger.custom_properties[artifacts.EPSILON].double_value
     over_budget = _config(
@@ -289,7 +225,7 @@ def test_partial_run_over_budget_is_not_blessed_or_pushed(first_run):
     )
     new = {
         node: [e.last_known_state for e in executions if e.id not in seen]
-        for node, executions in _executions_by_node(store).items()
+        for node, executions in support.executions_by_node(store).items()
     }
     # Upstream of PrivateTrain nothing runs: the partial run records its reuse of the
     # last run's artifacts as cached executions.

@@ -215,11 +215,9 @@ def _property_texts(store) -> dict[str, str]:
 def test_pipeline_draws_the_schedule_seed_in_private_train_and_metadata_holds_none(
     tiny_pipeline_first_run,
 ):
-    from tests import test_pipeline_e2e
-
     config, _, store, _ = tiny_pipeline_first_run
     # Other tests may have run the same pipeline again (cached or partial re-runs).
-    executions = test_pipeline_e2e._executions_by_node(store)[definition.PRIVATE_TRAIN]
+    executions = support.executions_by_node(store)[definition.PRIVATE_TRAIN]
     assert executions
     for execution in executions:
         parameters = {**execution.properties, **execution.custom_properties}
