@@ -103,7 +103,8 @@ class QuietStderr:
         # the thread ends when child processes that inherited it have ended too.
         os.dup2(self._saved_fd, 2)
         os.close(self._saved_fd)
-        self._thread.join(timeout=2.0)
+        # Until the pipe is drained; a child still holding it only delays the exit this long.
+        self._thread.join(timeout=5.0)
         with self._lock:
             if self._log is not None:
                 self._log.close()
