@@ -21,6 +21,7 @@ from tfx.types import standard_artifacts
 from pipeline import config as config_lib
 from pipeline import fingerprint
 from pipeline.components import data, evaluation, reporting, training
+from tff_algorithms import job_config
 
 # Node ids, used by partial runs and tests.
 EXAMPLE_GEN = "CanonicalExampleGen"
@@ -37,10 +38,6 @@ BASELINE_RESOLVER = "LatestBlessedModelResolver"
 EVALUATE = "EvaluateAndBless"
 PUSHER = "Pusher"
 REPORT = "RenderReport"
-
-# The schedule each algorithm trains with (as tff_algorithms.job_config.schedule_shape_for), so
-# the participation statistics published describe the real schedule.
-SCHEDULE_MODES = {"dp-fedemb": "sampled", "dp-fedavg": "sampled", "dp-ftrl-fedemb": "epoch"}
 
 
 def pipeline_root(config: config_lib.PipelineConfig) -> str:
@@ -114,7 +111,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         virtual_clients_per_round=str(train_job["virtual_clients_per_round"]),
         over_selection=float(train_job["over_selection"]),
         rounds=train_job["rounds"],
-        schedule_mode=SCHEDULE_MODES[train_job["algorithm"]],
+        schedule_mode=job_config.schedule_mode(train_job["algorithm"]),
         beam_args=beam_args,
         code_fingerprint=_code(data.PartitionVirtualClients),
     ).with_id(PARTITION)

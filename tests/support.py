@@ -308,3 +308,18 @@ def executions_by_node(store: Any) -> dict[str, list]:
         node_id = context.name.split(".")[-1]
         by_node[node_id] = sorted(store.get_executions_by_context(context.id), key=lambda e: e.id)
     return by_node
+
+
+def screenshot_shades(browser: str, profile: str, page: str, size: str) -> int | None:
+    """Grey shades in a headless Chromium screenshot of the file `page` at window `size`
+    ("W,H"): a blank page has one, a rendered one with text and plots many (None: more
+    than 65,536)."""
+    from PIL import Image
+
+    screenshot = f"{profile}-shot.png"
+    headless_chromium(
+        browser, profile, f"--window-size={size}", f"--screenshot={screenshot}", f"file://{page}"
+    )
+    with Image.open(screenshot) as image:
+        colours = image.convert("L").getcolors(maxcolors=1 << 16)
+    return None if colours is None else len(colours)

@@ -432,6 +432,11 @@ def fresh_schedule_seed() -> int:
     return secrets.randbits(62)
 
 
+def schedule_mode(algorithm: str) -> str:
+    """How a federated algorithm samples users: DP-FTRL in epochs, the others by round."""
+    return schedule.EPOCH if algorithm == DP_FTRL_FEDEMB else schedule.SAMPLED
+
+
 def schedule_shape_for(config: TrainJobConfig, num_users: int) -> schedule.ScheduleShape:
     """The counts of a federated job's schedule over `num_users` users (no seed needed).
 
@@ -439,12 +444,11 @@ def schedule_shape_for(config: TrainJobConfig, num_users: int) -> schedule.Sched
     than planned when over-selecting), so the accounting spec built from its
     participation statistics uses the selected set's sampling.
     """
-    mode = schedule.EPOCH if config.algorithm == DP_FTRL_FEDEMB else schedule.SAMPLED
     return schedule.trained_shape(
         num_users,
         config.users_per_virtual_client,
         config.virtual_clients_per_round,
-        mode,
+        schedule_mode(config.algorithm),
         float(config.over_selection),
     )
 
