@@ -40,8 +40,7 @@ def run(out_dir: str, quick: bool) -> dict:
         accounting.calibrate_noise_multiplier(spec, target) for target in sizes["target_epsilons"]
     ]
     runs = []
-    runtime.start(handle_signals=False)
-    try:
+    with runtime.session(handle_signals=False):
         for noise in noise_multipliers:
             config = audit.audit_train_config(population, noise, noise_seed=0)
             result = audit.run_canary_audit(
@@ -49,8 +48,6 @@ def run(out_dir: str, quick: bool) -> dict:
             )
             runs.append(result.to_dict())
             print(f"bench_privacy_audit: {runs[-1]}", flush=True)
-    finally:
-        runtime.stop()
     return {
         "quick": quick,
         "population": {

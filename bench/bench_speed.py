@@ -353,34 +353,33 @@ def _measure_setting(
 
     memory.reset()
     setting = _Setting(partition_dir, clients_per_round, users_per_vc)
-    runtime.start(runtime.RuntimeConfig(local_workers=local_workers), handle_signals=False)
-    try:
-        state = setting.process.initialize()
-        started = time.perf_counter()
-        state = setting.tff_round(state, 0)[0]
-        first_round = time.perf_counter() - started
-        loop = None
-        if plain:
-            loop = _PlainLoop(setting, _as_tensors(setting.process.get_model_weights(state)))
-            loop.round(0)
-        tff_seconds, tff_cpu, ids_seconds = [], [], []
-        plain_seconds, plain_cpu, examples, load_averages = [], [], [], []
-        for round_num in range(1, rounds + 1):
-            state, seconds, cpu, id_seconds, num_examples = setting.tff_round(state, round_num)
-            tff_seconds.append(seconds)
-            tff_cpu.append(cpu)
-            ids_seconds.append(id_seconds)
-            examples.append(num_examples)
+    loop = None
+    with runtime.session(runtime.RuntimeConfig(local_workers=local_workers), handle_signals=False):
+        try:
+            state = setting.process.initialize()
+            started = time.perf_counter()
+            state = setting.tff_round(state, 0)[0]
+            first_round = time.perf_counter() - started
+            if plain:
+                loop = _PlainLoop(setting, _as_tensors(setting.process.get_model_weights(state)))
+                loop.round(0)
+            tff_seconds, tff_cpu, ids_seconds = [], [], []
+            plain_seconds, plain_cpu, examples, load_averages = [], [], [], []
+            for round_num in range(1, rounds + 1):
+                state, seconds, cpu, id_seconds, num_examples = setting.tff_round(state, round_num)
+                tff_seconds.append(seconds)
+                tff_cpu.append(cpu)
+                ids_seconds.append(id_seconds)
+                examples.append(num_examples)
+                if loop is not None:
+                    seconds, cpu = loop.round(round_num)
+                    plain_seconds.append(seconds)
+                    plain_cpu.append(cpu)
+                load_averages.append(os.getloadavg()[0])
+            peaks = memory.peaks_mib()
+        finally:
             if loop is not None:
-                seconds, cpu = loop.round(round_num)
-                plain_seconds.append(seconds)
-                plain_cpu.append(cpu)
-            load_averages.append(os.getloadavg()[0])
-        peaks = memory.peaks_mib()
-    finally:
-        if loop is not None:
-            loop.close()
-        runtime.stop()
+                loop.close()
     result = {
         "clients_per_round": clients_per_round,
         "users_per_round": clients_per_round * users_per_vc,
@@ -812,14 +811,9 @@ def run(out_dir: str, quick: bool) -> dict:
 
 def _main(argv: list[str]) -> int:
     if len(argv) == 4 and argv[1] == "--child":
-        from tff_algorithms import runtime
-
         with open(argv[2]) as f:
             spec = json.load(f)
-        try:
-            result = _child(spec)
-        finally:
-            runtime.stop()
+        result = _child(spec)
         with open(argv[3], "w") as f:
             json.dump(result, f)
         return 0

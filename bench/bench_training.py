@@ -137,11 +137,8 @@ def pretrain(
     if head_loss is not None:
         config = dataclasses.replace(config, head_loss=head_loss)
     output = os.path.join(work, "pretrained" if head_loss is None else f"pretrained_{head_loss}")
-    runtime.start(handle_signals=False)
-    try:
+    with runtime.session(handle_signals=False):
         return train_job.run_train_job(config, public_dir, eval_dir, output)
-    finally:
-        runtime.stop()
 
 
 def run(out_dir: str, quick: bool) -> dict:
@@ -241,8 +238,7 @@ def train_each(
     job ends, so a long benchmark shows progress under `label`.
     """
     described: dict[str, dict] = {}
-    runtime.start(handle_signals=False)
-    try:
+    with runtime.session(handle_signals=False):
         for name, config in configs.items():
             try:
                 result = train_job.run_train_job(
@@ -254,8 +250,6 @@ def train_each(
             else:
                 described[name] = describe(config, result)
             print(f"{label}: {name}: {described[name]}", flush=True)
-    finally:
-        runtime.stop()
     return described
 
 

@@ -29,12 +29,12 @@ def _release_tff_at_exit() -> None:
     """TFF's import-time context fails noisily in `__del__` at interpreter shutdown.
 
     Released by an exit hook, not after each task: `airflow dags test` runs every task in
-    one process, and later tasks may still use TFF as they do under LocalDagRunner.
+    one process, and later tasks may still use TFF as they do under LocalDagRunner. No
+    runtime is left to stop: a training task's `runtime.session` stops the one it started.
     """
     if "tensorflow_federated" in sys.modules:
         from tff_algorithms import runtime
 
-        runtime.stop()
         runtime.release_import_time_context()
 
 

@@ -162,3 +162,49 @@ def test_computations_fail_loudly_once_no_runtime_runs():
 def test_bad_worker_address_is_rejected(address):
     with pytest.raises(ValueError, match="host:port"):
         runtime.RuntimeConfig(worker_addresses=(address,))
+
+
+@pytest.mark.parametrize("mode, expected_code", [("session", 0), ("session-exception", 1)])
+def test_session_starts_and_stops_a_runtime_when_none_is_active(mode, expected_code):
+    child, worker_pid, log_path = _start_child(mode)
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == expected_code
+    # Stopped when the block ended (exit code of SIGINT), before the interpreter exits.
+    assert "after active=None exit=-2" in out, out
+    assert _wait_gone(worker_pid)
+    assert not os.path.exists(os.path.dirname(log_path)), "temporary log dir left behind"
+
+
+def test_session_reuses_the_active_runtime_and_leaves_it_running(tff_runtime):
+    for config in (None, runtime.RuntimeConfig()):
+        with runtime.session(config, handle_signals=False) as rt:
+            assert rt is tff_runtime
+            assert _federated_sum([2.0]) == 2.0
+    assert runtime.active() is tff_runtime
+    assert tff_runtime.local_workers[0].process.poll() is None
+
+
+def test_session_nests_asked_for_workers_over_the_active_runtime(tff_runtime):
+    with runtime.session(runtime.RuntimeConfig(local_workers=2)) as nested:
+        assert nested is not tff_runtime
+        workers = [w.process for w in nested.local_workers]
+        assert len(workers) == 2
+        assert tff.framework.get_context_stack().current is nested._context
+        assert _federated_sum([1.0, 2.0]) == 3.0
+    assert all(w.poll() is not None for w in workers), "nested workers outlived the block"
+    assert runtime.active() is tff_runtime
+    assert tff.framework.get_context_stack().current is tff_runtime._context
+
+
+def test_session_that_fails_to_start_starts_nothing():
+    before = runtime.active()
+    bad_tls = runtime.RuntimeConfig(
+        worker_addresses=("127.0.0.1:1",),
+        worker_ca="/nonexistent/ca.pem",
+        worker_cert="/nonexistent/cert.pem",
+        worker_key="/nonexistent/key.pem",
+    )
+    with pytest.raises(ValueError, match="worker_ca /nonexistent/ca.pem"):
+        with runtime.session(bad_tls, handle_signals=False):
+            pass
+    assert runtime.active() is before

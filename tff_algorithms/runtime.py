@@ -50,6 +50,7 @@ order workers finish, so the last bits can vary between runs.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -61,7 +62,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from types import FrameType
 
 import grpc
@@ -515,6 +516,38 @@ def stop() -> None:
 
 def active() -> TffRuntime | None:
     return _active
+
+
+@contextlib.contextmanager
+def session(
+    config: RuntimeConfig | None = None, *, handle_signals: bool = True
+) -> Iterator[TffRuntime]:
+    """The runtime for the computations of a `with` block; the one way callers get one.
+
+    With no runtime active: starts the process-wide one (`start`, with
+    `handle_signals`) and stops it when the block ends, however it ends; one that fails
+    to start leaves TFF's import-time context released. With one active: yields it,
+    untouched, when `config` asks for nothing else (None or the default), or else a
+    runtime of `config` nested over it, whose stop gives the active one its context back
+    (workers asked for are never silently ignored).
+    """
+    current = active()
+    if current is not None:
+        if config is None or config == RuntimeConfig():
+            yield current
+        else:
+            with TffRuntime(config) as nested:
+                yield nested
+        return
+    try:
+        started = start(config or RuntimeConfig(), handle_signals=handle_signals)
+    except BaseException:
+        release_import_time_context()
+        raise
+    try:
+        yield started
+    finally:
+        stop()
 
 
 def release_import_time_context() -> None:

@@ -319,8 +319,9 @@ def run_train_job(
       output_dir: checkpoints, saved_model, ledger.json, metrics.json.
       pretrained_backbone: path accepted by `models.load_pretrained_backbone`.
       progress: called with each round's history record (round, epsilon, seconds, eval).
-      runtime_config: the TFF workers to train on (several split each round's clients).
-        None: the active runtime, or one local worker when none is active.
+      runtime_config: the TFF workers to train on (several split each round's clients),
+        by `runtime.session`: None or the default means the active runtime, or one local
+        worker when none is active.
       budget: the cross-run budget of the training users (`budget.charge_run`): the job
         is charged its planned schedule before training, or refused. None: no
         cross-run budget (`max_epsilon` still bounds this run alone).
@@ -374,19 +375,10 @@ def run_train_job(
     if config.algorithm == CENTRALIZED:
         outcome = _train_centralized(inputs)
     else:
-        if runtime_config is not None:
-            # Its own runtime, nested over any active one (stopping it reinstates that).
-            with runtime.TffRuntime(runtime_config):
-                outcome = _train_federated(inputs, claimed.schedule_seed)
-        else:
-            owns_runtime = runtime.active() is None
-            if owns_runtime:
-                runtime.start(handle_signals=False)
-            try:
-                outcome = _train_federated(inputs, claimed.schedule_seed)
-            finally:
-                if owns_runtime:
-                    runtime.stop()
+        # The caller's runtime, else one for this job; workers that `runtime_config` names
+        # run nested over the caller's (stopping them reinstates it).
+        with runtime.session(runtime_config, handle_signals=False):
+            outcome = _train_federated(inputs, claimed.schedule_seed)
     if board is not None:
         board.close()
     facts = job_outputs.JobFacts(

@@ -493,26 +493,17 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             worker_key=value["worker-key"],
             allow_insecure_workers=value["allow-insecure-workers"],
         )
-        # Fails on an unreadable TLS file too, before any worker is reached.
-        if runtime.active() is None:
-            runtime.start(runtime_config)
-            stop = runtime.stop
-        elif runtime_config != runtime.RuntimeConfig():
-            # Workers asked for under a caller's runtime: a nested one, never silently
-            # ignored; stopping it gives the caller's runtime its context back.
-            stop = runtime.TffRuntime(runtime_config).start().stop
-        else:
-            stop = None  # the caller's runtime
     except ValueError:
         if runtime.active() is None:
             runtime.release_import_time_context()
         raise
-    try:
-        summary = _train(value)
-    finally:
-        if stop is not None:
-            stop()
-        if os.path.isdir(value["output"]):
-            console.keep_log_in(value["output"], "train")
+    # Under a caller's runtime (a test calling main in-process) no workers are started
+    # unless flags ask for some; an unreadable TLS file fails before any is reached.
+    with runtime.session(runtime_config):
+        try:
+            summary = _train(value)
+        finally:
+            if os.path.isdir(value["output"]):
+                console.keep_log_in(value["output"], "train")
     print(json.dumps(summary, sort_keys=True))
     return 0
