@@ -22,6 +22,7 @@ from pipeline import compile_targets, definition, lineage
 from pipeline import config as config_lib
 from pipeline.components import artifacts
 from tests import support
+from tff_algorithms import job_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AIRFLOW = os.path.join(REPO, ".venv-airflow", "bin", "airflow")
@@ -156,7 +157,7 @@ def test_dag_run_pushes_a_model_with_epsilon_in_lineage(airflow):
     [pushed] = lineage.pushed_models(store)
     privacy = lineage.privacy_of_pushed_model(store, pushed.id)
     assert os.path.isdir(privacy.pushed_destination)
-    with open(os.path.join(privacy.ledger_uri, "ledger.json")) as f:
+    with open(os.path.join(privacy.ledger_uri, job_files.LEDGER_FILE)) as f:
         ledger = json.load(f)
     assert privacy.epsilon == pytest.approx(ledger["history"][-1]["epsilon"])
     assert 0 < privacy.epsilon <= 100.0 and privacy.delta == pytest.approx(1e-3)

@@ -9,7 +9,7 @@ import pytest
 
 from beam_jobs import partition, synthetic
 from tests import support
-from tff_algorithms import accounting, budget, job_config, job_outputs, train_job
+from tff_algorithms import accounting, budget, job_config, job_files, train_job
 
 DPSGD = accounting.AccountingSpec(
     population=1000, users_per_round=50, rounds=40, noise_multiplier=1.1, delta=1e-5
@@ -221,4 +221,4 @@ def test_train_job_is_charged_once_and_a_second_job_over_budget_refused(
     second_dir = str(tmp_path / "second")
     with pytest.raises(ValueError, match="dataset privacy budget exceeded"):
         train_job.run_train_job(JOB, *small_data, second_dir, budget=policy)
-    assert not os.path.exists(os.path.join(second_dir, job_outputs.CHECKPOINT_DIR))
+    assert not os.path.exists(os.path.join(second_dir, job_files.CHECKPOINT_DIR))

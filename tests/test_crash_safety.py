@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from beam_jobs import synthetic
 from tests import support
-from tff_algorithms import job_outputs
+from tff_algorithms import job_files
 
 CLI_ROUNDS = 4
 KILL_SEED = 20240611
@@ -115,7 +115,7 @@ def _kill_at(data: str, output: str, tmp_dir: str, round_num: int, during_save: 
     directory exists) but not finished; otherwise as soon as the round is reported.
     """
     log_path = os.path.join(tmp_dir, f"killed-at-{round_num}.log")
-    checkpoints = os.path.join(output, job_outputs.CHECKPOINT_DIR)
+    checkpoints = os.path.join(output, job_files.CHECKPOINT_DIR)
     reported = re.compile(rf"^round {round_num}/{CLI_ROUNDS}\b", re.MULTILINE)
     temporary = re.compile(rf"^round_{round_num}_temp\d+$")
     with open(log_path, "w") as log:
@@ -154,9 +154,9 @@ def test_sigkilled_training_resumes_to_exactly_the_uninterrupted_result(tmp_path
     _run_to_completion(data, output, tmp_dir)
     reference_dir = str(tmp_path / "reference")
     os.makedirs(reference_dir)
-    for name in (job_outputs.SAVED_MODEL_DIR, job_outputs.LEDGER_FILE, job_outputs.METRICS_FILE):
+    for name in (job_files.SAVED_MODEL_DIR, job_files.LEDGER_FILE, job_files.METRICS_FILE):
         shutil.move(os.path.join(output, name), reference_dir)
-    for name in (job_outputs.CHECKPOINT_DIR, job_outputs.JOB_FILE):
+    for name in (job_files.CHECKPOINT_DIR, job_files.JOB_FILE):
         shutil.move(os.path.join(output, name), os.path.join(tmp_dir, f"reference-{name}"))
 
     # Kill twice at random rounds: once mid checkpoint write, once after a round.
@@ -170,22 +170,22 @@ def test_sigkilled_training_resumes_to_exactly_the_uninterrupted_result(tmp_path
 
     assert 1 <= summary["resumed_from_round"] < CLI_ROUNDS, kills
     for a, b in zip(
-        support.saved_backbone(os.path.join(reference_dir, job_outputs.SAVED_MODEL_DIR)),
-        support.saved_backbone(os.path.join(output, job_outputs.SAVED_MODEL_DIR)),
+        support.saved_backbone(os.path.join(reference_dir, job_files.SAVED_MODEL_DIR)),
+        support.saved_backbone(os.path.join(output, job_files.SAVED_MODEL_DIR)),
         strict=True,
     ):
         np.testing.assert_array_equal(a, b)
-    with open(os.path.join(reference_dir, job_outputs.LEDGER_FILE)) as f:
+    with open(os.path.join(reference_dir, job_files.LEDGER_FILE)) as f:
         reference_ledger = f.read()
-    with open(os.path.join(output, job_outputs.LEDGER_FILE)) as f:
+    with open(os.path.join(output, job_files.LEDGER_FILE)) as f:
         assert f.read() == reference_ledger
-    with open(os.path.join(reference_dir, job_outputs.METRICS_FILE)) as f:
+    with open(os.path.join(reference_dir, job_files.METRICS_FILE)) as f:
         reference_history = json.load(f)["history"]
-    with open(os.path.join(output, job_outputs.METRICS_FILE)) as f:
+    with open(os.path.join(output, job_files.METRICS_FILE)) as f:
         history = support.without_round_seconds(json.load(f)["history"])
     assert history == support.without_round_seconds(reference_history)
     leftovers = [
-        e for e in os.listdir(os.path.join(output, job_outputs.CHECKPOINT_DIR)) if "temp" in e
+        e for e in os.listdir(os.path.join(output, job_files.CHECKPOINT_DIR)) if "temp" in e
     ]
     assert not leftovers
 
@@ -254,7 +254,7 @@ def test_pipeline_killed_in_private_train_reruns_without_redoing_finished_compon
     assert definition.PARTITION in finished_before_kill
     # The schedule seed PrivateTrain drew from OS entropy, kept next to its checkpoints.
     [job_file] = tf.io.gfile.glob(
-        os.path.join(os.path.dirname(os.path.dirname(checkpoint)), job_outputs.JOB_FILE)
+        os.path.join(os.path.dirname(os.path.dirname(checkpoint)), job_files.JOB_FILE)
     )
     with open(job_file) as f:
         schedule_seed = str(json.load(f)["schedule_seed"]).encode()
@@ -270,7 +270,7 @@ def test_pipeline_killed_in_private_train_reruns_without_redoing_finished_compon
         assert states[node] == [cached], node
     assert states[definition.PRIVATE_TRAIN] == [complete]
     [metrics] = store.get_artifacts_by_type(artifacts.TrainingMetrics.TYPE_NAME)
-    with open(os.path.join(metrics.uri, "metrics.json")) as f:
+    with open(os.path.join(metrics.uri, job_files.METRICS_FILE)) as f:
         trained = json.load(f)
     assert trained["resumed_from_round"] >= 1 and trained["rounds"] == 3
     assert summary.recall_at_far

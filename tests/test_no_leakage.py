@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from beam_jobs import partition, schema, synthetic
 from pipeline.components import artifacts
+from tff_algorithms import job_files
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +155,7 @@ def test_train_job_outputs_and_logs_leak_nothing(train_run):
     with open(os.path.join(output, "train_job.json")) as f:
         schedule_seed = json.load(f)["schedule_seed"]
     assert _leaks(published, {"schedule seed": str(schedule_seed).encode()}) == []
-    metrics = json.load(open(os.path.join(output, "metrics.json")))
+    metrics = json.load(open(os.path.join(output, job_files.METRICS_FILE)))
     assert metrics["schedule_seed_source"] == "os-entropy"
     assert not {"schedule_seed", "noise_seed"} & set(metrics["config"])
 

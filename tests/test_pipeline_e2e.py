@@ -22,6 +22,7 @@ from pipeline import config as config_lib
 from pipeline import console, definition, lineage, local_run
 from pipeline.components import artifacts
 from tests import support
+from tff_algorithms import job_files
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +79,7 @@ def test_first_run_blesses_pushes_and_records_epsilon(first_run):
     ):
         assert store.get_artifacts_by_type(type_name), type_name
     [ledger] = store.get_artifacts_by_type(artifacts.PrivacyLedger.TYPE_NAME)
-    with open(os.path.join(ledger.uri, "ledger.json")) as f:
+    with open(os.path.join(ledger.uri, job_files.LEDGER_FILE)) as f:
         ledger_json = json.load(f)
     assert [entry["round"] for entry in ledger_json["history"]] == [1, 2]
     epsilon = ledger.custom_properties[artifacts.EPSILON].double_value

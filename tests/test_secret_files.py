@@ -9,7 +9,7 @@ import pytest
 
 from beam_jobs import synthetic
 from tests import support
-from tff_algorithms import budget, job_config, job_outputs, secret_files, train_job
+from tff_algorithms import budget, job_config, job_files, secret_files, train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=9)
 TRAIN_IDENTITIES = 18
@@ -54,10 +54,10 @@ def trained(tff_runtime, data, tmp_path_factory):
 
 def test_a_training_job_leaves_its_secrets_owner_only(trained):
     output_dir, budget_ledger = trained
-    checkpoints = os.path.join(output_dir, job_outputs.CHECKPOINT_DIR)
+    checkpoints = os.path.join(output_dir, job_files.CHECKPOINT_DIR)
     for directory in (output_dir, checkpoints, os.path.dirname(budget_ledger)):
         assert _mode(directory) == 0o700, directory
-    for name in (job_outputs.JOB_FILE, job_outputs.LEDGER_FILE, job_outputs.METRICS_FILE):
+    for name in (job_files.JOB_FILE, job_files.LEDGER_FILE, job_files.METRICS_FILE):
         assert _mode(os.path.join(output_dir, name)) == 0o600, name
     assert _mode(budget_ledger) == _mode(f"{budget_ledger}.lock") == 0o600
     assert json.loads(open(budget_ledger).read())["datasets"], "the run was not charged"
@@ -67,7 +67,7 @@ def test_a_training_job_leaves_its_secrets_owner_only(trained):
 
 def test_resuming_tightens_a_loosened_checkpoint_directory(tff_runtime, data, trained, tmp_path):
     output_dir, _ = trained
-    checkpoints = os.path.join(output_dir, job_outputs.CHECKPOINT_DIR)
+    checkpoints = os.path.join(output_dir, job_files.CHECKPOINT_DIR)
     os.chmod(checkpoints, 0o755)
     # The finished job re-run: it resumes from its last checkpoint, trains nothing.
     train_job.run_train_job(CONFIG, *data, output_dir)
@@ -81,12 +81,12 @@ def test_a_symlink_at_train_job_json_is_refused_and_its_target_untouched(
     target.write_text(PRECIOUS)
     output_dir = tmp_path / "out"
     output_dir.mkdir()
-    (output_dir / job_outputs.JOB_FILE).symlink_to(target)
+    (output_dir / job_files.JOB_FILE).symlink_to(target)
     with pytest.raises(ValueError, match="is a symbolic link"):
         train_job.run_train_job(CONFIG, *data, str(output_dir))
     assert target.read_text() == PRECIOUS
-    assert os.path.islink(output_dir / job_outputs.JOB_FILE)
-    assert not (output_dir / job_outputs.CHECKPOINT_DIR).exists()
+    assert os.path.islink(output_dir / job_files.JOB_FILE)
+    assert not (output_dir / job_files.CHECKPOINT_DIR).exists()
 
 
 def test_a_symlink_at_the_budget_ledger_is_refused_and_its_target_untouched(tmp_path):

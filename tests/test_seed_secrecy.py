@@ -29,7 +29,7 @@ from pipeline import cli, compile_targets, definition
 from pipeline import config as config_lib
 from pipeline.components import artifacts
 from tests import support
-from tff_algorithms import job_config, job_outputs, train_job
+from tff_algorithms import job_config, job_files, job_outputs, train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=11)
 TRAIN_IDENTITIES = 20
@@ -136,7 +136,7 @@ def data(tmp_path_factory):
 
 
 def _recorded_seed(output_dir: str) -> int:
-    with open(os.path.join(output_dir, job_outputs.JOB_FILE)) as f:
+    with open(os.path.join(output_dir, job_files.JOB_FILE)) as f:
         return json.load(f)["schedule_seed"]
 
 
@@ -176,8 +176,8 @@ def test_production_runs_sample_different_users_and_a_resume_keeps_its_seed(
     # What a kill after round 1 leaves: the same job resumes with the recorded seed.
     resumed_dir = str(tmp_path / "resumed")
     shutil.copytree(runs[0].output_dir, resumed_dir)
-    shutil.rmtree(os.path.join(resumed_dir, job_outputs.CHECKPOINT_DIR, "round_2"))
-    shutil.rmtree(os.path.join(resumed_dir, job_outputs.SAVED_MODEL_DIR))
+    shutil.rmtree(os.path.join(resumed_dir, job_files.CHECKPOINT_DIR, "round_2"))
+    shutil.rmtree(os.path.join(resumed_dir, job_files.SAVED_MODEL_DIR))
     resumed = train_job.run_train_job(PRODUCTION, *data, resumed_dir)
     assert resumed.metrics["resumed_from_round"] == 1
     assert _recorded_seed(resumed_dir) == seeds[0]
@@ -189,7 +189,7 @@ def test_a_job_record_without_a_schedule_seed_is_refused(tmp_path, data):
     os.makedirs(output)
     reader = partition.PartitionReader(data[0])
     record = {**job_outputs.job_record(PRODUCTION, reader), "run_id": "r"}
-    with open(os.path.join(output, job_outputs.JOB_FILE), "w") as f:
+    with open(os.path.join(output, job_files.JOB_FILE), "w") as f:
         json.dump(record, f)
     with pytest.raises(ValueError, match="records no schedule seed; use a new output directory"):
         train_job.run_train_job(PRODUCTION, *data, output)
@@ -231,7 +231,7 @@ def test_pipeline_draws_the_schedule_seed_in_private_train_and_metadata_holds_no
     # Both trainings (pretraining and private) drew their seeds inside the executor.
     algorithms = []
     for metrics in store.get_artifacts_by_type(artifacts.TrainingMetrics.TYPE_NAME):
-        with open(os.path.join(metrics.uri, "metrics.json")) as f:
+        with open(os.path.join(metrics.uri, job_files.METRICS_FILE)) as f:
             trained = json.load(f)
         assert trained["schedule_seed_source"] == "os-entropy"
         algorithms.append(trained["algorithm"])

@@ -11,6 +11,7 @@ import pytest
 from beam_jobs import synthetic
 from pipeline import cli
 from tests import support
+from tff_algorithms import job_files
 
 TRAIN_FLAGS = support.train_cli_flags(rounds=3)
 
@@ -51,11 +52,11 @@ def test_rerunning_train_resumes_and_finishes(trained):
     _, output, first_code, summary, progress = trained
     assert first_code != 0  # stopped, not finished
     assert summary["resumed_from_round"] >= 1 and summary["rounds"] == 3
-    metrics = json.loads(open(os.path.join(output, "metrics.json")).read())
+    metrics = json.loads(open(os.path.join(output, job_files.METRICS_FILE)).read())
     assert set(metrics["recall_at_far"]) == {"0.1", "0.01", "0.001"}
     assert metrics["epsilon"] > 0 and metrics["rounds"] == 3 and metrics["wall_seconds"] > 0
     assert os.path.exists(os.path.join(output, "saved_model", "saved_model.pb"))
-    ledger = json.loads(open(os.path.join(output, "ledger.json")).read())
+    ledger = json.loads(open(os.path.join(output, job_files.LEDGER_FILE)).read())
     assert [entry["round"] for entry in ledger["history"]] == [1, 2, 3]
     # Progress: one line per round trained in this run, ending with the last round.
     assert "round 3/3" in progress

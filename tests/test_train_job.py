@@ -15,6 +15,7 @@ from tff_algorithms import (
     accounting,
     client_config,
     job_config,
+    job_files,
     job_outputs,
     train_job,
 )
@@ -61,9 +62,9 @@ def test_interrupted_and_resumed_equals_uninterrupted(tff_runtime, data, straigh
     # What a kill after round 2 leaves behind: the checkpoints of rounds 1 and 2 only.
     resumed_dir = str(tmp_path / "resumed")
     shutil.copytree(straight_run.output_dir, resumed_dir)
-    shutil.rmtree(os.path.join(resumed_dir, job_outputs.CHECKPOINT_DIR, "round_3"))
-    shutil.rmtree(os.path.join(resumed_dir, job_outputs.SAVED_MODEL_DIR))
-    for name in (job_outputs.METRICS_FILE, job_outputs.LEDGER_FILE):
+    shutil.rmtree(os.path.join(resumed_dir, job_files.CHECKPOINT_DIR, "round_3"))
+    shutil.rmtree(os.path.join(resumed_dir, job_files.SAVED_MODEL_DIR))
+    for name in (job_files.METRICS_FILE, job_files.LEDGER_FILE):
         os.remove(os.path.join(resumed_dir, name))
 
     resumed = train_job.run_train_job(CONFIG, *data, resumed_dir)
@@ -83,7 +84,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(tff_runtime, data, straigh
 
 def test_no_head_variable_in_checkpoint_or_export(straight_run):
     checkpoint = os.path.join(
-        straight_run.output_dir, job_outputs.CHECKPOINT_DIR, "round_3", "variables", "variables"
+        straight_run.output_dir, job_files.CHECKPOINT_DIR, "round_3", "variables", "variables"
     )
     exported = os.path.join(straight_run.saved_model_dir, "variables", "variables")
     for path in (checkpoint, exported):

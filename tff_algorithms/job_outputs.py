@@ -36,16 +36,11 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from beam_jobs import partition
-from tff_algorithms import accounting, dropouts, export, secret_files
+from tff_algorithms import accounting, dropouts, export, job_files, secret_files
 from tff_algorithms import budget as budget_lib
 from tff_algorithms.job_config import CENTRALIZED, TrainJobConfig, fresh_schedule_seed
 from tff_algorithms.ledger import PrivacyLedger
 
-CHECKPOINT_DIR = "checkpoints"
-SAVED_MODEL_DIR = "saved_model"
-METRICS_FILE = "metrics.json"
-LEDGER_FILE = "ledger.json"
-JOB_FILE = "train_job.json"
 JOB_FORMAT = "dp-fedemb-train-job/1"
 
 # Fields that may differ when a job is re-run on the same output directory.
@@ -154,7 +149,7 @@ def make_checkpoint_dir(output_dir: str) -> str:
     Checkpoints carry the noise state and are written with the umask's modes: the
     directory, which this job owns, is what keeps them private (tightened if it exists).
     """
-    path = os.path.join(output_dir, CHECKPOINT_DIR)
+    path = os.path.join(output_dir, job_files.CHECKPOINT_DIR)
     _make_dir(path, tighten_existing=True)
     return path
 
@@ -162,7 +157,7 @@ def make_checkpoint_dir(output_dir: str) -> str:
 def _export(
     config: TrainJobConfig, backbone: tff.learning.models.ModelWeights, output_dir: str
 ) -> str:
-    final = os.path.join(output_dir, SAVED_MODEL_DIR)
+    final = os.path.join(output_dir, job_files.SAVED_MODEL_DIR)
     temporary = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
     export.export_serving_model(config.backbone_config, backbone, temporary)
     if tf.io.gfile.exists(final):
@@ -195,7 +190,7 @@ class ClaimedJob:
 
 def claim_output_dir(output_dir: str, job: dict[str, Any], config: TrainJobConfig) -> ClaimedJob:
     """Records the job in OUTPUT, or checks that a re-run is the same job (resume)."""
-    path = os.path.join(output_dir, JOB_FILE)
+    path = os.path.join(output_dir, job_files.JOB_FILE)
     run_id, schedule_seed = uuid.uuid4().hex, config.schedule_seed
     previous_text = _read_text(path)
     if previous_text is not None:
@@ -288,7 +283,7 @@ def write_outputs(
     `started`: the job's `time.perf_counter()` when it began, for its wall time.
     """
     saved_model_dir = _export(config, outcome.backbone, output_dir)
-    ledger_path = os.path.join(output_dir, LEDGER_FILE)
+    ledger_path = os.path.join(output_dir, job_files.LEDGER_FILE)
     _write_text(ledger_path, outcome.ledger.to_json())
     final_eval = outcome.history[-1]["eval"]
     summary = {
@@ -322,6 +317,6 @@ def write_outputs(
         else None,
     }
     summary = _json_ready(summary)
-    metrics_path = os.path.join(output_dir, METRICS_FILE)
+    metrics_path = os.path.join(output_dir, job_files.METRICS_FILE)
     _write_text(metrics_path, json.dumps(summary, indent=1, allow_nan=False))
     return TrainJobResult(output_dir, saved_model_dir, metrics_path, ledger_path, summary)

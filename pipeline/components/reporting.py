@@ -14,7 +14,8 @@ from tfx import types
 from tfx import v1 as tfx
 from tfx.types import standard_artifacts
 
-from pipeline.components import artifacts, evaluation, training
+from pipeline.components import artifacts, evaluation
+from tff_algorithms import job_files
 
 REPORT_FILE = "index.html"
 
@@ -46,8 +47,8 @@ def RenderReport(
     pushed_to = pushed_model.get_string_custom_property("pushed_destination") if pushed else None
     inputs = dict(
         evaluation=_read_json(model_evaluation, evaluation.EVALUATION_FILE),
-        ledger=_read_json(privacy_ledger, training.LEDGER_FILE),
-        training_metrics=_read_json(training_metrics, training.METRICS_FILE),
+        ledger=_read_json(privacy_ledger, job_files.LEDGER_FILE),
+        training_metrics=_read_json(training_metrics, job_files.METRICS_FILE),
         schedule=_read_json(schedule_statistics, partition.PARTICIPATION_FILE),
     )
     card = model_card.build_model_card(

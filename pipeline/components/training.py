@@ -20,13 +20,10 @@ from tfx.types import standard_artifacts
 
 from pipeline import console
 from pipeline.components import artifacts, layout
+from tff_algorithms import job_files
 
 if TYPE_CHECKING:  # imported lazily at run time: TFF is slow to import
     from tff_algorithms import job_outputs
-
-# File names inside the TrainingMetrics and PrivacyLedger artifacts.
-METRICS_FILE = "metrics.json"
-LEDGER_FILE = "ledger.json"
 
 
 def _work_dir(output: types.Artifact, *keys: str) -> str:
@@ -88,7 +85,9 @@ def _publish_model(
 ) -> None:
     """Moves the serving SavedModel where the Pusher looks, and copies metrics.json."""
     tf.io.gfile.rename(result.saved_model_dir, os.path.join(model.uri, layout.SERVING_MODEL_DIR))
-    tf.io.gfile.copy(result.metrics_path, os.path.join(metrics.uri, METRICS_FILE), overwrite=True)
+    tf.io.gfile.copy(
+        result.metrics_path, os.path.join(metrics.uri, job_files.METRICS_FILE), overwrite=True
+    )
 
 
 def _set_recall_properties(artifact: types.Artifact, metrics: dict) -> None:
@@ -269,7 +268,7 @@ def PrivateTrain(
         raise ValueError(
             f"privacy ledger records {ledger.rounds_recorded} rounds, training ran {job['rounds']}"
         )
-    with tf.io.gfile.GFile(os.path.join(privacy_ledger.uri, LEDGER_FILE), "w") as f:
+    with tf.io.gfile.GFile(os.path.join(privacy_ledger.uri, job_files.LEDGER_FILE), "w") as f:
         f.write(ledger_json)
     _publish_model(result, model, training_metrics)
     layout.remove_tree(work_dir)

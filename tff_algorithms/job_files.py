@@ -1,0 +1,12 @@
+"""The names in a training job's output directory, in a module with no TensorFlow.
+
+`job_outputs` writes them; the pipeline's training and report components (which publish
+metrics.json and ledger.json as artifacts under the same names) and the tests read them
+without importing TensorFlow Federated.
+"""
+
+CHECKPOINT_DIR = "checkpoints"
+SAVED_MODEL_DIR = "saved_model"
+METRICS_FILE = "metrics.json"
+LEDGER_FILE = "ledger.json"
+JOB_FILE = "train_job.json"
