@@ -8,8 +8,10 @@ flag names and can be called in-process by tests.
 A subcommand may also provide `check(flag_values, args)`: the checks of its flags,
 config and paths that need no TensorFlow, TFF, Beam or TFX (`pipeline.commands.checks`),
 run before `run` imports anything heavy, so a refusal comes within about a second
-(issue 29), and `help_defaults()`: flag name -> its effective default, appended to the
-flag's `--help` line where the flag's own default is None (e.g. `train`'s recipe values).
+(issue 29), `help_defaults()`: flag name -> its effective default, appended to the
+flag's `--help` line where the flag's own default is None (e.g. `train`'s recipe values),
+and `RENAMED_FLAGS`: old flag name -> new, for flags renamed within the last release: the
+old spelling still works and prints one deprecation line on stderr.
 
 Input errors (`ValueError`, `OSError` such as a missing or unwritable path, bad flags)
 end with one line on stderr and a non-zero exit; anything else is a bug and keeps its
@@ -20,7 +22,7 @@ import importlib
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from absl import flags
 
@@ -66,6 +68,45 @@ def _flag_error(flag_values: flags.FlagValues, error: flags.Error) -> str:
     return checks.shown(message)
 
 
+def renamed_flags(
+    command_name: str,
+    renamed: Mapping[str, str],
+    flag_values: flags.FlagValues,
+    args: Sequence[str],
+) -> list[str]:
+    """`args` with each renamed flag spelled by its new name; one stderr line for each old
+    name used. A flag's separate value (`--server-lr 0.1`) is never taken for a flag."""
+    out: list[str] = []
+    warned: set[str] = set()
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg == "--":  # absl parses no flag after it
+            out.extend(args[i - 1 :])
+            break
+        if not arg.startswith("-") or arg == "-":
+            out.append(arg)
+            continue
+        dashes = "--" if arg.startswith("--") else "-"
+        name, sep, value = arg[len(dashes) :].partition("=")
+        if name in renamed:
+            if name not in warned:
+                warned.add(name)
+                print(
+                    f"dp-fedemb {command_name}: warning: {dashes}{name} is deprecated; "
+                    f"use {dashes}{renamed[name]}",
+                    file=sys.stderr,
+                )
+            name = renamed[name]
+            arg = f"{dashes}{name}{sep}{value}"
+        out.append(arg)
+        if not sep and name in flag_values and not flag_values[name].boolean and i < len(args):
+            out.append(args[i])
+            i += 1
+    return out
+
+
 def _print_help(name: str, command, flag_values: flags.FlagValues) -> None:
     defaults = getattr(command, "help_defaults", dict)()
     for flag_name, text in defaults.items():
@@ -97,8 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(a in ("-h", "--help", "--helpfull") for a in argv[2:]):
         _print_help(name, command, flag_values)
         return 0
+    args = renamed_flags(name, getattr(command, "RENAMED_FLAGS", {}), flag_values, argv[2:])
     try:
-        rest = flag_values([f"dp-fedemb {name}", *argv[2:]])
+        rest = flag_values([f"dp-fedemb {name}", *args])
         flag_values.validate_all_flags()
     except flags.Error as e:
         # absl reports several bad flags on several lines; keep to one error line.

@@ -7,9 +7,11 @@ import subprocess
 import time
 
 import pytest
+from absl import flags
 
 from beam_jobs import synthetic
 from pipeline import cli
+from pipeline.commands import train
 from tests import support
 from tff_algorithms import job_files
 
@@ -134,3 +136,47 @@ def test_missing_inputs_give_one_error_line(tmp_path, capsys):
     assert "does not exist" in lines[0], lines
     code, lines = _error_line(capsys, "evaluate", "--model", str(tmp_path), "--data", str(tmp_path))
     assert code != 0 and len(lines) == 1 and "not a SavedModel" in lines[0], lines
+
+
+def test_renamed_flags_still_work_with_one_deprecation_line_each(tmp_path, capsys):
+    code, lines = _error_line(
+        capsys,
+        "train",
+        "--data",
+        str(tmp_path / "missing"),
+        "--output",
+        str(tmp_path / "o"),
+        "--client-lr=0.05",
+        "--server-lr",
+        "-1",
+        "--client-lr=0.1",
+    )
+    assert code != 0
+    assert lines == [
+        "dp-fedemb train: warning: --client-lr is deprecated; use --client-learning-rate",
+        "dp-fedemb train: warning: --server-lr is deprecated; use --server-learning-rate",
+        # The old spelling's value reached the new flag, and errors name the new flag.
+        "dp-fedemb train: error: --server-learning-rate must be > 0, got -1",
+    ]
+
+
+def _job_config(*args: str):  # noqa: ANN202 - a TrainJobConfig
+    flag_values = flags.FlagValues()
+    train.define_flags(flag_values)
+    flag_values(
+        ["dp-fedemb train", *cli.renamed_flags("train", train.RENAMED_FLAGS, flag_values, args)]
+    )
+    return train.job_config({name: flag_values[name].value for name in flag_values})
+
+
+def test_renamed_flags_set_the_same_fields_as_their_new_names(capsys):
+    old = _job_config("--client-lr=0.07", "--server-lr", "0.4", "--rounds=5")
+    new = _job_config("--client-learning-rate=0.07", "--server-learning-rate", "0.4", "--rounds=5")
+    assert old == new
+    assert (new.client_learning_rate, new.server_learning_rate) == (0.07, 0.4)
+    assert capsys.readouterr().err.count("deprecated") == 2
+    # A value that looks like an old flag is a value: --beam-args takes it whole.
+    flag_values = flags.FlagValues()
+    train.define_flags(flag_values)
+    args = ["--beam-args", "--client-lr=1"]
+    assert cli.renamed_flags("train", train.RENAMED_FLAGS, flag_values, args) == args

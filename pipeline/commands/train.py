@@ -33,42 +33,50 @@ MAX_NOISE_MULTIPLIER = _BOUNDS["MAX_NOISE_MULTIPLIER"] or 1e6
 MIN_DELTA = _BOUNDS["MIN_DELTA"] or 1e-100
 MAX_TARGET_EPSILON = _BOUNDS["MAX_TARGET_EPSILON"] or 100.0
 
-# Flag name -> TrainJobConfig field, for the hyperparameters passed straight through.
-_CONFIG_FLAGS = {
-    "algorithm": "algorithm",
-    "rounds": "rounds",
-    "noise-multiplier": "noise_multiplier",
-    "target-epsilon": "target_epsilon",
-    "clip-norm": "clip_norm",
-    "users-per-virtual-client": "users_per_virtual_client",
-    "virtual-clients-per-round": "virtual_clients_per_round",
-    "client-lr": "client_learning_rate",
-    "client-momentum": "client_momentum",
-    "server-lr": "server_learning_rate",
-    "server-momentum": "server_momentum",
-    "head-lr-scale": "head_lr_scale",
-    "head-init": "head_init",
-    "class-means-norm": "class_means_norm",
-    "head-loss": "head_loss",
-    "head-loss-scale": "head_loss_scale",
-    "head-loss-margin": "head_loss_margin",
-    "local-epochs": "local_epochs",
-    "batch-size": "batch_size",
-    "max-examples-per-client": "max_examples_per_client",
-    "head-capacity": "head_capacity",
-    "architecture": "architecture",
-    "embedding-size": "embedding_size",
-    "image-size": "image_size",
-    "channels": "channels",
-    "delta": "delta",
-    "evaluate-every": "evaluate_every",
-    "seed": "seed",
-    "schedule-seed": "schedule_seed",
-    "testing-fixed-schedule": "testing_fixed_schedule",
-    "noise-seed": "noise_seed",
-    "testing-fixed-noise": "testing_fixed_noise",
-    "restart-every-epoch": "restart_every_epoch",
-    "max-epsilon": "max_epsilon",
+# The TrainJobConfig fields passed straight through as flags: each flag is its field's
+# name in kebab case (--client-learning-rate sets client_learning_rate).
+_CONFIG_FIELDS = (
+    "algorithm",
+    "rounds",
+    "noise_multiplier",
+    "target_epsilon",
+    "clip_norm",
+    "users_per_virtual_client",
+    "virtual_clients_per_round",
+    "client_learning_rate",
+    "client_momentum",
+    "server_learning_rate",
+    "server_momentum",
+    "head_lr_scale",
+    "head_init",
+    "class_means_norm",
+    "head_loss",
+    "head_loss_scale",
+    "head_loss_margin",
+    "local_epochs",
+    "batch_size",
+    "max_examples_per_client",
+    "head_capacity",
+    "architecture",
+    "embedding_size",
+    "image_size",
+    "channels",
+    "delta",
+    "evaluate_every",
+    "seed",
+    "schedule_seed",
+    "testing_fixed_schedule",
+    "noise_seed",
+    "testing_fixed_noise",
+    "restart_every_epoch",
+    "max_epsilon",
+)
+_CONFIG_FLAGS = {field.replace("_", "-"): field for field in _CONFIG_FIELDS}
+# Old spelling -> the flag it was renamed to (issue 25), accepted with one deprecation
+# line on stderr (`cli.main`) for one release: remove in the release after 0.1.0.
+RENAMED_FLAGS = {
+    "client-lr": "client-learning-rate",
+    "server-lr": "server-learning-rate",
 }
 PREPARED_FILE = "prepared.json"
 
@@ -111,9 +119,15 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "virtual-clients-per-round",
         "virtual clients per round (M), or auto: the largest the training users fill",
     )
-    define("float", "client-lr", "client (backbone) learning rate beta1")
+    define(
+        "float", "client-learning-rate", "client (backbone) learning rate beta1 (was --client-lr)"
+    )
     define("float", "client-momentum", "client SGD momentum")
-    define("float", "server-lr", "server learning rate (centralized: its learning rate)")
+    define(
+        "float",
+        "server-learning-rate",
+        "server learning rate (centralized: its learning rate) (was --server-lr)",
+    )
     define("float", "server-momentum", "server SGD momentum")
     define(
         "float",
@@ -449,7 +463,13 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     checks.number("noise-multiplier", value["noise-multiplier"], 0, MAX_NOISE_MULTIPLIER)
     checks.number("target-epsilon", value["target-epsilon"], 0, MAX_TARGET_EPSILON, low_open=True)
     checks.number("delta", value["delta"], MIN_DELTA, 1, high_open=True)
-    for name in ("clip-norm", "client-lr", "server-lr", "head-lr-scale", "class-means-norm"):
+    for name in (
+        "clip-norm",
+        "client-learning-rate",
+        "server-learning-rate",
+        "head-lr-scale",
+        "class-means-norm",
+    ):
         checks.number(name, value[name], 0, low_open=True)
     for name in ("max-epsilon", "dataset-budget-epsilon", "head-loss-scale"):
         checks.number(name, value[name], 0, low_open=True)
