@@ -201,18 +201,19 @@ def _process(config):  # noqa: ANN001, ANN202 - a TrainJobConfig -> its TFF proc
     """The DP-FedEmb process (noise 0) reading data from ids; one per configuration, since
     tracing it costs more than the rounds of a quick run. Settings that differ only in
     the population or the workers share it."""
-    from tff_algorithms import client_data, processes
+    from tff_algorithms import aggregators, client_data, processes
 
     client_config = config.client_config()
-    base = processes.build_dp_fedemb_process(
+    base = processes.build_fedemb_process(
         config.backbone_config,
         client_config,
-        noise_multiplier=0.0,
-        clip=config.clip_norm,
-        clients_per_round=config.virtual_clients_per_round,
-        noise_seed=0,
-        server_learning_rate=config.server_learning_rate,
-        server_momentum=0.0,
+        aggregators.gaussian_fixed(
+            noise_multiplier=0.0,
+            clip_norm=config.clip_norm,
+            virtual_clients_per_round=config.virtual_clients_per_round,
+            noise_seed=0,
+        ),
+        processes.server_sgdm(config.server_learning_rate, 0.0),
     )
     image_shape = config.image_shape
     return processes.compose_with_client_loader(

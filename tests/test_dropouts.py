@@ -15,6 +15,7 @@ from pipeline import config as config_lib
 from tests import support
 from tff_algorithms import (
     accounting,
+    aggregators,
     client_config,
     client_data,
     client_work,
@@ -31,7 +32,7 @@ from tff_algorithms import ledger as ledger_lib
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 # One batch of 4 per healthy client; a straggler with 8 examples needs 2 steps.
 CONFIG = client_config.ClientConfig(
-    backbone_learning_rate=0.05, head_capacity=4, batch_size=4, max_local_steps=1
+    client_learning_rate=0.05, head_capacity=4, batch_size=4, max_local_steps=1
 )
 PLANNED = 10
 CLIP = 0.05
@@ -86,17 +87,18 @@ def _round(healthy, dropped):
     ]
 
 
-def _process(noise_multiplier, max_reports=None, clients_per_round=PLANNED):
+def _process(noise_multiplier, max_reports=None):
     # Server SGD with lr 1, no momentum: the step is minus the released mean.
-    return processes.build_dp_fedemb_process(
+    return processes.build_fedemb_process(
         BACKBONE,
         CONFIG,
-        noise_multiplier=noise_multiplier,
-        clip=CLIP,
-        clients_per_round=clients_per_round,
-        noise_seed=7,
-        server_learning_rate=1.0,
-        server_momentum=0.0,
+        aggregators.gaussian_fixed(
+            noise_multiplier=noise_multiplier,
+            clip_norm=CLIP,
+            virtual_clients_per_round=PLANNED,
+            noise_seed=7,
+        ),
+        processes.server_sgdm(1.0, 0.0),
         max_reports=max_reports,
     )
 

@@ -6,7 +6,15 @@ import numpy as np
 import tensorflow as tf
 from PIL import Image
 
-from tff_algorithms import client_config, client_work, export, model_config, models, processes
+from tff_algorithms import (
+    aggregators,
+    client_config,
+    client_work,
+    export,
+    model_config,
+    models,
+    processes,
+)
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 
@@ -18,15 +26,14 @@ def _png(pixels: np.ndarray) -> bytes:
 
 
 def test_exported_embeddings_equal_the_tff_state_embeddings(tff_runtime, tmp_path):
-    config = client_config.ClientConfig(backbone_learning_rate=0.05, head_capacity=3, batch_size=4)
-    process = processes.build_dp_fedemb_process(
+    config = client_config.ClientConfig(client_learning_rate=0.05, head_capacity=3, batch_size=4)
+    process = processes.build_fedemb_process(
         BACKBONE,
         config,
-        noise_multiplier=0.1,
-        clip=1.0,
-        clients_per_round=1,
-        noise_seed=2,
-        server_learning_rate=1.0,
+        aggregators.gaussian_fixed(
+            noise_multiplier=0.1, clip_norm=1.0, virtual_clients_per_round=1, noise_seed=2
+        ),
+        processes.server_sgdm(1.0, 0.9),
         backbone_seed=7,
     )
     rng = np.random.default_rng(0)

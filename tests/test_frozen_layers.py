@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from pipeline import config as pipeline_config
 from tff_algorithms import (
+    aggregators,
     client_config,
     client_work,
     export,
@@ -20,7 +21,7 @@ from tff_algorithms import (
 
 FULL = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 NORMS_ONLY = dataclasses.replace(FULL, trainable_layers=("gn*",))
-CONFIG = client_config.ClientConfig(backbone_learning_rate=0.05, head_capacity=2, batch_size=4)
+CONFIG = client_config.ClientConfig(client_learning_rate=0.05, head_capacity=2, batch_size=4)
 
 
 def _client_dataset(seed):
@@ -68,15 +69,13 @@ def test_frozen_layers_move_to_non_trainable_weights():
 
 def test_dp_round_changes_only_trainable_layers_and_noises_only_them(tff_runtime):
     z, clip, planned = 2.0, 0.5, 4
-    process = processes.build_dp_fedemb_process(
+    process = processes.build_fedemb_process(
         NORMS_ONLY,
         CONFIG,
-        noise_multiplier=z,
-        clip=clip,
-        clients_per_round=planned,
-        noise_seed=5,
-        server_learning_rate=1.0,
-        server_momentum=0.0,
+        aggregators.gaussian_fixed(
+            noise_multiplier=z, clip_norm=clip, virtual_clients_per_round=planned, noise_seed=5
+        ),
+        processes.server_sgdm(1.0, 0.0),
     )
     # The aggregated (noised) update has the trainable structure only.
     assert process.get_model_weights.type_signature.result.is_equivalent_to(

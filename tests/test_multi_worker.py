@@ -17,6 +17,7 @@ from beam_jobs import synthetic
 from pipeline import cli
 from tests import support
 from tff_algorithms import (
+    aggregators,
     client_work,
     model_config,
     processes,
@@ -109,21 +110,19 @@ def test_noise_is_added_once_after_the_merge(two_workers):
     both, 2 z clip / M; the test allows 3%.
     """
     backbone = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
-    client_config = ClientConfig(backbone_learning_rate=0.05, head_capacity=3, batch_size=4)
+    client_config = ClientConfig(client_learning_rate=0.05, head_capacity=3, batch_size=4)
     z, clip, planned = 2.0, 0.5, 4
     addresses = tuple(w.address for w in two_workers)
     with runtime.TffRuntime(runtime.RuntimeConfig(worker_addresses=addresses)):
         context = tff.framework.get_context_stack().current
         assert isinstance(context, mergeable_comp_execution_context.MergeableCompExecutionContext)
-        process = processes.build_dp_fedemb_process(
+        process = processes.build_fedemb_process(
             backbone,
             client_config,
-            noise_multiplier=z,
-            clip=clip,
-            clients_per_round=planned,
-            noise_seed=9,
-            server_learning_rate=1.0,
-            server_momentum=0.0,
+            aggregators.gaussian_fixed(
+                noise_multiplier=z, clip_norm=clip, virtual_clients_per_round=planned, noise_seed=9
+            ),
+            processes.server_sgdm(1.0, 0.0),
         )
         state = process.initialize()
         clients = [_client_dataset(s, ["a", "b", "c", "a"], client_config) for s in range(planned)]

@@ -30,7 +30,7 @@ def test_each_virtual_client_is_clipped_to_the_bound(tff_runtime):
     clip = 0.5
     process = _process(
         aggregators.gaussian_fixed(
-            noise_multiplier=0.0, clip=clip, clients_per_round=1, noise_seed=1
+            noise_multiplier=0.0, clip_norm=clip, virtual_clients_per_round=1, noise_seed=1
         ),
         [(3,)],
     )
@@ -46,7 +46,7 @@ def test_clip_is_per_client_and_global_over_the_structure(tff_runtime):
     clip = 1.0
     process = _process(
         aggregators.gaussian_fixed(
-            noise_multiplier=0.0, clip=clip, clients_per_round=2, noise_seed=1
+            noise_multiplier=0.0, clip_norm=clip, virtual_clients_per_round=2, noise_seed=1
         ),
         [(2,), (1,)],
     )
@@ -63,9 +63,9 @@ def test_denominator_is_the_planned_number_of_clients(tff_runtime):
     planned = 4
     for factory in (
         aggregators.gaussian_fixed(
-            noise_multiplier=0.0, clip=100.0, clients_per_round=planned, noise_seed=1
+            noise_multiplier=0.0, clip_norm=100.0, virtual_clients_per_round=planned, noise_seed=1
         ),
-        aggregators.no_dp(clients_per_round=planned),
+        aggregators.no_dp(virtual_clients_per_round=planned),
     ):
         process = _process(factory, [(2,)])
         updates = [[np.array([1.0, 2.0], np.float32)], [np.array([3.0, -2.0], np.float32)]]
@@ -77,7 +77,7 @@ def test_gaussian_noise_std_is_z_gamma_over_m(tff_runtime):
     z, clip, planned = 1.5, 0.4, 8
     process = _process(
         aggregators.gaussian_fixed(
-            noise_multiplier=z, clip=clip, clients_per_round=planned, noise_seed=7
+            noise_multiplier=z, clip_norm=clip, virtual_clients_per_round=planned, noise_seed=7
         ),
         [(_NUM_COORDINATES,)],
     )
@@ -104,7 +104,7 @@ def test_noise_is_reproducible_from_the_seed_and_differs_across_seeds(tff_runtim
     def first_noise(seed):
         process = _process(
             aggregators.gaussian_fixed(
-                noise_multiplier=1.0, clip=1.0, clients_per_round=1, noise_seed=seed
+                noise_multiplier=1.0, clip_norm=1.0, virtual_clients_per_round=1, noise_seed=seed
             ),
             [(50,)],
         )
@@ -132,8 +132,8 @@ def test_tree_prefix_sum_noise_follows_the_nodes_summed(tff_runtime):
     z, clip, planned, rounds = 1.0, 2.0, 4, 7
     factory = aggregators.tree_aggregation(
         noise_multiplier=z,
-        clip=clip,
-        clients_per_round=planned,
+        clip_norm=clip,
+        virtual_clients_per_round=planned,
         record_specs=[tf.TensorSpec([_NUM_COORDINATES], tf.float32)],
         noise_seed=11,
         use_efficient=False,
@@ -150,8 +150,8 @@ def test_tree_restart_starts_a_new_tree_each_epoch(tff_runtime):
     z, clip, planned, period = 1.0, 1.0, 1, 3
     factory = aggregators.tree_aggregation(
         noise_multiplier=z,
-        clip=clip,
-        clients_per_round=planned,
+        clip_norm=clip,
+        virtual_clients_per_round=planned,
         record_specs=[tf.TensorSpec([_NUM_COORDINATES], tf.float32)],
         noise_seed=5,
         restart_every_rounds=period,
@@ -170,8 +170,8 @@ def test_efficient_tree_noise_is_at_most_the_plain_tree_noise(tff_runtime):
     z, clip, rounds = 1.0, 1.0, 7
     factory = aggregators.tree_aggregation(
         noise_multiplier=z,
-        clip=clip,
-        clients_per_round=1,
+        clip_norm=clip,
+        virtual_clients_per_round=1,
         record_specs=[tf.TensorSpec([_NUM_COORDINATES], tf.float32)],
         noise_seed=9,
         use_efficient=True,
@@ -183,7 +183,9 @@ def test_efficient_tree_noise_is_at_most_the_plain_tree_noise(tff_runtime):
 
 def test_adaptive_clipping_factory_builds_and_clips(tff_runtime):
     process = _process(
-        aggregators.gaussian_adaptive(noise_multiplier=0.0, clients_per_round=1, initial_clip=1.0),
+        aggregators.gaussian_adaptive(
+            noise_multiplier=0.0, virtual_clients_per_round=1, initial_clip=1.0
+        ),
         [(2,)],
     )
     output = process.next(process.initialize(), [[np.array([30.0, 40.0], np.float32)]])
@@ -193,9 +195,9 @@ def test_adaptive_clipping_factory_builds_and_clips(tff_runtime):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(noise_multiplier=-1.0, clip=1.0, clients_per_round=1, noise_seed=0),
-        dict(noise_multiplier=1.0, clip=0.0, clients_per_round=1, noise_seed=0),
-        dict(noise_multiplier=1.0, clip=1.0, clients_per_round=0, noise_seed=0),
+        dict(noise_multiplier=-1.0, clip_norm=1.0, virtual_clients_per_round=1, noise_seed=0),
+        dict(noise_multiplier=1.0, clip_norm=0.0, virtual_clients_per_round=1, noise_seed=0),
+        dict(noise_multiplier=1.0, clip_norm=1.0, virtual_clients_per_round=0, noise_seed=0),
     ],
 )
 def test_nonsense_parameters_are_rejected(kwargs):
@@ -205,7 +207,7 @@ def test_nonsense_parameters_are_rejected(kwargs):
 
 def test_integer_parameters_reach_tf_privacy_as_floats():
     factory = aggregators.gaussian_fixed(
-        noise_multiplier=1, clip=2, clients_per_round=3, noise_seed=0
+        noise_multiplier=1, clip_norm=2, virtual_clients_per_round=3, noise_seed=0
     )
     numerator = factory._query._numerator
     assert isinstance(numerator._l2_norm_clip, float) and isinstance(numerator._stddev, float)

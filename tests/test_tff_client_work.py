@@ -11,7 +11,7 @@ from tff_algorithms import client_config, client_work, local_training, model_con
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 CONFIG = client_config.ClientConfig(
-    backbone_learning_rate=0.05,
+    client_learning_rate=0.05,
     head_learning_rate_scale=10.0,
     head_capacity=4,
     batch_size=3,
@@ -95,7 +95,7 @@ def _hand_computed_update(weights, images, identities, config, round_num=0):
             loss = local_training.head_loss(logits, labels, usable)
         grads, head_grad = tape.gradient(loss, (backbone.trainable_weights, head))
         for variable, grad in zip(backbone.trainable_weights, grads):
-            variable.assign_sub(config.backbone_learning_rate * grad)
+            variable.assign_sub(config.client_learning_rate * grad)
         head = head - config.head_learning_rate * head_grad
     return [t.numpy() - v.numpy() for t, v in zip(theta, backbone.trainable_weights)]
 
@@ -203,7 +203,7 @@ def test_non_finite_update_becomes_zero(fedemb_work, initial_weights):
 
 
 def test_identities_beyond_head_capacity_are_dropped_and_counted(tff_runtime, initial_weights):
-    config = client_config.ClientConfig(backbone_learning_rate=0.05, head_capacity=2, batch_size=4)
+    config = client_config.ClientConfig(client_learning_rate=0.05, head_capacity=2, batch_size=4)
     work = _client_work(config, tf.int64)
     identities = np.array(
         [30, 10, 20, 10, 30, 30], np.int64
@@ -272,7 +272,7 @@ def test_margin_logits_match_their_definitions():
 
 
 def test_client_dataset_element_spec_and_cap():
-    config = client_config.ClientConfig(backbone_learning_rate=0.1, batch_size=4, max_examples=5)
+    config = client_config.ClientConfig(client_learning_rate=0.1, batch_size=4, max_examples=5)
     dataset = _client_dataset(_images(4), IDENTITIES, config)
     assert dataset.element_spec == client_work.client_element_spec(BACKBONE.image_shape)
     batches = list(dataset)
@@ -284,9 +284,9 @@ def test_client_dataset_element_spec_and_cap():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(backbone_learning_rate=0.0),
-        dict(backbone_learning_rate=0.1, head_capacity=0),
-        dict(backbone_learning_rate=0.1, momentum=1.0),
+        dict(client_learning_rate=0.0),
+        dict(client_learning_rate=0.1, head_capacity=0),
+        dict(client_learning_rate=0.1, momentum=1.0),
     ],
 )
 def test_nonsense_client_config_is_rejected(kwargs):

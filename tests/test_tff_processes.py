@@ -3,20 +3,21 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-import tensorflow_federated as tff
 
 from tff_algorithms import (
+    accounting,
     aggregators,
     client_config,
     client_work,
     local_training,
+    mechanisms,
     model_config,
     models,
     processes,
 )
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
-CONFIG = client_config.ClientConfig(backbone_learning_rate=0.05, head_capacity=5, batch_size=4)
+CONFIG = client_config.ClientConfig(client_learning_rate=0.05, head_capacity=5, batch_size=4)
 
 
 def _client_dataset(seed, identities, client_id=None):
@@ -50,15 +51,13 @@ def _delta(process, before, after):
 def fedemb_process(tff_runtime):
     # No noise, server SGD with lr 1 and no momentum: the global step is exactly the
     # negated mean of the clipped client updates.
-    return processes.build_dp_fedemb_process(
+    return processes.build_fedemb_process(
         BACKBONE,
         CONFIG,
-        noise_multiplier=0.0,
-        clip=0.01,
-        clients_per_round=2,
-        noise_seed=1,
-        server_learning_rate=1.0,
-        server_momentum=0.0,
+        aggregators.gaussian_fixed(
+            noise_multiplier=0.0, clip_norm=0.01, virtual_clients_per_round=2, noise_seed=1
+        ),
+        processes.server_sgdm(1.0, 0.0),
     )
 
 
@@ -109,15 +108,13 @@ def test_non_finite_client_contributes_zero_and_still_counts(fedemb_process):
 
 def test_noise_reaches_the_global_backbone_with_std_z_gamma_over_m(tff_runtime):
     z, clip, planned = 2.0, 0.5, 4
-    process = processes.build_dp_fedemb_process(
+    process = processes.build_fedemb_process(
         BACKBONE,
         CONFIG,
-        noise_multiplier=z,
-        clip=clip,
-        clients_per_round=planned,
-        noise_seed=3,
-        server_learning_rate=1.0,
-        server_momentum=0.0,
+        aggregators.gaussian_fixed(
+            noise_multiplier=z, clip_norm=clip, virtual_clients_per_round=planned, noise_seed=3
+        ),
+        processes.server_sgdm(1.0, 0.0),
     )
     state = process.initialize()
     output = process.next(state, [_client_dataset(3, ["a", "b", "a", "b"])])
@@ -138,8 +135,8 @@ def test_dataset_loaded_inside_tff_from_virtual_client_ids(tff_runtime):
     base = processes.build_fedemb_process(
         BACKBONE,
         CONFIG,
-        aggregators.no_dp(clients_per_round=2),
-        tff.learning.optimizers.build_sgdm(learning_rate=1.0),
+        aggregators.no_dp(virtual_clients_per_round=2),
+        processes.server_sgdm(1.0, 0.0),
     )
     process = processes.compose_with_client_loader(base, load_examples, CONFIG)
     assert str(process.next.type_signature.parameter[1]) == "{str}@CLIENTS"
@@ -149,15 +146,24 @@ def test_dataset_loaded_inside_tff_from_virtual_client_ids(tff_runtime):
 
 
 def test_dp_ftrl_process_runs_with_tree_noise_and_restarts(tff_runtime):
-    process = processes.build_dp_ftrl_fedemb_process(
+    # 8 users, 4 per round: 2 rounds per epoch, the tree restarting after each.
+    spec = accounting.AccountingSpec(
+        population=8,
+        users_per_round=4,
+        rounds=3,
+        noise_multiplier=0.5,
+        delta=1e-3,
+        mechanism=accounting.Mechanism.DPFTRL,
+        users_per_virtual_client=2,
+        restart_every_epoch=True,
+    )
+    process = processes.build_fedemb_process(
         BACKBONE,
         CONFIG,
-        noise_multiplier=0.5,
-        clip=1.0,
-        clients_per_round=2,
-        noise_seed=4,
-        server_learning_rate=0.1,
-        restart_every_rounds=2,
+        mechanisms.aggregator_for_spec(
+            spec, clip_norm=1.0, virtual_clients_per_round=2, noise_seed=4, rounds_per_epoch=2
+        ),
+        processes.server_sgdm(0.1, 0.9),
     )
     state = process.initialize()
     for seed in range(3):
@@ -168,16 +174,14 @@ def test_dp_ftrl_process_runs_with_tree_noise_and_restarts(tff_runtime):
 
 def test_dp_fedavg_aggregates_and_noises_the_global_head(tff_runtime):
     vocabulary = local_training.identity_keys_vocabulary(["a", "b", "c"])
-    process = processes.build_dp_fedavg_process(
+    process = processes.build_fedavg_process(
         BACKBONE,
         CONFIG,
         vocabulary,
-        noise_multiplier=0.0,
-        clip=100.0,
-        clients_per_round=1,
-        noise_seed=5,
-        server_learning_rate=1.0,
-        server_momentum=0.0,
+        aggregators.gaussian_fixed(
+            noise_multiplier=0.0, clip_norm=100.0, virtual_clients_per_round=1, noise_seed=5
+        ),
+        processes.server_sgdm(1.0, 0.0),
     )
     state = process.initialize()
     weights = process.get_model_weights(state)
@@ -201,13 +205,12 @@ def test_centralized_oracle_reduces_its_loss():
         [np.clip(rng.normal(means[i], 0.05, (28, 28, 1)), 0, 1) for i in identities]
     ).astype(np.float32)
     examples = tf.data.Dataset.from_tensor_slices({"image": images, "identity": identities})
-    backbone, head, losses = processes.train_centralized(
+    trainer = processes.CentralizedTrainer(
         BACKBONE,
-        examples,
         local_training.identity_keys_vocabulary(["a", "b", "c"]),
         learning_rate=0.05,
-        epochs=4,
         batch_size=8,
     )
-    assert head.shape == (BACKBONE.embedding_size, 3)
+    losses = [trainer.train_epoch(examples, epoch) for epoch in range(4)]
+    assert trainer.head.shape == (BACKBONE.embedding_size, 3)
     assert losses[-1] < losses[0]

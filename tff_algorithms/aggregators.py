@@ -1,10 +1,12 @@
 """Aggregation factories for the backbone update: where the privacy mechanism lives.
 
-Every factory clips each virtual client's update to L2 norm `clip`, sums the
+Every factory clips each virtual client's update to L2 norm `clip_norm`, sums the
 clipped updates, adds noise to the SUM, and divides by the PLANNED number of
 virtual clients per round (a constant): a round where fewer clients report, or
 where a client's update was zeroed for being non-finite, is divided by the same
 number, so the noise-to-sensitivity ratio the accountant assumes always holds.
+A training job takes its aggregator from `mechanisms.aggregator_for_spec`, which picks
+`gaussian_fixed` or `tree_aggregation` from the job's accounting spec.
 
 Noise seeds are explicit. A production caller passes fresh OS entropy (see
 `fresh_noise_seed`); tests pass fixed seeds. The seed then lives in the
@@ -12,7 +14,7 @@ aggregator state, so a checkpointed state resumes the same noise stream. Keep
 checkpoints as private as the raw data: whoever holds the seed can subtract the
 noise.
 
-`noise_multiplier` and `clip` go into TF Privacy queries as Python floats
+`noise_multiplier` and `clip_norm` go into TF Privacy queries as Python floats
 (DESIGN.md section 1).
 """
 
@@ -89,7 +91,7 @@ class SeededGaussianSumQuery(tfp.GaussianSumQuery):
 
 
 def gaussian_fixed(
-    *, noise_multiplier: float, clip: float, clients_per_round: int, noise_seed: int
+    *, noise_multiplier: float, clip_norm: float, virtual_clients_per_round: int, noise_seed: int
 ) -> tff.aggregators.UnweightedAggregationFactory:
     """Fixed clip γ, Gaussian noise N(0, (zγ)²) on the sum, mean over the planned M.
 
@@ -98,10 +100,10 @@ def gaussian_fixed(
     `tff.aggregators.DifferentiallyPrivateFactory` state helpers).
     """
     noise_multiplier = _nonnegative_float(noise_multiplier, "noise_multiplier")
-    clip = _positive_float(clip, "clip")
+    clip_norm = _positive_float(clip_norm, "clip_norm")
     query = tfp.NormalizedQuery(
-        SeededGaussianSumQuery(clip, clip * noise_multiplier, noise_seed),
-        denominator=_positive_float(clients_per_round, "clients_per_round"),
+        SeededGaussianSumQuery(clip_norm, clip_norm * noise_multiplier, noise_seed),
+        denominator=_positive_float(virtual_clients_per_round, "virtual_clients_per_round"),
     )
     return tff.aggregators.DifferentiallyPrivateFactory(query)
 
@@ -109,7 +111,7 @@ def gaussian_fixed(
 def gaussian_adaptive(
     *,
     noise_multiplier: float,
-    clients_per_round: int,
+    virtual_clients_per_round: int,
     initial_clip: float = 0.1,
     target_unclipped_quantile: float = 0.5,
     clip_learning_rate: float = 0.2,
@@ -122,7 +124,7 @@ def gaussian_adaptive(
     """
     return tff.aggregators.DifferentiallyPrivateFactory.gaussian_adaptive(
         noise_multiplier=_nonnegative_float(noise_multiplier, "noise_multiplier"),
-        clients_per_round=_positive_float(clients_per_round, "clients_per_round"),
+        clients_per_round=_positive_float(virtual_clients_per_round, "virtual_clients_per_round"),
         initial_l2_norm_clip=_positive_float(initial_clip, "initial_clip"),
         target_unclipped_quantile=float(target_unclipped_quantile),
         learning_rate=float(clip_learning_rate),
@@ -132,8 +134,8 @@ def gaussian_adaptive(
 def tree_aggregation(
     *,
     noise_multiplier: float,
-    clip: float,
-    clients_per_round: int,
+    clip_norm: float,
+    virtual_clients_per_round: int,
     record_specs: object,
     noise_seed: int,
     restart_every_rounds: int | None = None,
@@ -149,17 +151,17 @@ def tree_aggregation(
 
     Args:
       noise_multiplier: z, per tree node.
-      clip: γ.
-      clients_per_round: planned virtual clients per round M (the denominator).
+      clip_norm: γ.
+      virtual_clients_per_round: planned virtual clients per round M (the denominator).
       record_specs: `tf.TensorSpec` structure of one client's update.
       noise_seed: seed of the tree's Gaussian noise generator.
       restart_every_rounds: restart period in rounds, or None for one tree.
       use_efficient: Honaker's variance-reduced prefix sums (same privacy).
     """
     noise_multiplier = _nonnegative_float(noise_multiplier, "noise_multiplier")
-    clip = _positive_float(clip, "clip")
+    clip_norm = _positive_float(clip_norm, "clip_norm")
     sum_query = tfp.TreeResidualSumQuery.build_l2_gaussian_query(
-        clip,
+        clip_norm,
         noise_multiplier,
         record_specs,
         noise_seed=int(noise_seed),
@@ -173,17 +175,19 @@ def tree_aggregation(
             tfp.restart_query.PeriodicRoundRestartIndicator(period=int(restart_every_rounds)),
         )
     query = tfp.NormalizedQuery(
-        sum_query, denominator=_positive_float(clients_per_round, "clients_per_round")
+        sum_query,
+        denominator=_positive_float(virtual_clients_per_round, "virtual_clients_per_round"),
     )
     return tff.aggregators.DifferentiallyPrivateFactory(query)
 
 
-def no_dp(*, clients_per_round: int) -> tff.aggregators.UnweightedAggregationFactory:
+def no_dp(*, virtual_clients_per_round: int) -> tff.aggregators.UnweightedAggregationFactory:
     """No clipping, no noise, mean over the planned M: the ablation baseline.
 
     Its DP event is `NonPrivateDpEvent`, so the ledger records ε = ∞.
     """
     query = tfp.NormalizedQuery(
-        tfp.NoPrivacySumQuery(), denominator=_positive_float(clients_per_round, "clients_per_round")
+        tfp.NoPrivacySumQuery(),
+        denominator=_positive_float(virtual_clients_per_round, "virtual_clients_per_round"),
     )
     return tff.aggregators.DifferentiallyPrivateFactory(query)

@@ -40,12 +40,12 @@ class ClientConfig:
     """Local training of one virtual client (paper section 3.3 defaults in brackets).
 
     Attributes:
-      backbone_learning_rate: β1 [2e-3].
+      client_learning_rate: β1, the backbone's learning rate [2e-3].
       head_learning_rate_scale: β2 / β1 [100].
       momentum: client SGD momentum, for backbone and head [0.9 in the paper].
       head_capacity: rows of the local head; at least the most identities any
         virtual client holds (DP-FedEmb only).
-      epochs: passes over the virtual client's data.
+      local_epochs: passes over the virtual client's data.
       batch_size: local batch size [32].
       max_examples: cap on examples per virtual client [2048].
       shuffle_buffer: local shuffle buffer [2048].
@@ -66,11 +66,11 @@ class ClientConfig:
         (deterministic per virtual-client id); for tests and benchmarks only.
     """
 
-    backbone_learning_rate: float
+    client_learning_rate: float
     head_learning_rate_scale: float = 100.0
     momentum: float = 0.0
     head_capacity: int = 64
-    epochs: int = 1
+    local_epochs: int = 1
     batch_size: int = 32
     max_examples: int = 2048
     shuffle_buffer: int = 2048
@@ -83,12 +83,18 @@ class ClientConfig:
     failure_injection_rate: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("backbone_learning_rate", "head_learning_rate_scale"):
+        for name in ("client_learning_rate", "head_learning_rate_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        for name in ("head_capacity", "epochs", "batch_size", "max_examples", "shuffle_buffer"):
+        for name in (
+            "head_capacity",
+            "local_epochs",
+            "batch_size",
+            "max_examples",
+            "shuffle_buffer",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.head_init not in HEAD_INITS:
@@ -106,4 +112,4 @@ class ClientConfig:
 
     @property
     def head_learning_rate(self) -> float:
-        return self.backbone_learning_rate * self.head_learning_rate_scale
+        return self.client_learning_rate * self.head_learning_rate_scale

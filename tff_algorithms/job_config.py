@@ -384,11 +384,11 @@ class TrainJobConfig:
 
     def client_config(self) -> client_config.ClientConfig:
         return client_config.ClientConfig(
-            backbone_learning_rate=self.client_learning_rate,
+            client_learning_rate=self.client_learning_rate,
             head_learning_rate_scale=self.resolved_head_lr_scale,
             momentum=self.client_momentum,
             head_capacity=self.head_capacity or self.users_per_virtual_client,
-            epochs=self.local_epochs,
+            local_epochs=self.local_epochs,
             batch_size=self.batch_size,
             max_examples=self.max_examples_per_client,
             shuffle_buffer=self.max_examples_per_client,

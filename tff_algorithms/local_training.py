@@ -182,7 +182,7 @@ class LocalTrainer:
             tf.zeros([self.embedding_size, self.num_head_rows]), name="head_kernel"
         )
         self.backbone_optimizer = tff.learning.optimizers.build_sgdm(
-            learning_rate=config.backbone_learning_rate, momentum=config.momentum or None
+            learning_rate=config.client_learning_rate, momentum=config.momentum or None
         )
         self.head_optimizer = tff.learning.optimizers.build_sgdm(
             learning_rate=config.head_learning_rate, momentum=config.momentum or None
@@ -337,7 +337,7 @@ class LocalTrainer:
             tf.constant(0.0),
             tf.constant(0.0),
         )
-        batches = dataset.repeat(self.config.epochs)
+        batches = dataset.repeat(self.config.local_epochs)
         if max_steps is not None:
             batches = batches.take(max_steps + 1)
         # The training pass's iterator is created after the vocabulary pass's: each new
@@ -371,7 +371,7 @@ class LocalTrainer:
         short_read = tf.logical_or(
             # tf.equal: inside TFF's graph tracing `==` compares tensor identity.
             tf.equal(rows_read, 0),
-            tf.logical_and(expected >= 0, rows_read < expected * self.config.epochs),
+            tf.logical_and(expected >= 0, rows_read < expected * self.config.local_epochs),
         )
         failed_read = tf.logical_and(short_read, tf.logical_not(timed_out))
         dropped = tf.logical_or(tf.logical_or(failed_read, timed_out), non_finite > 0)

@@ -1,10 +1,12 @@
-"""Learning processes: DP-FedEmb, DP-FTRL-FedEmb, DP-FedAvg, and the centralized oracle.
+"""Learning processes: the FedEmb and FedAvg process shapes, and the centralized oracle.
 
-Each builder composes, like `tff.learning.algorithms`,
+As in `tff.learning.algorithms`, privacy is the aggregator parameter: a builder takes
+an aggregator factory and a server optimizer and composes
 `compose_learning_process(initial_weights_fn, broadcast, client_work, aggregator,
-finalizer)`. The server optimizer is `tff.learning.optimizers.build_sgdm`: SGD
-with momentum; with tree-aggregated noise and a constant learning rate this is
-DP-FTRL with momentum.
+finalizer)`. DP-FedEmb and DP-FTRL-FedEmb are `build_fedemb_process`, DP-FedAvg is
+`build_fedavg_process`, each given the aggregator that `mechanisms.aggregator_for_spec`
+builds from the job's accounting spec (Gaussian or tree-aggregated noise) and the
+optimizer `server_sgdm` builds.
 
 Global model weights:
 - DP-FedEmb / DP-FTRL-FedEmb: the backbone only,
@@ -33,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import aggregators, client_work, local_training, model_config, models
+from tff_algorithms import client_work, local_training, model_config, models
 from tff_algorithms.client_config import ClientConfig, HeadLossConfig
 
 _SOFTMAX_LOSS = HeadLossConfig()
@@ -97,6 +99,17 @@ def _compose(
     )
 
 
+def server_sgdm(learning_rate: float, momentum: float) -> tff.learning.optimizers.Optimizer:
+    """The server optimizer of every federated algorithm: SGD with momentum (paper, Alg. 1).
+
+    With tree-aggregated noise and a constant learning rate this is DP-FTRL with momentum.
+    """
+    # build_sgdm treats momentum=None as plain SGD (no momentum state).
+    return tff.learning.optimizers.build_sgdm(
+        learning_rate=learning_rate, momentum=momentum or None
+    )
+
+
 def build_fedemb_process(
     backbone_config: model_config.BackboneConfig,
     client_config: ClientConfig,
@@ -107,7 +120,8 @@ def build_fedemb_process(
     backbone_seed: int = 0,
     max_reports: int | None = None,
 ) -> tff.learning.templates.LearningProcess:
-    """FedEmb with any aggregator (e.g. `aggregators.no_dp` or `gaussian_adaptive`).
+    """FedEmb with any aggregator (`mechanisms.aggregator_for_spec` for DP-FedEmb and
+    DP-FTRL-FedEmb; `aggregators.no_dp` or `gaussian_adaptive` for ablations and tuning).
 
     `max_reports`: keep only the first this many reporting virtual clients of a round
     (over-selection; the aggregator's denominator is the planned number either way).
@@ -123,87 +137,6 @@ def build_fedemb_process(
     return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer)
 
 
-def _server_sgdm(learning_rate: float, momentum: float) -> tff.learning.optimizers.Optimizer:
-    # build_sgdm treats momentum=None as plain SGD (no momentum state).
-    return tff.learning.optimizers.build_sgdm(
-        learning_rate=learning_rate, momentum=momentum or None
-    )
-
-
-def build_dp_fedemb_process(
-    backbone_config: model_config.BackboneConfig,
-    client_config: ClientConfig,
-    *,
-    noise_multiplier: float,
-    clip: float,
-    clients_per_round: int,
-    noise_seed: int,
-    server_learning_rate: float,
-    server_momentum: float = 0.9,
-    identity_dtype: tf.DType = tf.string,
-    backbone_seed: int = 0,
-    max_reports: int | None = None,
-) -> tff.learning.templates.LearningProcess:
-    """DP-FedEmb (paper Alg. 1): fixed clip, independent Gaussian noise, server SGDM."""
-    return build_fedemb_process(
-        backbone_config,
-        client_config,
-        aggregators.gaussian_fixed(
-            noise_multiplier=noise_multiplier,
-            clip=clip,
-            clients_per_round=clients_per_round,
-            noise_seed=noise_seed,
-        ),
-        _server_sgdm(server_learning_rate, server_momentum),
-        identity_dtype=identity_dtype,
-        backbone_seed=backbone_seed,
-        max_reports=max_reports,
-    )
-
-
-def build_dp_ftrl_fedemb_process(
-    backbone_config: model_config.BackboneConfig,
-    client_config: ClientConfig,
-    *,
-    noise_multiplier: float,
-    clip: float,
-    clients_per_round: int,
-    noise_seed: int,
-    server_learning_rate: float,
-    server_momentum: float = 0.9,
-    restart_every_rounds: int | None = None,
-    use_efficient_tree: bool = True,
-    identity_dtype: tf.DType = tf.string,
-    backbone_seed: int = 0,
-    max_reports: int | None = None,
-) -> tff.learning.templates.LearningProcess:
-    """DP-FTRL-FedEmb: FedEmb client work, tree-aggregated noise, constant-lr server SGDM.
-
-    `restart_every_rounds` is the number of rounds per epoch when users are
-    assigned epoch-wise and the tree restarts at epoch boundaries.
-    """
-    backbone_type = _initial_backbone_weights_fn(
-        backbone_config, backbone_seed
-    ).type_signature.result
-    return build_fedemb_process(
-        backbone_config,
-        client_config,
-        aggregators.tree_aggregation(
-            noise_multiplier=noise_multiplier,
-            clip=clip,
-            clients_per_round=clients_per_round,
-            record_specs=tff.types.type_to_tf_tensor_specs(backbone_type.trainable),
-            noise_seed=noise_seed,
-            restart_every_rounds=restart_every_rounds,
-            use_efficient=use_efficient_tree,
-        ),
-        _server_sgdm(server_learning_rate, server_momentum),
-        identity_dtype=identity_dtype,
-        backbone_seed=backbone_seed,
-        max_reports=max_reports,
-    )
-
-
 def build_fedavg_process(
     backbone_config: model_config.BackboneConfig,
     client_config: ClientConfig,
@@ -216,6 +149,9 @@ def build_fedavg_process(
     max_reports: int | None = None,
 ) -> tff.learning.templates.LearningProcess:
     """FedAvg with a global head over `identity_vocabulary`, with any aggregator.
+
+    DP-FedAvg (paper Alg. 2): the Gaussian aggregator of `mechanisms.aggregator_for_spec`
+    clips and noises the backbone and global head together.
 
     `identity_vocabulary` is `local_training.identity_keys_vocabulary(all training identities)`;
     `max_reports` as in `build_fedemb_process`.
@@ -232,39 +168,6 @@ def build_fedavg_process(
         max_reports,
     )
     return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer)
-
-
-def build_dp_fedavg_process(
-    backbone_config: model_config.BackboneConfig,
-    client_config: ClientConfig,
-    identity_vocabulary: np.ndarray,
-    *,
-    noise_multiplier: float,
-    clip: float,
-    clients_per_round: int,
-    noise_seed: int,
-    server_learning_rate: float,
-    server_momentum: float = 0.9,
-    identity_dtype: tf.DType = tf.string,
-    backbone_seed: int = 0,
-    max_reports: int | None = None,
-) -> tff.learning.templates.LearningProcess:
-    """DP-FedAvg (paper Alg. 2): backbone and global head clipped together, Gaussian noise."""
-    return build_fedavg_process(
-        backbone_config,
-        client_config,
-        identity_vocabulary,
-        aggregators.gaussian_fixed(
-            noise_multiplier=noise_multiplier,
-            clip=clip,
-            clients_per_round=clients_per_round,
-            noise_seed=noise_seed,
-        ),
-        _server_sgdm(server_learning_rate, server_momentum),
-        identity_dtype=identity_dtype,
-        backbone_seed=backbone_seed,
-        max_reports=max_reports,
-    )
 
 
 def compose_with_client_loader(
@@ -317,7 +220,8 @@ def backbone_model_weights(
 class CentralizedTrainer:
     """Non-private oracle: the backbone and a global head, plain SGD with momentum.
 
-    One `train_epoch` call is one pass over all training examples, shuffled with a seed
+    Not a TFF process: one Keras model and optimizer, trained by `train_job`'s own epoch
+    loop. One `train_epoch` call is one pass over all training examples, shuffled with a seed
     that depends only on (seed, epoch), so a run restored from a checkpoint of
     `checkpoint_objects()` after epoch e continues exactly as an uninterrupted run.
 
@@ -382,39 +286,3 @@ class CentralizedTrainer:
         )
         losses = [float(self._train_step(batch)) for batch in batches]
         return float(np.mean(losses)) if losses else float("nan")
-
-
-def train_centralized(
-    backbone_config: model_config.BackboneConfig,
-    examples: tf.data.Dataset,
-    identity_vocabulary: np.ndarray,
-    *,
-    learning_rate: float,
-    epochs: int,
-    batch_size: int = 32,
-    momentum: float = 0.9,
-    shuffle_buffer: int = 10_000,
-    head_loss: HeadLossConfig = _SOFTMAX_LOSS,
-    seed: int = 0,
-) -> tuple[tf.keras.Model, np.ndarray, list[float]]:
-    """Non-private oracle in one call (`CentralizedTrainer` for checkpointed runs).
-
-    Args:
-      examples: per-example `{"image", "identity"}` of all training users.
-      identity_vocabulary: `local_training.identity_keys_vocabulary` of the training identities.
-
-    Returns:
-      (backbone, head kernel, mean loss per epoch).
-    """
-    trainer = CentralizedTrainer(
-        backbone_config,
-        identity_vocabulary,
-        learning_rate=learning_rate,
-        batch_size=batch_size,
-        momentum=momentum,
-        shuffle_buffer=shuffle_buffer,
-        head_loss=head_loss,
-        seed=seed,
-    )
-    epoch_losses = [trainer.train_epoch(examples, epoch) for epoch in range(epochs)]
-    return trainer.backbone, trainer.head.numpy(), epoch_losses

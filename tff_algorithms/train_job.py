@@ -21,6 +21,16 @@ pretraining on public data): SGD with momentum over all training examples, one "
 per epoch, learning rate and momentum from `server_learning_rate` / `server_momentum`
 (the paper lists the centralized learning rate in its server column); the DP fields
 are ignored. Its outputs have the same layout, with epsilon null and `private: false`.
+It keeps its own epoch loop and `tf.train.Checkpoint` (`_train_centralized`) rather than
+`training.train`'s: it is not a TFF process but one Keras model and optimizer
+(`processes.CentralizedTrainer`), with no virtual clients to schedule or retry and no
+noise; its checkpoint holds the model, the Keras optimizer, the epoch, and the ledger
+(epsilon infinite from the first epoch) and history.
+
+A federated job's process is a process shape (`processes.build_fedemb_process`, or
+`build_fedavg_process` for DP-FedAvg) given the aggregator
+`mechanisms.aggregator_for_spec` builds from the job's accounting spec, the one the
+ledger accounts with.
 
 Both seeds come from OS entropy unless a testing flag allows a fixed one (`job_config`).
 The schedule seed is drawn when a job first claims OUTPUT (`job_outputs`); the noise
@@ -48,6 +58,7 @@ from tff_algorithms import (
     client_data,
     job_outputs,
     local_training,
+    mechanisms,
     models,
     processes,
     runtime,
@@ -59,8 +70,6 @@ from tff_algorithms.evaluation import HeldOutEvaluator
 from tff_algorithms.job_config import (
     CENTRALIZED,
     DP_FEDAVG,
-    DP_FEDEMB,
-    DP_FTRL_FEDEMB,
     TrainJobConfig,
     accounting_spec_for,
     schedule_for,
@@ -116,37 +125,31 @@ def _training_identity_vocabulary(
 
 
 def _build_process(
-    config: TrainJobConfig,
-    plan: schedule.VirtualClientSchedule,
-    reader: partition.PartitionReader,
-    user_ids: list[str],
+    inputs: JobInputs, plan: schedule.VirtualClientSchedule
 ) -> tff.learning.templates.LearningProcess:
+    # The process shape comes from the algorithm; the mechanism (Gaussian or tree noise,
+    # its noise multiplier and restarts) only from the spec the ledger accounts with.
+    config = inputs.config
     client_config = config.client_config()
-    common = dict(
-        noise_multiplier=float(config.noise_multiplier),
-        clip=float(config.clip_norm),
-        clients_per_round=config.virtual_clients_per_round,
+    aggregator = mechanisms.aggregator_for_spec(
+        inputs.spec,
+        clip_norm=float(config.clip_norm),
+        virtual_clients_per_round=config.virtual_clients_per_round,
         noise_seed=config.noise_seed
         if config.noise_seed is not None
         else aggregators.fresh_noise_seed(),
-        server_learning_rate=config.server_learning_rate,
-        server_momentum=config.server_momentum,
-        backbone_seed=config.seed,
-        max_reports=config.report_policy().max_reports,
+        rounds_per_epoch=plan.rounds_per_epoch,
     )
-    if config.algorithm == DP_FEDEMB:
-        base = processes.build_dp_fedemb_process(config.backbone_config, client_config, **common)
-    elif config.algorithm == DP_FTRL_FEDEMB:
-        base = processes.build_dp_ftrl_fedemb_process(
-            config.backbone_config,
-            client_config,
-            restart_every_rounds=plan.rounds_per_epoch if config.restart_every_epoch else None,
-            **common,
+    server_optimizer = processes.server_sgdm(config.server_learning_rate, config.server_momentum)
+    shape = dict(backbone_seed=config.seed, max_reports=config.report_policy().max_reports)
+    if config.algorithm == DP_FEDAVG:
+        vocabulary = _training_identity_vocabulary(inputs.reader, inputs.user_ids)
+        base = processes.build_fedavg_process(
+            config.backbone_config, client_config, vocabulary, aggregator, server_optimizer, **shape
         )
     else:
-        vocabulary = _training_identity_vocabulary(reader, user_ids)
-        base = processes.build_dp_fedavg_process(
-            config.backbone_config, client_config, vocabulary, **common
+        base = processes.build_fedemb_process(
+            config.backbone_config, client_config, aggregator, server_optimizer, **shape
         )
     image_shape = config.image_shape
     return processes.compose_with_client_loader(
@@ -193,7 +196,7 @@ def _head_capacity_check(config: TrainJobConfig) -> Callable[[Mapping[str, Any],
 def _train_federated(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     config, user_ids, spec = inputs.config, inputs.user_ids, inputs.spec
     plan = schedule_for(config, len(user_ids), schedule_seed)
-    process = _build_process(config, plan, inputs.reader, user_ids)
+    process = _build_process(inputs, plan)
     ids = client_data.VirtualClientIds(inputs.partition_dir, plan, user_ids)
     initial_state = None
     if inputs.pretrained is not None:
