@@ -54,7 +54,7 @@ def aggregator_for_spec(
       rounds_per_epoch: the training schedule's rounds per epoch. The tree restarts
         every this many rounds, and the spec's tree accounting (restarts, or one tree's
         participations and min separation) assumes its own `spec.rounds_per_epoch`: the
-        two must agree.
+        two must agree. Independent Gaussian noise does not depend on it.
       use_efficient_tree: Honaker's variance-reduced prefix sums (same privacy).
 
     Raises:

@@ -141,15 +141,20 @@ def _build_process(
         rounds_per_epoch=plan.rounds_per_epoch,
     )
     server_optimizer = processes.server_sgdm(config.server_learning_rate, config.server_momentum)
-    shape = dict(backbone_seed=config.seed, max_reports=config.report_policy().max_reports)
+    shape_options = dict(backbone_seed=config.seed, max_reports=config.report_policy().max_reports)
     if config.algorithm == DP_FEDAVG:
         vocabulary = _training_identity_vocabulary(inputs.reader, inputs.user_ids)
         base = processes.build_fedavg_process(
-            config.backbone_config, client_config, vocabulary, aggregator, server_optimizer, **shape
+            config.backbone_config,
+            client_config,
+            vocabulary,
+            aggregator,
+            server_optimizer,
+            **shape_options,
         )
     else:
         base = processes.build_fedemb_process(
-            config.backbone_config, client_config, aggregator, server_optimizer, **shape
+            config.backbone_config, client_config, aggregator, server_optimizer, **shape_options
         )
     image_shape = config.image_shape
     return processes.compose_with_client_loader(
