@@ -111,6 +111,7 @@ import numpy as np
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from tff_algorithms import validation
 from tff_algorithms.tree_sensitivity import (
     single_tree_squared_sensitivity,
     tree_depth,
@@ -207,7 +208,7 @@ def _enum_value(enum_type: type[enum.Enum], value: Any, what: str) -> Any:
         raise ValueError(f"unknown {what} {value!r}; expected one of: {choices}") from None
 
 
-def _check_int(value: Any, name: str, minimum: int, maximum: int | None = None) -> None:
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
@@ -272,10 +273,10 @@ class AccountingSpec:
             object.__setattr__(self, "min_separation", int(self.min_separation))
 
     def _validate(self) -> None:
-        _check_int(self.population, "population (users)", 1, MAX_POPULATION)
-        _check_int(self.users_per_round, "users per round", 1)
-        _check_int(self.rounds, "rounds", 1, MAX_ROUNDS)
-        _check_int(self.users_per_virtual_client, "users per virtual client", 1)
+        _check_int("population (users)", self.population, 1, MAX_POPULATION)
+        _check_int("users per round", self.users_per_round, 1)
+        _check_int("rounds", self.rounds, 1, MAX_ROUNDS)
+        _check_int("users per virtual client", self.users_per_virtual_client, 1)
         if self.users_per_round > self.population:
             raise ValueError(
                 f"users per round ({self.users_per_round}) exceeds the population "
@@ -286,10 +287,7 @@ class AccountingSpec:
                 f"users per round ({self.users_per_round}) must be a multiple of users per "
                 f"virtual client ({self.users_per_virtual_client})"
             )
-        if isinstance(self.noise_multiplier, bool) or not isinstance(
-            self.noise_multiplier, (int, float, np.floating, np.integer)
-        ):
-            raise ValueError(f"noise multiplier must be a number, got {self.noise_multiplier!r}")
+        validation.check_real("noise multiplier", self.noise_multiplier)
         if not math.isfinite(self.noise_multiplier) or self.noise_multiplier < 0:
             raise ValueError(
                 f"noise multiplier must be finite and non-negative, got {self.noise_multiplier}"
@@ -299,8 +297,7 @@ class AccountingSpec:
                 f"noise multiplier must be at most {MAX_NOISE_MULTIPLIER:g}, got "
                 f"{self.noise_multiplier:g}"
             )
-        if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float, np.floating)):
-            raise ValueError(f"delta must be a number, got {self.delta!r}")
+        validation.check_real("delta", self.delta)
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}")
         if self.delta < MIN_DELTA:
@@ -312,7 +309,7 @@ class AccountingSpec:
         if self.min_separation is not None:
             if self.mechanism is not Mechanism.DPFTRL:
                 raise ValueError("min separation applies only to the dpftrl mechanism")
-            _check_int(self.min_separation, "min separation", 0)
+            _check_int("min separation", self.min_separation, 0)
             if self.min_separation > self.population // self.users_per_round:
                 raise ValueError(
                     f"min separation ({self.min_separation}) cannot exceed the rounds per "
@@ -686,7 +683,7 @@ def extrapolate_privacy(
         raise ValueError("extrapolation needs at least one users-per-round value")
     points = []
     for users in users_per_round:
-        _check_int(users, "users per round", 1)
+        _check_int("users per round", users, 1)
         noise = base.noise_multiplier * users / base.users_per_round
         spec = dataclasses.replace(
             base, population=population, users_per_round=users, noise_multiplier=noise

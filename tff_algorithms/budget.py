@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from tff_algorithms import accounting, secret_files
+from tff_algorithms import accounting, secret_files, validation
 
 BUDGET_LEDGER_FORMAT = "dp-fedemb-budget-ledger/1"
 FINGERPRINT_SCHEME = "sha256 of sorted training user ids"
@@ -135,8 +135,7 @@ class BudgetPolicy:
                 "(it needs a file lock and an atomic rename)"
             )
         value = self.total_epsilon
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"dataset budget epsilon must be a number, got {value!r}")
+        validation.check_real("dataset budget epsilon", value)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"dataset budget epsilon must be finite and > 0, got {value}")
         if not isinstance(self.override, bool):

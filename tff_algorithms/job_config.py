@@ -24,14 +24,13 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from beam_jobs import schedule
 from tff_algorithms import (
     accounting,
     client_config,
     model_config,
     report_policy,
+    validation,
 )
 
 DP_FEDEMB = "dp-fedemb"
@@ -45,22 +44,6 @@ ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, CENTRALIZED)
 
 # Never published (module docstring).
 _SECRET_FIELDS = ("schedule_seed", "noise_seed")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _check_number(name: str, value: Any, low: float, high: float, *, low_open: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    above_low = value > low if low_open else value >= low
-    if not (math.isfinite(value) and above_low and value < high):
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g})"
-        raise ValueError(f"{name} must be finite and in {interval}, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +176,7 @@ class TrainJobConfig:
             "image_size",
             "max_round_attempts",
         ):
-            _check_int(name, getattr(self, name), 1)
+            validation.check_int(name, getattr(self, name), 1)
         if isinstance(self.virtual_clients_per_round, str):
             if self.virtual_clients_per_round != AUTO:
                 raise ValueError(
@@ -201,26 +184,22 @@ class TrainJobConfig:
                     f"got {self.virtual_clients_per_round!r}"
                 )
         else:
-            _check_int("virtual_clients_per_round", self.virtual_clients_per_round, 1)
+            validation.check_int("virtual_clients_per_round", self.virtual_clients_per_round, 1)
         if self.max_local_steps is not None:
-            _check_int("max_local_steps", self.max_local_steps, 1)
+            validation.check_int("max_local_steps", self.max_local_steps, 1)
         if self.max_client_seconds is not None:
-            _check_number("max_client_seconds", self.max_client_seconds, 0, math.inf, low_open=True)
-        _check_number("over_selection", self.over_selection, 0, 100, low_open=False)
+            validation.check_number("max_client_seconds", self.max_client_seconds, 0, low_open=True)
+        validation.check_number("over_selection", self.over_selection, 0, 100, low_open=False)
         for name in ("min_report_fraction", "failure_injection_rate"):
-            value = getattr(self, name)
-            _check_number(name, value, 0, math.inf, low_open=False)
-            if value > 1:
-                raise ValueError(f"{name} must be a fraction in [0, 1], got {value}")
+            validation.check_fraction(name, getattr(self, name))
         for name in ("evaluate_every", "seed"):
-            _check_int(name, getattr(self, name), 0)
+            validation.check_int(name, getattr(self, name), 0)
         if self.head_capacity is not None:
-            _check_int("head_capacity", self.head_capacity, 1)
+            validation.check_int("head_capacity", self.head_capacity, 1)
         for name in ("testing_fixed_noise", "testing_fixed_schedule"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+            validation.check_bool(name, getattr(self, name))
         if self.schedule_seed is not None:
-            _check_int("schedule_seed", self.schedule_seed, 0)
+            validation.check_int("schedule_seed", self.schedule_seed, 0)
             if not self.testing_fixed_schedule:
                 raise ValueError(
                     "a fixed schedule_seed makes the sampled users predictable and is for tests "
@@ -228,7 +207,7 @@ class TrainJobConfig:
                     "(--testing-fixed-schedule) to use one"
                 )
         if self.noise_seed is not None:
-            _check_int("noise_seed", self.noise_seed, 0)
+            validation.check_int("noise_seed", self.noise_seed, 0)
             if not self.testing_fixed_noise:
                 raise ValueError(
                     "a fixed noise_seed makes the DP noise predictable and is for tests only: "
@@ -249,24 +228,23 @@ class TrainJobConfig:
             "class_means_norm",
             "head_loss_scale",
         ):
-            _check_number(name, getattr(self, name), 0, math.inf, low_open=True)
+            validation.check_number(name, getattr(self, name), 0, low_open=True)
         if self.head_lr_scale is not None:
-            _check_number("head_lr_scale", self.head_lr_scale, 0, math.inf, low_open=True)
-        _check_number("head_loss_margin", self.head_loss_margin, 0, math.pi / 2, low_open=False)
+            validation.check_number("head_lr_scale", self.head_lr_scale, 0, low_open=True)
+        validation.check_number(
+            "head_loss_margin", self.head_loss_margin, 0, math.pi / 2, low_open=False
+        )
         if self.head_loss not in client_config.HEAD_LOSSES:
             raise ValueError(
                 f"head_loss must be one of {client_config.HEAD_LOSSES}, got {self.head_loss!r}"
             )
         for name in ("client_momentum", "server_momentum"):
-            _check_number(name, getattr(self, name), 0, 1, low_open=False)
+            validation.check_number(name, getattr(self, name), 0, 1, low_open=False)
         if self.delta is not None:
-            _check_number("delta", self.delta, 0, 1, low_open=True)
+            validation.check_number("delta", self.delta, 0, 1, low_open=True)
         if self.max_epsilon is not None:
-            _check_number("max_epsilon", self.max_epsilon, 0, math.inf, low_open=True)
-        if not isinstance(self.restart_every_epoch, bool):
-            raise ValueError(
-                f"restart_every_epoch must be a boolean, got {self.restart_every_epoch!r}"
-            )
+            validation.check_number("max_epsilon", self.max_epsilon, 0, low_open=True)
+        validation.check_bool("restart_every_epoch", self.restart_every_epoch)
         if self.restart_every_epoch and self.algorithm != DP_FTRL_FEDEMB:
             raise ValueError("restart_every_epoch applies only to dp-ftrl-fedemb")
         if isinstance(self.trainable_layers, str) or not all(
@@ -285,9 +263,9 @@ class TrainJobConfig:
         if self.target_epsilon is None:
             if self.noise_multiplier is None:
                 object.__setattr__(self, "noise_multiplier", DEFAULT_NOISE_MULTIPLIER)
-            _check_number("noise_multiplier", self.noise_multiplier, 0, math.inf, low_open=False)
+            validation.check_number("noise_multiplier", self.noise_multiplier, 0, low_open=False)
             return
-        _check_number("target_epsilon", self.target_epsilon, 0, math.inf, low_open=True)
+        validation.check_number("target_epsilon", self.target_epsilon, 0, low_open=True)
         if self.noise_multiplier is not None:
             raise ValueError(
                 "give noise_multiplier or target_epsilon, not both: the noise multiplier is "

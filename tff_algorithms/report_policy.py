@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from beam_jobs import schedule
+from tff_algorithms import validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,18 +28,14 @@ class ReportPolicy:
     max_attempts: int = 1
 
     def __post_init__(self) -> None:
-        if self.virtual_clients_per_round < 1:
-            raise ValueError(
-                f"virtual_clients_per_round must be >= 1, got {self.virtual_clients_per_round}"
-            )
+        validation.check_int("virtual_clients_per_round", self.virtual_clients_per_round, 1)
         if not (math.isfinite(self.over_selection) and self.over_selection >= 0):
             raise ValueError(f"over_selection must be >= 0, got {self.over_selection}")
         if not 0 <= self.min_report_fraction <= 1:
             raise ValueError(
                 f"min_report_fraction must be in [0, 1], got {self.min_report_fraction}"
             )
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        validation.check_int("max_attempts", self.max_attempts, 1)
 
     @property
     def selected_per_round(self) -> int:

@@ -75,7 +75,7 @@ from tensorflow_federated.python.core.environments.tensorflow_frontend import (
     tensorflow_computation,
 )
 
-from tff_algorithms import loopback_shim
+from tff_algorithms import loopback_shim, validation
 
 WORKER_BINARY = os.path.join(os.path.dirname(tff.__file__), "data", "worker_binary")
 
@@ -141,10 +141,7 @@ class RuntimeConfig:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"worker address {address!r} is not of the form host:port")
-        if isinstance(self.local_workers, bool) or not isinstance(self.local_workers, int):
-            raise ValueError(f"local_workers must be an integer, got {self.local_workers!r}")
-        if self.local_workers < 1:
-            raise ValueError(f"local_workers must be >= 1, got {self.local_workers}")
+        validation.check_int("local_workers", self.local_workers, 1)
         if self.worker_addresses and self.local_workers != 1:
             raise ValueError(
                 "local_workers (--local-workers) and worker_addresses (--workers) exclude "
