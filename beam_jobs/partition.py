@@ -82,12 +82,57 @@ def _index_path(partition_dir: str, shard: int) -> str:
     return os.path.join(partition_dir, INDEX_DIR, f"shard-{shard:05d}.jsonl")
 
 
-class _WriteShardFn(beam.DoFn):
-    """(shard, records) -> part files and the shard index; yields the shard's counts.
+def write_shard(
+    partition_dir: str, shard: int, records: Iterable[tuple[str, bytes]], max_part_bytes: int
+) -> dict:
+    """One shard's part files and index from its (user id, serialized record) pairs;
+    returns the shard's counts for `build_manifest`. What `PartitionByUser` does for each
+    shard, callable without a pipeline.
 
     Files are written under temporary names and renamed, so a retried bundle leaves
     complete files only.
     """
+    # Sorting by (user, bytes) makes the files identical across runs.
+    ordered = sorted(records)
+    index_lines, part, part_bytes, writer, temporaries = [], 0, 0, None, []
+    position = 0
+    while position < len(ordered):
+        user_id = ordered[position][0]
+        end = position
+        while end < len(ordered) and ordered[end][0] == user_id:
+            end += 1
+        frames = b"".join(tfrecord_frame(r) for _, r in ordered[position:end])
+        if writer is None or (part_bytes and part_bytes + len(frames) > max_part_bytes):
+            if writer is not None:
+                writer.close()
+                part += 1
+            final = os.path.join(partition_dir, _part_name(shard, part))
+            temporaries.append((final + ".tmp", final))
+            writer, part_bytes = tf.io.gfile.GFile(final + ".tmp", "wb"), 0
+        writer.write(frames)
+        index_lines.append(
+            json.dumps([user_id, _part_name(shard, part), part_bytes, len(frames), end - position])
+        )
+        part_bytes += len(frames)
+        position = end
+    writer.close()
+    index_temporary = _index_path(partition_dir, shard) + ".tmp"
+    with tf.io.gfile.GFile(index_temporary, "w") as f:
+        f.write("\n".join(index_lines) + "\n")
+    temporaries.append((index_temporary, _index_path(partition_dir, shard)))
+    for temporary, final in temporaries:
+        tf.io.gfile.rename(temporary, final, overwrite=True)
+    return {
+        "shard": shard,
+        "users": len(index_lines),
+        "records": len(ordered),
+        "parts": part + 1,
+    }
+
+
+class _WriteShardFn(beam.DoFn):
+    """(shard, records) -> part files and the shard index (`write_shard`); yields the
+    shard's counts."""
 
     def __init__(self, partition_dir: str, max_part_bytes: int):
         self._partition_dir = partition_dir
@@ -95,44 +140,7 @@ class _WriteShardFn(beam.DoFn):
 
     def process(self, shard_records: tuple[int, Iterable[tuple[str, bytes]]]):
         shard, records = shard_records
-        # Sorting by (user, bytes) makes the files identical across runs.
-        ordered = sorted(records)
-        index_lines, part, part_bytes, writer, temporaries = [], 0, 0, None, []
-        position = 0
-        while position < len(ordered):
-            user_id = ordered[position][0]
-            end = position
-            while end < len(ordered) and ordered[end][0] == user_id:
-                end += 1
-            frames = b"".join(tfrecord_frame(r) for _, r in ordered[position:end])
-            if writer is None or (part_bytes and part_bytes + len(frames) > self._max_part_bytes):
-                if writer is not None:
-                    writer.close()
-                    part += 1
-                final = os.path.join(self._partition_dir, _part_name(shard, part))
-                temporaries.append((final + ".tmp", final))
-                writer, part_bytes = tf.io.gfile.GFile(final + ".tmp", "wb"), 0
-            writer.write(frames)
-            index_lines.append(
-                json.dumps(
-                    [user_id, _part_name(shard, part), part_bytes, len(frames), end - position]
-                )
-            )
-            part_bytes += len(frames)
-            position = end
-        writer.close()
-        index_temporary = _index_path(self._partition_dir, shard) + ".tmp"
-        with tf.io.gfile.GFile(index_temporary, "w") as f:
-            f.write("\n".join(index_lines) + "\n")
-        temporaries.append((index_temporary, _index_path(self._partition_dir, shard)))
-        for temporary, final in temporaries:
-            tf.io.gfile.rename(temporary, final, overwrite=True)
-        yield {
-            "shard": shard,
-            "users": len(index_lines),
-            "records": len(ordered),
-            "parts": part + 1,
-        }
+        yield write_shard(self._partition_dir, shard, records, self._max_part_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +169,8 @@ class ScheduleSpec:
         )
 
 
-def _manifest(shard_counts: list[dict], num_shards: int, max_part_bytes: int) -> dict:
+def build_manifest(shard_counts: list[dict], num_shards: int, max_part_bytes: int) -> dict:
+    """manifest.json's content from every written shard's counts (`write_shard`)."""
     by_shard = {c["shard"]: c for c in shard_counts}
     return {
         "num_shards": num_shards,
@@ -217,7 +226,7 @@ class PartitionByUser(beam.PTransform):
             | "GroupByShard" >> beam.GroupByKey()
             | "WriteShards" >> beam.ParDo(_WriteShardFn(partition_dir, self._max_part_bytes))
             | "ShardCounts" >> beam.combiners.ToList()
-            | "Manifest" >> beam.Map(_manifest, num_shards, self._max_part_bytes)
+            | "Manifest" >> beam.Map(build_manifest, num_shards, self._max_part_bytes)
         )
         _ = manifest | "WriteManifest" >> records_io.WriteJson(
             os.path.join(partition_dir, MANIFEST_FILE)

@@ -62,9 +62,8 @@ def _plain_partition(records: list[bytes], out_dir: str) -> None:
     for serialized in records:
         user_id = schema.parse(serialized).user_id
         by_shard[partition.shard_of_user(user_id, _NUM_SHARDS)].append((user_id, serialized))
-    write_shard = partition._WriteShardFn(out_dir, 64 << 20)
     for shard, items in by_shard.items():
-        list(write_shard.process((shard, items)))
+        partition.write_shard(out_dir, shard, items, 64 << 20)
 
 
 def _grouped(pairs) -> dict:

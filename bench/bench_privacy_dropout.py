@@ -51,7 +51,7 @@ def run(out_dir: str, quick: bool) -> dict:
         "data": {
             "identities": sizes["identities"],
             "images_per_identity": sizes["images"],
-            "held_out_fraction": bench_training._HELD_OUT_FRACTION,
+            "held_out_fraction": bench_training.HELD_OUT_FRACTION,
         },
         "schedule": {
             "users_per_virtual_client": base.users_per_virtual_client,

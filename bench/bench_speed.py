@@ -91,10 +91,12 @@ def _write_partition(directory: str, users: int, images_per_user: int, bank: lis
             serialized = schema.serialize(schema.CanonicalRecord(user_id, identity, image))
             by_shard[partition.shard_of_user(user_id, _NUM_SHARDS)].append((user_id, serialized))
     os.makedirs(os.path.join(directory, partition.INDEX_DIR))
-    write_shard = partition._WriteShardFn(directory, _MAX_PART_BYTES)
-    counts = [c for shard, items in by_shard.items() for c in write_shard.process((shard, items))]
+    counts = [
+        partition.write_shard(directory, shard, items, _MAX_PART_BYTES)
+        for shard, items in by_shard.items()
+    ]
     with open(os.path.join(directory, partition.MANIFEST_FILE), "w") as f:
-        json.dump(partition._manifest(counts, _NUM_SHARDS, _MAX_PART_BYTES), f)
+        json.dump(partition.build_manifest(counts, _NUM_SHARDS, _MAX_PART_BYTES), f)
 
 
 def _image_bank(identities: int, images_per_identity: int) -> list[bytes]:

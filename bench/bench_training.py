@@ -60,7 +60,7 @@ QUICK = {
     "noise": (1.0, 2.0),
     "noiseless_rounds": 2,
 }
-_HELD_OUT_FRACTION = 0.2
+HELD_OUT_FRACTION = 0.2
 _RANDOM_HEAD = f"{job_config.DP_FEDEMB} random head"
 _SOFTMAX = "softmax loss"
 _NOISELESS = f"{job_config.DP_FEDEMB} z=0 every layer"
@@ -100,7 +100,7 @@ def centralized_config(sizes: Mapping, epochs: int) -> job_config.TrainJobConfig
 def _write_data(root: str, identities: int, images: int) -> tuple[str, str]:
     """Private photo users: (training partition, held-out records) under ROOT."""
     config = synthetic.SyntheticConfig(identities=identities, images_per_identity=images, seed=0)
-    train_identities = int(identities * (1 - _HELD_OUT_FRACTION))
+    train_identities = int(identities * (1 - HELD_OUT_FRACTION))
     return partition.write_training_inputs(
         root,
         synthetic.records_for_identities(config, 0, train_identities),
@@ -196,7 +196,7 @@ def run(out_dir: str, quick: bool) -> dict:
         "data": {
             "identities": sizes["identities"],
             "images_per_identity": sizes["images"],
-            "held_out_fraction": _HELD_OUT_FRACTION,
+            "held_out_fraction": HELD_OUT_FRACTION,
             "public": {
                 "identities": sizes["public_identities"],
                 "images_per_identity": sizes["public_images"],
