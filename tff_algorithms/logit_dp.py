@@ -67,25 +67,27 @@ so |K_i| ≤ 2p_in·B:
     C_rem(n, s, B) = [2(n−1)t/(1 + (n−1)t) + 2(n−1)t/(t + n − 1)]·B.
 
 At s = 1 C_rem is the bound issue 26 states, 2(1 − 1/(1+(n−1)e²))B + 2(n−1)e²/(e²+n−1)B:
-3.523·B, 5.021·B, 6.181·B at n = 2, 3, 4 (4e²/(1+e²)·B at n = 2). The issue's bound is the
-*removal* bound, and it is tight: the worst-case search of tests/test_logit_dp.py (linear
-model, real clipped pair gradients) reaches 3.52·B, 4.98·B, 6.17·B at n = 2, 3, 4 when a
-pair is removed. Under substitute-one it is exceeded: the same search reaches 4.20·B at
-n = 2 and 5.60·B at n = 3 when one pair is replaced (4.52·B and 5.73·B with 4-dimensional
-embeddings offline). The strict substitute-one bound adds one more row term,
-C_sub = C_rem + 2(n−1)t/(1+(n−1)t)·B < 2·C_rem: 5.285·B, 6.894·B, 8.095·B at n = 2, 3, 4
-with s = 1. The search stays 15-30% below C_sub (5.75·B at n = 4); whether a deeper model
-can close that gap, or a tighter substitute-one bound exists, is open. The paper's Eq. 6,
+3.523·B, 5.021·B, 6.181·B at n = 2, 3, 4 (4e²/(1+e²)·B at n = 2). It is the *removal*
+bound. Under substitute-one it is exceeded, so noise here uses C_sub = C_rem +
+2(n−1)t/(1+(n−1)t)·B < 2·C_rem: 5.285·B, 6.894·B, 8.095·B at n = 2, 3, 4 with s = 1.
+Both bounds are tight: the worst-case search of tests/test_logit_dp.py (linear model, real
+clipped pair gradients, in numpy) reaches 3.523, 5.021, 6.180, 9.149·B on removal and
+5.267, 6.874, 8.071, 11.076·B on replacement at n = 2, 3, 4, 8 (C_rem 9.151·B, C_sub
+11.113·B at n = 8), i.e. within 0.4% of them. The equality case: logits at ±s (row n's
+positive at −s, its negatives at +s; rows i < n at +s on column n, −s elsewhere), every
+pair gradient clipped, and all clipped pair gradients aligned (inputs sharing a direction
+in the null space of the weights make that possible). The paper's Eq. 6,
 2(1 + (n−2)e²/(e²+n−1))·B (2·B at n = 2), is below both; it is kept only as the labelled
 comparison `paper_eq6_sensitivity` and never used for noise.
 
 Both bounds increase in n and in s. Their limits as n → ∞ bound every batch size:
 C_rem → 2(1 + e^{2s})·B (≈ 16.78·B at s = 1) and C_sub → (4 + 2e^{2s})·B (≈ 18.78·B);
 `n_free_sensitivity` returns them, for variable batch sizes. Once e^{2s} ≫ n the bound is
-≈ (2n + 2)·B: a large logit scale brings the n-dependence back, and a configuration with
-C ≥ n·B is refused (`check_logit_dp_config`), since the clipped sum's norm is at most
-Σ_i 2(1 − p_ii)·B < 2n·B and such noise swamps it whatever σ (the point of the method is a
-C that does not grow with n).
+≈ (2n + 2)·B (substitute-one; 2n·B for removal): a large logit scale brings back the linear
+growth in n of per-example clipping, which is what the method exists to avoid, while the
+clipped sum itself is at most Σ_i 2(1 − p_ii)·B < 2n·B. A configuration with C ≥ n·B is
+therefore refused (`check_logit_dp_config`, one line naming a scale or batch size that
+works). At s = 1 that refuses n ≤ 13 (substitute-one) and n ≤ 10 (removal).
 
 Noise and accounting
 --------------------
@@ -392,13 +394,18 @@ def check_logit_dp_config(
     c = logit_dp_sensitivity(n, scale, clip_norm, rel)
     if c >= n * clip_norm:
         s_max = _max_working_scale(n, rel)
-        scale_hint = (
-            f"a logit scale below {s_max:.3g}" if s_max is not None else "no logit scale does"
-        )
+        n_min = _min_working_batch(scale, rel)
+        fixes = []
+        if s_max is not None and s_max >= 1e-3:
+            # Rounded down, so that the scale named does work.
+            fixes.append(f"a logit scale below {math.floor(s_max * 1e3) / 1e3:g} at batch size {n}")
+        if n_min <= MAX_BATCH_SIZE:
+            fixes.append(f"a batch size of at least {n_min} at scale {scale:g}")
         raise ValueError(
-            f"Logit-DP sensitivity {c / clip_norm:.3g}·B >= n·B = {n}·B at batch size {n}, "
-            f"scale {scale:g}: the bound gains nothing; use {scale_hint} at this batch size, "
-            f"or a batch size of at least {_min_working_batch(scale, rel)} at this scale."
+            f"Logit-DP sensitivity {c / clip_norm:.3g}·B >= n·B = {n}·B (batch size {n}, "
+            f"scale {scale:g}): the bound gains nothing over per-example clipping; use "
+            + (" or ".join(fixes) if fixes else "a smaller scale and a larger batch")
+            + "."
         )
     return c
 
