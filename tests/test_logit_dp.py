@@ -104,6 +104,21 @@ def test_per_pair_norms_from_the_gram_matrix_equal_the_jacobian_norms():
     np.testing.assert_allclose(got, expected, rtol=1e-9)
 
 
+def test_per_pair_norms_match_the_module_logits_for_tiny_embeddings():
+    # |f(x)|² below l2_normalize's epsilon: the norms must follow the logits actually used.
+    embed, variables = _mlp(6)
+    variables[2].assign(variables[2] * 1e-8)
+    x, y = _batch(6, 4)
+    with tf.GradientTape(persistent=True) as tape:
+        logits = logit_dp.cosine_logits(embed(x), embed(y), 2.0)
+    jac = tape.jacobian(logits, variables, experimental_use_pfor=False)
+    expected = np.linalg.norm(
+        np.concatenate([tf.reshape(j, [4, 4, -1]).numpy() for j in jac], axis=2), axis=2
+    )
+    got = logit_dp.per_pair_gradient_norms(embed, variables, x, y, scale=2.0).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-9)
+
+
 @pytest.mark.parametrize("dtype,rtol", [(tf.float64, 1e-9), (tf.float32, 2e-4)])
 def test_lambda_route_equals_explicit_clipping(dtype, rtol):
     embed, variables = _mlp(2, dtype=dtype)

@@ -24,10 +24,12 @@ Two routes compute (*), equal up to float rounding (tests/test_logit_dp.py):
   |∇_θ S_ij|, computed exactly by `per_pair_gradient_norms` without materialising the n²
   gradients: with a_i = f(x_i), b_j = f(y_j) ∈ R^d, ∇_θ S_ij = J_{a_i}ᵀu_ij + J_{b_j}ᵀv_ij,
   where J are the d×P jacobians of one embedding and u_ij = ∂S_ij/∂a_i,
-  v_ij = ∂S_ij/∂b_j are closed-form d-vectors. So |∇_θ S_ij|² = u ᵀG_{a_i a_i}u +
+  v_ij = ∂S_ij/∂b_j are d-vectors (from the d×d jacobian of the logits' own normalisation
+  of each embedding, so they match the logits exactly, epsilon included). So |∇_θ S_ij|² = u ᵀG_{a_i a_i}u +
   vᵀG_{b_j b_j}v + 2uᵀG_{a_i b_j}v with the Gram matrix G = J Jᵀ of the 2n·d embedding
   outputs. Cost: 2n·d reverse passes (vectorised) and 2n·d·P memory for J, (2n·d)²·P
-  flops for G, O(n²d²) for the norms, plus one ordinary reverse pass for the gradient.
+  flops for G, O(n²d²) for the norms, plus one reverse pass for the gradient (one forward
+  pass serves both).
   Cheaper than the explicit route when 2d < n; for large models a per-layer ghost norm
   would be needed (not done here).
 
@@ -124,11 +126,15 @@ _RELATIONS = (NeighboringRelation.REPLACE_ONE, NeighboringRelation.ADD_OR_REMOVE
 # Loss.
 
 
+def _normalize(v: tf.Tensor) -> tf.Tensor:
+    # The one normalisation of the logits; the per-pair norms differentiate this very
+    # function, so their exactness (and with it the clipping) does not rest on a formula.
+    return tf.math.l2_normalize(v, axis=1)
+
+
 def cosine_logits(a: tf.Tensor, b: tf.Tensor, scale: float) -> tf.Tensor:
     """S_ij = scale · cos(a_i, b_j) for embeddings a, b of shape [n, d]."""
-    a_hat = tf.math.l2_normalize(a, axis=1)
-    b_hat = tf.math.l2_normalize(b, axis=1)
-    return tf.constant(scale, a.dtype) * tf.matmul(a_hat, b_hat, transpose_b=True)
+    return tf.constant(scale, a.dtype) * tf.matmul(_normalize(a), _normalize(b), transpose_b=True)
 
 
 def contrastive_loss(logits: tf.Tensor) -> tf.Tensor:
@@ -166,6 +172,46 @@ def _clip_factors(norms: tf.Tensor, clip_norm: float) -> tf.Tensor:
     )
 
 
+def _pair_norms(
+    tape: tf.GradientTape,
+    a: tf.Tensor,
+    b: tf.Tensor,
+    embeddings: tf.Tensor,
+    variables: list[tf.Variable],
+    scale: float,
+) -> tf.Tensor:
+    """|∇_θ S_ij| from the jacobian of `embeddings` = concat(a, b), recorded on `tape`."""
+    jac = tape.jacobian(embeddings, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    n, d = a.shape[0], a.shape[1]
+    rows = 2 * n * d
+    gram = tf.zeros([rows, rows], dtype=a.dtype)
+    for j in jac:
+        flat = tf.reshape(tf.cast(j, a.dtype), [rows, -1])
+        gram += tf.matmul(flat, flat, transpose_b=True)
+    gram = tf.reshape(gram, [2 * n, d, 2 * n, d])
+    g_aa = tf.stack([gram[i, :, i, :] for i in range(n)])  # [n, d, d]
+    g_bb = tf.stack([gram[n + j, :, n + j, :] for j in range(n)])  # [n, d, d]
+    g_ab = tf.transpose(gram[:n, :, n:, :], [0, 2, 1, 3])  # [n(i), n(j), d, d]
+
+    # u_ij = ∂S_ij/∂a_i = s·N(a_i)ᵀ b̂_j and v_ij = ∂S_ij/∂b_j = s·N(b_j)ᵀ â_i, N the d×d
+    # jacobian of the normalisation of one embedding (n of them: O(n·d²)).
+    a, b = tf.stop_gradient(a), tf.stop_gradient(b)
+    with tf.GradientTape(persistent=True) as norm_tape:
+        norm_tape.watch([a, b])
+        a_hat, b_hat = _normalize(a), _normalize(b)
+    n_a = norm_tape.batch_jacobian(a_hat, a)  # [n, d(out), d(in)]
+    n_b = norm_tape.batch_jacobian(b_hat, b)
+    s = tf.constant(scale, a.dtype)
+    u = s * tf.einsum("jk,ikl->ijl", b_hat, n_a)
+    v = s * tf.einsum("ik,jkl->ijl", a_hat, n_b)
+    sq = (
+        tf.einsum("ijd,ide,ije->ij", u, g_aa, u)
+        + tf.einsum("ijd,jde,ije->ij", v, g_bb, v)
+        + 2.0 * tf.einsum("ijd,ijde,ije->ij", u, g_ab, v)
+    )
+    return tf.sqrt(tf.maximum(sq, tf.zeros_like(sq)))  # rounding can make tiny norms < 0
+
+
 def per_pair_gradient_norms(
     embed_fn: EmbedFn,
     variables: Sequence[tf.Variable],
@@ -179,37 +225,11 @@ def per_pair_gradient_norms(
     Cost: a jacobian of the 2n·d embedding outputs (2n·d reverse passes, vectorised;
     2n·d·P memory) and its Gram matrix ((2n·d)²·P flops), not the n² per-pair gradients.
     """
+    variables = list(variables)
     with tf.GradientTape() as tape:
         a, b = _embed(embed_fn, x, y)
-        e = tf.concat([a, b], axis=0)
-    jac = tape.jacobian(e, list(variables), unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    n, d = a.shape[0], a.shape[1]
-    rows = 2 * n * d
-    gram = tf.zeros([rows, rows], dtype=e.dtype)
-    for j in jac:
-        flat = tf.reshape(tf.cast(j, e.dtype), [rows, -1])
-        gram += tf.matmul(flat, flat, transpose_b=True)
-    gram = tf.reshape(gram, [2 * n, d, 2 * n, d])
-    g_aa = tf.stack([gram[i, :, i, :] for i in range(n)])  # [n, d, d]
-    g_bb = tf.stack([gram[n + j, :, n + j, :] for j in range(n)])  # [n, d, d]
-    g_ab = tf.transpose(gram[:n, :, n:, :], [0, 2, 1, 3])  # [n(i), n(j), d, d]
-
-    # Closed-form derivatives of S_ij = s·cos(a_i, b_j):
-    # u_ij = s(b̂_j − cos_ij â_i)/|a_i|, v_ij = s(â_i − cos_ij b̂_j)/|b_j|.
-    s = tf.constant(scale, e.dtype)
-    na = tf.norm(a, axis=1)
-    nb = tf.norm(b, axis=1)
-    a_hat = a / na[:, None]
-    b_hat = b / nb[:, None]
-    cos = tf.matmul(a_hat, b_hat, transpose_b=True)
-    u = s * (b_hat[None, :, :] - cos[:, :, None] * a_hat[:, None, :]) / na[:, None, None]
-    v = s * (a_hat[:, None, :] - cos[:, :, None] * b_hat[None, :, :]) / nb[None, :, None]
-    sq = (
-        tf.einsum("ijd,ide,ije->ij", u, g_aa, u)
-        + tf.einsum("ijd,jde,ije->ij", v, g_bb, v)
-        + 2.0 * tf.einsum("ijd,ijde,ije->ij", u, g_ab, v)
-    )
-    return tf.sqrt(tf.maximum(sq, tf.zeros_like(sq)))  # rounding can make tiny norms < 0
+        embeddings = tf.concat([a, b], axis=0)
+    return _pair_norms(tape, a, b, embeddings, variables, scale)
 
 
 def clipped_gradient_explicit(
@@ -263,16 +283,19 @@ def clipped_gradient_lambda(
     """
     _check_clip_norm(clip_norm)
     variables = list(variables)
-    norms = per_pair_gradient_norms(embed_fn, variables, x, y, scale=scale)
-    with tf.GradientTape() as tape:
+    # One forward pass serves the norms' jacobian and the weighted backward pass.
+    with tf.GradientTape(persistent=True) as tape:
         a, b = _embed(embed_fn, x, y)
+        embeddings = tf.concat([a, b], axis=0)
         logits = cosine_logits(a, b, scale)
+    norms = _pair_norms(tape, a, b, embeddings, variables, scale)
+    with tape:
         # λ is a constant of the backward pass: only ∇_θ S_ij flows, weighted by λ_ij.
-        lam = tf.stop_gradient(
-            logit_weights(logits) * _clip_factors(tf.cast(norms, logits.dtype), clip_norm)
-        )
+        lam = tf.stop_gradient(logit_weights(logits) * _clip_factors(norms, clip_norm))
         surrogate = tf.reduce_sum(lam * logits)
-    return tape.gradient(surrogate, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    grads = tape.gradient(surrogate, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    del tape
+    return grads
 
 
 # ---------------------------------------------------------------------------------------
