@@ -25,13 +25,13 @@ Two routes compute (*), equal up to float rounding (tests/test_logit_dp.py):
   gradients: with a_i = f(x_i), b_j = f(y_j) ∈ R^d, ∇_θ S_ij = J_{a_i}ᵀu_ij + J_{b_j}ᵀv_ij,
   where J are the d×P jacobians of one embedding and u_ij = ∂S_ij/∂a_i,
   v_ij = ∂S_ij/∂b_j are d-vectors (from the d×d jacobian of the logits' own normalisation
-  of each embedding, so they match the logits exactly, epsilon included). So |∇_θ S_ij|² = u ᵀG_{a_i a_i}u +
-  vᵀG_{b_j b_j}v + 2uᵀG_{a_i b_j}v with the Gram matrix G = J Jᵀ of the 2n·d embedding
-  outputs. Cost: 2n·d reverse passes (vectorised) and 2n·d·P memory for J, (2n·d)²·P
-  flops for G, O(n²d²) for the norms, plus one reverse pass for the gradient (one forward
-  pass serves both).
-  Cheaper than the explicit route when 2d < n; for large models a per-layer ghost norm
-  would be needed (not done here).
+  of each embedding, so they match the logits exactly, epsilon included). So
+  |∇_θ S_ij|² = uᵀG_{a_i a_i}u + vᵀG_{b_j b_j}v + 2uᵀG_{a_i b_j}v with the Gram matrix
+  G = J Jᵀ of the 2n·d embedding outputs. Cost: 2n·d reverse passes (vectorised) and
+  2n·d·P memory for J, (2n·d)²·P flops for G, O(n²d²) for the norms, plus one reverse pass
+  for the gradient (one forward pass serves both). Cheaper than the explicit route when
+  2d < n; for large models a per-layer ghost norm would be needed (not done here). Norms
+  are computed in the embeddings' dtype (float32 models: relative error ~1e-6).
 
 Both routes require that an embedding depend only on its own input (no batch norm or other
 cross-example coupling): the proof below needs c_ij to depend on (x_i, y_j) and θ only.
