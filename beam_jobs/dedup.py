@@ -202,9 +202,9 @@ class FindDuplicates(beam.PTransform):
             | "AllEntries" >> beam.Flatten()
             | "ByBucket" >> beam.GroupByKey()
             | "Join"
-            >> beam.FlatMap(batches.join_bucket, config.hamming_threshold).with_outputs(
-                batches.SHARED_IDS, batches.EXACT_PAIRS, main="close"
-            )
+            >> beam.FlatMap(
+                batches.join_bucket, config.hamming_threshold, config.references_verified
+            ).with_outputs(batches.SHARED_IDS, batches.EXACT_PAIRS, main="close")
         )
         overlap_check = (
             joined[batches.SHARED_IDS]

@@ -205,10 +205,26 @@ def _exact_pairs(sha_entries: dict) -> list[tuple[str, dict]]:
     ]
 
 
-def join_bucket(joined: tuple[Any, Any], threshold: int) -> Iterator[Any]:
+def _closest_first(pairs: np.ndarray, candidate: np.ndarray, k: int) -> np.ndarray:
+    """`pairs` reduced to each candidate's k closest references (by hash distance, then
+    reference id, each pair at its smallest distance and then smallest shift), sorted by
+    candidate; `candidate` [P] tells one candidate image from another."""
+    if not len(pairs):
+        return pairs
+    # Of equal (candidate, reference, distance), the smallest shift: the order below.
+    shift = (pairs["offset"][:, 0] + 8) * 16 + pairs["offset"][:, 1] + 8
+    order = np.lexsort((shift, pairs["distance"], pairs["reference_id"], candidate))
+    pairs, candidate = pairs[order], candidate[order]
+    return pairs[nd.closest(candidate, pairs["reference_id"], pairs["distance"], k)]
+
+
+def join_bucket(joined: tuple[Any, Any], threshold: int, k: int) -> Iterator[Any]:
     """One bucket's ids on both sides (tagged SHARED_IDS), exact pairs (EXACT_PAIRS) and,
     per candidate batch, the pairs whose hashes share a band and differ in <= threshold
-    bits: (candidate batch key, (reference batch keys, arrays))."""
+    bits, only each candidate's k closest of this bucket: (candidate batch key, (reference
+    batch keys, arrays)). A pair among a candidate's k closest overall is among its k
+    closest in the bucket that holds its smallest distance, so `closest_references`
+    still finds every one."""
     _, entries = joined
     bands = {CANDIDATE: [], REFERENCE: []}
     sha = {CANDIDATE: [], REFERENCE: []}
@@ -232,6 +248,7 @@ def join_bucket(joined: tuple[Any, Any], threshold: int) -> Iterator[Any]:
     left, right, distance = left[close], right[close], distance[close]
     Metrics.counter(METRICS_NAMESPACE, "close_hash_pairs").inc(int(close.sum()))
     pairs = _table(
+        batch=c_batch[left],
         row=c["row"][left],
         reference_batch=r_batch[right],
         reference_row=r["row"][right],
@@ -240,37 +257,35 @@ def join_bucket(joined: tuple[Any, Any], threshold: int) -> Iterator[Any]:
         # The shift of the reference relative to the candidate at which the hashes met.
         offset=r["offset"][right].astype(np.int32) - c["offset"][left],
     )
-    for batch, part in _split_by(pairs, c_batch[left]).items():
+    candidate = (pairs["batch"].astype(np.int64) << 32) | pairs["row"].astype(np.int64)
+    pairs = _closest_first(pairs, candidate, k)
+    for batch, part in _split_by(pairs, pairs["batch"]).items():
         yield candidate_keys[batch], (reference_keys, part)
 
 
 def closest_references(grouped: tuple[Any, Any], k: int) -> Iterator[Any]:
-    """Each candidate's k closest references (by hash distance, then shift, then id),
+    """Each candidate's k closest references (by hash distance, then reference id),
     requested from their batches: (reference batch key, (candidate batch key, arrays))."""
     candidate_key, parts = grouped
     parts = list(parts)
     reference_keys = sorted({key for keys, _ in parts for key in keys})
     index = {key: i for i, key in enumerate(reference_keys)}
     merged = np.concatenate([table for _, table in parts])
-    reference_batch = np.concatenate(
+    # Each part numbers its reference batches by its own key list: renumber by the union.
+    merged["reference_batch"] = np.concatenate(
         [
-            np.array([index[k] for k in keys], dtype=np.int32)[t["reference_batch"]]
+            np.array([index[key] for key in keys], dtype=np.int32)[t["reference_batch"]]
             for keys, t in parts
         ]
     )
-    # Of equal (candidate, reference, distance), the smallest shift: the order below.
-    shift = (merged["offset"][:, 0] + 8) * 16 + merged["offset"][:, 1] + 8
-    order = np.lexsort((shift, merged["distance"], merged["reference_id"], merged["row"]))
-    merged, reference_batch = merged[order], reference_batch[order]
-    kept = nd.closest(merged["row"], merged["reference_id"], merged["distance"], k)
-    merged, reference_batch = merged[kept], reference_batch[kept]
+    merged = _closest_first(merged, merged["row"].astype(np.int64), k)
     requested = _table(
         row=merged["row"],
         reference_row=merged["reference_row"],
         distance=merged["distance"],
         offset=merged["offset"],
     )
-    for batch, part in _split_by(requested, reference_batch).items():
+    for batch, part in _split_by(requested, merged["reference_batch"]).items():
         yield reference_keys[batch], (candidate_key, part)
 
 

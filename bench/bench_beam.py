@@ -101,7 +101,9 @@ def _plain_dedup(split_dir: str, out_dir: str) -> int:
     )
     close, removed = [], collections.defaultdict(list)
     for joined in entries.items():
-        for out in batches.join_bucket(joined, config.hamming_threshold):
+        for out in batches.join_bucket(
+            joined, config.hamming_threshold, config.references_verified
+        ):
             if not isinstance(out, pvalue.TaggedOutput):
                 close.append(out)
             elif out.tag == batches.EXACT_PAIRS:
