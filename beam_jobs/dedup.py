@@ -74,8 +74,8 @@ class DedupConfig:
             raise ValueError(
                 f"hamming threshold must be in [0, {nd.HASH_BITS}), got {self.hamming_threshold}"
             )
-        if self.num_bands < 1 or not 1 <= self.bits_per_band <= nd.HASH_BITS:
-            raise ValueError(f"need >= 1 band of 1..{nd.HASH_BITS} bits")
+        if not 1 <= self.num_bands <= nd.MAX_BANDS or not 1 <= self.bits_per_band <= nd.HASH_BITS:
+            raise ValueError(f"need 1..{nd.MAX_BANDS} bands of 1..{nd.HASH_BITS} bits")
         if not 0 <= self.max_shift <= 4:
             raise ValueError(f"max shift must be in [0, 4] thumbnail pixels, got {self.max_shift}")
         if not 0 <= self.flipped_bits <= nd.HASH_BITS:
@@ -156,34 +156,43 @@ def _closest(pairs: list[dict]) -> dict:
     )
 
 
+def _probed_side(candidates: int, references: int) -> str:
+    # The smaller side is hashed at every shift: a shift is found from either side.
+    return _CANDIDATE if candidates < references else _REFERENCE
+
+
 class FindDuplicates(beam.PTransform):
     """{"candidates", "reference"} Fingerprints -> {"removed": (record id, pair) for each
     candidate image equal or near a reference; "sizes": number of images per side}.
-    Steps in beam_jobs/dedup_batches.py."""
+    Steps in beam_jobs/dedup_batches.py.
 
-    def __init__(self, config: DedupConfig, name: str):
+    `sizes`: the number of images per side when the caller knows it (`run_dedup` counts
+    the record files): "sizes" is then that dict, and the job spends no stages counting.
+    """
+
+    def __init__(self, config: DedupConfig, name: str, sizes: dict[str, int] | None = None):
         super().__init__()
         self._config = config
         self._name = name
+        self._sizes = sizes
 
     def expand(self, inputs):
         config = self._config
         sides = {_CANDIDATE: inputs["candidates"], _REFERENCE: inputs["reference"]}
-        sizes = {
-            side: fps
-            | f"Sizes{side}" >> beam.Map(len)
-            | f"Count{side}" >> beam.CombineGlobally(sum)
-            for side, fps in sides.items()
-        }
-        # The smaller side is hashed at every shift: a shift is found from either side.
-        probed_side = beam.pvalue.AsSingleton(
-            sizes[_CANDIDATE]
-            | "ProbedSide"
-            >> beam.Map(
-                lambda n, m: _CANDIDATE if n < m else _REFERENCE,
-                beam.pvalue.AsSingleton(sizes[_REFERENCE]),
+        if self._sizes is not None:
+            sizes = self._sizes
+            probed_side = _probed_side(sizes[_CANDIDATE], sizes[_REFERENCE])
+        else:
+            sizes = {
+                side: fps
+                | f"Sizes{side}" >> beam.Map(len)
+                | f"Count{side}" >> beam.CombineGlobally(sum)
+                for side, fps in sides.items()
+            }
+            probed_side = beam.pvalue.AsSingleton(
+                sizes[_CANDIDATE]
+                | "ProbedSide" >> beam.Map(_probed_side, beam.pvalue.AsSingleton(sizes[_REFERENCE]))
             )
-        )
         bands = nd.band_bits(config.num_bands, config.bits_per_band)
         joined = (
             [
@@ -281,11 +290,18 @@ def _report(
 class Deduplicate(beam.PTransform):
     """{"candidates", "reference": Fingerprints, "records": the candidates' batches of
     (record ids, records) from Fingerprint} -> {"kept", "removed", "report"}, as
-    RemoveNearDuplicates."""
+    RemoveNearDuplicates; `sizes` as FindDuplicates."""
 
-    def __init__(self, config: DedupConfig, name: str, splits_compared: tuple[str, str]):
+    def __init__(
+        self,
+        config: DedupConfig,
+        name: str,
+        splits_compared: tuple[str, str],
+        sizes: dict[str, int] | None = None,
+    ):
         super().__init__()
         self._config = config
+        self._sizes = sizes
         self._names = {
             "name": name,
             "candidate_split": splits_compared[0] or "candidate",
@@ -297,16 +313,22 @@ class Deduplicate(beam.PTransform):
         found = {
             "candidates": inputs["candidates"],
             "reference": inputs["reference"],
-        } | "FindDuplicates" >> FindDuplicates(config, names["name"])
+        } | "FindDuplicates" >> FindDuplicates(config, names["name"], self._sizes)
         removed_ids = found["removed"] | "RemovedIds" >> beam.combiners.ToDict()
         kept = inputs["records"] | "Kept" >> beam.FlatMap(
             batches.kept_records, beam.pvalue.AsSingleton(removed_ids)
         ).with_output_types(bytes)
-        report = found["sizes"][_CANDIDATE] | "Report" >> beam.Map(
-            lambda n, m, removed: _report(n, m, list(removed.values()), config, names),
-            beam.pvalue.AsSingleton(found["sizes"][_REFERENCE]),
-            beam.pvalue.AsSingleton(removed_ids),
-        )
+        if self._sizes is not None:
+            n, m = self._sizes[_CANDIDATE], self._sizes[_REFERENCE]
+            report = removed_ids | "Report" >> beam.Map(
+                lambda removed: _report(n, m, list(removed.values()), config, names)
+            )
+        else:
+            report = found["sizes"][_CANDIDATE] | "Report" >> beam.Map(
+                lambda n, m, removed: _report(n, m, list(removed.values()), config, names),
+                beam.pvalue.AsSingleton(found["sizes"][_REFERENCE]),
+                beam.pvalue.AsSingleton(removed_ids),
+            )
         removed = found["removed"] | "Pairs" >> beam.Values()
         return {"kept": kept, "removed": removed, "report": report}
 
@@ -355,6 +377,10 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
         if required not in present:
             raise ValueError(f"dedup needs a {required} split under {split_dir}")
     report_path = os.path.join(out_dir, REPORT_FILE)
+    # Counted before the job (a pass over the record framing): the probed side and the
+    # report's sizes are then constants, not stages of the job.
+    sizes = {s: records_io.count_records(os.path.join(split_dir, s)) for s in present}
+    evaluation_size = sum(sizes[s] for s in splits.EVALUATION_SPLITS)
     with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
         data = {
             s: pipeline | f"Read{s}" >> records_io.ReadRecords(os.path.join(split_dir, s))
@@ -369,10 +395,13 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
             "reference": evaluation,
             "records": prints[splits.TRAIN]["records"],
         } | "TrainVsEvaluation" >> Deduplicate(
-            config, "train_vs_evaluation", (splits.TRAIN, "/".join(splits.EVALUATION_SPLITS))
+            config,
+            "train_vs_evaluation",
+            (splits.TRAIN, "/".join(splits.EVALUATION_SPLITS)),
+            {_CANDIDATE: sizes[splits.TRAIN], _REFERENCE: evaluation_size},
         )
         reports = [train["report"]]
-        outputs = {splits.TRAIN: train["kept"], **{s: data[s] for s in splits.EVALUATION_SPLITS}}
+        outputs = {splits.TRAIN: train["kept"]}
         if splits.PUBLIC in present:
             private = (splits.TRAIN, *splits.EVALUATION_SPLITS)
             public = {
@@ -380,7 +409,13 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
                 "reference": [fps[s] for s in private] | "Private" >> beam.Flatten(),
                 "records": prints[splits.PUBLIC]["records"],
             } | "PublicVsPrivate" >> Deduplicate(
-                config, "public_vs_private", (splits.PUBLIC, "/".join(private))
+                config,
+                "public_vs_private",
+                (splits.PUBLIC, "/".join(private)),
+                {
+                    _CANDIDATE: sizes[splits.PUBLIC],
+                    _REFERENCE: evaluation_size + sizes[splits.TRAIN],
+                },
             )
             reports.append(public["report"])
             outputs[splits.PUBLIC] = public["kept"]
@@ -388,6 +423,7 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
             _ = records | f"Write{split_name}" >> records_io.WriteRecords(
                 os.path.join(out_dir, split_name)
             )
+        written = list(outputs)
         _ = (
             reports
             | "Reports" >> beam.Flatten()
@@ -399,7 +435,12 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
     refused = [section for _, section in sorted(report.items()) if not section["within_limit"]]
     if refused:
         # Nothing downstream may train on a dedup that stopped; the report stays.
-        for split_name in outputs:
+        for split_name in written:
             records_io.remove_records(os.path.join(out_dir, split_name))
         raise DedupRefused(max(refused, key=lambda s: s["removed_fraction"]), report_path)
+    # The evaluation splits lose nothing: copied as files, not through the job.
+    for split_name in splits.EVALUATION_SPLITS:
+        records_io.copy_records(
+            os.path.join(split_dir, split_name), os.path.join(out_dir, split_name)
+        )
     return report

@@ -242,23 +242,30 @@ def join_bucket(joined: tuple[Any, Any], threshold: int, k: int) -> Iterator[Any
         return
     candidate_keys, c, c_batch = _concatenated(bands[CANDIDATE])
     reference_keys, r, r_batch = _concatenated(bands[REFERENCE])
-    left, right = nd.join_keys(c["key"], r["key"])
-    distance = nd.hamming(c["hash"][left], r["hash"][right])
-    close = distance <= threshold
-    left, right, distance = left[close], right[close], distance[close]
-    Metrics.counter(METRICS_NAMESPACE, "close_hash_pairs").inc(int(close.sum()))
-    pairs = _table(
-        batch=c_batch[left],
-        row=c["row"][left],
-        reference_batch=r_batch[right],
-        reference_row=r["row"][right],
-        reference_id=r["id"][right],
-        distance=distance,
-        # The shift of the reference relative to the candidate at which the hashes met.
-        offset=r["offset"][right].astype(np.int32) - c["offset"][left],
-    )
-    candidate = (pairs["batch"].astype(np.int64) << 32) | pairs["row"].astype(np.int64)
-    pairs = _closest_first(pairs, candidate, k)
+    right_sorted = nd.sorted_keys(r["key"])
+    candidate = (c_batch.astype(np.int64) << 32) | c["row"].astype(np.int64)
+
+    def closest_pairs(rows: np.ndarray) -> np.ndarray:
+        left, right = nd.join_keys(c["key"][rows], *right_sorted)
+        left = rows[left]
+        distance = nd.hamming(c["hash"][left], r["hash"][right])
+        close = distance <= threshold
+        left, right, distance = left[close], right[close], distance[close]
+        pairs = _table(
+            batch=c_batch[left],
+            row=c["row"][left],
+            reference_batch=r_batch[right],
+            reference_row=r["row"][right],
+            reference_id=r["id"][right],
+            distance=distance,
+            # The shift of the reference relative to the candidate at which the hashes met.
+            offset=r["offset"][right].astype(np.int32) - c["offset"][left],
+        )
+        return _closest_first(pairs, candidate[left], k)
+
+    # Parts by candidate image: each part's k closest per candidate are final.
+    parts = [np.flatnonzero(candidate % nd.THREADS == i) for i in range(nd.THREADS)]
+    pairs = np.concatenate(nd.parallel_map(closest_pairs, parts))
     for batch, part in _split_by(pairs, pairs["batch"]).items():
         yield candidate_keys[batch], (reference_keys, part)
 

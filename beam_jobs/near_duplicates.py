@@ -34,6 +34,8 @@ real images; the thresholds were chosen on one half of them and checked on the o
 import concurrent.futures
 import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -56,12 +58,11 @@ _SCALE_RANGE = (0.85, 1.18)
 # copies all correlate >= 0.73, 86% of the default synthetic data's closest pairs < 0.7.
 GATE = 0.7
 _GRID = np.arange(THUMBNAIL, dtype=np.float32) - _CENTRE
-# Verification chunks run on this many threads: numpy releases the GIL in its array work,
-# so one process uses every core it may run on (a Beam worker runs one bundle at a time
-# under the DirectRunner this project defaults to).
-_THREADS = max(1, len(os.sched_getaffinity(0)))
-# Bits set in each byte value, for Hamming distances of uint64 hashes.
-_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+# Verification chunks and join parts run on this many threads: numpy releases the GIL in
+# its array work, so one process uses every core it may run on (the DirectRunner this
+# project defaults to runs one bundle at a time).
+THREADS = max(1, len(os.sched_getaffinity(0)))
+_MIN_PART = 128  # images: smaller parts cost more in threads than they save
 
 
 def thumbnail(pixels: np.ndarray) -> np.ndarray:
@@ -133,23 +134,39 @@ def _coefficients(thumbnails: np.ndarray, max_shift: int, probe: bool):
     return coefficients, median
 
 
+def _by_parts(function: Callable[[np.ndarray], np.ndarray], thumbnails: np.ndarray) -> np.ndarray:
+    """function(thumbnails), image by image independent, computed in parts on THREADS."""
+    if len(thumbnails) < 2 * _MIN_PART:
+        return function(thumbnails)
+    parts = np.array_split(thumbnails, min(THREADS, len(thumbnails) // _MIN_PART))
+    return np.concatenate(parallel_map(function, parts))
+
+
 def hashes(thumbnails: np.ndarray, max_shift: int, probe: bool) -> np.ndarray:
     """[N, probes] uint64 pHashes of the interior (a max_shift border off), at every offset
     up to max_shift when `probe`, else only at (0, 0) (probes = 1)."""
-    coefficients, median = _coefficients(thumbnails, max_shift, probe)
-    return _packed(coefficients > median)
+
+    def part_hashes(part: np.ndarray) -> np.ndarray:
+        coefficients, median = _coefficients(part, max_shift, probe)
+        return _packed(coefficients > median)
+
+    return _by_parts(part_hashes, thumbnails)
 
 
 def flipped_hashes(thumbnails: np.ndarray, max_shift: int, flips: int) -> np.ndarray:
     """[N, 1 + flips] uint64: the unshifted hash, then the hash with each of its `flips`
     least certain bits flipped (coefficients closest to the median): the bits a copy's
     hash most often differs in, so band keys of these variants find it more often."""
-    coefficients, median = _coefficients(thumbnails, max_shift, probe=False)
-    coefficients, median = coefficients[:, 0], median[:, 0]
-    base = _packed(coefficients > median)
-    weakest = np.argsort(np.abs(coefficients - median), axis=1, kind="stable")[:, :flips]
-    flipped = base[:, None] ^ (np.uint64(1) << weakest.astype(np.uint64))
-    return np.concatenate([base[:, None], flipped], axis=1)
+
+    def part_hashes(part: np.ndarray) -> np.ndarray:
+        coefficients, median = _coefficients(part, max_shift, probe=False)
+        coefficients, median = coefficients[:, 0], median[:, 0]
+        base = _packed(coefficients > median)
+        weakest = np.argsort(np.abs(coefficients - median), axis=1, kind="stable")[:, :flips]
+        flipped = base[:, None] ^ (np.uint64(1) << weakest.astype(np.uint64))
+        return np.concatenate([base[:, None], flipped], axis=1)
+
+    return _by_parts(part_hashes, thumbnails)
 
 
 def _packed(bits: np.ndarray) -> np.ndarray:
@@ -158,44 +175,56 @@ def _packed(bits: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(packed).view("<u8")[..., 0].astype(np.uint64)
 
 
-def _unpacked(hash_values: np.ndarray) -> np.ndarray:
-    """[...] uint64 -> [..., 64] uint8 bits (bit i of the hash at index i)."""
-    as_bytes = np.ascontiguousarray(hash_values, dtype="<u8")[..., None].view(np.uint8)
-    return np.unpackbits(as_bytes, axis=-1, bitorder="little")
-
-
 def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Bitwise distance of uint64 arrays (broadcast)."""
-    xor = np.ascontiguousarray(np.bitwise_xor(a, b), dtype=np.uint64)
-    return _POPCOUNT[xor.view(np.uint8)].reshape(*xor.shape, 8).sum(axis=-1, dtype=np.int32)
+    """Bitwise distance of uint64 arrays (broadcast): a population count in a few whole-
+    array operations (bit pairs, nibbles, bytes, then one multiply sums the bytes)."""
+    x = np.bitwise_xor(a, b).astype(np.uint64)
+    x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return ((x * np.uint64(0x0101010101010101)) >> np.uint64(56)).astype(np.int32)
 
 
 def band_bits(num_bands: int, bits_per_band: int) -> np.ndarray:
-    """[num_bands, bits_per_band] hash bit positions: fixed, so every worker agrees."""
+    """[num_bands] uint64 masks of hash bit positions, bits_per_band each: fixed, so every
+    worker agrees."""
     rng = np.random.default_rng(0)
-    return np.stack(
-        [np.sort(rng.choice(HASH_BITS, bits_per_band, replace=False)) for _ in range(num_bands)]
-    )
+    positions = [rng.choice(HASH_BITS, bits_per_band, replace=False) for _ in range(num_bands)]
+    return np.array([sum(1 << int(bit) for bit in band) for band in positions], dtype=np.uint64)
+
+
+MAX_BANDS = 256
+# Mixed into each band's key, so that equal bits in two bands make different keys.
+_BAND_SALTS = (
+    np.random.default_rng(1).integers(0, 2**63, size=MAX_BANDS, dtype=np.int64).astype(np.uint64)
+)
 
 
 def band_keys(hash_values: np.ndarray, bands: np.ndarray) -> np.ndarray:
-    """[..., num_bands] int64 join keys: the band's index above the band's bits."""
-    chosen = _unpacked(hash_values)[..., bands]  # [..., num_bands, bits_per_band]
-    packed = np.packbits(chosen, axis=-1, bitorder="little").astype(np.int64)
-    values = (packed << (8 * np.arange(packed.shape[-1], dtype=np.int64))).sum(axis=-1)
-    return values | (np.arange(len(bands), dtype=np.int64) << bands.shape[1])
+    """[..., num_bands] int64 join keys: the band's bits of the hash, salted by the band.
+    Two hashes agreeing on a band's bits share its key; any other coincidence (1 in 2^50)
+    only proposes a pair that the Hamming distance then turns away."""
+    keys = (hash_values[..., None] & bands) ^ _BAND_SALTS[: len(bands)]
+    return keys.view(np.int64)
 
 
-def join_keys(left_keys: np.ndarray, right_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(left positions, right positions) of every pair of equal keys (1-D int64 arrays)."""
-    order = np.argsort(right_keys, kind="stable")
-    sorted_keys = right_keys[order]
-    start = np.searchsorted(sorted_keys, left_keys, side="left")
-    count = np.searchsorted(sorted_keys, left_keys, side="right") - start
+def sorted_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(keys sorted, the order that sorts them): one side of `join_keys`, sorted once."""
+    order = np.argsort(keys, kind="stable")
+    return keys[order], order
+
+
+def join_keys(
+    left_keys: np.ndarray, right_sorted: np.ndarray, right_order: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(left positions, right positions) of every pair of equal keys (1-D int64 arrays;
+    the right side as `sorted_keys` gives it)."""
+    start = np.searchsorted(right_sorted, left_keys, side="left")
+    count = np.searchsorted(right_sorted, left_keys, side="right") - start
     left = np.repeat(np.arange(len(left_keys)), count)
     # Position within each left key's run of equal right keys.
     within = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
-    return left, order[np.repeat(start, count) + within]
+    return left, right_order[np.repeat(start, count) + within]
 
 
 def closest(
@@ -360,7 +389,14 @@ def _residual(x: np.ndarray, y: np.ndarray, valid: np.ndarray) -> tuple[np.ndarr
 
 @functools.cache
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="dedup-verify")
+    return concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="dedup")
+
+
+def parallel_map(function: Callable[[Any], Any], items: list) -> list:
+    """[function(item) for item in items], on THREADS threads when there are several."""
+    if len(items) < 2 or THREADS < 2:
+        return [function(item) for item in items]
+    return list(_pool().map(function, items))
 
 
 def verify(
@@ -386,7 +422,7 @@ def verify(
         )
 
     parts = [pairs[start : start + chunk] for start in range(0, len(pairs), chunk)]
-    results = list(_pool().map(verified, parts)) if len(parts) > 1 else list(map(verified, parts))
+    results = parallel_map(verified, parts)
     if not results:
         return tuple(np.zeros(0, dtype=np.float32) for _ in range(3))
     return tuple(np.concatenate(parts) for parts in zip(*results))

@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 
 import apache_beam as beam
+import numpy as np
 import tensorflow as tf
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
@@ -114,6 +115,19 @@ class WriteJson(beam.PTransform):
 def read_json(path: str) -> dict:
     with tf.io.gfile.GFile(path) as f:
         return json.load(f)
+
+
+def count_records(directory: str) -> int:
+    """Number of records in DIR/records-*.tfrecord (reads the framing, parses nothing)."""
+    files = tf.io.gfile.glob(records_pattern(directory))
+    return int(tf.data.TFRecordDataset(files).reduce(np.int64(0), lambda count, _: count + 1))
+
+
+def copy_records(source: str, target: str) -> None:
+    """Copies SOURCE/records-*.tfrecord into TARGET/, names kept."""
+    tf.io.gfile.makedirs(target)
+    for path in tf.io.gfile.glob(records_pattern(source)):
+        tf.io.gfile.copy(path, os.path.join(target, os.path.basename(path)), overwrite=True)
 
 
 def remove_records(directory: str) -> None:
