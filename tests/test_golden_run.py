@@ -5,12 +5,13 @@ The record was made with the code before `train_job.py` was split by concept (is
 25); a refactoring that preserves behaviour keeps this test passing. Compared:
 recall@FAR, epsilon, delta, the round history without wall-clock times, the client
 counts, and the exported SavedModel (each variable's shape, sum and sum of squares,
-and the serving embeddings of the held-out images). Floats are compared with an
-absolute tolerance of `TOLERANCE` (runs on one machine are bit for bit identical; the
-tolerance absorbs another CPU's summation order).
-
-To re-record after an intended change of behaviour:
-GOLDEN_UPDATE=1 .venv/bin/python -m pytest tests/test_golden_run.py
+and the serving embeddings of the held-out images). Floats are compared within an
+absolute or relative tolerance, whichever is larger (`Tolerance`): runs on one machine
+are bit for bit identical, and the tolerance absorbs another CPU's summation order. The
+federated run drifts little across CPUs (on the 2026-11-26 machine, at most 5e-7
+relative); the centralized oracle takes many more steps on one model and drifts more
+(variable sums 2e-4 relative, embedding components 2.3e-3 absolute), so its tolerance
+is wider: still far below what a change of the recipe, the loss or the data moves.
 """
 
 import dataclasses
@@ -26,7 +27,16 @@ from tests import support
 from tff_algorithms import export, job_config, train_job
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
-TOLERANCE = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    absolute: float
+    relative: float
+
+
+FEDERATED_TOLERANCE = Tolerance(absolute=1e-6, relative=1e-5)
+CENTRALIZED_TOLERANCE = Tolerance(absolute=1e-2, relative=1e-3)
 
 # The small job of the training-job tests, with its schedule seed fixed too.
 FEDERATED = dataclasses.replace(support.SMALL_JOB, schedule_seed=4, testing_fixed_schedule=True)
@@ -102,24 +112,26 @@ def _observed(result, eval_records: str) -> dict:
     }
 
 
-def _assert_close(observed, expected, where: str = "") -> None:
+def _assert_close(observed, expected, tolerance: Tolerance, where: str = "") -> None:
     if isinstance(expected, dict):
         assert isinstance(observed, dict), where
         assert sorted(observed) == sorted(expected), where
         for key in expected:
-            _assert_close(observed[key], expected[key], f"{where}/{key}")
+            _assert_close(observed[key], expected[key], tolerance, f"{where}/{key}")
     elif isinstance(expected, list):
         assert isinstance(observed, list) and len(observed) == len(expected), where
         for index, (o, e) in enumerate(zip(observed, expected, strict=True)):
-            _assert_close(o, e, f"{where}[{index}]")
+            _assert_close(o, e, tolerance, f"{where}[{index}]")
     elif isinstance(expected, float) and not isinstance(observed, bool):
         assert isinstance(observed, (int, float)), where
-        assert observed == pytest.approx(expected, rel=0, abs=TOLERANCE), where
+        assert observed == pytest.approx(
+            expected, rel=tolerance.relative, abs=tolerance.absolute
+        ), where
     else:
         assert observed == expected, where
 
 
-def _check_golden(name: str, observed: dict) -> None:
+def _check_golden(name: str, observed: dict, tolerance: Tolerance) -> None:
     path = os.path.join(GOLDEN_DIR, f"{name}.json")
     if os.environ.get("GOLDEN_UPDATE"):
         os.makedirs(GOLDEN_DIR, exist_ok=True)
@@ -128,14 +140,14 @@ def _check_golden(name: str, observed: dict) -> None:
             f.write("\n")
     with open(path) as f:
         expected = json.load(f)
-    _assert_close(observed, expected, name)
+    _assert_close(observed, expected, tolerance, name)
 
 
 def test_federated_golden_run(tff_runtime, data, tmp_path):
     result = train_job.run_train_job(FEDERATED, *data, str(tmp_path / "federated"))
-    _check_golden("dp_fedemb_run", _observed(result, data[1]))
+    _check_golden("dp_fedemb_run", _observed(result, data[1]), FEDERATED_TOLERANCE)
 
 
 def test_centralized_golden_run(data, tmp_path):
     result = train_job.run_train_job(CENTRALIZED, *data, str(tmp_path / "centralized"))
-    _check_golden("centralized_run", _observed(result, data[1]))
+    _check_golden("centralized_run", _observed(result, data[1]), CENTRALIZED_TOLERANCE)
