@@ -476,3 +476,24 @@ def test_pld_refuses_noise_its_grid_cannot_hold():
     spec = AccountingSpec(3000, 30, 120, 0.01, 1e-5, sampling="poisson", accountant="pld")
     with pytest.raises(ValueError, match="use the RDP accountant"):
         accounting.compute_privacy(spec)
+
+
+def test_rdp_orders_are_dp_accounting_defaults():
+    """RDP_ORDERS is spelled out so that the module imports without dp_accounting."""
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    assert accounting.RDP_ORDERS == tuple(rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+
+
+def test_job_config_imports_neither_dp_accounting_nor_tensorflow():
+    """Config and `--help` import the accounting module; the accountant is imported
+    only when something is computed (a fresh interpreter: this one has them loaded)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import tff_algorithms.job_config, pipeline.config; "
+        "print(sorted(m for m in ('dp_accounting', 'scipy', 'tensorflow') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -104,12 +104,9 @@ import enum
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import dp_accounting
 import numpy as np
-from dp_accounting.pld import pld_privacy_accountant
-from dp_accounting.rdp import rdp_privacy_accountant
 
 from tff_algorithms import validation
 from tff_algorithms.tree_sensitivity import (
@@ -117,6 +114,9 @@ from tff_algorithms.tree_sensitivity import (
     tree_depth,
     tree_sensitivity_bound,
 )
+
+if TYPE_CHECKING:  # imported where used: dp_accounting and scipy take ~1 s to import
+    import dp_accounting
 
 
 class Mechanism(str, enum.Enum):
@@ -154,11 +154,12 @@ class Accountant(str, enum.Enum):
     PLD = "pld"
 
 
-_DP_ACCOUNTING_RELATION = {
-    NeighboringRelation.REPLACE_ONE: dp_accounting.NeighboringRelation.REPLACE_ONE,
-    NeighboringRelation.ADD_OR_REMOVE_ONE: dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-    NeighboringRelation.REPLACE_SPECIAL: dp_accounting.NeighboringRelation.REPLACE_SPECIAL,
-}
+def _dp_accounting_relation(relation: NeighboringRelation) -> dp_accounting.NeighboringRelation:
+    """dp_accounting's member of the same name (the two enums name the same relations)."""
+    import dp_accounting
+
+    return dp_accounting.NeighboringRelation[relation.name]
+
 
 # (mechanism, sampling, relation) -> accountants with a valid analysis.
 _SUPPORTED = {
@@ -180,7 +181,11 @@ _DEFAULT_RELATION = {
     Sampling.EPOCH: NeighboringRelation.REPLACE_SPECIAL,
 }
 
-RDP_ORDERS: tuple[float, ...] = tuple(rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+# dp_accounting's DEFAULT_RDP_ORDERS, spelled out so that importing this module (config,
+# `--help`) does not import dp_accounting and scipy (~1 s); a test checks they agree.
+RDP_ORDERS: tuple[float, ...] = tuple(
+    [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024]
+)
 
 # Documented input ranges (module docstring, "Bounds").
 MAX_POPULATION = 10**10
@@ -447,6 +452,8 @@ def tree_squared_sensitivity(spec: AccountingSpec) -> float:
 
 def dp_event_for(spec: AccountingSpec) -> dp_accounting.DpEvent:
     """The dp_accounting event of the whole schedule (before the noise-zero shortcut)."""
+    import dp_accounting
+
     z = spec.effective_noise_multiplier
     if spec.mechanism is Mechanism.DPSGD:
         gaussian = dp_accounting.GaussianDpEvent(z)
@@ -480,8 +487,10 @@ def dp_event_for(spec: AccountingSpec) -> dp_accounting.DpEvent:
 
 
 def _rdp_curve_of(event: dp_accounting.DpEvent, relation: NeighboringRelation) -> np.ndarray:
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     rdp_accountant = rdp_privacy_accountant.RdpAccountant(
-        orders=RDP_ORDERS, neighboring_relation=_DP_ACCOUNTING_RELATION[relation]
+        orders=RDP_ORDERS, neighboring_relation=_dp_accounting_relation(relation)
     )
     rdp_accountant.compose(event)
     return rdp_accountant.rdp
@@ -503,6 +512,8 @@ def rdp_curve(spec: AccountingSpec) -> np.ndarray:
     accountant does (count * per-round RDP) but with the per-round curve cached, so the
     ledger can ask for every round cheaply and get identical numbers each time.
     """
+    import dp_accounting
+
     event = dp_event_for(spec)
     relation = spec.neighboring_relation
     if isinstance(event, dp_accounting.SelfComposedDpEvent):
@@ -537,6 +548,10 @@ def _analysis_name(spec: AccountingSpec) -> str:
 
 def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
     """(epsilon, delta) of `spec`; for dpftrl also its zCDP rho."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     z = spec.effective_noise_multiplier
     is_tree = spec.mechanism is Mechanism.DPFTRL
     if z == 0:  # no noise: no guarantee
@@ -558,7 +573,7 @@ def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
         rdp_order: float | None = float(order)
     else:
         pld_accountant = pld_privacy_accountant.PLDAccountant(
-            neighboring_relation=_DP_ACCOUNTING_RELATION[spec.neighboring_relation],
+            neighboring_relation=_dp_accounting_relation(spec.neighboring_relation),
             value_discretization_interval=PLD_DISCRETIZATION,
         )
         event = dp_event_for(spec)
