@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from beam_jobs import partition, synthetic
+from beam_jobs import partition_job, synthetic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,7 @@ def write_population(
         for record in synthetic.records_for_identities(config, identity, identity + 1)
     )
     held_out = synthetic.records_for_identities(config, 2 * population.canaries, config.identities)
-    partition_dir, eval_dir = partition.write_training_inputs(
+    partition_dir, eval_dir = partition_job.write_training_inputs(
         out_dir, training, held_out, beam_args=beam_args
     )
     return PopulationFiles(partition_dir, eval_dir)

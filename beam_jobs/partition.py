@@ -1,4 +1,8 @@
-"""User-sharded partition of training records, and its reader.
+"""User-sharded partition of training records: its files, their writer and reader.
+
+No Beam here: the TFF worker reads a partition through this module
+(tff_algorithms.client_data), and the Beam job that writes one
+(beam_jobs/partition_job.py) calls `write_shard` for each shard.
 
 Layout under PARTITION_DIR:
 - shard-SSSSS-part-PPPPP.tfrecord: users hash into `num_shards` shards; within a shard
@@ -24,11 +28,10 @@ import os
 import struct
 from collections.abc import Iterable, Sequence
 
-import apache_beam as beam
 import google_crc32c
 import tensorflow as tf
 
-from beam_jobs import records_io, schedule, schema
+from beam_jobs import schedule, schema
 
 MANIFEST_FILE = "manifest.json"
 PARTICIPATION_FILE = "participation.json"
@@ -130,19 +133,6 @@ def write_shard(
     }
 
 
-class _WriteShardFn(beam.DoFn):
-    """(shard, records) -> part files and the shard index (`write_shard`); yields the
-    shard's counts."""
-
-    def __init__(self, partition_dir: str, max_part_bytes: int):
-        self._partition_dir = partition_dir
-        self._max_part_bytes = max_part_bytes
-
-    def process(self, shard_records: tuple[int, Iterable[tuple[str, bytes]]]):
-        shard, records = shard_records
-        yield write_shard(self._partition_dir, shard, records, self._max_part_bytes)
-
-
 @dataclasses.dataclass(frozen=True)
 class ScheduleSpec:
     """Schedule parameters the partition job records participation statistics for.
@@ -185,6 +175,11 @@ def build_manifest(shard_counts: list[dict], num_shards: int, max_part_bytes: in
     }
 
 
+def read_manifest(partition_dir: str) -> dict:
+    with tf.io.gfile.GFile(os.path.join(partition_dir, MANIFEST_FILE)) as f:
+        return json.load(f)
+
+
 def participation(manifest: dict, spec: ScheduleSpec) -> dict:
     """The participation statistics of `spec` over the manifest's users. Counts only:
     the partition never sees the (secret) schedule seed."""
@@ -194,89 +189,11 @@ def participation(manifest: dict, spec: ScheduleSpec) -> dict:
 def write_participation(partition_dir: str, spec: ScheduleSpec) -> dict:
     """participation.json of a written partition. Outside Beam: a schedule the users
     cannot fill is one ValueError line, not a worker traceback."""
-    manifest = records_io.read_json(os.path.join(partition_dir, MANIFEST_FILE))
+    manifest = read_manifest(partition_dir)
     stats = participation(manifest, spec)
     with tf.io.gfile.GFile(os.path.join(partition_dir, PARTICIPATION_FILE), "w") as f:
         f.write(json.dumps(stats, indent=2, sort_keys=True) + "\n")
     return stats
-
-
-class PartitionByUser(beam.PTransform):
-    """Serialized canonical records -> files under partition_dir; returns the manifest."""
-
-    def __init__(self, partition_dir: str, num_shards: int = 16, max_part_bytes: int = 64 << 20):
-        super().__init__()
-        if num_shards < 1 or max_part_bytes < 1:
-            raise ValueError("num shards and max part bytes must be >= 1")
-        self._partition_dir = partition_dir
-        self._num_shards = num_shards
-        self._max_part_bytes = max_part_bytes
-
-    def expand(self, records):
-        num_shards, partition_dir = self._num_shards, self._partition_dir
-        tf.io.gfile.makedirs(os.path.join(partition_dir, INDEX_DIR))
-
-        def key_by_shard(serialized: bytes):
-            user_id = schema.parse(serialized).user_id
-            return shard_of_user(user_id, num_shards), (user_id, serialized)
-
-        manifest = (
-            records
-            | "KeyByShard" >> beam.Map(key_by_shard)
-            | "GroupByShard" >> beam.GroupByKey()
-            | "WriteShards" >> beam.ParDo(_WriteShardFn(partition_dir, self._max_part_bytes))
-            | "ShardCounts" >> beam.combiners.ToList()
-            | "Manifest" >> beam.Map(build_manifest, num_shards, self._max_part_bytes)
-        )
-        _ = manifest | "WriteManifest" >> records_io.WriteJson(
-            os.path.join(partition_dir, MANIFEST_FILE)
-        )
-        return manifest
-
-
-def run_partition(
-    input_dir: str,
-    partition_dir: str,
-    num_shards: int = 16,
-    schedule_spec: ScheduleSpec | None = None,
-    max_part_bytes: int = 64 << 20,
-    beam_args: Sequence[str] | None = None,
-) -> dict:
-    """Partitions INPUT_DIR/records-* into PARTITION_DIR; returns the manifest."""
-    with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
-        _ = (
-            pipeline
-            | "Read" >> records_io.ReadRecords(input_dir)
-            | "Partition" >> PartitionByUser(partition_dir, num_shards, max_part_bytes)
-        )
-    if schedule_spec is not None:
-        write_participation(partition_dir, schedule_spec)
-    return records_io.read_json(os.path.join(partition_dir, MANIFEST_FILE))
-
-
-def write_training_inputs(
-    out_dir: str,
-    training: Iterable[schema.CanonicalRecord],
-    held_out: Iterable[schema.CanonicalRecord] = (),
-    num_shards: int = 16,
-    beam_args: Sequence[str] | None = None,
-) -> tuple[str, str]:
-    """A training job's two inputs from in-memory records: OUT/partition and OUT/eval.
-
-    `training` is partitioned by user (a real Beam pipeline); `held_out` goes to one
-    TFRecord file in OUT/eval, left empty when none. Returns (partition_dir, eval_dir),
-    the order `tff_algorithms.train_job.run_train_job` takes them in. For synthetic and
-    test populations; real data goes through ingest, split and `run_partition`.
-    """
-    partition_dir, eval_dir = os.path.join(out_dir, "partition"), os.path.join(out_dir, "eval")
-    serialized = [schema.serialize(record) for record in training]
-    with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
-        _ = pipeline | beam.Create(serialized) | PartitionByUser(partition_dir, num_shards)
-    tf.io.gfile.makedirs(eval_dir)
-    with tf.io.TFRecordWriter(os.path.join(eval_dir, "records-00000-of-00001.tfrecord")) as w:
-        for record in held_out:
-            w.write(schema.serialize(record))
-    return partition_dir, eval_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +212,7 @@ class PartitionReader:
         if not tf.io.gfile.exists(manifest_path):
             raise ValueError(f"{partition_dir} is not a partition (no {MANIFEST_FILE})")
         self._dir = partition_dir
-        self.manifest = records_io.read_json(manifest_path)
+        self.manifest = read_manifest(partition_dir)
         self._shard_index = functools.lru_cache(maxsize=None)(self._load_shard_index)
 
     @property

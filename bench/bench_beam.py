@@ -19,7 +19,7 @@ import time
 import tensorflow as tf
 from apache_beam import pvalue
 
-from beam_jobs import dedup, ingest, partition, records_io, schema, splits, synthetic
+from beam_jobs import dedup, ingest, partition, partition_job, records_io, schema, splits, synthetic
 from beam_jobs import dedup_batches as batches
 from beam_jobs import near_duplicates as nd
 
@@ -165,7 +165,7 @@ def _bench_size(users: int, work_dir: str) -> dict:
     records = _read_records(os.path.join(work_dir, "ingested"))
 
     beam_partition = _timed(
-        partition.run_partition,
+        partition_job.run_partition,
         os.path.join(work_dir, "ingested"),
         os.path.join(work_dir, "part"),
         _NUM_SHARDS,

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from beam_jobs import partition, synthetic
+from beam_jobs import partition_job, synthetic
 from tff_algorithms import (
     client_config,
     dropouts,
@@ -101,7 +101,7 @@ def _write_data(root: str, identities: int, images: int) -> tuple[str, str]:
     """Private photo users: (training partition, held-out records) under ROOT."""
     config = synthetic.SyntheticConfig(identities=identities, images_per_identity=images, seed=0)
     train_identities = int(identities * (1 - HELD_OUT_FRACTION))
-    return partition.write_training_inputs(
+    return partition_job.write_training_inputs(
         root,
         synthetic.records_for_identities(config, 0, train_identities),
         synthetic.records_for_identities(config, train_identities, identities),
@@ -120,7 +120,7 @@ def prepare(work: str, sizes: Mapping) -> tuple[tuple[str, str], str, job_output
         seed=1,
         style=synthetic.SKETCH,
     )
-    public_dir, _ = partition.write_training_inputs(
+    public_dir, _ = partition_job.write_training_inputs(
         os.path.join(work, "public"),
         synthetic.records_for_identities(public, 0, public.identities),
         num_shards=4,

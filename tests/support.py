@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from beam_jobs import partition, synthetic
+from beam_jobs import partition_job, synthetic
 from tff_algorithms import accounting, job_config, training
 from tff_algorithms.ledger import PrivacyLedger
 
@@ -115,7 +115,7 @@ def write_partition_and_held_out(
     to one TFRecord file in ROOT/eval. Returns (partition_dir, eval_dir), the order
     `train_job.run_train_job` takes them in.
     """
-    return partition.write_training_inputs(
+    return partition_job.write_training_inputs(
         os.fspath(root),
         synthetic.records_for_identities(config, 0, train_identities),
         synthetic.records_for_identities(config, train_identities, config.identities),

@@ -10,7 +10,7 @@ import tensorflow as tf
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from beam_jobs import partition, records_io, schedule, schema
+from beam_jobs import partition, partition_job, records_io, schedule, schema
 
 
 def _records() -> list[bytes]:
@@ -36,7 +36,9 @@ def partition_dir(tmp_path_factory):
     )
     # A small part limit forces several part files per shard.
     with TestPipeline(options=records_io.pipeline_options()) as pipeline:
-        manifest = pipeline | beam.Create(_records()) | partition.PartitionByUser(directory, 3, 600)
+        manifest = (
+            pipeline | beam.Create(_records()) | partition_job.PartitionByUser(directory, 3, 600)
+        )
         assert_that(
             manifest | beam.Map(lambda m: (m["users"], m["records"])), equal_to([(40, 100)])
         )
@@ -93,7 +95,7 @@ def test_partitioning_is_deterministic(partition_dir, tmp_path):
         )
     again = str(tmp_path / "again")
     spec = partition.ScheduleSpec(2, 4, 25, schedule.EPOCH)
-    partition.run_partition(source, again, num_shards=3, schedule_spec=spec, max_part_bytes=600)
+    partition_job.run_partition(source, again, num_shards=3, schedule_spec=spec, max_part_bytes=600)
     names = sorted(
         os.path.relpath(p, partition_dir)
         for p in tf.io.gfile.glob(os.path.join(partition_dir, "**"))

@@ -2,6 +2,8 @@
 
 import os
 import shutil
+import subprocess
+import sys
 
 import apache_beam as beam
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from beam_jobs import partition, records_io, schedule, schema, synthetic
+from beam_jobs import partition, partition_job, records_io, schedule, schema, synthetic
 from tff_algorithms import client_data, export
 
 IMAGE_SHAPE = (28, 28, 1)
@@ -27,7 +29,7 @@ def partition_dir(tmp_path_factory):
         _ = (
             pipeline
             | beam.Create(records)
-            | partition.PartitionByUser(directory, num_shards=2, max_part_bytes=12000)
+            | partition_job.PartitionByUser(directory, num_shards=2, max_part_bytes=12000)
         )
     return directory
 
@@ -185,3 +187,12 @@ def test_a_user_deep_in_a_part_file_is_reached_by_a_seek_not_a_read_through(tmp_
     # Reading through the part file up to the user's offset would read >= 16 MiB.
     assert _bytes_read_by_this_process() - before < 1 << 20
     assert records == [b"first", b"second"]
+
+
+def test_the_workers_partition_reader_loads_no_beam():
+    # A TFF worker imports client_data to read users; Beam belongs to the jobs that write.
+    check = "import sys, tff_algorithms.client_data; print('apache_beam' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.strip().splitlines()[-1] == "False"

@@ -176,7 +176,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     _required(flag_values, "out")
     beam_args = [f"--runner={value['runner']}", *shlex.split(value["beam-args"])]
     # Imported here so `dp-fedemb data --help` stays fast.
-    from beam_jobs import dedup, ingest, partition, splits, synthetic
+    from beam_jobs import dedup, ingest, partition, partition_job, splits, synthetic
 
     if verb == "synth":
         config = synthetic.SyntheticConfig(
@@ -223,7 +223,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             value["rounds"],
             value["schedule"],
         )
-        result = partition.run_partition(
+        result = partition_job.run_partition(
             _single_input(flag_values), value["out"], value["num-shards"], spec, beam_args=beam_args
         )
     print(json.dumps(result, sort_keys=True))

@@ -219,7 +219,7 @@ def prepare_data(
     data: str, data_dir: str, split: Mapping[str, Any], num_shards: int, beam_args: list[str]
 ) -> PreparedData:
     """Ingest -> split by identity and user -> partition of train, unless already prepared."""
-    from beam_jobs import ingest, partition, splits
+    from beam_jobs import ingest, partition_job, splits
 
     prepared = PreparedData(
         os.path.join(data_dir, "partition"),
@@ -244,7 +244,7 @@ def prepare_data(
         splits.SplitConfig(**split),
         beam_args,
     )
-    partition.run_partition(
+    partition_job.run_partition(
         os.path.join(data_dir, "split", splits.TRAIN),
         prepared.partition_dir,
         num_shards,

@@ -129,13 +129,13 @@ def PretrainBackbone(
     Public users are disjoint from private ones (split by identity and user) and
     deduplicated against private data, so this model costs no privacy budget.
     """
-    from beam_jobs import partition, splits
+    from beam_jobs import partition, partition_job, splits
 
     del code_fingerprint
     work_dir = _work_dir(backbone, train_job_config, examples.uri)
     public_partition = os.path.join(work_dir, "public_partition")
     if not tf.io.gfile.exists(os.path.join(public_partition, partition.MANIFEST_FILE)):
-        partition.run_partition(
+        partition_job.run_partition(
             layout.split_dir(examples, splits.PUBLIC),
             public_partition,
             num_shards,
@@ -160,13 +160,12 @@ def check_published_schedule(job: dict, statistics: types.Artifact, training_use
     """The partition's published participation statistics must be those of the schedule
     this job trains and is accounted with (`job_config.schedule_shape_for`): the whole
     statistics, users per round, rounds and participation bounds included."""
-    from beam_jobs import partition as partition_job
-    from beam_jobs import schedule
+    from beam_jobs import partition, schedule
     from tff_algorithms.job_config import TrainJobConfig, schedule_shape_for
 
     config = TrainJobConfig.from_dict(job)
     trained = schedule_shape_for(config, training_users).participation_stats(config.rounds)
-    path = os.path.join(statistics.uri, partition_job.PARTICIPATION_FILE)
+    path = os.path.join(statistics.uri, partition.PARTICIPATION_FILE)
     with tf.io.gfile.GFile(path) as f:
         published = schedule.ParticipationStats.from_json(f.read())
     if published != trained:

@@ -1,0 +1,111 @@
+"""The Beam job that partitions canonical records by user (beam_jobs/partition.py holds
+the layout, its writer per shard and the reader)."""
+
+import os
+from collections.abc import Iterable, Sequence
+
+import apache_beam as beam
+import tensorflow as tf
+
+from beam_jobs import records_io, schema
+from beam_jobs.partition import (
+    INDEX_DIR,
+    MANIFEST_FILE,
+    ScheduleSpec,
+    build_manifest,
+    read_manifest,
+    shard_of_user,
+    write_participation,
+    write_shard,
+)
+
+
+class _WriteShardFn(beam.DoFn):
+    """(shard, records) -> part files and the shard index (`write_shard`); yields the
+    shard's counts."""
+
+    def __init__(self, partition_dir: str, max_part_bytes: int):
+        self._partition_dir = partition_dir
+        self._max_part_bytes = max_part_bytes
+
+    def process(self, shard_records: tuple[int, Iterable[tuple[str, bytes]]]):
+        shard, records = shard_records
+        yield write_shard(self._partition_dir, shard, records, self._max_part_bytes)
+
+
+class PartitionByUser(beam.PTransform):
+    """Serialized canonical records -> files under partition_dir; returns the manifest."""
+
+    def __init__(self, partition_dir: str, num_shards: int = 16, max_part_bytes: int = 64 << 20):
+        super().__init__()
+        if num_shards < 1 or max_part_bytes < 1:
+            raise ValueError("num shards and max part bytes must be >= 1")
+        self._partition_dir = partition_dir
+        self._num_shards = num_shards
+        self._max_part_bytes = max_part_bytes
+
+    def expand(self, records):
+        num_shards, partition_dir = self._num_shards, self._partition_dir
+        tf.io.gfile.makedirs(os.path.join(partition_dir, INDEX_DIR))
+
+        def key_by_shard(serialized: bytes):
+            user_id = schema.parse(serialized).user_id
+            return shard_of_user(user_id, num_shards), (user_id, serialized)
+
+        manifest = (
+            records
+            | "KeyByShard" >> beam.Map(key_by_shard)
+            | "GroupByShard" >> beam.GroupByKey()
+            | "WriteShards" >> beam.ParDo(_WriteShardFn(partition_dir, self._max_part_bytes))
+            | "ShardCounts" >> beam.combiners.ToList()
+            | "Manifest" >> beam.Map(build_manifest, num_shards, self._max_part_bytes)
+        )
+        _ = manifest | "WriteManifest" >> records_io.WriteJson(
+            os.path.join(partition_dir, MANIFEST_FILE)
+        )
+        return manifest
+
+
+def run_partition(
+    input_dir: str,
+    partition_dir: str,
+    num_shards: int = 16,
+    schedule_spec: ScheduleSpec | None = None,
+    max_part_bytes: int = 64 << 20,
+    beam_args: Sequence[str] | None = None,
+) -> dict:
+    """Partitions INPUT_DIR/records-* into PARTITION_DIR; returns the manifest."""
+    with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
+        _ = (
+            pipeline
+            | "Read" >> records_io.ReadRecords(input_dir)
+            | "Partition" >> PartitionByUser(partition_dir, num_shards, max_part_bytes)
+        )
+    if schedule_spec is not None:
+        write_participation(partition_dir, schedule_spec)
+    return read_manifest(partition_dir)
+
+
+def write_training_inputs(
+    out_dir: str,
+    training: Iterable[schema.CanonicalRecord],
+    held_out: Iterable[schema.CanonicalRecord] = (),
+    num_shards: int = 16,
+    beam_args: Sequence[str] | None = None,
+) -> tuple[str, str]:
+    """A training job's two inputs from in-memory records: OUT/partition and OUT/eval.
+
+    `training` is partitioned by user (a real Beam pipeline); `held_out` goes to one
+    TFRecord file in OUT/eval, left empty when none. Returns (partition_dir, eval_dir),
+    the order `tff_algorithms.train_job.run_train_job` takes them in. For synthetic and
+    test populations; real data goes through ingest, split and `run_partition`.
+    """
+    partition_dir, eval_dir = os.path.join(out_dir, "partition"), os.path.join(out_dir, "eval")
+    serialized = [schema.serialize(record) for record in training]
+    with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
+        _ = pipeline | beam.Create(serialized) | PartitionByUser(partition_dir, num_shards)
+    tf.io.gfile.makedirs(eval_dir)
+    with tf.io.TFRecordWriter(os.path.join(eval_dir, "records-00000-of-00001.tfrecord")) as w:
+        for record in held_out:
+            w.write(schema.serialize(record))
+    return partition_dir, eval_dir
