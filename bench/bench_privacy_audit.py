@@ -14,7 +14,7 @@ import os
 import shutil
 
 from beam_jobs import canaries
-from tff_algorithms import accounting, audit, runtime
+from tff_algorithms import accounting, audit, calibration, runtime
 
 _FULL = {"canaries": 128, "guesses_per_side": 16, "target_epsilons": (8.0, 4.0, 2.0)}
 _QUICK = {"canaries": 32, "guesses_per_side": 8, "target_epsilons": (4.0,)}
@@ -37,7 +37,7 @@ def run(out_dir: str, quick: bool) -> dict:
         users_per_virtual_client=plain.users_per_virtual_client,
     )
     noise_multipliers = [0.0] + [
-        accounting.calibrate_noise_multiplier(spec, target) for target in sizes["target_epsilons"]
+        calibration.calibrate_noise_multiplier(spec, target) for target in sizes["target_epsilons"]
     ]
     runs = []
     with runtime.session(handle_signals=False):

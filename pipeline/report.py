@@ -97,7 +97,7 @@ def ledger_plot(ledger: Mapping[str, Any], budget: float) -> str:
 
 def extrapolation_plot(ledger: Mapping[str, Any]) -> str:
     """epsilon vs users per round at larger populations, by the library's extrapolation."""
-    from tff_algorithms import accounting
+    from tff_algorithms import accounting, calibration
 
     base = accounting.AccountingSpec.from_dict(ledger["spec"])
     curves = {}
@@ -107,14 +107,14 @@ def extrapolation_plot(ledger: Mapping[str, Any]) -> str:
         users = [
             m for m in (base.users_per_round * 2**i for i in range(12)) if m <= population // 2
         ] or [base.users_per_round]
-        points = accounting.extrapolate_privacy(base, population, users)
+        points = calibration.extrapolate_privacy(base, population, users)
         # Epsilon underflows to 0 once the scaled noise is huge; a log axis cannot show 0.
         positive = [p for p in points if p.epsilon > 0]
         if positive:
             curves[f"{population:,} users"] = positive
     with tempfile.TemporaryDirectory() as scratch:
         path = os.path.join(scratch, "extrapolation.png")
-        accounting.write_extrapolation_plot(
+        calibration.write_extrapolation_plot(
             curves,
             path,
             title=f"{base.rounds} rounds, z scaled with users per round",

@@ -1,4 +1,4 @@
-"""Tests of tff_algorithms.accounting.
+"""Tests of tff_algorithms.accounting and tff_algorithms.calibration.
 
 Paper values reproduced to two decimals, under ``convention="paper"`` for the
 substitute-one schedules (test_paper_dpsgd_epsilon) and under either convention for
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tff_algorithms import accounting, tree_sensitivity
+from tff_algorithms import accounting, calibration, tree_sensitivity
 from tff_algorithms.accounting import AccountingSpec
 
 # Sampled-Gaussian RDP costs ~0.3 s per new (population, users, noise); keep examples few.
@@ -126,7 +126,7 @@ def test_paper_figure_2_single_digit_claims():
 
 def test_extrapolation_reproduces_table1_from_the_simulated_schedule():
     simulated = AccountingSpec(9047, 2048, 800, 0.02, 1e-7, convention="paper")
-    (point,) = accounting.extrapolate_privacy(simulated, 10_000_000, [64 * 2048])
+    (point,) = calibration.extrapolate_privacy(simulated, 10_000_000, [64 * 2048])
     assert point.noise_multiplier == pytest.approx(1.28)
     assert round(point.epsilon, 2) == 3.90
 
@@ -267,13 +267,13 @@ def test_numbers_outside_the_documented_ranges_are_one_line_errors(kwargs, messa
 @pytest.mark.parametrize("target", [1e300, 100.5])
 def test_calibration_refuses_targets_above_the_range(target):
     with pytest.raises(ValueError, match="target epsilon must be in"):
-        accounting.calibrate_noise_multiplier(AccountingSpec(1000, 100, 10, 1.0, 1e-5), target)
+        calibration.calibrate_noise_multiplier(AccountingSpec(1000, 100, 10, 1.0, 1e-5), target)
 
 
 def test_calibration_says_when_no_noise_suffices():
     # RDP's conversion leaves a floor at small delta whatever the noise.
-    with pytest.raises(accounting.TargetOutOfReach, match="out of reach"):
-        accounting.calibrate_noise_multiplier(AccountingSpec(100, 100, 10, 1.0, 1e-90), 1e-3)
+    with pytest.raises(calibration.TargetOutOfReach, match="out of reach"):
+        calibration.calibrate_noise_multiplier(AccountingSpec(100, 100, 10, 1.0, 1e-90), 1e-3)
 
 
 # Monotonicity.
@@ -328,7 +328,7 @@ def test_zero_noise_is_infinite_epsilon():
 
 
 def assert_calibrated(spec: AccountingSpec, target: float, tolerance: float) -> float:
-    z = accounting.calibrate_noise_multiplier(spec, target, tolerance)
+    z = calibration.calibrate_noise_multiplier(spec, target, tolerance)
     assert accounting.compute_privacy(spec.with_noise_multiplier(z)).epsilon <= target
     below = spec.with_noise_multiplier(z * (1 - tolerance))
     assert accounting.compute_privacy(below).epsilon > target
@@ -357,7 +357,7 @@ def test_calibration_round_trip_uniform_sampling():
     spec = AccountingSpec(98_960, 8192, 800, 1.0, 1e-5, convention="paper")
     z = assert_calibrated(spec, 24.86, 2e-2)
     assert 1.39 <= z <= 1.39 / (1 - 2e-2)
-    strict = accounting.calibrate_noise_multiplier(
+    strict = calibration.calibrate_noise_multiplier(
         dataclasses.replace(spec, convention="strict"), 24.86, 2e-2
     )
     assert 2 * 1.39 <= strict <= 2 * 1.39 / (1 - 2e-2)
@@ -366,7 +366,7 @@ def test_calibration_round_trip_uniform_sampling():
 def test_calibration_of_a_tree_matches_the_closed_form():
     # 10 rounds per epoch, 4 epochs: each tree has depth 4, so rho = 16 / (2 z^2).
     spec = AccountingSpec(1000, 100, 40, 1.0, 1e-5, mechanism="dpftrl", restart_every_epoch=True)
-    z = accounting.calibrate_noise_multiplier(spec, 3.0, 1e-6)
+    z = calibration.calibrate_noise_multiplier(spec, 3.0, 1e-6)
     result = accounting.compute_privacy(spec.with_noise_multiplier(z))
     assert result.epsilon == pytest.approx(3.0, rel=1e-4)
     assert result.zcdp_rho == pytest.approx(16 / (2 * z**2), rel=1e-12)
@@ -375,7 +375,7 @@ def test_calibration_of_a_tree_matches_the_closed_form():
 @pytest.mark.parametrize("target", [0.0, -1.0, math.inf, math.nan])
 def test_calibration_rejects_nonsense_targets(target):
     with pytest.raises(ValueError, match="target epsilon"):
-        accounting.calibrate_noise_multiplier(AccountingSpec(100, 10, 10, 1.0, 1e-5), target)
+        calibration.calibrate_noise_multiplier(AccountingSpec(100, 10, 10, 1.0, 1e-5), target)
 
 
 # Input validation.
@@ -427,7 +427,7 @@ def test_spec_dict_round_trip_and_defaults():
 def test_extrapolation_table_and_png(tmp_path):
     base = AccountingSpec(9047, 2048, 400, 0.015, 1e-7)
     users = [2048 * m for m in (8, 32, 64)]
-    points = accounting.extrapolate_privacy(base, 3_000_000, users)
+    points = calibration.extrapolate_privacy(base, 3_000_000, users)
     assert [p.users_per_round for p in points] == users
     assert [p.noise_multiplier for p in points] == pytest.approx([0.015 * m for m in (8, 32, 64)])
     assert all(p.zcdp_rho is None for p in points)
@@ -435,7 +435,7 @@ def test_extrapolation_table_and_png(tmp_path):
     assert epsilons == sorted(epsilons, reverse=True)  # more users, more noise: less epsilon
 
     path = tmp_path / "extrapolation.png"
-    accounting.write_extrapolation_plot({"DP-FedEmb r400": points}, str(path), title="3M users")
+    calibration.write_extrapolation_plot({"DP-FedEmb r400": points}, str(path), title="3M users")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])  # IHDR comes first
@@ -444,9 +444,9 @@ def test_extrapolation_table_and_png(tmp_path):
 
 
 def test_extrapolation_plot_of_zcdp_needs_trees(tmp_path):
-    points = accounting.extrapolate_privacy(AccountingSpec(1000, 10, 10, 0.1, 1e-5), 10_000, [20])
+    points = calibration.extrapolate_privacy(AccountingSpec(1000, 10, 10, 0.1, 1e-5), 10_000, [20])
     with pytest.raises(ValueError, match="no zcdp_rho"):
-        accounting.write_extrapolation_plot(
+        calibration.write_extrapolation_plot(
             {"sgd": points}, str(tmp_path / "x.png"), quantity="zcdp_rho"
         )
 

@@ -13,6 +13,7 @@ import tensorflow as tf
 from tests import support
 from tff_algorithms import (
     accounting,
+    calibration,
     client_config,
     job_config,
     job_files,
@@ -184,7 +185,7 @@ def test_target_epsilon_calibrates_the_noise_from_the_training_users(data, tmp_p
     fixed = dataclasses.replace(config, target_epsilon=None, noise_multiplier=z)
     spec = job_config.accounting_spec_for(fixed, TRAIN_IDENTITIES)
     assert accounting.compute_privacy(spec).epsilon == pytest.approx(result.epsilon)
-    lower = spec.with_noise_multiplier(z * (1 - accounting.CALIBRATION_RELATIVE_TOLERANCE))
+    lower = spec.with_noise_multiplier(z * (1 - calibration.CALIBRATION_RELATIVE_TOLERANCE))
     assert accounting.compute_privacy(lower).epsilon > target
 
 

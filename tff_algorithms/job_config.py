@@ -27,6 +27,7 @@ from typing import Any
 from beam_jobs import schedule
 from tff_algorithms import (
     accounting,
+    calibration,
     client_config,
     model_config,
     report_policy,
@@ -287,7 +288,7 @@ class TrainJobConfig:
         from (for metrics.json). Refuses, in one line, a schedule the users cannot fill.
 
         With `target_epsilon`, the smallest z (within
-        `accounting.CALIBRATION_RELATIVE_TOLERANCE`) whose planned schedule costs at most
+        `calibration.CALIBRATION_RELATIVE_TOLERANCE`) whose planned schedule costs at most
         the target; the returned config carries that z and no target. A target that needs
         z above the virtual clients per round is refused as out of reach.
         """
@@ -305,8 +306,8 @@ class TrainJobConfig:
         fixed = dataclasses.replace(self, noise_multiplier=1.0, target_epsilon=None)
         spec = accounting_spec_for(fixed, num_users)
         try:
-            noise = accounting.calibrate_noise_multiplier(spec, float(self.target_epsilon))
-        except accounting.TargetOutOfReach:
+            noise = calibration.calibrate_noise_multiplier(spec, float(self.target_epsilon))
+        except calibration.TargetOutOfReach:
             noise = math.inf
         # Beyond z = M the noise on every coordinate of the averaged update exceeds the
         # norm of the largest update a client may send: nothing would be learnt.
@@ -324,7 +325,7 @@ class TrainJobConfig:
             "target_epsilon": self.target_epsilon,
             "training_users": num_users,
             "noise_multiplier": noise,
-            "relative_tolerance": accounting.CALIBRATION_RELATIVE_TOLERANCE,
+            "relative_tolerance": calibration.CALIBRATION_RELATIVE_TOLERANCE,
         }
 
     @property

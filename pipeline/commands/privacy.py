@@ -7,46 +7,25 @@ noise multiplier that reaches E. With `--json`, one JSON object on stdout (`epsi
 `target_epsilon`). An infinite epsilon (zero noise) is written as null.
 """
 
+import enum
 import json
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 from absl import flags
 
-from pipeline.commands import checks, source_values
+from pipeline.commands import checks
+from tff_algorithms import accounting, calibration
 
 
-def _static_accounting() -> SimpleNamespace:
-    """The accountant's bounds and choices, read from tff_algorithms/accounting.py's
-    source: `--help` and flag errors then need no dp_accounting/scipy import (~1.5 s).
-    Falls back to importing the module when its source cannot be read statically."""
-    names = (
-        "MAX_POPULATION",
-        "MAX_ROUNDS",
-        "MAX_NOISE_MULTIPLIER",
-        "MIN_DELTA",
-        "MAX_TARGET_EPSILON",
-        "CALIBRATION_RELATIVE_TOLERANCE",
-    )
-    enums = ("Mechanism", "Sampling", "NeighboringRelation", "Accountant", "Convention")
-    values = {name: source_values.module_value("accounting", name) for name in names}
-    values.update({name: source_values.class_values("accounting", name) for name in enums})
-    if any(value is None for value in values.values()):
-        from tff_algorithms import accounting
-
-        values = {name: getattr(accounting, name) for name in names}
-        values.update({name: tuple(m.value for m in getattr(accounting, name)) for name in enums})
-    return SimpleNamespace(**values)
-
-
-_STATIC = _static_accounting()
+def _values(enum_type: type[enum.Enum]) -> list[str]:
+    return [member.value for member in enum_type]
 
 
 def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer(
         "users",
         None,
-        f"Users in the training population (N), 1 to {_STATIC.MAX_POPULATION:.0e}.",
+        f"Users in the training population (N), 1 to {accounting.MAX_POPULATION:.0e}.",
         flag_values=flag_values,
     )
     flags.DEFINE_integer(
@@ -58,30 +37,30 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer(
         "rounds",
         None,
-        f"Training rounds (T), 1 to {_STATIC.MAX_ROUNDS:.0e}.",
+        f"Training rounds (T), 1 to {accounting.MAX_ROUNDS:.0e}.",
         flag_values=flag_values,
     )
     flags.DEFINE_float(
-        "delta", None, f"Target delta, in [{_STATIC.MIN_DELTA:g}, 1).", flag_values=flag_values
+        "delta", None, f"Target delta, in [{accounting.MIN_DELTA:g}, 1).", flag_values=flag_values
     )
     flags.DEFINE_float(
         "noise-multiplier",
         None,
         "Noise standard deviation over the clip norm of one virtual client's update, 0 to "
-        f"{_STATIC.MAX_NOISE_MULTIPLIER:g}.",
+        f"{accounting.MAX_NOISE_MULTIPLIER:g}.",
         flag_values=flag_values,
     )
     flags.DEFINE_float(
         "target-epsilon",
         None,
         "Instead of --noise-multiplier: find the smallest noise multiplier reaching this "
-        f"epsilon, in (0, {_STATIC.MAX_TARGET_EPSILON:g}].",
+        f"epsilon, in (0, {accounting.MAX_TARGET_EPSILON:g}].",
         flag_values=flag_values,
     )
     flags.DEFINE_enum(
         "mechanism",
         "dpsgd",
-        list(_STATIC.Mechanism),
+        _values(accounting.Mechanism),
         "dpsgd: independent Gaussian noise (DP-FedEmb, DP-FedAvg); "
         "dpftrl: tree-aggregated noise (DP-FTRL-FedEmb).",
         flag_values=flag_values,
@@ -109,14 +88,14 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_enum(
         "sampling",
         None,
-        list(_STATIC.Sampling),
+        _values(accounting.Sampling),
         "How users are chosen; default: uniform for dpsgd (the paper's), epoch for dpftrl.",
         flag_values=flag_values,
     )
     flags.DEFINE_enum(
         "neighboring-relation",
         None,
-        list(_STATIC.NeighboringRelation),
+        _values(accounting.NeighboringRelation),
         "Default: replace_one for uniform, add_or_remove_one for poisson, replace_special "
         "for epoch sampling.",
         flag_values=flag_values,
@@ -124,14 +103,14 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_enum(
         "accountant",
         "rdp",
-        list(_STATIC.Accountant),
+        _values(accounting.Accountant),
         "rdp (the paper's) or pld (poisson sampling and dpftrl only).",
         flag_values=flag_values,
     )
     flags.DEFINE_enum(
         "convention",
         "strict",
-        list(_STATIC.Convention),
+        _values(accounting.Convention),
         "strict: the noise multiplier is taken relative to the relation's true sensitivity "
         "(2 x clip under substitute-one); paper: the paper's arithmetic (z unchanged under "
         "substitute-one), to reproduce published numbers only: it understates epsilon.",
@@ -139,7 +118,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     )
     flags.DEFINE_float(
         "calibration-tolerance",
-        _STATIC.CALIBRATION_RELATIVE_TOLERANCE,
+        calibration.CALIBRATION_RELATIVE_TOLERANCE,
         "With --target-epsilon: the calibrated noise exceeds the exact one by at most this "
         "fraction.",
         flag_values=flag_values,
@@ -167,27 +146,27 @@ def help_defaults() -> dict[str, str]:
 
 
 def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
-    """The documented bounds (tff_algorithms/accounting.py, "Bounds"), before the
-    accountant is imported; the accountant checks them again, with the combinations."""
+    """The documented bounds (tff_algorithms/accounting.py, "Bounds"), with one-line flag
+    errors; the accountant checks them again, with the combinations."""
     checks.no_arguments(args)
     value = {name: flag_values[name].value for name in flag_values}
     if (value["noise-multiplier"] is None) == (value["target-epsilon"] is None):
         raise ValueError("give exactly one of --noise-multiplier and --target-epsilon")
-    checks.number("users", value["users"], 1, _STATIC.MAX_POPULATION)
+    checks.number("users", value["users"], 1, accounting.MAX_POPULATION)
     checks.number("users-per-round", value["users-per-round"], 1)
     if value["users-per-round"] > value["users"]:
         raise ValueError(
             f"--users-per-round {value['users-per-round']} exceeds the population "
             f"(--users {value['users']})"
         )
-    checks.number("rounds", value["rounds"], 1, _STATIC.MAX_ROUNDS)
-    checks.number("delta", value["delta"], _STATIC.MIN_DELTA, 1, high_open=True)
+    checks.number("rounds", value["rounds"], 1, accounting.MAX_ROUNDS)
+    checks.number("delta", value["delta"], accounting.MIN_DELTA, 1, high_open=True)
     noise = value["noise-multiplier"]
     if noise is not None and noise < 0:
         raise ValueError(f"--noise-multiplier must be non-negative, got {noise:g}")
-    checks.number("noise-multiplier", noise, 0, _STATIC.MAX_NOISE_MULTIPLIER)
+    checks.number("noise-multiplier", noise, 0, accounting.MAX_NOISE_MULTIPLIER)
     checks.number(
-        "target-epsilon", value["target-epsilon"], 0, _STATIC.MAX_TARGET_EPSILON, low_open=True
+        "target-epsilon", value["target-epsilon"], 0, accounting.MAX_TARGET_EPSILON, low_open=True
     )
     checks.number("users-per-virtual-client", value["users-per-virtual-client"], 1)
     checks.number("min-separation", value["min-separation"], 0)
@@ -201,8 +180,6 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     target_epsilon = flag_values["target-epsilon"].value
     if (noise is None) == (target_epsilon is None):
         raise ValueError("give exactly one of --noise-multiplier and --target-epsilon")
-    from tff_algorithms import accounting
-
     spec = accounting.AccountingSpec(
         population=flag_values["users"].value,
         users_per_round=flag_values["users-per-round"].value,
@@ -219,7 +196,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         convention=flag_values["convention"].value,
     )
     if target_epsilon is not None:
-        noise = accounting.calibrate_noise_multiplier(
+        noise = calibration.calibrate_noise_multiplier(
             spec, target_epsilon, flag_values["calibration-tolerance"].value
         )
         spec = spec.with_noise_multiplier(noise)
