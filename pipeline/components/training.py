@@ -21,6 +21,7 @@ from tfx.types import standard_artifacts
 from pipeline import console
 from pipeline.components import artifacts, layout
 from tff_algorithms import job_files
+from tff_algorithms.job_config import TrainJobConfig, schedule_shape_for
 
 if TYPE_CHECKING:  # imported lazily at run time: TFF is slow to import
     from tff_algorithms import job_outputs
@@ -54,7 +55,6 @@ def _run_job(
     budget_policy: str | None = None,
 ) -> "job_outputs.TrainJobResult":
     from tff_algorithms import budget, runtime, train_job
-    from tff_algorithms.job_config import TrainJobConfig
 
     config = TrainJobConfig.from_dict(json.loads(job_config))
     backbone_dir = layout.serving_model_dir(pretrained_backbone) if pretrained_backbone else None
@@ -161,7 +161,6 @@ def check_published_schedule(job: dict, statistics: types.Artifact, training_use
     this job trains and is accounted with (`job_config.schedule_shape_for`): the whole
     statistics, users per round, rounds and participation bounds included."""
     from beam_jobs import partition, schedule
-    from tff_algorithms.job_config import TrainJobConfig, schedule_shape_for
 
     config = TrainJobConfig.from_dict(job)
     trained = schedule_shape_for(config, training_users).participation_stats(config.rounds)
@@ -193,7 +192,6 @@ def CheckTrainingSchedule(
     training split's users cannot carry the private schedule (a round they cannot fill,
     a target epsilon out of reach). Runs right after the split; dedup may still remove
     users, and the partition and the training step check again with the final count."""
-    from tff_algorithms.job_config import TrainJobConfig
 
     del code_fingerprint
     users = examples.get_int_custom_property("users_train")
