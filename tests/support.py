@@ -323,3 +323,22 @@ def screenshot_shades(browser: str, profile: str, page: str, size: str) -> int |
     with Image.open(screenshot) as image:
         colours = image.convert("L").getcolors(maxcolors=1 << 16)
     return None if colours is None else len(colours)
+
+
+def zero_update_noise_prefix_sums(
+    factory: tff.aggregators.UnweightedAggregationFactory, num_coordinates: int, rounds: int
+) -> list[np.ndarray]:
+    """Running sums of an aggregator's releases of one zero update of `num_coordinates`
+    float32s per round: the noise a model accumulates over `rounds` rounds."""
+    record_type = tff.types.tensorflow_to_type([tf.TensorSpec([num_coordinates], tf.float32)])
+    process = factory.create(record_type)
+    state = process.initialize()
+    zero = [np.zeros(num_coordinates, np.float32)]
+    total = np.zeros(num_coordinates)
+    prefix_sums = []
+    for _ in range(rounds):
+        output = process.next(state, [zero])
+        state = output.state
+        total = total + output.result[0]
+        prefix_sums.append(total.copy())
+    return prefix_sums

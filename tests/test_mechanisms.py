@@ -2,13 +2,11 @@
 
 import numpy as np
 import pytest
-import tensorflow as tf
-import tensorflow_federated as tff
 
+from tests import support
 from tff_algorithms import accounting, mechanisms
 
 _NUM_COORDINATES = 20_000
-_RECORD_TYPE = tff.types.tensorflow_to_type([tf.TensorSpec([_NUM_COORDINATES], tf.float32)])
 
 
 def _std_ratio_bounds(n: int) -> tuple[float, float]:
@@ -30,21 +28,6 @@ def _spec(mechanism, noise_multiplier, restart_every_epoch=False):
     )
 
 
-def _noise_prefix_sums(factory, rounds):
-    """Running sums of the releases of one zero update: the noise the model accumulates."""
-    process = factory.create(_RECORD_TYPE)
-    state = process.initialize()
-    zero = [np.zeros(_NUM_COORDINATES, np.float32)]
-    total = np.zeros(_NUM_COORDINATES)
-    prefix_sums = []
-    for _ in range(rounds):
-        output = process.next(state, [zero])
-        state = output.state
-        total = total + output.result[0]
-        prefix_sums.append(total.copy())
-    return prefix_sums
-
-
 def test_dpsgd_spec_gives_independent_gaussian_noise_with_the_spec_noise_multiplier(tff_runtime):
     z, clip, planned = 1.5, 2.0, 4
     factory = mechanisms.aggregator_for_spec(
@@ -56,7 +39,9 @@ def test_dpsgd_spec_gives_independent_gaussian_noise_with_the_spec_noise_multipl
     )
     low, high = _std_ratio_bounds(_NUM_COORDINATES)
     sigma = z * clip / planned
-    for t, prefix_sum in enumerate(_noise_prefix_sums(factory, 4), start=1):
+    for t, prefix_sum in enumerate(
+        support.zero_update_noise_prefix_sums(factory, _NUM_COORDINATES, 4), start=1
+    ):
         # Independent draws: t rounds of noise add up to sqrt(t) of one round's.
         assert low < prefix_sum.std() / (sigma * np.sqrt(t)) < high, t
 
@@ -74,7 +59,7 @@ def test_dpftrl_spec_gives_tree_noise_restarting_as_the_spec_says(tff_runtime, r
     )
     low, high = _std_ratio_bounds(_NUM_COORDINATES)
     sigma = z * clip / planned
-    prefix_sums = _noise_prefix_sums(factory, 8)
+    prefix_sums = support.zero_update_noise_prefix_sums(factory, _NUM_COORDINATES, 8)
     # After 4 rounds one tree's root holds the prefix sum: one node of noise, where
     # independent noise would give 2 sigma.
     assert low < prefix_sums[3].std() / sigma < high

@@ -9,6 +9,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 from tensorflow_federated.python.aggregators import differential_privacy
 
+from tests import support
 from tff_algorithms import aggregators
 
 # Noise tests draw this many i.i.d. coordinates per release.
@@ -114,20 +115,6 @@ def test_noise_is_reproducible_from_the_seed_and_differs_across_seeds(tff_runtim
     assert not np.allclose(first_noise(3), first_noise(4))
 
 
-def _cumulative_tree_noise(factory, rounds):
-    process = _process(factory, [(_NUM_COORDINATES,)])
-    state = process.initialize()
-    zero = [np.zeros(_NUM_COORDINATES, np.float32)]
-    total = np.zeros(_NUM_COORDINATES)
-    prefix_sums = []
-    for _ in range(rounds):
-        output = process.next(state, [zero])
-        state = output.state
-        total = total + output.result[0]
-        prefix_sums.append(total.copy())
-    return prefix_sums
-
-
 def test_tree_prefix_sum_noise_follows_the_nodes_summed(tff_runtime):
     z, clip, planned, rounds = 1.0, 2.0, 4, 7
     factory = aggregators.tree_aggregation(
@@ -139,7 +126,9 @@ def test_tree_prefix_sum_noise_follows_the_nodes_summed(tff_runtime):
         use_efficient=False,
     )
     low, high = _std_ratio_bounds(_NUM_COORDINATES)
-    for t, prefix_sum in enumerate(_cumulative_tree_noise(factory, rounds), start=1):
+    for t, prefix_sum in enumerate(
+        support.zero_update_noise_prefix_sums(factory, _NUM_COORDINATES, rounds), start=1
+    ):
         # The prefix sum of the first t leaves is the sum of popcount(t) tree nodes.
         nodes = bin(t).count("1")
         expected_std = z * clip / planned * np.sqrt(nodes)
@@ -158,7 +147,7 @@ def test_tree_restart_starts_a_new_tree_each_epoch(tff_runtime):
         use_efficient=False,
     )
     low, high = _std_ratio_bounds(_NUM_COORDINATES)
-    prefix_sums = _cumulative_tree_noise(factory, 6)
+    prefix_sums = support.zero_update_noise_prefix_sums(factory, _NUM_COORDINATES, 6)
     for t, prefix_sum in enumerate(prefix_sums, start=1):
         # Completed epochs each contribute a full tree of `period` leaves, then the current tree.
         epochs_done, in_epoch = divmod(t - 1, period)
@@ -177,7 +166,9 @@ def test_efficient_tree_noise_is_at_most_the_plain_tree_noise(tff_runtime):
         use_efficient=True,
     )
     _, high = _std_ratio_bounds(_NUM_COORDINATES)
-    for t, prefix_sum in enumerate(_cumulative_tree_noise(factory, rounds), start=1):
+    for t, prefix_sum in enumerate(
+        support.zero_update_noise_prefix_sums(factory, _NUM_COORDINATES, rounds), start=1
+    ):
         assert 0 < prefix_sum.std() < high * z * clip * np.sqrt(bin(t).count("1"))
 
 
