@@ -27,9 +27,8 @@ from typing import Any
 
 import yaml
 
-from tff_algorithms import recipes
+from tff_algorithms import client_config, job_config, model_config, recipes
 
-ALGORITHMS = ("dp-fedemb", "dp-fedavg", "dp-ftrl-fedemb")
 PRETRAIN_SOURCES = ("public", "import", "none")
 
 
@@ -380,11 +379,9 @@ def _check_keys(values: Mapping[str, Any], prefix: str) -> None:
             raise ValueError(f"config keys must be names, got {ascii(name)[:60]}{where}")
 
 
-def _train_job_config(values: Mapping[str, Any], key: str) -> Any:
-    from tff_algorithms.job_config import TrainJobConfig
-
+def _train_job_config(values: Mapping[str, Any], key: str) -> job_config.TrainJobConfig:
     _check_keys(values, key)
-    names = [f.name for f in dataclasses.fields(TrainJobConfig)]
+    names = list(_TRAIN_FIELD_TYPES)
     unknown = sorted(set(values) - set(names))
     if unknown:
         raise ValueError(
@@ -392,7 +389,7 @@ def _train_job_config(values: Mapping[str, Any], key: str) -> Any:
             f"({_closest(unknown[0], names)}known: {', '.join(names)})"
         )
     try:
-        return TrainJobConfig.from_dict(recipes.job_fields(values))
+        return job_config.TrainJobConfig.from_dict(recipes.job_fields(values))
     except (TypeError, ValueError) as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"config {key}: {message}") from None
@@ -471,7 +468,18 @@ def check_config(path: str | None = None, overrides: Sequence[str] = ()) -> Pipe
     return config
 
 
-# TrainJobConfig annotations the light check understands (source text -> test).
+# TrainJobConfig's fields and their annotations as written (e.g. 'float | None').
+_TRAIN_FIELD_TYPES = {
+    field.name: str(field.type) for field in dataclasses.fields(job_config.TrainJobConfig)
+}
+# TrainJobConfig fields whose value is one of a module's names.
+_TRAIN_CHOICES = {
+    "head_init": client_config.HEAD_INITS,
+    "head_loss": client_config.HEAD_LOSSES,
+    "architecture": model_config.ARCHITECTURES,
+}
+
+# TrainJobConfig annotations the light check understands (annotation text -> test).
 _LIGHT_TYPES = {
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -486,46 +494,30 @@ _TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "s
 def _check_train_light(values: Mapping[str, Any], key: str) -> None:
     """Unknown keys and non-finite numbers of a TrainJobConfig mapping, without TF."""
     _check_keys(values, key)
-    from pipeline.commands import source_values
-
-    known = source_values.train_job_defaults()
-    if known:
-        unknown = sorted(set(values) - set(known) - {"trainable_layers"})
-        if unknown:
-            raise ValueError(
-                f"unknown config key {key}.{_shown(unknown[0])} "
-                f"({_closest(unknown[0], list(known))}known: {', '.join(known)})"
-            )
-    annotations = source_values.train_job_annotations()
+    unknown = sorted(set(values) - set(_TRAIN_FIELD_TYPES))
+    if unknown:
+        raise ValueError(
+            f"unknown config key {key}.{_shown(unknown[0])} "
+            f"({_closest(unknown[0], list(_TRAIN_FIELD_TYPES))}known: "
+            f"{', '.join(_TRAIN_FIELD_TYPES)})"
+        )
     for name, value in values.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"config {key}.{name} must be finite, got {value!r}")
-        kinds = {part.strip() for part in annotations.get(name, "").split("|")}
-        if value is None or not kinds or not kinds <= set(_LIGHT_TYPES):
+        kinds = {part.strip() for part in _TRAIN_FIELD_TYPES[name].split("|")}
+        if value is None or not kinds <= set(_LIGHT_TYPES):
             continue
         if not any(_LIGHT_TYPES[kind](value) for kind in kinds):
             wanted = " or ".join(_TYPE_WORDS[kind] for kind in sorted(kinds - {"None"}))
             raise ValueError(
                 f"config {key}: {name} must be {wanted}, got {_shown(repr(value))[:80]}"
             )
-        choices = _light_choices().get(name)
+        choices = _TRAIN_CHOICES.get(name)
         if choices and isinstance(value, str) and value not in choices:
             raise ValueError(
                 f"config {key}: {name} must be one of {', '.join(choices)}, got "
                 f"{_shown(repr(value))[:80]}{_suggest(value, choices)}"
             )
-
-
-def _light_choices() -> dict[str, tuple[str, ...]]:
-    """TrainJobConfig fields whose value is one of a module's names, read from source."""
-    from pipeline.commands import source_values
-
-    found = {
-        "head_init": source_values.find_constant("HEAD_INITS"),
-        "head_loss": source_values.find_constant("HEAD_LOSSES"),
-        "architecture": source_values.find_constant("ARCHITECTURES"),
-    }
-    return {name: tuple(values) for name, values in found.items() if values}
 
 
 def validate_light(config: PipelineConfig) -> None:
@@ -554,11 +546,12 @@ def validate_light(config: PipelineConfig) -> None:
         )
     # Before the job config is built: its own errors would hide that this is the wrong step.
     algorithm = config.train.get("algorithm")
-    if algorithm not in ALGORITHMS:
+    private = job_config.PRIVATE_ALGORITHMS
+    if algorithm not in private:
         raise ValueError(
-            f"config train.algorithm must be one of {', '.join(ALGORITHMS)} (private training), "
+            f"config train.algorithm must be one of {', '.join(private)} (private training), "
             f"got {_shown(repr(algorithm))[:80]}"
-            + (_suggest(algorithm, ALGORITHMS) if isinstance(algorithm, str) else "")
+            + (_suggest(algorithm, private) if isinstance(algorithm, str) else "")
         )
     _check_train_light(config.train, "train")
     _check_train_light(config.pretrain.job, "pretrain.job")

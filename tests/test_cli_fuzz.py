@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from pipeline import cli
 from pipeline import config as config_lib
-from pipeline.commands import source_values
+from tff_algorithms import job_config
 
 EXAMPLES = int(os.environ.get("DP_FEDEMB_FUZZ_EXAMPLES", "8"))
 CASE_TIMEOUT_S = 300
@@ -316,7 +316,7 @@ def _config_keys() -> list[str]:
             default = getattr(config_lib.PipelineConfig(), field.name)
             if dataclasses.is_dataclass(default):
                 keys += [f"{field.name}.{f.name}" for f in dataclasses.fields(default)]
-    keys += [f"train.{name}" for name in source_values.train_job_defaults()]
+    keys += [f"train.{field.name}" for field in dataclasses.fields(job_config.TrainJobConfig)]
     keys += ["pretrain.job.rounds", "data.synthetic.identities", "nosuch.key", "train"]
     return keys
 

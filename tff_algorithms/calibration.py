@@ -49,7 +49,8 @@ def calibrate_noise_multiplier(
         raise ValueError(f"target epsilon must be a finite number, got {target_epsilon!r}")
     if not 0 < target_epsilon <= accounting.MAX_TARGET_EPSILON:
         raise ValueError(
-            f"target epsilon must be in (0, {accounting.MAX_TARGET_EPSILON:g}], got {target_epsilon:g}"
+            f"target epsilon must be in (0, {accounting.MAX_TARGET_EPSILON:g}], "
+            f"got {target_epsilon:g}"
         )
     if not 1e-9 <= relative_tolerance < 1:
         raise ValueError(f"relative tolerance must be in [1e-9, 1), got {relative_tolerance}")

@@ -42,6 +42,8 @@ CENTRALIZED = "centralized"
 DEFAULT_NOISE_MULTIPLIER = 0.62
 AUTO = schedule.AUTO
 ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, CENTRALIZED)
+# The algorithms with a privacy guarantee: the only ones a pipeline run may train.
+PRIVATE_ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB)
 
 # Never published (module docstring).
 _SECRET_FIELDS = ("schedule_seed", "noise_seed")

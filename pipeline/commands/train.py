@@ -24,14 +24,9 @@ from typing import Any
 from absl import flags
 
 from pipeline import console
-from pipeline.commands import checks, source_values
-from tff_algorithms import recipes
-
-_BOUNDS = source_values.accounting_bounds()
-MAX_ROUNDS = _BOUNDS["MAX_ROUNDS"] or 10**9
-MAX_NOISE_MULTIPLIER = _BOUNDS["MAX_NOISE_MULTIPLIER"] or 1e6
-MIN_DELTA = _BOUNDS["MIN_DELTA"] or 1e-100
-MAX_TARGET_EPSILON = _BOUNDS["MAX_TARGET_EPSILON"] or 100.0
+from pipeline.commands import checks
+from tff_algorithms import accounting, client_config, model_config, recipes
+from tff_algorithms import job_config as job_config_lib
 
 # The TrainJobConfig fields passed straight through as flags: each flag is its field's
 # name in kebab case (--client-learning-rate sets client_learning_rate).
@@ -99,18 +94,24 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         flag_values=flag_values,
     )
     define("string", "algorithm", "dp-fedemb | dp-fedavg | dp-ftrl-fedemb | centralized")
-    define("integer", "rounds", f"training rounds (epochs for centralized), 1 to {MAX_ROUNDS:.0e}")
+    define(
+        "integer",
+        "rounds",
+        f"training rounds (epochs for centralized), 1 to {accounting.MAX_ROUNDS:.0e}",
+    )
     define(
         "float",
         "noise-multiplier",
-        f"noise std / clip norm of a virtual client's update, 0 to {MAX_NOISE_MULTIPLIER:g}",
+        "noise std / clip norm of a virtual client's update, 0 to "
+        f"{accounting.MAX_NOISE_MULTIPLIER:g}",
     )
     define(
         "float",
         "target-epsilon",
         "instead of --noise-multiplier: calibrate it when training starts, from the real "
         "number of training users, to the smallest one whose schedule costs at most this "
-        f"epsilon (strict accounting) at the job's delta; in (0, {MAX_TARGET_EPSILON:g}]",
+        "epsilon (strict accounting) at the job's delta; in "
+        f"(0, {accounting.MAX_TARGET_EPSILON:g}]",
     )
     define("float", "clip-norm", "L2 clip of each virtual client's backbone update")
     define("integer", "users-per-virtual-client", "users grouped into one virtual client (k)")
@@ -147,7 +148,11 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("integer", "embedding-size", "embedding size")
     define("integer", "image-size", "backbone input side in pixels")
     define("integer", "channels", "backbone input channels (1 or 3)")
-    define("float", "delta", f"target delta in [{MIN_DELTA:g}, 1) (default: training users ^ -1.1)")
+    define(
+        "float",
+        "delta",
+        f"target delta in [{accounting.MIN_DELTA:g}, 1) (default: training users ^ -1.1)",
+    )
     define("integer", "evaluate-every", "evaluate on validation identities every N rounds")
     define("integer", "seed", "initialisation seed: backbone, local heads (public)")
     define(
@@ -287,19 +292,18 @@ def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazil
     return budget.BudgetPolicy(ledger, total, value["override-budget"])
 
 
-def job_config(value: Mapping[str, Any]):  # noqa: ANN201 - imports TF lazily
+# The module tff_algorithms.job_config is imported as job_config_lib: this name is public.
+def job_config(value: Mapping[str, Any]) -> job_config_lib.TrainJobConfig:
     """The TrainJobConfig of parsed flags: the flags given over --recipe (for a
     centralized run, over the pretraining recipe over it), by recipes' layering rule."""
-    from tff_algorithms.job_config import CENTRALIZED, TrainJobConfig
-
     values, given = recipes.recipe(value["recipe"]), _config_values(value)
-    if given.get("algorithm", values.get("algorithm")) == CENTRALIZED:
+    if given.get("algorithm", values.get("algorithm")) == job_config_lib.CENTRALIZED:
         values = recipes.pretrain_values(values, {})
     elif value["pretrained"] is None:
         # The recipe's layers fine-tune a pretrained backbone (recipes.check_start): from
         # a random one, every layer trains.
         values["trainable_layers"] = list(recipes.EVERY_LAYER)
-    return TrainJobConfig(**recipes.job_fields(recipes.overlay(values, given)))
+    return job_config_lib.TrainJobConfig(**recipes.job_fields(recipes.overlay(values, given)))
 
 
 def _train(value: Mapping[str, Any]) -> dict[str, Any]:
@@ -359,8 +363,7 @@ _UNSET_MEANS = {
 
 def _default_text(field: str, value: Any) -> str:
     if value is None:
-        z = source_values.train_job_constant("DEFAULT_NOISE_MULTIPLIER")
-        return _UNSET_MEANS.get(field, "unset").format(z=z if z is not None else "the paper's")
+        return _UNSET_MEANS.get(field, "unset").format(z=job_config_lib.DEFAULT_NOISE_MULTIPLIER)
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
@@ -368,8 +371,10 @@ def _default_text(field: str, value: Any) -> str:
 
 def help_defaults() -> dict[str, str]:
     """Flag -> its effective default under each recipe: the recipe's value, else
-    TrainJobConfig's (read from its source, so --help needs no TensorFlow)."""
-    library = source_values.train_job_defaults()
+    TrainJobConfig's."""
+    library = {
+        field.name: field.default for field in dataclasses.fields(job_config_lib.TrainJobConfig)
+    }
     shown = {}
     for flag, field in _CONFIG_FLAGS.items():
         per_recipe = {}
@@ -393,12 +398,12 @@ def help_defaults() -> dict[str, str]:
     return shown
 
 
-# Flags whose value must be one of a tff_algorithms constant (read from source).
+# Flags whose value must be one of a tff_algorithms module's names.
 _CHOICES = {
-    "algorithm": "ALGORITHMS",
-    "head-init": "HEAD_INITS",
-    "head-loss": "HEAD_LOSSES",
-    "architecture": "ARCHITECTURES",
+    "algorithm": job_config_lib.ALGORITHMS,
+    "head-init": client_config.HEAD_INITS,
+    "head-loss": client_config.HEAD_LOSSES,
+    "architecture": model_config.ARCHITECTURES,
 }
 _POSITIVE_INTS = (
     "rounds",
@@ -435,9 +440,8 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         )
     if value["noise-multiplier"] is not None and value["target-epsilon"] is not None:
         raise ValueError("give at most one of --noise-multiplier and --target-epsilon")
-    for name, constant in _CHOICES.items():
-        choices = source_values.find_constant(constant)
-        if value[name] is not None and choices and value[name] not in choices:
+    for name, choices in _CHOICES.items():
+        if value[name] is not None and value[name] not in choices:
             raise ValueError(
                 f"--{name} must be one of {', '.join(choices)}, got "
                 f"{checks.shown(repr(value[name]))}{checks.did_you_mean(value[name], choices)}"
@@ -455,14 +459,16 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         checks.number("virtual-clients-per-round", count, 1)
     for name in _POSITIVE_INTS:
         checks.number(name, value[name], 1)
-    checks.number("rounds", value["rounds"], 1, MAX_ROUNDS)
+    checks.number("rounds", value["rounds"], 1, accounting.MAX_ROUNDS)
     if value["channels"] not in (None, 1, 3):
         raise ValueError(f"--channels must be 1 or 3, got {value['channels']}")
     for name in ("seed", "split-seed", "evaluate-every", "schedule-seed", "noise-seed"):
         checks.number(name, value[name], 0)
-    checks.number("noise-multiplier", value["noise-multiplier"], 0, MAX_NOISE_MULTIPLIER)
-    checks.number("target-epsilon", value["target-epsilon"], 0, MAX_TARGET_EPSILON, low_open=True)
-    checks.number("delta", value["delta"], MIN_DELTA, 1, high_open=True)
+    checks.number("noise-multiplier", value["noise-multiplier"], 0, accounting.MAX_NOISE_MULTIPLIER)
+    checks.number(
+        "target-epsilon", value["target-epsilon"], 0, accounting.MAX_TARGET_EPSILON, low_open=True
+    )
+    checks.number("delta", value["delta"], accounting.MIN_DELTA, 1, high_open=True)
     for name in (
         "clip-norm",
         "client-learning-rate",
