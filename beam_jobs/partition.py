@@ -89,7 +89,7 @@ def write_shard(
     partition_dir: str, shard: int, records: Iterable[tuple[str, bytes]], max_part_bytes: int
 ) -> dict:
     """One shard's part files and index from its (user id, serialized record) pairs;
-    returns the shard's counts for `build_manifest`. What `PartitionByUser` does for each
+    returns the shard's counts for `build_manifest`. What `partition_job.PartitionByUser` does for each
     shard, callable without a pipeline.
 
     Files are written under temporary names and renamed, so a retried bundle leaves

@@ -189,12 +189,12 @@ def PartitionVirtualClients(
     """Shards the private train split by user and records the schedule's participation.
 
     `virtual_clients_per_round`: a count, or `auto` (beam_jobs.schedule.AUTO)."""
-    from beam_jobs import partition as partition_job
-    from beam_jobs import schedule, splits
+    from beam_jobs import partition_job, schedule, splits
+    from beam_jobs.partition import PARTICIPATION_FILE, ScheduleSpec
 
     del code_fingerprint
     planned = virtual_clients_per_round
-    spec = partition_job.ScheduleSpec(
+    spec = ScheduleSpec(
         users_per_virtual_client,
         planned if planned == schedule.AUTO else int(planned),
         rounds,
@@ -208,12 +208,12 @@ def PartitionVirtualClients(
         spec,
         beam_args=json.loads(beam_args),
     )
-    source = os.path.join(partition.uri, partition_job.PARTICIPATION_FILE)
+    source = os.path.join(partition.uri, PARTICIPATION_FILE)
     with tf.io.gfile.GFile(source) as f:
         stats = schedule.ParticipationStats.from_json(f.read())
     tf.io.gfile.copy(
         source,
-        os.path.join(schedule_statistics.uri, partition_job.PARTICIPATION_FILE),
+        os.path.join(schedule_statistics.uri, PARTICIPATION_FILE),
         overwrite=True,
     )
     partition.set_int_custom_property("users", stats.users)
