@@ -1,0 +1,304 @@
+"""FDML (issue 27): the grouped triplet loss, Alg. 1's derivatives, and the two-computation round."""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_algorithms import fdml, triplet
+
+IMAGE_SHAPE = (2, 2, 1)
+EMBEDDING = 3
+
+
+def _reference_triplets(embeddings, keys, valid, strategy, margin):
+    """Active mined triplets of one group by plain loops (independent of `triplet`)."""
+    rows = range(len(keys))
+
+    def dist(i, j):
+        return float(np.linalg.norm(embeddings[i] - embeddings[j]))
+
+    found = []
+    for a in rows:
+        for p in rows:
+            if a == p or not (valid[a] and valid[p]) or keys[a] != keys[p]:
+                continue
+            negatives = [n for n in rows if valid[n] and keys[n] != keys[a]]
+            if not negatives:
+                continue
+            if strategy == triplet.SEMI_HARD:
+                farther = [n for n in negatives if dist(a, n) > dist(a, p)]
+                if farther:
+                    negatives = [min(farther, key=lambda n: (dist(a, n), n))]
+                else:
+                    negatives = [max(negatives, key=lambda n: (dist(a, n), -n))]
+            found += [(a, p, n) for n in negatives if dist(a, p) - dist(a, n) + margin > 0]
+    return found
+
+
+def _reference_derivatives(embeddings, triplets):
+    """Alg. 1, lines 2-10, literally."""
+    out = np.zeros_like(embeddings)
+    for a, p, n in triplets:
+        u_ap = (embeddings[a] - embeddings[p]) / np.linalg.norm(embeddings[a] - embeddings[p])
+        u_an = (embeddings[a] - embeddings[n]) / np.linalg.norm(embeddings[a] - embeddings[n])
+        out[a] += u_ap - u_an
+        out[p] += -u_ap
+        out[n] += u_an
+    return out / max(len(triplets), 1)
+
+
+def _reference_buffer(embeddings, keys, valid, users_per_group, strategy, margin):
+    """(derivatives, active count) of a [slots, s, d] buffer, group by group."""
+    slots, s, _ = embeddings.shape
+    out = np.zeros_like(embeddings)
+    total = 0
+    for start in range(0, slots, users_per_group):
+        group = slice(start, min(start + users_per_group, slots))
+        e = embeddings[group].reshape(-1, embeddings.shape[-1])
+        found = _reference_triplets(
+            e, keys[group].reshape(-1), valid[group].reshape(-1), strategy, margin
+        )
+        out[group] = _reference_derivatives(e, found).reshape(embeddings[group].shape)
+        total += len(found)
+    return out, total
+
+
+def _random_buffer(seed, slots=5, s=3, d=4, identities=3):
+    rng = np.random.default_rng(seed)
+    embeddings = rng.normal(size=(slots, s, d))
+    keys = rng.integers(0, identities, size=(slots, s)).astype(np.int64)
+    valid = rng.random((slots, s)) > 0.25
+    return embeddings, keys, valid
+
+
+@pytest.mark.parametrize("strategy", triplet.STRATEGIES)
+@pytest.mark.parametrize("users_per_group", [1, 2, 5])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_alg1_derivatives_equal_autodiff_and_a_loop_over_triplets(strategy, users_per_group, seed):
+    embeddings, keys, valid = _random_buffer(seed)
+    e = tf.constant(embeddings)
+    with tf.GradientTape() as tape:
+        tape.watch(e)
+        loss = triplet.buffer_loss(e, keys, valid, users_per_group, strategy, 0.5)
+    autodiff = tape.gradient(loss, e).numpy()
+    alg1, count = triplet.buffer_derivatives(e, keys, valid, users_per_group, strategy, 0.5)
+    reference, reference_count = _reference_buffer(
+        embeddings, keys, valid, users_per_group, strategy, 0.5
+    )
+    np.testing.assert_allclose(alg1.numpy(), autodiff, atol=1e-12)
+    np.testing.assert_allclose(alg1.numpy(), reference, atol=1e-12)
+    assert int(count) == reference_count
+
+
+@pytest.mark.parametrize("strategy", triplet.STRATEGIES)
+def test_padded_rows_are_in_no_triplet(strategy):
+    embeddings, keys, valid = _random_buffer(3)
+    derivatives, count = triplet.buffer_derivatives(
+        tf.constant(embeddings), keys, valid, 2, strategy, 1.0
+    )
+    assert np.all(derivatives.numpy()[~valid] == 0)
+    # Whatever padding holds, nothing changes.
+    rng = np.random.default_rng(9)
+    other = np.where(valid[..., None], embeddings, 100 * rng.normal(size=embeddings.shape))
+    other_keys = np.where(valid, keys, keys[0, 0])
+    derivatives2, count2 = triplet.buffer_derivatives(
+        tf.constant(other), other_keys, valid, 2, strategy, 1.0
+    )
+    np.testing.assert_array_equal(derivatives.numpy(), derivatives2.numpy())
+    assert int(count) == int(count2)
+
+
+def test_groups_do_not_reach_each_other():
+    embeddings, keys, valid = _random_buffer(4, slots=4)
+    before, _ = triplet.buffer_derivatives(
+        tf.constant(embeddings), keys, valid, 2, "batch_all", 1.0
+    )
+    changed = embeddings.copy()
+    changed[3] = np.random.default_rng(5).normal(size=changed[3].shape)
+    after, _ = triplet.buffer_derivatives(tf.constant(changed), keys, valid, 2, "batch_all", 1.0)
+    np.testing.assert_array_equal(before.numpy()[:2], after.numpy()[:2])
+
+
+# --- the process ----------------------------------------------------------------------
+
+
+def _backbone():
+    return tf.keras.Sequential(
+        [
+            tf.keras.layers.Flatten(input_shape=IMAGE_SHAPE),
+            # No bias: distances ignore a shift, so its gradient is zero up to rounding,
+            # which Adam would amplify into a spurious comparison failure.
+            tf.keras.layers.Dense(
+                EMBEDDING,
+                use_bias=False,
+                kernel_initializer=tf.keras.initializers.GlorotUniform(seed=1),
+            ),
+        ]
+    )
+
+
+def _user(seed, identity, count):
+    rng = np.random.default_rng(seed)
+    return {
+        "image": rng.random((count, *IMAGE_SHAPE)).astype(np.float32),
+        "identity": np.full(count, identity, np.int64),
+    }
+
+
+def _dataset(user):
+    return tf.data.Dataset.from_tensor_slices(user)
+
+
+# Five users of three identities (one user with fewer than s examples: padded rows).
+USERS = [_user(0, 0, 3), _user(1, 0, 3), _user(2, 1, 2), _user(3, 1, 3), _user(4, 2, 3)]
+
+
+def _centralized_gradient(model, users, s, strategy, margin):
+    """Autodiff of the centralized triplet loss over the same examples (one group)."""
+    images = np.concatenate([u["image"][:s] for u in users])
+    keys = np.concatenate([u["identity"][:s] for u in users])
+    with tf.GradientTape() as tape:
+        embeddings = model(images, training=False)
+        found = _reference_triplets(
+            embeddings.numpy(), keys, np.ones(len(keys), bool), strategy, margin
+        )
+        a, p, n = (list(x) for x in zip(*found))
+        d_ap = tf.norm(tf.gather(embeddings, a) - tf.gather(embeddings, p), axis=1)
+        d_an = tf.norm(tf.gather(embeddings, a) - tf.gather(embeddings, n), axis=1)
+        loss = tf.reduce_mean(d_ap - d_an + margin)
+    return tape.gradient(loss, model.trainable_weights)
+
+
+@pytest.mark.parametrize("strategy", triplet.STRATEGIES)
+def test_one_round_equals_the_centralized_triplet_gradient(tff_runtime, strategy):
+    config = fdml.FdmlConfig(
+        samples_per_user=3,
+        users_per_round=5,
+        strategy=strategy,
+        margin=1.0,
+        server_learning_rate=0.01,
+    )
+    process = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, config)
+    state = process.initialize()
+    output = process.next(state, [_dataset(u) for u in USERS])
+    assert output.applied and output.metrics["aggregated"] == 5
+
+    model = _backbone()
+    weights = fdml.backbone_weights(state)
+    for variable, value in zip(model.trainable_weights, weights.trainable):
+        variable.assign(value)
+    expected = _centralized_gradient(model, USERS, 3, strategy, 1.0)
+    # Eq. 2: the released aggregate is the sum of the participants' gradients over n.
+    for got, want in zip(output.gradient, expected):
+        np.testing.assert_allclose(got * 5, want.numpy(), rtol=1e-5, atol=1e-6)
+
+    # The server's Adam step on that gradient.
+    adam = tff.learning.optimizers.build_adam(learning_rate=0.01)
+    specs = [tf.TensorSpec(w.shape, tf.float32) for w in weights.trainable]
+    _, stepped = adam.next(
+        adam.initialize(specs),
+        [tf.constant(w) for w in weights.trainable],
+        [w / 5 for w in expected],
+    )
+    for got, want in zip(fdml.backbone_weights(output.state).trainable, stepped):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def small_process():
+    config = fdml.FdmlConfig(samples_per_user=3, users_per_round=3, margin=1.0)
+    return fdml.FdmlProcess(_backbone, IMAGE_SHAPE, config)
+
+
+def test_case_a_over_selection_fills_the_buffer_and_too_few_restart(tff_runtime, small_process):
+    state = small_process.initialize()
+    data = [_dataset(u) for u in USERS]
+    output = small_process.next(state, data, case_a_failures=[1])
+    assert output.applied
+    assert output.metrics["case_a_failures"] == 1
+    assert output.metrics["case_b_failures"] == 0
+    # Users 0, 2, 3 uploaded first: the same round as selecting exactly them.
+    same = small_process.next(state, [data[0], data[2], data[3]])
+    for got, want in zip(output.gradient, same.gradient):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    restarted = small_process.next(state, data, case_a_failures=[0, 1, 2])
+    assert restarted.restarted and not restarted.applied and not restarted.abandoned
+    assert restarted.state is state
+
+
+def test_case_b_continue_or_abandon(tff_runtime):
+    base = dict(samples_per_user=3, users_per_round=3, margin=1.0)
+    data = [_dataset(u) for u in USERS[:3]]
+    uc = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, fdml.FdmlConfig(**base))
+    state = uc.initialize()
+    output = uc.next(state, data, case_b_failures=[1])
+    assert output.applied and output.metrics["case_b_failures"] == 1
+    assert output.metrics["aggregated"] == 2
+    assert output.metrics["case_a_failures"] == 0
+
+    as_ = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, fdml.FdmlConfig(**base, case_b_strategy=fdml.AS))
+    state = as_.initialize()
+    abandoned = as_.next(state, data, case_b_failures=[1])
+    assert abandoned.abandoned and not abandoned.applied
+    for got, want in zip(
+        fdml.backbone_weights(abandoned.state).trainable, fdml.backbone_weights(state).trainable
+    ):
+        np.testing.assert_array_equal(got, want)
+    # The derivatives were released under this round's seed: the next round draws anew.
+    assert int(abandoned.state["round_num"]) == int(state["round_num"]) + 1
+
+
+def test_response_rate_aggregates_the_first_arrivals(tff_runtime):
+    config = fdml.FdmlConfig(samples_per_user=3, users_per_round=3, margin=1.0, response_rate=0.6)
+    process = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, config)
+    output = process.next(process.initialize(), [_dataset(u) for u in USERS[:3]])
+    assert output.metrics["aggregated"] == 2
+
+
+def test_noise_is_seeded_by_round_and_clips_hold(tff_runtime):
+    config = fdml.FdmlConfig(
+        samples_per_user=3,
+        users_per_round=3,
+        margin=1.0,
+        row_clip=0.1,
+        derivative_noise_multiplier=1.0,
+        gradient_clip=0.05,
+        gradient_noise_multiplier=0.0,
+        noise_seed=7,
+    )
+    process = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, config)
+    embeddings = np.random.default_rng(0).normal(size=(3, 3, EMBEDDING)).astype(np.float32)
+    keys = np.array([[0] * 3, [0] * 3, [1] * 3], np.int64)
+    valid = np.ones((3, 3), bool)
+    seed = np.array([7, 0], np.int64)
+    first = process.server_step(embeddings, keys, valid, seed, np.int64(0))["derivatives"]
+    again = process.server_step(embeddings, keys, valid, seed, np.int64(0))["derivatives"]
+    second = process.server_step(embeddings, keys, valid, seed, np.int64(1))["derivatives"]
+    np.testing.assert_array_equal(first, again)
+    assert not np.allclose(first, second)
+    output = process.next(process.initialize(), [_dataset(u) for u in USERS[:3]])
+    # No gradient noise: the aggregate is a mean of 3 gradients clipped to 0.05.
+    norm = np.sqrt(sum(float(np.sum(g**2)) for g in output.gradient))
+    assert norm <= 0.05 + 1e-6
+
+
+def test_config_refuses_noise_without_clip_and_bad_rates():
+    with pytest.raises(ValueError, match="row_clip"):
+        fdml.FdmlConfig(samples_per_user=2, users_per_round=2, derivative_noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="gradient_clip"):
+        fdml.FdmlConfig(samples_per_user=2, users_per_round=2, gradient_noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="response_rate"):
+        fdml.FdmlConfig(samples_per_user=2, users_per_round=2, response_rate=0)
+    with pytest.raises(ValueError, match="strategy"):
+        fdml.FdmlConfig(samples_per_user=2, users_per_round=2, strategy="hardest")
+
+
+def test_draw_failures_is_data_independent_and_disjoint():
+    a, b = fdml.draw_failures(3, 7, 20, 0.3, 0.3)
+    assert (a, b) == fdml.draw_failures(3, 7, 20, 0.3, 0.3)
+    assert not set(a) & set(b)
+    assert collections.Counter(a + b).most_common(1)[0][1] == 1
