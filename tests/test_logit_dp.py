@@ -17,6 +17,7 @@ import tensorflow as tf
 from scipy.optimize import minimize
 
 from tff_algorithms import logit_dp
+from tff_algorithms import logit_dp_sensitivity as sensitivity
 from tff_algorithms.accounting import NeighboringRelation
 
 E2 = math.exp(2.0)
@@ -90,6 +91,8 @@ def test_without_clipping_the_gradient_is_autodiff_of_the_summed_loss():
     lam = logit_dp.clipped_gradient_lambda(embed, variables, x, y, scale=2.0, clip_norm=1e12)
     np.testing.assert_allclose(_flat(explicit), expected, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(_flat(lam), expected, rtol=1e-10, atol=1e-12)
+    rows = logit_dp.clipped_gradient_by_rows(embed, variables, x, y, scale=2.0, clip_norm=1e12)
+    np.testing.assert_allclose(_flat(rows), expected, rtol=1e-10, atol=1e-12)
     # The module's loss is the summed loss.
     logits = _reference_logits(embed(x), embed(y), 2.0)
     np.testing.assert_allclose(logit_dp.contrastive_loss(logits), loss, rtol=1e-12)
@@ -120,7 +123,7 @@ def test_per_pair_norms_match_the_module_logits_for_tiny_embeddings():
 
 
 @pytest.mark.parametrize("dtype,rtol", [(tf.float64, 1e-9), (tf.float32, 2e-4)])
-def test_lambda_route_equals_explicit_clipping(dtype, rtol):
+def test_lambda_and_row_routes_equal_explicit_clipping(dtype, rtol):
     embed, variables = _mlp(2, dtype=dtype)
     x, y = _batch(2, 6, dtype=dtype)
     scale = 3.0
@@ -141,6 +144,8 @@ def test_lambda_route_equals_explicit_clipping(dtype, rtol):
     lam = logit_dp.clipped_gradient_lambda(embed, variables, x, y, scale=scale, clip_norm=clip)
     np.testing.assert_allclose(_flat(explicit), expected, rtol=rtol, atol=rtol * 1e-2)
     np.testing.assert_allclose(_flat(lam), _flat(explicit), rtol=rtol, atol=rtol * 1e-2)
+    rows = logit_dp.clipped_gradient_by_rows(embed, variables, x, y, scale=scale, clip_norm=clip)
+    np.testing.assert_allclose(_flat(rows), expected, rtol=rtol, atol=rtol * 1e-2)
 
 
 # ---------------------------------------------------------------------------------------
@@ -281,8 +286,8 @@ TWO_PAIR_SEEDS = {False: (11,), True: (7,)}
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_worst_case_search_reaches_but_never_exceeds_the_bound(n):
-    c_rem = logit_dp.logit_dp_sensitivity(n, 1.0, 1.0, REMOVE)
-    c_sub = logit_dp.logit_dp_sensitivity(n, 1.0, 1.0, REPLACE)
+    c_rem = sensitivity.logit_dp_sensitivity(n, 1.0, 1.0, REMOVE)
+    c_sub = sensitivity.logit_dp_sensitivity(n, 1.0, 1.0, REPLACE)
     removed, removed_random = _worst_case(n, replace=False)
     replaced, replaced_random = _worst_case(n, replace=True)
     print(
@@ -298,13 +303,13 @@ def test_worst_case_search_reaches_but_never_exceeds_the_bound(n):
         assert removed >= 0.97 * ISSUE_SEARCH[n]
     # ... not back to the paper's Eq. 6, and not, under substitute-one, to the issue's
     # (removal) bound: replacing a pair moves the gradient further than removing one.
-    assert removed > logit_dp.paper_eq6_sensitivity(n, 1.0)
+    assert removed > sensitivity.paper_eq6_sensitivity(n, 1.0)
     assert replaced > c_rem
 
 
 def test_issue_numbers_and_limits():
     def c(n, rel):
-        return logit_dp.logit_dp_sensitivity(n, 1.0, 1.0, rel)
+        return sensitivity.logit_dp_sensitivity(n, 1.0, 1.0, rel)
 
     issue = [2 * (1 - 1 / (1 + (n - 1) * E2)) + 2 * (n - 1) * E2 / (E2 + n - 1) for n in (2, 3, 4)]
     np.testing.assert_allclose([c(n, REMOVE) for n in (2, 3, 4)], issue, rtol=1e-12)
@@ -312,19 +317,19 @@ def test_issue_numbers_and_limits():
     assert c(3, REMOVE) == pytest.approx(5.0212, abs=1e-4)
     # Substitute-one adds the second row term.
     assert c(2, REPLACE) == pytest.approx(6 * E2 / (1 + E2))
-    assert logit_dp.paper_eq6_sensitivity(2, 1.0) == pytest.approx(2.0)
+    assert sensitivity.paper_eq6_sensitivity(2, 1.0) == pytest.approx(2.0)
     # Monotone in n, bounded by the n-free limit, which it approaches.
     for rel, limit in ((REMOVE, 2 * (1 + E2)), (REPLACE, 4 + 2 * E2)):
         values = [c(n, rel) for n in (2, 3, 10, 1000, 10**8)]
         assert values == sorted(values)
-        assert logit_dp.n_free_sensitivity(1.0, 1.0, rel) == pytest.approx(limit)
+        assert sensitivity.n_free_sensitivity(1.0, 1.0, rel) == pytest.approx(limit)
         assert values[-1] < limit and values[-1] == pytest.approx(limit, rel=1e-6)
     # General scale: e² → e^{2s}; larger scales give larger bounds.
     t = math.exp(6.0)
-    assert logit_dp.logit_dp_sensitivity(5, 3.0, 2.0, REMOVE) == pytest.approx(
+    assert sensitivity.logit_dp_sensitivity(5, 3.0, 2.0, REMOVE) == pytest.approx(
         2.0 * (2 * 4 * t / (1 + 4 * t) + 2 * 4 * t / (t + 4))
     )
-    assert logit_dp.naive_dp_sensitivity(0.5) == 1.0
+    assert sensitivity.naive_dp_sensitivity(0.5) == 1.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -338,7 +343,7 @@ def test_noise_std_is_sigma_times_c_and_seeded():
         zeros, batch_size=n, scale=scale, clip_norm=clip, noise_multiplier=sigma, seed=(3, 4)
     )
     draws = _flat(noisy)
-    c = logit_dp.logit_dp_sensitivity(n, scale, clip)
+    c = sensitivity.logit_dp_sensitivity(n, scale, clip)
     # 20,000 draws: the sample std's relative standard error is 1/sqrt(2N) = 0.5%.
     assert np.std(draws) == pytest.approx(sigma * c, rel=0.025)
     assert abs(np.mean(draws)) < 5 * sigma * c / math.sqrt(draws.size)
@@ -378,7 +383,7 @@ def test_logit_dp_gradient_is_clipped_sum_plus_seeded_noise():
         embed, variables, x, y, noise_multiplier=0.8, seed=(7, 7), **kwargs
     )
     noise = logit_dp.add_gaussian_noise([tf.zeros_like(v) for v in variables], 1.0, (7, 7))
-    c = logit_dp.logit_dp_sensitivity(16, 1.0, 0.3)
+    c = sensitivity.logit_dp_sensitivity(16, 1.0, 0.3)
     np.testing.assert_allclose(_flat(noisy) - clipped, 0.8 * c * _flat(noise), rtol=1e-8)
 
 
@@ -396,16 +401,16 @@ def _one_line_error(fn, *args, **kwargs) -> str:
 
 def test_refuses_a_bound_that_is_not_below_n_times_b():
     # n = 2, s = 1: C = 5.29·B >= 2·B; the message names a batch size that works.
-    message = _one_line_error(logit_dp.check_logit_dp_config, 2, 1.0, 1.0)
+    message = _one_line_error(sensitivity.check_logit_dp_config, 2, 1.0, 1.0)
     assert "batch size of at least" in message
     n_ok = int(message.rsplit("at least ", 1)[1].split()[0])
-    assert logit_dp.logit_dp_sensitivity(n_ok, 1.0, 1.0) < n_ok
-    assert logit_dp.logit_dp_sensitivity(n_ok - 1, 1.0, 1.0) >= n_ok - 1
+    assert sensitivity.logit_dp_sensitivity(n_ok, 1.0, 1.0) < n_ok
+    assert sensitivity.logit_dp_sensitivity(n_ok - 1, 1.0, 1.0) >= n_ok - 1
     # A large scale at a moderate batch: the message names a scale that works.
-    message = _one_line_error(logit_dp.check_logit_dp_config, 64, 5.0, 0.1)
+    message = _one_line_error(sensitivity.check_logit_dp_config, 64, 5.0, 0.1)
     s_ok = float(message.split("logit scale below ")[1].split()[0])
-    assert logit_dp.logit_dp_sensitivity(64, 0.99 * s_ok, 0.1) < 64 * 0.1
-    assert logit_dp.logit_dp_sensitivity(64, 1.01 * s_ok, 0.1) >= 64 * 0.1
+    assert sensitivity.logit_dp_sensitivity(64, 0.99 * s_ok, 0.1) < 64 * 0.1
+    assert sensitivity.logit_dp_sensitivity(64, 1.01 * s_ok, 0.1) >= 64 * 0.1
     # Refused before any gradient work, and in the noise function.
     embed, variables = _mlp(5)
     x, y = _batch(5, 2)
@@ -429,17 +434,17 @@ def test_refuses_a_bound_that_is_not_below_n_times_b():
         noise_multiplier=1.0,
         seed=(0, 0),
     )
-    assert logit_dp.check_logit_dp_config(64, 1.0, 1.0) < 64
+    assert sensitivity.check_logit_dp_config(64, 1.0, 1.0) < 64
 
 
 @pytest.mark.parametrize(
     "call",
     [
-        lambda: logit_dp.logit_dp_sensitivity(1, 1.0, 1.0),
-        lambda: logit_dp.logit_dp_sensitivity(8, 0.0, 1.0),
-        lambda: logit_dp.logit_dp_sensitivity(8, 1.0, -1.0),
-        lambda: logit_dp.logit_dp_sensitivity(8, 1.0, 1.0, "replace_special"),
-        lambda: logit_dp.n_free_sensitivity(1e3, 1.0),
+        lambda: sensitivity.logit_dp_sensitivity(1, 1.0, 1.0),
+        lambda: sensitivity.logit_dp_sensitivity(8, 0.0, 1.0),
+        lambda: sensitivity.logit_dp_sensitivity(8, 1.0, -1.0),
+        lambda: sensitivity.logit_dp_sensitivity(8, 1.0, 1.0, "replace_special"),
+        lambda: sensitivity.n_free_sensitivity(1e3, 1.0),
         lambda: logit_dp.add_gaussian_noise([tf.zeros([2])], -1.0, (0, 0)),
         lambda: logit_dp.add_gaussian_noise([tf.zeros([2])], 1.0, (0, 0, 0)),
     ],

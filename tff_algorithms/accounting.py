@@ -123,6 +123,10 @@ class Mechanism(str, enum.Enum):
 
     DPSGD = "dpsgd"  # independent Gaussian noise (DP-FedEmb, DP-FedAvg)
     DPFTRL = "dpftrl"  # tree-aggregated noise (DP-FTRL-FedEmb)
+    # Logit-DP contrastive steps (issue 26): independent Gaussian noise each step, its
+    # multiplier relative to the derived sensitivity C(n, s, B) of the clipped sum
+    # (tff_algorithms.logit_dp_sensitivity), not to a clip norm.
+    LOGIT_DP = "logit_dp"
 
 
 class Sampling(str, enum.Enum):
@@ -171,9 +175,16 @@ _SUPPORTED = {
         Accountant.RDP,
         Accountant.PLD,
     ),
+    (Mechanism.LOGIT_DP, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (Accountant.RDP,),
 }
 
-_DEFAULT_SAMPLING = {Mechanism.DPSGD: Sampling.UNIFORM, Mechanism.DPFTRL: Sampling.EPOCH}
+_DEFAULT_SAMPLING = {
+    Mechanism.DPSGD: Sampling.UNIFORM,
+    Mechanism.DPFTRL: Sampling.EPOCH,
+    Mechanism.LOGIT_DP: Sampling.UNIFORM,
+}
+# Independent Gaussian noise each round or step, over a sampled set of users.
+_SAMPLED_GAUSSIAN = (Mechanism.DPSGD, Mechanism.LOGIT_DP)
 _DEFAULT_RELATION = {
     Sampling.UNIFORM: NeighboringRelation.REPLACE_ONE,
     Sampling.POISSON: NeighboringRelation.ADD_OR_REMOVE_ONE,
@@ -321,6 +332,18 @@ class AccountingSpec:
                 )
         if self.restart_every_epoch and self.mechanism is not Mechanism.DPFTRL:
             raise ValueError("tree restart applies only to the dpftrl mechanism")
+        if self.mechanism is Mechanism.LOGIT_DP:
+            if self.convention is not Convention.STRICT:
+                raise ValueError(
+                    "the logit_dp mechanism has no paper convention: its noise is calibrated "
+                    "to the derived sensitivity C(n, s, B) (the paper's Eq. 6 is below the "
+                    "true worst case); use the strict convention"
+                )
+            if self.users_per_virtual_client != 1:
+                raise ValueError(
+                    "the logit_dp mechanism samples single users (one positive pair each): "
+                    "users per virtual client must be 1"
+                )
         combination = (self.mechanism, self.sampling, self.neighboring_relation)
         accountants = _SUPPORTED.get(combination)
         if accountants is None:
@@ -338,7 +361,12 @@ class AccountingSpec:
 
     @property
     def sensitivity_in_clips(self) -> float:
-        """L2 sensitivity of the noised sum to one user, in clip norms (docstring table)."""
+        """L2 sensitivity of the noised sum to one user, in clip norms (docstring table).
+
+        logit_dp: 1, because its noise multiplier is already relative to the sensitivity.
+        """
+        if self.mechanism is Mechanism.LOGIT_DP:
+            return 1.0
         if self.neighboring_relation is NeighboringRelation.REPLACE_ONE:
             return 1.0 if self.convention is Convention.PAPER else 2.0
         return 2.0 if self.users_per_virtual_client > 1 else 1.0
@@ -453,7 +481,7 @@ def dp_event_for(spec: AccountingSpec) -> dp_accounting.DpEvent:
     import dp_accounting
 
     z = spec.effective_noise_multiplier
-    if spec.mechanism is Mechanism.DPSGD:
+    if spec.mechanism in _SAMPLED_GAUSSIAN:
         gaussian = dp_accounting.GaussianDpEvent(z)
         if spec.sampling is Sampling.UNIFORM:
             round_event = dp_accounting.SampledWithoutReplacementDpEvent(
@@ -520,13 +548,15 @@ def rdp_curve(spec: AccountingSpec) -> np.ndarray:
 
 
 def _analysis_name(spec: AccountingSpec) -> str:
-    if spec.mechanism is Mechanism.DPSGD:
+    if spec.mechanism in _SAMPLED_GAUSSIAN:
         sampling = (
             "uniform sampling without replacement"
             if spec.sampling is Sampling.UNIFORM
             else "Poisson sampling"
         )
         what = f"sampled Gaussian ({sampling})"
+        if spec.mechanism is Mechanism.LOGIT_DP:
+            what += ", Logit-DP per-pair clipping"
     elif spec.restart_every_epoch:
         what = "tree aggregation restarted every epoch"
     else:
@@ -536,11 +566,12 @@ def _analysis_name(spec: AccountingSpec) -> str:
         NeighboringRelation.ADD_OR_REMOVE_ONE: "add-or-remove-one",
         NeighboringRelation.REPLACE_SPECIAL: "add-or-remove with special element",
     }[spec.neighboring_relation]
-    convention = (
-        f"strict convention (sensitivity {spec.sensitivity_in_clips:g} x clip)"
-        if spec.convention is Convention.STRICT
-        else "PAPER CONVENTION (comparison only: understates substitute-one epsilon)"
-    )
+    if spec.mechanism is Mechanism.LOGIT_DP:
+        convention = "strict convention (noise relative to the sensitivity C(n, s, B))"
+    elif spec.convention is Convention.STRICT:
+        convention = f"strict convention (sensitivity {spec.sensitivity_in_clips:g} x clip)"
+    else:
+        convention = "PAPER CONVENTION (comparison only: understates substitute-one epsilon)"
     return f"{spec.accountant.value.upper()}, {what}, {relation}, {convention}"
 
 

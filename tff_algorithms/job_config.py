@@ -33,15 +33,19 @@ from tff_algorithms import (
     report_policy,
     validation,
 )
+from tff_algorithms.logit_dp_sensitivity import MAX_SCALE, check_logit_dp_config
 
 DP_FEDEMB = "dp-fedemb"
 DP_FEDAVG = "dp-fedavg"
 DP_FTRL_FEDEMB = "dp-ftrl-fedemb"
 CENTRALIZED = "centralized"
+# Centralized contrastive training of the backbone under user-level DP (issue 26): each
+# step samples users, one positive pair (two images) per user, per-pair clipping.
+LOGIT_DP = "logit-dp"
 # The paper's EMNIST noise multiplier (appendix D), when neither it nor a target is given.
 DEFAULT_NOISE_MULTIPLIER = 0.62
 AUTO = schedule.AUTO
-ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, CENTRALIZED)
+ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, CENTRALIZED, LOGIT_DP)
 # The algorithms with a privacy guarantee: the only ones a pipeline run may train.
 PRIVATE_ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB)
 
@@ -110,6 +114,16 @@ class TrainJobConfig:
       testing_fixed_noise: the explicit testing flag that allows a fixed `noise_seed`:
         for tests and benchmarks only; recorded in metrics.json.
       restart_every_epoch: DP-FTRL only: restart the noise tree every epoch.
+      logit_scale: logit-dp only: s, the scale of its cosine logits (1/temperature). The
+        sensitivity C(n, s, B) grows with it (`logit_dp_sensitivity`).
+
+    `logit-dp` (private contrastive training, `tff_algorithms.contrastive_training`)
+    reads the federated fields as one step's shape: `rounds` steps, each sampling
+    `virtual_clients_per_round` users (n; `users_per_virtual_client` must be 1) without
+    replacement by the same schedule as DP-FedEmb, one positive pair per user; per-pair
+    logit gradients clipped to `clip_norm` (B); noise `noise_multiplier`·C(n, s, B);
+    momentum SGD with `server_learning_rate` / `server_momentum` on the noised sum over n.
+    Head, local-training and dropout fields do not apply to it.
       max_epsilon: privacy budget; the job refuses to start when the planned rounds
         would cost more. None: no budget.
       over_selection: o; a round selects ceil(M(1 + o)) virtual clients and keeps the
@@ -157,6 +171,7 @@ class TrainJobConfig:
     noise_seed: int | None = None
     testing_fixed_noise: bool = False
     restart_every_epoch: bool = False
+    logit_scale: float = 1.0
     max_epsilon: float | None = None
     over_selection: float = 0.0
     min_report_fraction: float = 0.5
@@ -248,6 +263,9 @@ class TrainJobConfig:
         if self.max_epsilon is not None:
             validation.check_number("max_epsilon", self.max_epsilon, 0, low_open=True)
         validation.check_bool("restart_every_epoch", self.restart_every_epoch)
+        validation.check_number("logit_scale", self.logit_scale, 0, MAX_SCALE, low_open=True)
+        if self.algorithm == LOGIT_DP:
+            self._check_logit_dp()
         if self.restart_every_epoch and self.algorithm != DP_FTRL_FEDEMB:
             raise ValueError("restart_every_epoch applies only to dp-ftrl-fedemb")
         if isinstance(self.trainable_layers, str) or not all(
@@ -261,6 +279,28 @@ class TrainJobConfig:
         object.__setattr__(self, "trainable_layers", tuple(self.trainable_layers))
         # Checks the architecture against the input size.
         _ = self.backbone_config
+
+    def _check_logit_dp(self) -> None:
+        if self.users_per_virtual_client != 1:
+            raise ValueError(
+                "logit-dp samples single users, one positive pair each: set "
+                f"users_per_virtual_client to 1 (got {self.users_per_virtual_client})"
+            )
+        for name in ("over_selection", "failure_injection_rate"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name} applies to federated rounds, not to logit-dp: set it to 0"
+                )
+        if self.virtual_clients_per_round != AUTO:
+            try:
+                check_logit_dp_config(
+                    self.virtual_clients_per_round, float(self.logit_scale), float(self.clip_norm)
+                )
+            except ValueError as e:
+                raise ValueError(
+                    f"logit-dp with {self.virtual_clients_per_round} users a step "
+                    f"(virtual_clients_per_round): {str(e).rstrip('.')}"
+                ) from None
 
     def _resolve_noise(self) -> None:
         if self.target_epsilon is None:
@@ -465,13 +505,17 @@ def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.Ac
         return accounting.AccountingSpec(num_users, num_users, config.rounds, 0.0, delta)
     stats = schedule_shape_for(config, num_users).participation_stats(config.rounds)
     is_tree = config.algorithm == DP_FTRL_FEDEMB
+    if config.algorithm == LOGIT_DP:
+        mechanism = accounting.Mechanism.LOGIT_DP
+    else:
+        mechanism = accounting.Mechanism.DPFTRL if is_tree else accounting.Mechanism.DPSGD
     return accounting.AccountingSpec(
         population=stats.sampling_units,
         users_per_round=stats.units_per_round,
         rounds=stats.rounds,
         noise_multiplier=config.noise_multiplier,
         delta=delta,
-        mechanism=accounting.Mechanism.DPFTRL if is_tree else accounting.Mechanism.DPSGD,
+        mechanism=mechanism,
         users_per_virtual_client=config.users_per_virtual_client,
         restart_every_epoch=config.restart_every_epoch,
         min_separation=stats.min_separation if is_tree and not config.restart_every_epoch else None,

@@ -38,7 +38,12 @@ import tensorflow_federated as tff
 from beam_jobs import partition
 from tff_algorithms import accounting, dropouts, export, job_files, secret_files
 from tff_algorithms import budget as budget_lib
-from tff_algorithms.job_config import CENTRALIZED, TrainJobConfig, fresh_schedule_seed
+from tff_algorithms.job_config import (
+    CENTRALIZED,
+    LOGIT_DP,
+    TrainJobConfig,
+    fresh_schedule_seed,
+)
 from tff_algorithms.ledger import PrivacyLedger
 
 JOB_FORMAT = "dp-fedemb-train-job/1"
@@ -271,6 +276,12 @@ def _client_failures(history: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+_ROUNDS_ARE = {
+    CENTRALIZED: "epochs over all training users",
+    LOGIT_DP: "Logit-DP steps (one positive pair per sampled user)",
+}
+
+
 def write_outputs(
     output_dir: str,
     config: TrainJobConfig,
@@ -292,9 +303,7 @@ def write_outputs(
         **_privacy_summary(config, outcome.ledger, facts.planned),
         "noise_multiplier_source": facts.noise_source,
         "rounds": outcome.ledger.rounds_recorded,
-        "rounds_are": "epochs over all training users"
-        if config.algorithm == CENTRALIZED
-        else "federated rounds",
+        "rounds_are": _ROUNDS_ARE.get(config.algorithm, "federated rounds"),
         "resumed_from_round": outcome.resumed_from_round,
         "wall_seconds": time.perf_counter() - started,
         "evaluation": {

@@ -16,6 +16,10 @@ train` and the TFX trainer component call. It
    OUTPUT/metrics.json (`job_outputs`, which also says what is published and what is
    kept private).
 
+`algorithm="logit-dp"` is private contrastive training of the backbone
+(`contrastive_training`): users sampled by the same schedule, one positive pair each,
+per-pair clipping and noise; a "round" is one step.
+
 `algorithm="centralized"` is the non-private oracle (also the pipeline's non-private
 pretraining on public data): SGD with momentum over all training examples, one "round"
 per epoch, learning rate and momentum from `server_learning_rate` / `server_momentum`
@@ -56,6 +60,7 @@ from tff_algorithms import (
     accounting,
     aggregators,
     client_data,
+    contrastive_training,
     job_outputs,
     local_training,
     mechanisms,
@@ -70,6 +75,7 @@ from tff_algorithms.evaluation import HeldOutEvaluator
 from tff_algorithms.job_config import (
     CENTRALIZED,
     DP_FEDAVG,
+    LOGIT_DP,
     TrainJobConfig,
     accounting_spec_for,
     schedule_for,
@@ -382,6 +388,8 @@ def run_train_job(
     )
     if config.algorithm == CENTRALIZED:
         outcome = _train_centralized(inputs)
+    elif config.algorithm == LOGIT_DP:
+        outcome = contrastive_training.train_logit_dp(inputs, claimed.schedule_seed)
     else:
         # The caller's runtime, else one for this job; workers that `runtime_config` names
         # run nested over the caller's (stopping them reinstates it).

@@ -62,7 +62,9 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "dpsgd",
         _values(accounting.Mechanism),
         "dpsgd: independent Gaussian noise (DP-FedEmb, DP-FedAvg); "
-        "dpftrl: tree-aggregated noise (DP-FTRL-FedEmb).",
+        "dpftrl: tree-aggregated noise (DP-FTRL-FedEmb); logit_dp: Logit-DP contrastive "
+        "steps (--users-per-round users a step, --rounds steps, the noise multiplier "
+        "relative to the sensitivity C(n, s, B)).",
         flag_values=flag_values,
     )
     flags.DEFINE_integer(

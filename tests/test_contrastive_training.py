@@ -1,0 +1,181 @@
+"""Logit-DP training as a job (issue 26 item 2): user-level pairs, epsilon, resume, refusals."""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from tests import support
+from tff_algorithms import (
+    accounting,
+    client_data,
+    contrastive_training,
+    job_config,
+    job_files,
+    train_job,
+)
+
+TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES
+# 14 users a step is the smallest batch whose sensitivity at logit scale 1 is below n·B.
+CONFIG = job_config.TrainJobConfig(
+    algorithm=job_config.LOGIT_DP,
+    rounds=4,
+    noise_multiplier=1.0,
+    clip_norm=1.0,
+    users_per_virtual_client=1,
+    virtual_clients_per_round=14,
+    server_learning_rate=0.5,
+    server_momentum=0.0,
+    embedding_size=16,
+    evaluate_every=2,
+    seed=1,
+    noise_seed=7,
+    testing_fixed_noise=True,
+)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return support.write_partition_and_held_out(
+        tmp_path_factory.mktemp("data"), support.TRAIN_CLI_DATA, TRAIN_IDENTITIES
+    )
+
+
+@pytest.fixture(scope="module")
+def straight_run(data, tmp_path_factory):
+    return train_job.run_train_job(CONFIG, *data, str(tmp_path_factory.mktemp("straight")))
+
+
+def test_metrics_epsilon_equals_the_privacy_command(straight_run):
+    summary = straight_run.metrics
+    delta = TRAIN_IDENTITIES**-1.1
+    assert summary["private"] is True and summary["rounds"] == 4
+    assert summary["accounting"]["analysis"].startswith("RDP, sampled Gaussian")
+    assert "Logit-DP" in summary["privacy"]
+    out = subprocess.run(
+        [
+            support.CONSOLE_SCRIPT,
+            "privacy",
+            "--mechanism=logit_dp",
+            f"--users={TRAIN_IDENTITIES}",
+            "--users-per-round=14",
+            "--rounds=4",
+            "--noise-multiplier=1.0",
+            f"--delta={delta!r}",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert summary["epsilon"] == pytest.approx(json.loads(out.stdout)["epsilon"], rel=1e-12)
+    # Independently of the product's spec: dp_accounting's own events for the same steps.
+    import dp_accounting
+
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(
+            TRAIN_IDENTITIES, 14, dp_accounting.GaussianDpEvent(1.0)
+        ),
+        4,
+    )
+    rdp = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    )
+    assert summary["epsilon"] == pytest.approx(rdp.compose(event).get_epsilon(delta), rel=1e-9)
+    ledger = json.loads(open(straight_run.ledger_path).read())
+    assert [e["round"] for e in ledger["history"]] == [1, 2, 3, 4]
+    assert ledger["spec"]["mechanism"] == accounting.Mechanism.LOGIT_DP.value
+    assert set(summary["recall_at_far"]) == {"0.1", "0.01", "0.001"}
+    assert os.path.exists(os.path.join(straight_run.saved_model_dir, "saved_model.pb"))
+
+
+def test_history_releases_nothing_but_epsilon_time_and_held_out_evaluation(straight_run):
+    for record in straight_run.metrics["history"]:
+        assert set(record) <= {"round", "epsilon", "round_seconds", "eval"}
+
+
+def test_the_model_moves(straight_run, data):
+    fresh = train_job.run_train_job(
+        dataclasses.replace(CONFIG, rounds=1, server_learning_rate=1e-12),
+        *data,
+        os.path.join(os.path.dirname(straight_run.output_dir), "barely"),
+    )
+    moved = [
+        np.max(np.abs(a - b))
+        for a, b in zip(
+            support.saved_backbone(fresh.saved_model_dir),
+            support.saved_backbone(straight_run.saved_model_dir),
+            strict=True,
+        )
+    ]
+    assert max(moved) > 1e-3
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(data, straight_run, tmp_path):
+    # What a kill after step 3 leaves behind: the checkpoint of step 2 (an evaluation step).
+    resumed_dir = str(tmp_path / "resumed")
+    shutil.copytree(straight_run.output_dir, resumed_dir)
+    checkpoints = os.path.join(resumed_dir, job_files.CHECKPOINT_DIR)
+    for name in os.listdir(checkpoints):
+        if name.startswith("ckpt-4") or name == "checkpoint":
+            os.remove(os.path.join(checkpoints, name))
+    with open(os.path.join(checkpoints, "checkpoint"), "w") as f:
+        f.write('model_checkpoint_path: "ckpt-2"\nall_model_checkpoint_paths: "ckpt-2"\n')
+    shutil.rmtree(os.path.join(resumed_dir, job_files.SAVED_MODEL_DIR))
+
+    resumed = train_job.run_train_job(CONFIG, *data, resumed_dir)
+
+    assert resumed.metrics["resumed_from_round"] == 2
+    for a, b in zip(
+        support.saved_backbone(straight_run.saved_model_dir),
+        support.saved_backbone(resumed.saved_model_dir),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert open(resumed.ledger_path).read() == open(straight_run.ledger_path).read()
+
+
+def test_each_step_takes_one_pair_from_each_of_n_distinct_users(data):
+    partition_dir, _ = data
+    from beam_jobs import partition
+
+    reader = partition.PartitionReader(partition_dir)
+    user_ids = reader.user_ids()
+    plan = job_config.schedule_for(CONFIG, len(user_ids), schedule_seed=3)
+    ids = client_data.VirtualClientIds(partition_dir, plan, user_ids)
+    for step in range(3):
+        users = [i.split(client_data.USER_SEPARATOR)[1:] for i in ids.for_round(step)]
+        assert all(len(u) == 1 for u in users)  # one user per "virtual client"
+        assert len({u[0] for u in users}) == 14  # no user twice in a step
+    pairs = contrastive_training._pair_indices([1, 2, 6, 6], schedule_seed=3, step=0)
+    assert pairs[0] == (0, 0)  # one image: used twice
+    assert all(a != b and 0 <= a < n and 0 <= b < n for (a, b), n in zip(pairs[1:], [2, 6, 6]))
+    assert pairs == contrastive_training._pair_indices([1, 2, 6, 6], schedule_seed=3, step=0)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"users_per_virtual_client": 2}, "set users_per_virtual_client to 1"),
+        ({"virtual_clients_per_round": 8}, "a batch size of at least 14 at scale 1"),
+        ({"logit_scale": 3.0}, "gains nothing over per-example clipping"),
+        ({"over_selection": 0.5}, "over_selection applies to federated rounds"),
+        ({"logit_scale": 0.0}, "logit_scale"),
+    ],
+)
+def test_config_refusals_are_one_line(changes, message):
+    with pytest.raises(ValueError, match=message) as e:
+        dataclasses.replace(CONFIG, **changes)
+    assert "\n" not in str(e.value)
+
+
+def test_paper_convention_is_refused_for_logit_dp():
+    with pytest.raises(ValueError, match="no paper convention") as e:
+        accounting.AccountingSpec(
+            100, 14, 5, 1.0, 1e-5, mechanism="logit_dp", convention="paper"
+        )
+    assert "\n" not in str(e.value)

@@ -1,0 +1,171 @@
+"""Logit-DP contrastive training of the backbone on private users (issue 26, item 2).
+
+`train_job.run_train_job` calls `train_logit_dp` for `algorithm="logit-dp"`; everything
+around the loop (budget charge, evaluation, export, metrics.json, ledger.json) is the
+job's, as for the other algorithms. Labels are not used.
+
+The privacy unit is the user. Each step t:
+
+1. The job's schedule (`job_config.schedule_for`, sampled mode, one user per virtual
+   client) draws n = `virtual_clients_per_round` users uniformly without replacement:
+   the sampling DP-FedEmb's rounds use, and the one the accountant analyses
+   (`accounting.Mechanism.LOGIT_DP`: sampled Gaussian, substitute-one).
+2. Each sampled user gives one positive pair, two of its images drawn at random (two
+   distinct records when it holds at least two, its one image twice otherwise). No user
+   appears twice in a step and a user's whole part in it is one pair, so the
+   substitute-one neighbour of a step's batch replaces one pair: the relation
+   `logit_dp_sensitivity.logit_dp_sensitivity` bounds.
+3. The clipped sum Σ τ_ij·clip_B(∇S_ij) (`logit_dp.clipped_gradient_by_rows`) plus
+   N(0, (σ·C(n, s, B))²) (`logit_dp.logit_dp_noised_gradient`), divided by n, is one
+   momentum-SGD step (post-processing of the release).
+
+Which images form a pair is drawn from the secret schedule seed and the step (as the
+users are); the noise from the noise seed and the step. Both seeds are in the
+checkpoint (every `CHECKPOINT_EVERY` steps and on evaluation steps), so a resumed job
+redraws the same pairs and noise and ends where an uninterrupted run ends. Nothing
+computed from the training pairs other than the noised gradient is recorded: the
+history holds epsilon, wall time and held-out evaluation only (a per-step training
+loss would be an unaccounted release).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorflow as tf
+
+from tff_algorithms import client_data, logit_dp, models
+from tff_algorithms.job_config import schedule_for
+from tff_algorithms.job_outputs import JobOutcome
+from tff_algorithms.ledger import PrivacyLedger
+
+if TYPE_CHECKING:
+    from tff_algorithms.train_job import JobInputs
+
+CHECKPOINT_EVERY = 10
+# Stream of the pair draws, apart from the schedule's own streams of the same seed.
+_PAIR_STREAM = 0x10617
+
+
+def _pair_indices(records: list[int], schedule_seed: int, step: int) -> list[tuple[int, int]]:
+    """Two record indices per user: distinct when it holds two or more."""
+    rng = np.random.default_rng([schedule_seed, _PAIR_STREAM, step])
+    pairs = []
+    for count in records:
+        if count >= 2:
+            first, second = rng.choice(count, size=2, replace=False)
+            pairs.append((int(first), int(second)))
+        else:
+            pairs.append((0, 0))
+    return pairs
+
+
+def _record(virtual_client_id: str, index: int, image_shape: tuple[int, int, int]) -> tf.Tensor:
+    records = client_data.read_virtual_client_records(tf.constant(virtual_client_id))
+    serialized = next(iter(records.skip(index).take(1)))
+    return client_data.parse_example(serialized, image_shape)["image"]
+
+
+class PairSource:
+    """The users and positive pairs of each step (module docstring, steps 1-2)."""
+
+    def __init__(self, inputs: JobInputs, schedule_seed: int) -> None:
+        config = inputs.config
+        plan = schedule_for(config, len(inputs.user_ids), schedule_seed)
+        self._ids = client_data.VirtualClientIds(inputs.partition_dir, plan, inputs.user_ids)
+        self._seed = schedule_seed
+        self._shape = config.image_shape
+
+    def pairs(self, step: int) -> tuple[tf.Tensor, tf.Tensor]:
+        """(x, y), each [n, H, W, C]: row k is the k-th sampled user's two images."""
+        ids = self._ids.for_round(step)
+        records = [int(client_data.expected_examples(tf.constant(i))) for i in ids]
+        xs, ys = [], []
+        for vc_id, (first, second) in zip(
+            ids, _pair_indices(records, self._seed, step), strict=True
+        ):
+            xs.append(_record(vc_id, first, self._shape))
+            ys.append(_record(vc_id, second, self._shape))
+        return tf.stack(xs), tf.stack(ys)
+
+
+def train_logit_dp(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
+    """Trains the backbone with Logit-DP for `config.rounds` steps (module docstring)."""
+    config, spec, evaluator = inputs.config, inputs.spec, inputs.evaluator
+    model = models.build_backbone(config.backbone_config, seed=config.seed)
+    if inputs.pretrained is not None:
+        models.assign_backbone_weights(model, inputs.pretrained)
+    optimizer = tf.keras.optimizers.SGD(
+        learning_rate=config.server_learning_rate, momentum=config.server_momentum
+    )
+    variables = list(model.trainable_variables)
+    n = int(config.virtual_clients_per_round)
+
+    def embed(images: tf.Tensor) -> tf.Tensor:
+        return model(images, training=False)  # per example: no batch statistics
+
+    @tf.function
+    def step_fn(x: tf.Tensor, y: tf.Tensor, seed: tf.Tensor) -> None:
+        clipped = logit_dp.clipped_gradient_by_rows(
+            embed, variables, x, y, scale=config.logit_scale, clip_norm=config.clip_norm
+        )
+        noised = logit_dp.logit_dp_noised_gradient(
+            clipped,
+            batch_size=n,
+            scale=config.logit_scale,
+            clip_norm=config.clip_norm,
+            noise_multiplier=config.noise_multiplier,
+            seed=seed,
+        )
+        optimizer.apply_gradients(zip([g / n for g in noised], variables, strict=True))
+
+    fresh_noise_seed = config.noise_seed if config.noise_seed is not None else secrets.randbits(62)
+    noise_seed = tf.Variable(fresh_noise_seed, dtype=tf.int64)
+    step = tf.Variable(0, dtype=tf.int64)
+    ledger_text = tf.Variable(PrivacyLedger(spec).to_json())
+    history_text = tf.Variable("[]")
+    optimizer.build(variables)
+    checkpoint = tf.train.Checkpoint(
+        model=model,
+        optimizer=optimizer,
+        step=step,
+        noise_seed=noise_seed,
+        ledger=ledger_text,
+        history=history_text,
+    )
+    manager = tf.train.CheckpointManager(checkpoint, inputs.checkpoint_dir, max_to_keep=2)
+    if manager.latest_checkpoint:
+        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+    ledger = PrivacyLedger.from_json(ledger_text.numpy().decode(), expected_spec=spec)
+    history: list[dict[str, Any]] = json.loads(history_text.numpy().decode())
+    start = int(step.numpy())
+    source = PairSource(inputs, schedule_seed)
+    for t in range(start, config.rounds):
+        began = time.perf_counter()
+        x, y = source.pairs(t)
+        step_fn(x, y, tf.constant([int(noise_seed.numpy()), t], tf.int64))
+        done = t + 1
+        ledger.record_round(done)
+        record: dict[str, Any] = {
+            "round": done,
+            "epsilon": ledger.epsilon,
+            "round_seconds": time.perf_counter() - began,
+        }
+        evaluate = done == config.rounds or (
+            config.evaluate_every and done % config.evaluate_every == 0
+        )
+        if evaluate:
+            record["eval"] = evaluator(models.backbone_weights(model))
+        history.append(record)
+        if inputs.progress is not None:
+            inputs.progress(record)
+        if evaluate or done % CHECKPOINT_EVERY == 0:
+            step.assign(done)
+            ledger_text.assign(ledger.to_json())
+            history_text.assign(json.dumps(history))
+            manager.save(checkpoint_number=done)
+    return JobOutcome(models.backbone_weights(model), ledger, history, start)
