@@ -125,10 +125,10 @@ def test_groups_do_not_reach_each_other():
 # --- the process ----------------------------------------------------------------------
 
 
-def _backbone():
+def _backbone(image_shape=IMAGE_SHAPE):
     return tf.keras.Sequential(
         [
-            tf.keras.layers.Flatten(input_shape=IMAGE_SHAPE),
+            tf.keras.layers.Flatten(input_shape=image_shape),
             # No bias: distances ignore a shift, so its gradient is zero up to rounding,
             # which Adam would amplify into a spurious comparison failure.
             tf.keras.layers.Dense(
@@ -284,6 +284,38 @@ def test_noise_is_seeded_by_round_and_clips_hold(tff_runtime):
     # No gradient noise: the aggregate is a mean of 3 gradients clipped to 0.05.
     norm = np.sqrt(sum(float(np.sum(g**2)) for g in output.gradient))
     assert norm <= 0.05 + 1e-6
+
+
+def test_noise_std_is_z_times_clip(tff_runtime):
+    """The std the accountant's sensitivities are divided into (tests/test_fdml_privacy.py)."""
+    shape = (16, 16, 1)
+    config = fdml.FdmlConfig(
+        samples_per_user=30,
+        users_per_round=10,
+        row_clip=0.1,
+        derivative_noise_multiplier=3.0,
+        gradient_clip=0.2,
+        gradient_noise_multiplier=2.5,
+        noise_seed=3,
+    )
+    process = fdml.FdmlProcess(lambda: _backbone(shape), shape, config)
+    # An all-padding buffer has zero derivatives: what is released is the noise alone.
+    step = process.server_step(
+        np.zeros((10, 30, EMBEDDING), np.float32),
+        np.zeros((10, 30), np.int64),
+        np.zeros((10, 30), bool),
+        np.array([3, 0], np.int64),
+        np.int64(0),
+    )
+    assert np.std(step["derivatives"]) == pytest.approx(0.3, rel=0.1)
+    # Participants with no examples backpropagate nothing: the aggregate is noise / n.
+    empty = {
+        "image": np.zeros((0, *shape), np.float32),
+        "identity": np.zeros((0,), np.int64),
+    }
+    output = process.next(process.initialize(), [_dataset(empty)] * 10)
+    noise = np.concatenate([g.ravel() for g in output.gradient]) * 10
+    assert np.std(noise) == pytest.approx(0.5, rel=0.1)
 
 
 def test_config_refuses_noise_without_clip_and_bad_rates():
