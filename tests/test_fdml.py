@@ -1,13 +1,15 @@
 """FDML (issue 27): the grouped triplet loss, Alg. 1's derivatives, and the two-computation round."""
 
 import collections
+import dataclasses
+import math
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import fdml, triplet
+from tff_algorithms import fdml, fdml_privacy, model_config, triplet
 
 IMAGE_SHAPE = (2, 2, 1)
 EMBEDDING = 3
@@ -334,3 +336,62 @@ def test_draw_failures_is_data_independent_and_disjoint():
     assert (a, b) == fdml.draw_failures(3, 7, 20, 0.3, 0.3)
     assert not set(a) & set(b)
     assert collections.Counter(a + b).most_common(1)[0][1] == 1
+
+
+def test_a_private_run_on_the_product_backbone_is_charged_per_release(tff_runtime):
+    backbone = model_config.BackboneConfig(
+        model_config.SMALL_CNN, (8, 8, 1), embedding_size=4, max_groups=4
+    )
+    config = fdml.FdmlConfig(
+        samples_per_user=2,
+        users_per_round=3,
+        users_per_group=3,
+        row_clip=0.1,
+        derivative_noise_multiplier=4.0,
+        gradient_clip=0.1,
+        gradient_noise_multiplier=1.0,
+        case_b_strategy=fdml.AS,
+        server_learning_rate=0.01,
+        noise_seed=5,
+    )
+    process = fdml.build_fdml_process(backbone, config, backbone_seed=2)
+    rng = np.random.default_rng(0)
+    users = [
+        tf.data.Dataset.from_tensor_slices(
+            {
+                "image": rng.random((2, 8, 8, 1)).astype(np.float32),
+                "identity": np.array([f"id{u % 2}"] * 2),
+            }
+        )
+        for u in range(4)
+    ]
+    state = process.initialize()
+    # (Case A failures, Case B failures) of each attempt; 4 selected for 3 slots.
+    attempts = [([], []), ([], [2]), ([0, 1], []), ([3], [])]
+    applied = abandoned = restarted = 0
+    for case_a, case_b in attempts:
+        output = process.next(state, users, case_a_failures=case_a, case_b_failures=case_b)
+        applied += output.applied
+        abandoned += output.abandoned
+        restarted += output.restarted
+        assert all(np.all(np.isfinite(w)) for w in fdml.backbone_weights(output.state).trainable)
+        state = output.state
+    assert (applied, abandoned, restarted) == (2, 1, 1)
+    assert int(state["round_num"]) == 3  # every release advanced the noise stream
+
+    spec = fdml.privacy_spec(
+        config, population=100, selected_per_round=4, rounds=applied, abandoned_rounds=abandoned
+    )
+    assert (spec.users_per_group, spec.samples_per_user, spec.users_per_round) == (3, 2, 4)
+    epsilon = fdml_privacy.compute_epsilon(spec, 1e-5)
+    without_abandoned = fdml_privacy.compute_epsilon(
+        dataclasses.replace(spec, abandoned_rounds=0), 1e-5
+    )
+    assert math.isfinite(epsilon) and epsilon > without_abandoned
+    non_private = fdml.privacy_spec(
+        fdml.FdmlConfig(samples_per_user=2, users_per_round=3),
+        population=100,
+        selected_per_round=3,
+        rounds=1,
+    )
+    assert fdml_privacy.compute_epsilon(non_private, 1e-5) == math.inf

@@ -54,7 +54,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import local_training, triplet, validation
+from tff_algorithms import fdml_privacy, local_training, model_config, models, triplet, validation
 
 UC = "uc"  # unconditionally continue with the gradients that arrive
 AS = "as"  # abandon the round on any Case B failure
@@ -511,6 +511,82 @@ class FdmlProcess:
         return FdmlRoundOutput(
             new_state, True, False, False, [np.asarray(g) for g in gradient], metrics
         )
+
+
+def normalized_backbone_fn(
+    backbone_config: model_config.BackboneConfig, seed: int = 0
+) -> Callable[[], tf.keras.Model]:
+    """The product's backbone with unit-norm embeddings (as `models.embed` serves them, and
+    FaceNet's setting for the triplet loss); no extra weights, the backbone's order."""
+
+    def build() -> tf.keras.Model:
+        backbone = models.build_backbone(backbone_config, seed)
+        outputs = tf.keras.layers.UnitNormalization(axis=-1)(backbone.output)
+        return tf.keras.Model(backbone.input, outputs)
+
+    return build
+
+
+def build_fdml_process(
+    backbone_config: model_config.BackboneConfig,
+    config: FdmlConfig,
+    *,
+    backbone_seed: int = 0,
+    initial_weights: tff.learning.models.ModelWeights | None = None,
+    identity_dtype: tf.DType = tf.string,
+) -> FdmlProcess:
+    """FDML on the product's backbone (`normalized_backbone_fn`), from `backbone_seed`'s
+    weights or `initial_weights` (e.g. `models.backbone_weights` of a pretrained one)."""
+    if initial_weights is None:
+        initial_weights = models.backbone_weights(
+            models.build_backbone(backbone_config, backbone_seed)
+        )
+    return FdmlProcess(
+        normalized_backbone_fn(backbone_config, backbone_seed),
+        backbone_config.image_shape,
+        config,
+        initial_weights=initial_weights,
+        identity_dtype=identity_dtype,
+    )
+
+
+def privacy_spec(
+    config: FdmlConfig,
+    *,
+    population: int,
+    selected_per_round: int,
+    rounds: int,
+    abandoned_rounds: int = 0,
+    sampling: fdml_privacy.Sampling | str = fdml_privacy.Sampling.UNIFORM,
+) -> fdml_privacy.FdmlPrivacySpec:
+    """What the accountant charges for a run of `config`: the group size, samples and noise
+    the process uses, so a run cannot train one mechanism and account for another.
+
+    `selected_per_round`: participants selected per round (over-selection included);
+    `rounds` / `abandoned_rounds`: the run's applied and abandoned rounds (restarts are
+    not charged). A config without a clip has no sensitivity: its noise counts as zero
+    (epsilon infinite).
+    """
+    if selected_per_round < config.users_per_round:
+        raise ValueError(
+            f"selected_per_round ({selected_per_round}) is below users_per_round "
+            f"({config.users_per_round})"
+        )
+    return fdml_privacy.FdmlPrivacySpec(
+        population=population,
+        users_per_round=selected_per_round,
+        users_per_group=config.group_size,
+        samples_per_user=config.samples_per_user,
+        derivative_noise_multiplier=(
+            config.derivative_noise_multiplier if config.row_clip is not None else 0.0
+        ),
+        gradient_noise_multiplier=(
+            config.gradient_noise_multiplier if config.gradient_clip is not None else 0.0
+        ),
+        rounds=rounds,
+        abandoned_rounds=abandoned_rounds,
+        sampling=sampling,
+    )
 
 
 def draw_failures(
