@@ -25,6 +25,10 @@ DP-FTRL run (add or remove with a special element), everything composes under th
 relation: a substitute-one bound holds for the special-element pairs too (replacing a
 user by an empty one is one substitution), so the sum is a valid bound there.
 
+A run with shared negatives (issue 22) also released DPLC cluster centers of the same
+users: its entry keeps the release plan (``shared_negatives``), and its curve is the
+training's plus the releases' (`dplc_releases`, no sampling amplification), so the
+budget counts them.
 Every run is composed under the strict accounting convention (`accounting.Convention`):
 the ledger stores each run's schedule, not its epsilon, so entries written before the
 convention existed (specs without a ``convention`` key) are accounted again under strict
@@ -58,7 +62,7 @@ from typing import Any
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from tff_algorithms import accounting, secret_files, validation
+from tff_algorithms import accounting, dplc_releases, secret_files, validation
 
 BUDGET_LEDGER_FORMAT = "dp-fedemb-budget-ledger/1"
 FINGERPRINT_SCHEME = "sha256 of sorted training user ids"
@@ -100,14 +104,33 @@ def composition_relation(
     return accounting.NeighboringRelation.REPLACE_ONE
 
 
-def composed_epsilon(specs: Sequence[accounting.AccountingSpec], delta: float) -> float:
-    """Epsilon at `delta` of all runs together: their RDP curves summed, then converted."""
+def composed_epsilon(
+    specs: Sequence[accounting.AccountingSpec],
+    delta: float,
+    releases: Sequence[dplc_releases.ReleasePlan | None] | None = None,
+) -> float:
+    """Epsilon at `delta` of all runs together: their RDP curves summed, then converted.
+
+    `releases`: each run's shared-negatives release plan (None: none), in `specs` order;
+    a run's releases over its whole schedule add to its curve.
+    """
     if not specs:
         return 0.0
     composition_relation(specs)
+    releases = list(releases) if releases is not None else [None] * len(specs)
+    if len(releases) != len(specs):
+        raise ValueError("composed_epsilon needs one release plan (or None) per run")
     if any(spec.effective_noise_multiplier == 0 for spec in specs):
         return math.inf  # a run without noise has no guarantee, nor has the whole
-    total = np.sum([accounting.rdp_curve(spec) for spec in specs], axis=0)
+    curves = [accounting.rdp_curve(spec) for spec in specs]
+    for i, (spec, plan) in enumerate(zip(specs, releases)):
+        if plan is not None:
+            curves[i] = curves[i] + dplc_releases.release_rdp_curve(
+                plan, plan.releases_after(spec.rounds)
+            )
+    total = np.sum(curves, axis=0)
+    if not np.all(np.isfinite(total)):
+        return math.inf
     epsilon, _ = rdp_privacy_accountant.compute_epsilon(accounting.RDP_ORDERS, total, delta)
     return float(epsilon)
 
@@ -206,14 +229,22 @@ def _specs(dataset: Mapping[str, Any]) -> list[accounting.AccountingSpec]:
     return [accounting.AccountingSpec.from_dict(run["spec"]) for run in dataset["runs"]]
 
 
+def _releases(run: Mapping[str, Any]) -> dplc_releases.ReleasePlan | None:
+    plan = run.get("shared_negatives")
+    return None if plan is None else dplc_releases.ReleasePlan.from_dict(plan)
+
+
 def charge_run(
     policy: BudgetPolicy,
     fingerprint: str,
     users: int,
     run_id: str,
     spec: accounting.AccountingSpec,
+    releases: dplc_releases.ReleasePlan | None = None,
 ) -> BudgetCharge:
     """Charges a run's planned schedule to its dataset, or refuses it (ValueError).
+
+    `releases`: the run's shared-negatives releases, charged with its schedule.
 
     A run id already in the ledger is not charged again (a resumed run). Otherwise the
     run is refused when the composed epsilon of the dataset's runs and this one, at this
@@ -225,9 +256,12 @@ def charge_run(
         others = [run for run in dataset["runs"] if run["run_id"] != run_id]
         previous = next((run for run in dataset["runs"] if run["run_id"] == run_id), None)
         other_specs = [accounting.AccountingSpec.from_dict(run["spec"]) for run in others]
-        spent_before = composed_epsilon(other_specs, spec.delta)
-        spent_after = composed_epsilon([*other_specs, spec], spec.delta)
-        run_epsilon = composed_epsilon([spec], spec.delta)
+        other_releases = [_releases(run) for run in others]
+        spent_before = composed_epsilon(other_specs, spec.delta, other_releases)
+        spent_after = composed_epsilon(
+            [*other_specs, spec], spec.delta, [*other_releases, releases]
+        )
+        run_epsilon = composed_epsilon([spec], spec.delta, [releases])
 
         def charge(overridden: bool, resumed: bool) -> BudgetCharge:
             return BudgetCharge(
@@ -245,7 +279,10 @@ def charge_run(
             )
 
         if previous is not None:
-            if accounting.AccountingSpec.from_dict(previous["spec"]) != spec:
+            if (
+                accounting.AccountingSpec.from_dict(previous["spec"]) != spec
+                or _releases(previous) != releases
+            ):
                 raise ValueError(
                     f"run {run_id} is in the budget ledger with another accounting spec; "
                     "refusing to charge it twice"
@@ -265,6 +302,7 @@ def charge_run(
             {
                 "run_id": run_id,
                 "spec": spec.to_dict(),
+                **({} if releases is None else {"shared_negatives": releases.to_dict()}),
                 "run_epsilon": _number(run_epsilon),
                 "spent_after": _number(spent_after),
                 "total_epsilon": policy.total_epsilon,
@@ -280,4 +318,6 @@ def dataset_spent(ledger_path: str, fingerprint: str, delta: float) -> float:
     """Composed epsilon at `delta` of every run charged to the dataset (0 if none)."""
     with _locked(ledger_path):
         dataset = _read(ledger_path)["datasets"].get(fingerprint)
-    return composed_epsilon(_specs(dataset), delta) if dataset else 0.0
+    if not dataset:
+        return 0.0
+    return composed_epsilon(_specs(dataset), delta, [_releases(run) for run in dataset["runs"]])

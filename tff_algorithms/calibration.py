@@ -18,7 +18,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from tff_algorithms import accounting
+from tff_algorithms import accounting, dplc_releases
 
 CALIBRATION_RELATIVE_TOLERANCE = 1e-3
 # The bracket's lower end: below it the accountants are slow (PLD) and a target that
@@ -34,9 +34,13 @@ def calibrate_noise_multiplier(
     spec: accounting.AccountingSpec,
     target_epsilon: float,
     relative_tolerance: float = CALIBRATION_RELATIVE_TOLERANCE,
+    releases: dplc_releases.ReleasePlan | None = None,
 ) -> float:
     """Smallest noise multiplier (as configured, before the virtual-client rule) for which
     `spec` costs at most `target_epsilon` at `spec.delta`.
+
+    `releases`: shared-negatives releases whose fixed cost the schedule composes with
+    (`dplc_releases.composed_privacy`): the target is then the total.
 
     Bisection on z, using that epsilon is non-increasing in z. The result z satisfies
     epsilon(z) <= target_epsilon, and epsilon(z * (1 - relative_tolerance)) > target_epsilon:
@@ -56,7 +60,7 @@ def calibrate_noise_multiplier(
         raise ValueError(f"relative tolerance must be in [1e-9, 1), got {relative_tolerance}")
 
     def epsilon_at(z: float) -> float:
-        return accounting.compute_privacy(spec.with_noise_multiplier(z)).epsilon
+        return dplc_releases.composed_privacy(spec.with_noise_multiplier(z), releases).epsilon
 
     # epsilon is non-increasing in z. Bracket the target by doubling or halving from
     # z = 1 (the accountants are slow or unstable at the extremes, so they are only

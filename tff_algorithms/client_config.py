@@ -64,6 +64,8 @@ class ClientConfig:
         `max_local_steps` where runs must be reproducible.
       failure_injection_rate: fraction of virtual clients whose read is made to fail
         (deterministic per virtual-client id); for tests and benchmarks only.
+      shared_negative_rows: Q, the broadcast shared-negative rows (issue 22) each local
+        head appends as fixed negatives; 0: none (the client state has no such field).
     """
 
     client_learning_rate: float
@@ -81,6 +83,7 @@ class ClientConfig:
     max_local_steps: int | None = None
     max_seconds: float | None = None
     failure_injection_rate: float = 0.0
+    shared_negative_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("client_learning_rate", "head_learning_rate_scale"):
@@ -105,6 +108,8 @@ class ClientConfig:
             raise ValueError(f"max_local_steps must be >= 1, got {self.max_local_steps}")
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise ValueError(f"max_seconds must be positive, got {self.max_seconds}")
+        if self.shared_negative_rows < 0:
+            raise ValueError(f"shared_negative_rows must be >= 0, got {self.shared_negative_rows}")
         if not 0 <= self.failure_injection_rate <= 1:
             raise ValueError(
                 f"failure_injection_rate must be in [0, 1], got {self.failure_injection_rate}"

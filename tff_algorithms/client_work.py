@@ -47,6 +47,14 @@ hash of the virtual-client id); the others' updates are zeroed (`kept_clients` c
 the rest). Every dropped or unkept client still counts in the aggregator's fixed
 denominator M, so the noise stays calibrated to the planned round.
 
+Shared negatives (issue 22): with `ClientConfig.shared_negative_rows` Q > 0 the client
+work's state, which the server broadcasts to every virtual client each round, also holds
+`shared_negatives` (float32 [Q, embedding_size], zeros until the first release): the
+DPLC-released cluster centers the training program sets before a release round
+(`shared_negatives.with_shared_negatives`). Clients read them as fixed negative head
+rows (`local_training`) and return only the backbone update, as without them. They sit
+in the server state (and its checkpoints), never in the model weights or the export.
+
 Client measurements (losses, counts) are computed on training users WITHOUT
 privacy; they are for monitoring only and must not be released.
 """
@@ -141,10 +149,11 @@ def make_client_dataset(
     )
 
 
-def _client_state_type() -> tff.Type:
-    return tff.StructWithPythonType(
-        [("round_num", np.int64), ("head_seed", np.int64)], collections.OrderedDict
-    )
+def _client_state_type(negatives_shape: tuple[int, int] | None) -> tff.Type:
+    fields = [("round_num", np.int64), ("head_seed", np.int64)]
+    if negatives_shape is not None:
+        fields.append(("shared_negatives", tff.TensorType(np.float32, negatives_shape)))
+    return tff.StructWithPythonType(fields, collections.OrderedDict)
 
 
 _NOT_REPORTED = np.iinfo(np.int64).max
@@ -206,19 +215,27 @@ def train_one_client(
     initial_weights: tff.learning.models.ModelWeights,
     dataset: tf.data.Dataset,
     round_num: int = 0,
+    shared_negatives: np.ndarray | None = None,
 ) -> tuple[list[np.ndarray], dict[str, float]]:
     """One DP-FedEmb virtual client's local training outside TFF, run eagerly.
 
     The same `LocalTrainer` as the federated client work, for checking one client's
     behaviour (its budgets, its drop decision) without building a TFF process.
     Returns the unclipped backbone update (initial - final; zeros when the client is
-    dropped) and the client's measurements.
+    dropped) and the client's measurements. `shared_negatives` [Q, d]: the broadcast
+    centers when `config.shared_negative_rows` is Q (None: zeros, nothing released).
     """
     trainer = LocalTrainer(lambda: models.build_backbone(backbone_config), config, None)
     client_state = collections.OrderedDict(
         round_num=tf.constant(round_num, tf.int64),
         head_seed=tf.constant(config.head_seed, tf.int64),
     )
+    if config.shared_negative_rows:
+        shape = (config.shared_negative_rows, backbone_config.embedding_size)
+        client_state["shared_negatives"] = tf.constant(
+            np.zeros(shape, np.float32) if shared_negatives is None else shared_negatives,
+            tf.float32,
+        )
     result, measurements = tf.function(trainer.train)(initial_weights, dataset, client_state)
     return [t.numpy() for t in result.update], {
         name: value.numpy().item() for name, value in measurements.items()
@@ -232,11 +249,23 @@ def _build_client_work(
     config: ClientConfig,
     global_head_vocabulary: np.ndarray | None,
     max_reports: int | None,
+    embedding_size: int | None = None,
 ) -> tff.learning.templates.ClientWorkProcess:
     if max_reports is not None and max_reports < 1:
         raise ValueError(f"max_reports must be >= 1, got {max_reports}")
+    negatives_shape = None
+    if config.shared_negative_rows:
+        if global_head_vocabulary is not None or embedding_size is None:
+            raise ValueError("shared negatives need a local head and the embedding size")
+        negatives_shape = (config.shared_negative_rows, embedding_size)
     data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
-    state_type = _client_state_type()
+    state_type = _client_state_type(negatives_shape)
+
+    def with_negatives(state: collections.OrderedDict, negatives: tf.Tensor | None):
+        # The state keeps its structure; the training program replaces the centers.
+        if negatives_shape is not None:
+            state["shared_negatives"] = negatives
+        return state
 
     @tff.tensorflow.computation(weights_type, data_type, state_type)
     def client_update(initial_weights, dataset, client_state):
@@ -245,15 +274,19 @@ def _build_client_work(
 
     @tff.tensorflow.computation
     def initial_state():
-        return collections.OrderedDict(
+        state = collections.OrderedDict(
             round_num=tf.constant(0, tf.int64), head_seed=tf.constant(config.head_seed, tf.int64)
+        )
+        return with_negatives(
+            state, None if negatives_shape is None else tf.zeros(negatives_shape, tf.float32)
         )
 
     @tff.tensorflow.computation(state_type)
     def advance_round(state):
-        return collections.OrderedDict(
+        advanced = collections.OrderedDict(
             round_num=state["round_num"] + 1, head_seed=state["head_seed"]
         )
+        return with_negatives(advanced, state.get("shared_negatives"))
 
     @tff.tensorflow.computation(np.int32)
     def not_reported(reported):
@@ -319,6 +352,7 @@ def build_fedemb_client_work(
     element_spec: collections.OrderedDict,
     config: ClientConfig,
     max_reports: int | None = None,
+    embedding_size: int | None = None,
 ) -> tff.learning.templates.ClientWorkProcess:
     """DP-FedEmb client work: local head, backbone-only update.
 
@@ -331,9 +365,17 @@ def build_fedemb_client_work(
       config: local training configuration.
       max_reports: keep at most this many reporting clients per round (over-selection:
         the round selects more); None keeps every client that reports.
+      embedding_size: the backbone's embedding size; needed with shared negatives
+        (`config.shared_negative_rows` > 0), the width of their rows in the state.
     """
     return _build_client_work(
-        backbone_fn, backbone_weights_type, element_spec, config, None, max_reports
+        backbone_fn,
+        backbone_weights_type,
+        element_spec,
+        config,
+        None,
+        max_reports,
+        embedding_size,
     )
 
 

@@ -29,6 +29,7 @@ from tff_algorithms import (
     accounting,
     calibration,
     client_config,
+    dplc_releases,
     model_config,
     report_policy,
     validation,
@@ -51,6 +52,89 @@ PRIVATE_ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB)
 
 # Never published (module docstring).
 _SECRET_FIELDS = ("schedule_seed", "noise_seed")
+# The algorithms whose virtual clients train a local head that shared negatives extend.
+SHARED_NEGATIVES_ALGORITHMS = (DP_FEDEMB, DP_FTRL_FEDEMB)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedNegativesConfig:
+    """`train.shared_negatives` (issue 22): privately released cluster centers that every
+    virtual client adds to its local head as fixed negative rows (never trained, never
+    sent back).
+
+    Before every `every_rounds`-th round (0-based rounds 0, R, 2R, ...) the server
+    samples `pool_users` training users (a fixed pool size: the DPLC divisor and pool
+    are public), computes one class center per sampled user (the mean unit embedding of
+    the user's first identity, so one user shapes exactly one row) with the current
+    backbone, and releases `num_clusters` noisy cluster means (`dplc.dplc_release`,
+    public queries: the previous release's centers, the first time directions drawn from
+    the public `seed`) of `cluster_size` members within angle `margin` (radians), with
+    Gaussian noise of multiplier `noise_multiplier` relative to the mean's sensitivity.
+    Each release is charged in the ledger and the budget as `num_clusters` Gaussian
+    mechanisms on every user, without sampling amplification (`dplc_releases`).
+
+    Defaults: a large cluster (the noise scale is σ·2·sin ρ / T per coordinate) and
+    high σ so that a release costs little next to the training (BENCHMARKS.md).
+    """
+
+    every_rounds: int = 10
+    pool_users: int = 512
+    num_clusters: int = 2
+    cluster_size: int = 128
+    margin: float = 1.0
+    noise_multiplier: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("every_rounds", "pool_users", "num_clusters", "cluster_size"):
+            validation.check_int(f"shared_negatives.{name}", getattr(self, name), 1)
+        validation.check_number(
+            "shared_negatives.margin", self.margin, 0, math.pi + 1e-12, low_open=True
+        )
+        validation.check_number(
+            "shared_negatives.noise_multiplier",
+            self.noise_multiplier,
+            0,
+            accounting.MAX_NOISE_MULTIPLIER,
+            low_open=True,
+        )
+        if self.cluster_size > self.pool_users:
+            raise ValueError(
+                f"shared_negatives.cluster_size {self.cluster_size} exceeds pool_users "
+                f"{self.pool_users}: a cluster takes its members from the pool"
+            )
+
+    @classmethod
+    def from_value(cls, value: Any) -> SharedNegativesConfig | None:
+        """None, a SharedNegativesConfig, or a mapping of its fields (JSON, YAML, --set)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"shared_negatives must be a mapping of its fields or null, got {value!r}"[:200]
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(names), key=str)
+        if unknown:
+            raise ValueError(
+                f"unknown shared_negatives field {unknown[0]!r} (known: {', '.join(names)})"
+            )
+        return cls(**{k: v for k, v in value.items() if v is not None})
+
+    def release_plan(self) -> dplc_releases.ReleasePlan:
+        """The public facts the releases' privacy depends on (imports dp_accounting)."""
+        from tff_algorithms import dplc
+
+        return dplc_releases.ReleasePlan(
+            every_rounds=self.every_rounds,
+            num_clusters=self.num_clusters,
+            noise_multiplier=float(self.noise_multiplier),
+            cluster_size=self.cluster_size,
+            margin=float(self.margin),
+            pool_users=self.pool_users,
+            sensitivity=dplc.dplc_sensitivity(
+                rho=float(self.margin), cluster_size=self.cluster_size, public_queries=True
+            ),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +220,9 @@ class TrainJobConfig:
         or wall-clock seconds is a straggler and is dropped (None: no limit).
       failure_injection_rate: fraction of virtual clients made to fail their read, to
         measure dropout robustness (tests and benchmarks only).
+      shared_negatives: None (off), or `SharedNegativesConfig` (a mapping of its fields
+        in JSON/YAML): DPLC-released cluster centers as fixed negative head rows, for
+        dp-fedemb and dp-ftrl-fedemb; their cost is in the ledger.
     """
 
     algorithm: str = DP_FEDEMB
@@ -180,10 +267,19 @@ class TrainJobConfig:
     max_client_seconds: float | None = None
     failure_injection_rate: float = 0.0
     trainable_layers: tuple[str, ...] = model_config.ALL_LAYERS
+    shared_negatives: SharedNegativesConfig | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        object.__setattr__(
+            self, "shared_negatives", SharedNegativesConfig.from_value(self.shared_negatives)
+        )
+        if self.shared_negatives is not None and self.algorithm not in SHARED_NEGATIVES_ALGORITHMS:
+            raise ValueError(
+                f"shared_negatives applies to {' and '.join(SHARED_NEGATIVES_ALGORITHMS)} "
+                f"(local heads), not {self.algorithm}"
+            )
         for name in (
             "rounds",
             "users_per_virtual_client",
@@ -343,12 +439,19 @@ class TrainJobConfig:
             return config, {**source, "virtual_clients_per_round": AUTO}
         if self.algorithm != CENTRALIZED:
             schedule_shape_for(self, num_users)  # one line when the users cannot fill a round
+        if self.shared_negatives is not None and self.shared_negatives.pool_users > num_users:
+            raise ValueError(
+                f"shared_negatives.pool_users {self.shared_negatives.pool_users} exceeds the "
+                f"{num_users} training users"
+            )
         if self.target_epsilon is None:
             return self, {"source": "configured", "noise_multiplier": self.noise_multiplier}
         fixed = dataclasses.replace(self, noise_multiplier=1.0, target_epsilon=None)
         spec = accounting_spec_for(fixed, num_users)
         try:
-            noise = calibration.calibrate_noise_multiplier(spec, float(self.target_epsilon))
+            noise = calibration.calibrate_noise_multiplier(
+                spec, float(self.target_epsilon), releases=release_plan_for(self)
+            )
         except calibration.TargetOutOfReach:
             noise = math.inf
         # Beyond z = M the noise on every coordinate of the averaged update exceeds the
@@ -420,6 +523,9 @@ class TrainJobConfig:
             max_local_steps=self.max_local_steps,
             max_seconds=self.max_client_seconds,
             failure_injection_rate=float(self.failure_injection_rate),
+            shared_negative_rows=(
+                0 if self.shared_negatives is None else self.shared_negatives.num_clusters
+            ),
         )
 
     def report_policy(self) -> report_policy.ReportPolicy:
@@ -434,7 +540,12 @@ class TrainJobConfig:
         return self.delta if self.delta is not None else float(num_users) ** -1.1
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        values = dataclasses.asdict(self)
+        # Off is left out: the records of jobs from before the field (train_job.json,
+        # metrics.json, golden runs) stay equal, so those jobs still resume.
+        if values["shared_negatives"] is None:
+            del values["shared_negatives"]
+        return values
 
     def public_dict(self) -> dict[str, Any]:
         """`to_dict` without the seeds (module docstring)."""
@@ -520,3 +631,11 @@ def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.Ac
         restart_every_epoch=config.restart_every_epoch,
         min_separation=stats.min_separation if is_tree and not config.restart_every_epoch else None,
     )
+
+
+def release_plan_for(config: TrainJobConfig) -> dplc_releases.ReleasePlan | None:
+    """The shared-negatives releases of a job (None without them): what its ledger and
+    budget charge beside the accounting spec."""
+    if config.shared_negatives is None:
+        return None
+    return config.shared_negatives.release_plan()

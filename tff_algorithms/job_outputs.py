@@ -36,7 +36,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from beam_jobs import partition
-from tff_algorithms import accounting, dropouts, export, job_files, secret_files
+from tff_algorithms import accounting, dplc_releases, dropouts, export, job_files, secret_files
 from tff_algorithms import budget as budget_lib
 from tff_algorithms.job_config import (
     CENTRALIZED,
@@ -270,6 +270,24 @@ def _client_failures(history: list[dict[str, Any]]) -> dict[str, Any] | None:
         **{name: sum(r[name] for r in rounds) for name in CLIENT_COUNTS},
         # Attempts below min_report_fraction, retried and never released (dropouts.py).
         "discarded_attempts": sum(
+        **_shared_negatives_summary(ledger),
+    }
+
+
+def _shared_negatives_summary(ledger: PrivacyLedger) -> dict[str, Any]:
+    """What the DPLC releases cost (issue 22); their epsilon is already in `epsilon`."""
+    plan = ledger.releases
+    if plan is None:
+        return {}
+    rounds = ledger.rounds_recorded
+    return {
+        "shared_negatives": {
+            **plan.to_dict(),
+            "releases": plan.releases_after(rounds),
+            # The releases alone; the run's epsilon composes them with the training.
+            "releases_epsilon": dplc_releases.releases_epsilon(plan, rounds, ledger.delta),
+            "sampling_amplification": "none",
+        }
             len(record.get("discarded_attempts_kept_clients", ())) for record in history
         ),
         "note": "operations counts of training clients, not covered by the DP guarantee",

@@ -13,6 +13,11 @@ Format 1 ledgers predate the accounting convention (`accounting.Convention`): th
 epsilons used the paper's arithmetic, which understates substitute-one epsilon. They are
 read as the schedule they store, accounted again under the strict convention (the
 default); trees, which both conventions account alike, keep their entries.
+
+Shared negatives (issue 22): a run that releases DPLC cluster centers
+(`dplc_releases.ReleasePlan`) records each round's epsilon composed with the releases
+made by then (`dplc_releases.composed_privacy`: RDP curves add), and stores the plan
+under ``shared_negatives``; a ledger without the key has no releases.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from tff_algorithms import accounting
+from tff_algorithms import accounting, dplc_releases
 
 LEDGER_FORMAT = "dp-fedemb-privacy-ledger/2"
 _LEGACY_FORMAT = "dp-fedemb-privacy-ledger/1"
@@ -48,9 +53,22 @@ class PrivacyLedger:
     recorded.
     """
 
-    def __init__(self, spec: accounting.AccountingSpec) -> None:
+    def __init__(
+        self,
+        spec: accounting.AccountingSpec,
+        releases: dplc_releases.ReleasePlan | None = None,
+    ) -> None:
+        if releases is not None:
+            # Refuses, before any round, a spec the releases cannot compose with.
+            dplc_releases.composed_privacy(spec, releases, 1)
         self._spec = spec
+        self._releases = releases
         self._entries: list[LedgerEntry] = []
+
+    @property
+    def releases(self) -> dplc_releases.ReleasePlan | None:
+        """The shared-negatives releases composed into every entry, or None."""
+        return self._releases
 
     @property
     def spec(self) -> accounting.AccountingSpec:
@@ -99,15 +117,17 @@ class PrivacyLedger:
                 f"round {round_number} exceeds the {self._spec.rounds} rounds of the "
                 "accounting spec"
             )
-        result = accounting.compute_privacy(self._spec.with_rounds(round_number))
+        result = dplc_releases.composed_privacy(self._spec, self._releases, round_number)
         entry = LedgerEntry(round_number, result.epsilon, result.zcdp_rho)
         self._entries.append(entry)
         return entry
 
     def to_dict(self) -> dict[str, Any]:
+        releases = {} if self._releases is None else {"shared_negatives": self._releases.to_dict()}
         return {
             "format": LEDGER_FORMAT,
             "spec": self._spec.to_dict(),
+            **releases,
             "history": [
                 {
                     "round": entry.round,
@@ -126,8 +146,10 @@ class PrivacyLedger:
         cls,
         data: Mapping[str, Any],
         expected_spec: accounting.AccountingSpec | None = None,
+        expected_releases: dplc_releases.ReleasePlan | None = None,
     ) -> PrivacyLedger:
-        """Restore a ledger; with `expected_spec`, refuse one kept under another schedule."""
+        """Restore a ledger; with `expected_spec`, refuse one kept under another schedule
+        (or, then, other shared-negatives releases than `expected_releases`)."""
         if not isinstance(data, Mapping) or data.get("format") not in (
             LEDGER_FORMAT,
             _LEGACY_FORMAT,
@@ -143,7 +165,17 @@ class PrivacyLedger:
                 "the saved privacy ledger was kept under a different accounting spec than "
                 "this run's; resuming would misreport epsilon"
             )
-        ledger = cls(spec)
+        releases = data.get("shared_negatives")
+        if releases is not None:
+            if legacy:
+                raise ValueError("corrupt privacy ledger: a format 1 ledger holds releases")
+            releases = dplc_releases.ReleasePlan.from_dict(releases)
+        if expected_spec is not None and releases != expected_releases:
+            raise ValueError(
+                "the saved privacy ledger was kept under other shared-negatives releases than "
+                "this run's; resuming would misreport epsilon"
+            )
+        ledger = cls(spec, releases)
         is_tree = spec.mechanism is accounting.Mechanism.DPFTRL
         for position, item in enumerate(data.get("history") or [], start=1):
             if item.get("round") != position:
@@ -172,15 +204,22 @@ class PrivacyLedger:
 
     @classmethod
     def from_json(
-        cls, text: str, expected_spec: accounting.AccountingSpec | None = None
+        cls,
+        text: str,
+        expected_spec: accounting.AccountingSpec | None = None,
+        expected_releases: dplc_releases.ReleasePlan | None = None,
     ) -> PrivacyLedger:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"privacy ledger is not valid JSON: {e}") from None
-        return cls.from_dict(data, expected_spec)
+        return cls.from_dict(data, expected_spec, expected_releases)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PrivacyLedger):
             return NotImplemented
-        return self._spec == other._spec and self._entries == other._entries
+        return (
+            self._spec == other._spec
+            and self._releases == other._releases
+            and self._entries == other._entries
+        )

@@ -10,6 +10,12 @@ dropped from the loss and counted in `examples_over_head_capacity` (the training
 program should treat a non-zero count as a configuration error). For DP-FedAvg the
 head is global: keys are looked up in the sorted keys of all training identities,
 and unknown identities are dropped and counted the same way.
+
+Shared negatives (issue 22): with `ClientConfig.shared_negative_rows` Q > 0 the client
+state carries the server's released cluster centers ([Q, d], `shared_negatives`), and
+`head_logits` appends one logit per center after the local rows: fixed negatives (no
+label points at them), built from constants, so no gradient reaches them and they are
+neither trained nor part of the update. All-zero rows (nothing released yet) are masked.
 """
 
 from __future__ import annotations
@@ -79,8 +85,15 @@ def head_logits(
     labels: tf.Tensor,
     loss_config: HeadLossConfig,
     num_active_rows: tf.Tensor | int | None = None,
+    negatives: tf.Tensor | None = None,
 ) -> tf.Tensor:
-    """Logits [B, rows] of the head loss; rows >= `num_active_rows` are masked out."""
+    """Logits [B, rows (+ Q)] of the head loss; rows >= `num_active_rows` are masked out.
+
+    `negatives` [Q, d]: fixed negative rows appended after the head's columns (module
+    docstring), never a label; their logits are those of a unit row under the margin
+    losses, and of a row as long as the mean active head row under softmax, so they
+    compete with the local identities on the same scale.
+    """
     if loss_config.loss == SOFTMAX:
         logits = tf.matmul(embeddings, kernel)
     else:
@@ -105,7 +118,39 @@ def head_logits(
     if num_active_rows is not None:
         active = tf.range(tf.shape(kernel)[1]) < tf.cast(num_active_rows, tf.int32)
         logits = tf.where(active[tf.newaxis, :], logits, MASKED_LOGIT)
-    return logits
+    if negatives is None:
+        return logits
+    return tf.concat(
+        [logits, _negative_logits(embeddings, kernel, loss_config, num_active_rows, negatives)],
+        axis=1,
+    )
+
+
+def _negative_logits(
+    embeddings: tf.Tensor,
+    kernel: tf.Tensor,
+    loss_config: HeadLossConfig,
+    num_active_rows: tf.Tensor | int | None,
+    negatives: tf.Tensor,
+) -> tf.Tensor:
+    # The released centers are inputs, not weights: stop_gradient makes that explicit
+    # even when a caller passes a variable.
+    negatives = tf.stop_gradient(tf.cast(negatives, embeddings.dtype))
+    present = tf.reduce_sum(tf.square(negatives), axis=1) > 0
+    directions = tf.math.l2_normalize(negatives, axis=1)
+    if loss_config.loss == SOFTMAX:
+        norms = tf.norm(kernel, axis=0)
+        if num_active_rows is not None:
+            active = tf.range(tf.shape(kernel)[1]) < tf.cast(num_active_rows, tf.int32)
+            norms = tf.boolean_mask(norms, active)
+        # Scale only: the head's rows get no gradient through their negatives' length.
+        length = tf.stop_gradient(tf.reduce_mean(norms))
+        logits = tf.matmul(embeddings, directions, transpose_b=True) * length
+    else:
+        logits = loss_config.scale * tf.matmul(
+            tf.math.l2_normalize(embeddings, axis=1), directions, transpose_b=True
+        )
+    return tf.where(present[tf.newaxis, :], logits, MASKED_LOGIT)
 
 
 def head_loss(logits: tf.Tensor, labels: tf.Tensor, example_mask: tf.Tensor) -> tf.Tensor:
@@ -239,6 +284,10 @@ class LocalTrainer:
             _backbone_trainable(initial_weights) + _backbone_non_trainable(initial_weights),
         ):
             variable.assign(value)
+        negatives = None
+        if self.config.shared_negative_rows:
+            # Broadcast with the client state; read only, never returned.
+            negatives = tf.convert_to_tensor(client_state["shared_negatives"], tf.float32)
         if self.vocabulary is None:
             vocabulary, client_seed, class_means = self._first_pass(dataset)
             if class_means is None:
@@ -266,7 +315,12 @@ class LocalTrainer:
             with tf.GradientTape() as tape:
                 embeddings = self.backbone(batch["image"], training=True)
                 logits = head_logits(
-                    embeddings, self.head, labels, self.config.head_loss, num_active_rows
+                    embeddings,
+                    self.head,
+                    labels,
+                    self.config.head_loss,
+                    num_active_rows,
+                    negatives=negatives,
                 )
                 loss = head_loss(logits, labels, usable)
             backbone_grads, head_grad = tape.gradient(loss, (backbone_variables, self.head))

@@ -133,6 +133,7 @@ def build_fedemb_process(
         client_work.client_element_spec(backbone_config.image_shape, identity_dtype),
         client_config,
         max_reports,
+        embedding_size=backbone_config.embedding_size,
     )
     return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer)
 

@@ -110,7 +110,8 @@ def pretrain_values(train: Mapping[str, Any], job: Mapping[str, Any]) -> dict[st
     """The centralized pretraining run: the private `train` values, every layer, then
     PRETRAIN, then `job`; no noise and no budget (public data costs none)."""
     values = overlay(overlay({**train, "trainable_layers": list(EVERY_LAYER)}, PRETRAIN), job)
-    values.update(algorithm="centralized", max_epsilon=None)
+    # Public pretraining releases nothing private: no shared negatives (issue 22).
+    values.update(algorithm="centralized", max_epsilon=None, shared_negatives=None)
     for name in NOISE_CHOICES:
         values[name] = None
     return values

@@ -61,6 +61,7 @@ from tff_algorithms import (
     aggregators,
     client_data,
     contrastive_training,
+    dplc_releases,
     job_outputs,
     local_training,
     mechanisms,
@@ -78,10 +79,43 @@ from tff_algorithms.job_config import (
     LOGIT_DP,
     TrainJobConfig,
     accounting_spec_for,
+    release_plan_for,
     schedule_for,
 )
 from tff_algorithms.job_outputs import JobOutcome, TrainJobResult
 from tff_algorithms.ledger import PrivacyLedger
+
+
+def _shared_negatives_hook(
+    inputs: JobInputs, process: tff.learning.templates.LearningProcess
+) -> Callable[[int, Any], Any] | None:
+    """Before each release round: release DPLC centers with the current backbone and
+    put them in the state the round broadcasts (`shared_negatives`); None without them."""
+    config = inputs.config
+    if config.shared_negatives is None:
+        return None
+    from tff_algorithms import shared_negatives
+
+    plan = config.shared_negatives.release_plan()
+    releaser = shared_negatives.CenterReleaser(
+        config.shared_negatives,
+        config.backbone_config,
+        inputs.reader,
+        inputs.user_ids,
+        public_seed=config.seed,
+        noise_seed=config.noise_seed,
+        max_examples_per_user=config.max_examples_per_client,
+    )
+
+    def before_round(round_num: int, state: Any) -> Any:
+        if not plan.is_release_round(round_num):
+            return state
+        backbone = processes.backbone_model_weights(process.get_model_weights(state))
+        previous = shared_negatives.shared_negatives_of(state)
+        rows = releaser.release(round_num // plan.every_rounds, backbone, previous)
+        return shared_negatives.with_shared_negatives(state, rows)
+
+    return before_round
 
 
 def _check_budget(config: TrainJobConfig, planned: accounting.PrivacyResult) -> None:
@@ -102,6 +136,7 @@ class JobInputs:
       config: the calibrated config (`TrainJobConfig.calibrated_for`).
       partition_dir / reader / user_ids: the training users' partition.
       spec: the accounting spec of the planned schedule.
+      releases: the shared-negatives releases the ledger composes with it, or None.
       evaluator: held-out evaluation of backbone weights.
       checkpoint_dir: OUTPUT/checkpoints.
       pretrained: the initial backbone, or None for the seeded initialisation.
@@ -113,6 +148,7 @@ class JobInputs:
     reader: partition.PartitionReader
     user_ids: list[str]
     spec: accounting.AccountingSpec
+    releases: dplc_releases.ReleasePlan | None
     evaluator: HeldOutEvaluator
     checkpoint_dir: str
     pretrained: tff.learning.models.ModelWeights | None
@@ -225,8 +261,10 @@ def _train_federated(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     result, ledger = training.train(
         process,
         ids.for_round,
-        PrivacyLedger(spec),
-        lambda text: PrivacyLedger.from_json(text, expected_spec=spec),
+        PrivacyLedger(spec, inputs.releases),
+        lambda text: PrivacyLedger.from_json(
+            text, expected_spec=spec, expected_releases=inputs.releases
+        ),
         training.TrainingProgramConfig(
             config.rounds, inputs.checkpoint_dir, evaluate_every=config.evaluate_every
         ),
@@ -236,6 +274,7 @@ def _train_federated(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
         initial_state=initial_state,
         on_round=on_round,
         report_policy=config.report_policy(),
+        before_round=_shared_negatives_hook(inputs, process),
     )
     backbone = processes.backbone_model_weights(process.get_model_weights(result.state))
     return JobOutcome(backbone, ledger, result.history, result.resumed_from_round)
@@ -350,7 +389,10 @@ def run_train_job(
     user_ids = reader.user_ids()
     config, noise_source = config.calibrated_for(len(user_ids))
     spec = accounting_spec_for(config, len(user_ids))
-    planned = accounting.compute_privacy(spec)
+    releases = release_plan_for(config)
+    # The shared-negatives releases (if any) compose with the training everywhere its
+    # epsilon is used: the budget checks, the ledger, metrics.json.
+    planned = dplc_releases.composed_privacy(spec, releases)
     _check_budget(config, planned)
     evaluator = HeldOutEvaluator(config.backbone_config, eval_records)
     pretrained = (
@@ -366,7 +408,12 @@ def run_train_job(
     charge = None
     if budget is not None:  # the centralized oracle, noiseless, exceeds any budget
         charge = budget_lib.charge_run(
-            budget, budget_lib.dataset_fingerprint(user_ids), len(user_ids), claimed.run_id, spec
+            budget,
+            budget_lib.dataset_fingerprint(user_ids),
+            len(user_ids),
+            claimed.run_id,
+            spec,
+            releases,
         )
     board = None
     if tensorboard_dir is not None:
@@ -385,6 +432,7 @@ def run_train_job(
         job_outputs.make_checkpoint_dir(output_dir),
         pretrained,
         _each_round(progress, board),
+        releases,
     )
     if config.algorithm == CENTRALIZED:
         outcome = _train_centralized(inputs)

@@ -170,6 +170,7 @@ def train(
     initial_state: Any = None,
     on_round: Callable[[Mapping[str, Any], Any], None] | None = None,
     report_policy: ReportPolicy | None = None,
+    before_round: Callable[[int, Any], Any] | None = None,
 ) -> tuple[TrainingResult, Ledger]:
     """Runs (or resumes) training until `config.total_rounds` rounds are done.
 
@@ -191,6 +192,10 @@ def train(
       report_policy: the minimum of reporting virtual clients; a round below it is
         retried (`dropouts.run_round`), and `clients_for_round` is then called as
         (round, attempt) for a retry's fresh selection. None: every round is applied.
+      before_round: (0-based round, state) -> the state the round starts from, called
+        once per round before its first attempt (retries reuse it): for what the server
+        broadcasts besides the model, such as released shared negatives (issue 22). The
+        state it returns is saved with the round.
 
     Returns:
       The result (final state, history) and the ledger after the last round.
@@ -235,6 +240,8 @@ def train(
     started = time.perf_counter()
     for round_num in range(start_round, config.total_rounds):
         round_start = time.perf_counter()
+        if before_round is not None:
+            state = before_round(round_num, state)
         if report_policy is None:
             client_ids = list(clients_for_round(round_num))
             output = process.next(state, client_ids)

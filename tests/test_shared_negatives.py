@@ -1,0 +1,392 @@
+"""Shared negatives (issue 22, items 2 and 4): fixed negative head rows, the DPLC releases'
+accounting, and a real DP-FedEmb run with them.
+
+The composed epsilons are checked against dp_accounting directly (events built here,
+not through tff_algorithms.accounting or dplc_releases).
+"""
+
+import dataclasses
+import json
+import math
+import os
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from tests import support
+from tff_algorithms import (
+    accounting,
+    budget,
+    calibration,
+    client_config,
+    dplc_releases,
+    job_config,
+    job_files,
+    shared_negatives,
+    train_job,
+)
+from tff_algorithms.ledger import PrivacyLedger
+from tff_algorithms.local_training import MASKED_LOGIT, head_logits, head_loss
+
+# ---------------------------------------------------------------------------------------
+# Independent accounting: dp_accounting's RDP accountant on events written out here.
+
+ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024]
+
+
+def independent_epsilon(training_event, relation, sigma, clusters, releases, delta):
+    rdp = rdp_privacy_accountant.RdpAccountant(orders=ORDERS, neighboring_relation=relation)
+    rdp.compose(training_event)
+    for _ in range(releases):  # one release: Q Gaussian mechanisms of multiplier sigma
+        for _ in range(clusters):
+            rdp.compose(dp_accounting.GaussianDpEvent(sigma))
+    return rdp.get_epsilon(delta)
+
+
+PLAN = dplc_releases.ReleasePlan(
+    every_rounds=3,
+    num_clusters=2,
+    noise_multiplier=4.0,
+    cluster_size=16,
+    margin=1.0,
+    pool_users=64,
+    sensitivity=2 * math.sin(1.0) / 16,
+)
+SGD = accounting.AccountingSpec(2000, 64, 10, 1.2, 1e-5, users_per_virtual_client=8)
+TREE = accounting.AccountingSpec(
+    1000, 100, 25, 3.0, 1e-6, mechanism="dpftrl", users_per_virtual_client=4,
+    restart_every_epoch=True,
+)  # fmt: skip
+
+
+def test_ledger_composes_dpsgd_training_with_each_release():
+    ledger = PrivacyLedger(SGD, PLAN)
+    plain = PrivacyLedger(SGD)
+    for r in range(1, SGD.rounds + 1):
+        ledger.record_round(r)
+        plain.record_round(r)
+        releases = -(-r // PLAN.every_rounds)  # releases before rounds 0, 3, 6, 9
+        # Substitute-one, strict: sensitivity 2 clips, so the accountant sees z / 2.
+        training = dp_accounting.SelfComposedDpEvent(
+            dp_accounting.SampledWithoutReplacementDpEvent(
+                2000, 64, dp_accounting.GaussianDpEvent(1.2 / 2)
+            ),
+            r,
+        )
+        expected = independent_epsilon(
+            training, dp_accounting.NeighboringRelation.REPLACE_ONE, 4.0, 2, releases, 1e-5
+        )
+        assert ledger.epsilon == pytest.approx(expected, rel=1e-9)
+        assert ledger.epsilon > plain.epsilon
+    assert PLAN.releases_after(10) == 4
+
+
+def test_ledger_composes_dpftrl_training_and_adds_zcdp():
+    ledger = PrivacyLedger(TREE, PLAN)
+    for r in range(1, TREE.rounds + 1):
+        ledger.record_round(r)
+    full, last = divmod(25, 10)  # 10 rounds per epoch, restarted trees
+    # k = 4 > 1 under add/remove-special: sensitivity 2 clips per node.
+    z = 3.0 / 2
+    training = dp_accounting.ComposedDpEvent(
+        [dp_accounting.SingleEpochTreeAggregationDpEvent(z, 10)] * full
+        + [dp_accounting.SingleEpochTreeAggregationDpEvent(z, last)]
+    )
+    releases = 9  # ceil(25 / 3)
+    expected = independent_epsilon(
+        training, dp_accounting.NeighboringRelation.REPLACE_SPECIAL, 4.0, 2, releases, 1e-6
+    )
+    assert ledger.epsilon == pytest.approx(expected, rel=1e-9)
+    tree_rho = accounting.compute_privacy(TREE).zcdp_rho
+    assert ledger.history[-1].zcdp_rho == pytest.approx(tree_rho + releases * 2 / (2 * 4.0**2))
+
+
+def test_ledger_round_trips_and_refuses_other_releases():
+    ledger = PrivacyLedger(SGD, PLAN)
+    for r in range(1, 5):
+        ledger.record_round(r)
+    text = ledger.to_json()
+    assert json.loads(text)["shared_negatives"] == PLAN.to_dict()
+    resumed = PrivacyLedger.from_json(text, expected_spec=SGD, expected_releases=PLAN)
+    assert resumed == ledger and resumed.releases == PLAN
+    with pytest.raises(ValueError, match="other shared-negatives releases"):
+        PrivacyLedger.from_json(text, expected_spec=SGD)
+    with pytest.raises(ValueError, match="strict convention only"):
+        PrivacyLedger(dataclasses.replace(SGD, convention="paper"), PLAN)
+
+
+def test_budget_counts_the_releases(tmp_path):
+    policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), 100.0)
+    charge = budget.charge_run(policy, "f" * 64, 2000, "run-1", SGD, PLAN)
+    training = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(
+            2000, 64, dp_accounting.GaussianDpEvent(0.6)
+        ),
+        10,
+    )
+    expected = independent_epsilon(
+        training, dp_accounting.NeighboringRelation.REPLACE_ONE, 4.0, 2, 4, 1e-5
+    )
+    assert charge.run_epsilon == pytest.approx(expected, rel=1e-9)
+    assert charge.run_epsilon > budget.composed_epsilon([SGD], 1e-5)
+    # A second run on the same users composes with the first's releases too.
+    second = budget.charge_run(policy, "f" * 64, 2000, "run-2", SGD)
+    assert second.spent_before == pytest.approx(expected, rel=1e-9)
+    assert budget.dataset_spent(policy.ledger_path, "f" * 64, 1e-5) == pytest.approx(
+        second.spent_after
+    )
+    # Resuming with other releases is refused (it would be charged twice).
+    with pytest.raises(ValueError, match="another accounting spec"):
+        budget.charge_run(policy, "f" * 64, 2000, "run-1", SGD)
+
+
+def test_calibration_targets_the_composed_epsilon():
+    z = calibration.calibrate_noise_multiplier(SGD, 6.0, releases=PLAN)
+    assert dplc_releases.composed_privacy(SGD.with_noise_multiplier(z), PLAN).epsilon <= 6.0
+    assert z > calibration.calibrate_noise_multiplier(SGD, 6.0)
+
+
+# ---------------------------------------------------------------------------------------
+# The config: one-line errors.
+
+
+def test_config_reads_a_mapping_and_round_trips():
+    config = job_config.TrainJobConfig.from_dict(
+        {"shared_negatives": {"every_rounds": 2, "pool_users": 16, "cluster_size": 4}}
+    )
+    assert config.shared_negatives == job_config.SharedNegativesConfig(
+        every_rounds=2, pool_users=16, cluster_size=4
+    )
+    assert job_config.TrainJobConfig.from_dict(config.to_dict()) == config
+    assert config.client_config().shared_negative_rows == config.shared_negatives.num_clusters
+    assert job_config.TrainJobConfig().client_config().shared_negative_rows == 0
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"algorithm": "dp-fedavg", "shared_negatives": {}}, "applies to dp-fedemb"),
+        ({"shared_negatives": {"sigma": 1}}, "unknown shared_negatives field 'sigma'"),
+        ({"shared_negatives": {"cluster_size": 600}}, "exceeds pool_users"),
+        ({"shared_negatives": {"margin": 0}}, "shared_negatives.margin"),
+        ({"shared_negatives": {"noise_multiplier": 0}}, "shared_negatives.noise_multiplier"),
+        ({"shared_negatives": {"every_rounds": 0}}, "shared_negatives.every_rounds"),
+        ({"shared_negatives": 3}, "must be a mapping"),
+    ],
+)
+def test_config_rejects_nonsense_in_one_line(values, message):
+    with pytest.raises(ValueError, match=message) as error:
+        job_config.TrainJobConfig.from_dict(values)
+    assert "\n" not in str(error.value)
+
+
+def test_pool_larger_than_the_population_is_refused_at_calibration():
+    config = job_config.TrainJobConfig(
+        users_per_virtual_client=2,
+        virtual_clients_per_round=2,
+        shared_negatives={"pool_users": 40, "cluster_size": 4},
+    )
+    with pytest.raises(ValueError, match="pool_users 40 exceeds the 32 training users"):
+        config.calibrated_for(32)
+
+
+# ---------------------------------------------------------------------------------------
+# The head: fixed negative rows.
+
+COSFACE = client_config.HeadLossConfig("cosface", 30.0, 0.35)
+SOFTMAX = client_config.HeadLossConfig("softmax")
+
+
+@pytest.mark.parametrize("loss", [SOFTMAX, COSFACE], ids=["softmax", "cosface"])
+def test_negative_rows_get_no_gradient_and_raise_the_loss(loss):
+    rng = np.random.default_rng(0)
+    embeddings = tf.constant(rng.normal(size=(5, 4)), tf.float32)
+    kernel = tf.Variable(rng.normal(size=(4, 3)), dtype=tf.float32)
+    labels = tf.constant([0, 1, 2, 0, 1])
+    mask = tf.ones([5], tf.bool)
+    # One negative along the first embedding: that example's loss must rise.
+    negatives = tf.Variable(np.stack([embeddings[0].numpy(), rng.normal(size=4)]), dtype=tf.float32)
+    with tf.GradientTape(persistent=True) as tape:
+        with_negatives = head_logits(embeddings, kernel, labels, loss, 3, negatives)
+        loss_with = head_loss(with_negatives, labels, mask)
+        loss_without = head_loss(head_logits(embeddings, kernel, labels, loss, 3), labels, mask)
+    assert tape.gradient(loss_with, negatives) is None
+    assert tape.gradient(loss_with, kernel) is not None
+    assert with_negatives.shape == (5, 5)
+    assert float(loss_with) > float(loss_without)
+    # The local logits are unchanged; the negatives' are those of the definition.
+    np.testing.assert_array_equal(
+        with_negatives[:, :3], head_logits(embeddings, kernel, labels, loss, 3)
+    )
+    unit_negatives = tf.math.l2_normalize(negatives, axis=1)
+    if loss is COSFACE:
+        expected = 30.0 * tf.matmul(
+            tf.math.l2_normalize(embeddings, axis=1), unit_negatives, transpose_b=True
+        )
+    else:
+        expected = tf.matmul(embeddings, unit_negatives, transpose_b=True) * tf.reduce_mean(
+            tf.norm(kernel, axis=0)
+        )
+    np.testing.assert_allclose(with_negatives[:, 3:], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_negative_rows_are_masked_and_leave_the_loss_unchanged():
+    rng = np.random.default_rng(1)
+    embeddings = tf.constant(rng.normal(size=(4, 4)), tf.float32)
+    kernel = tf.constant(rng.normal(size=(4, 3)), tf.float32)
+    labels = tf.constant([0, 1, 2, 0])
+    mask = tf.ones([4], tf.bool)
+    logits = head_logits(embeddings, kernel, labels, COSFACE, 3, tf.zeros([2, 4]))
+    assert np.all(logits[:, 3:].numpy() == MASKED_LOGIT)
+    np.testing.assert_allclose(
+        head_loss(logits, labels, mask),
+        head_loss(head_logits(embeddings, kernel, labels, COSFACE, 3), labels, mask),
+        rtol=1e-6,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# A real DP-FedEmb job with shared negatives.
+
+SYNTH = support.TRAIN_CLI_DATA
+TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES
+SHARED = job_config.SharedNegativesConfig(
+    every_rounds=2, pool_users=12, num_clusters=2, cluster_size=4, margin=1.0, noise_multiplier=3.0
+)
+CONFIG = dataclasses.replace(
+    support.SMALL_JOB, shared_negatives=SHARED, head_loss="cosface", head_init="class_means"
+)
+NEGATIVES_SHAPE = (SHARED.num_clusters, CONFIG.embedding_size)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return support.write_partition_and_held_out(
+        tmp_path_factory.mktemp("data"), SYNTH, TRAIN_IDENTITIES
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tff_runtime, data, tmp_path_factory):
+    return train_job.run_train_job(CONFIG, *data, str(tmp_path_factory.mktemp("shared")))
+
+
+def test_job_trains_and_its_ledger_composes_the_releases(run):
+    metrics = run.metrics
+    assert metrics["rounds"] == 3 and metrics["private"] is True
+    assert all(0.0 <= v <= 1.0 for v in metrics["recall_at_far"].values())
+    # Releases before rounds 0 and 2 (every 2 rounds): two of them.
+    assert metrics["shared_negatives"]["releases"] == 2
+    assert metrics["shared_negatives"]["sampling_amplification"] == "none"
+    n, delta = TRAIN_IDENTITIES, TRAIN_IDENTITIES**-1.1
+    users_per_round = CONFIG.users_per_virtual_client * CONFIG.virtual_clients_per_round
+    training = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(
+            n, users_per_round, dp_accounting.GaussianDpEvent(CONFIG.noise_multiplier / 2)
+        ),
+        3,
+    )
+    relation = dp_accounting.NeighboringRelation.REPLACE_ONE
+    expected = independent_epsilon(training, relation, 3.0, 2, 2, delta)
+    assert metrics["epsilon"] == pytest.approx(expected, rel=1e-9)
+    without = rdp_privacy_accountant.RdpAccountant(orders=ORDERS, neighboring_relation=relation)
+    without.compose(training)
+    assert metrics["epsilon"] > without.get_epsilon(delta)
+    ledger = json.loads(open(run.ledger_path).read())
+    assert ledger["history"][-1]["epsilon"] == pytest.approx(expected, rel=1e-9)
+    # Round 1 already carries the first release, round 2 the same one, round 3 the second.
+    first = independent_epsilon(
+        dp_accounting.SelfComposedDpEvent(training.event, 1), relation, 3.0, 2, 1, delta
+    )
+    assert ledger["history"][0]["epsilon"] == pytest.approx(first, rel=1e-9)
+    assert "DPLC release" in metrics["privacy"]
+
+
+def _variables(path):
+    return {name: tuple(shape) for name, shape in tf.train.list_variables(path)}
+
+
+def test_no_head_row_or_center_in_the_export_and_no_head_in_the_checkpoint(run):
+    exported = _variables(os.path.join(run.saved_model_dir, "variables", "variables"))
+    assert (3136, CONFIG.embedding_size) in exported.values()  # the backbone is there
+    head = (CONFIG.embedding_size, CONFIG.head_capacity)
+    for shape in (head, head[::-1], NEGATIVES_SHAPE, NEGATIVES_SHAPE[::-1]):
+        assert shape not in exported.values()
+    checkpoint_dir = os.path.join(run.output_dir, job_files.CHECKPOINT_DIR, "round_3")
+    checkpoint = _variables(os.path.join(checkpoint_dir, "variables", "variables"))
+    assert head not in checkpoint.values() and head[::-1] not in checkpoint.values()
+    # The released centers are server state: checkpointed, unit rows, the ones broadcast.
+    loaded = tf.saved_model.load(checkpoint_dir)
+    values = [
+        np.asarray(v.read_value() if isinstance(v, tf.Variable) else v)
+        for v in tf.nest.flatten(loaded())
+    ]
+    centers = [v for v in values if v.shape == NEGATIVES_SHAPE]
+    assert len(centers) == 1
+    np.testing.assert_allclose(np.linalg.norm(centers[0], axis=1), 1.0, rtol=1e-5)
+
+
+def test_centers_come_from_the_current_backbone_with_one_row_per_pool_user(tff_runtime, data):
+    from beam_jobs import partition
+    from tff_algorithms import models
+
+    reader = partition.PartitionReader(data[0])
+    users = reader.user_ids()
+    releaser = shared_negatives.CenterReleaser(
+        SHARED, CONFIG.backbone_config, reader, users, public_seed=1, noise_seed=5
+    )
+    pool = releaser.pool(0)
+    assert len(pool) == SHARED.pool_users == len(set(pool)) and pool == releaser.pool(0)
+    weights = models.backbone_weights(models.build_backbone(CONFIG.backbone_config, 2))
+    centers = releaser.class_centers(weights, pool)
+    assert centers.shape == (SHARED.pool_users, CONFIG.embedding_size)
+    np.testing.assert_allclose(np.linalg.norm(centers, axis=1), 1.0, rtol=1e-9)
+    rows = releaser.release(0, weights)
+    assert rows.shape == NEGATIVES_SHAPE and rows.dtype == np.float32
+    np.testing.assert_array_equal(rows, releaser.release(0, weights))  # fixed testing seed
+
+
+def test_a_client_trains_against_the_broadcast_rows_and_returns_only_its_backbone():
+    from tff_algorithms import client_work, model_config, models
+
+    backbone = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
+    config = client_config.ClientConfig(
+        client_learning_rate=0.1,
+        head_capacity=3,
+        # One batch: the client dataset reshuffles on every pass, and within one batch
+        # the order only changes the summation order.
+        batch_size=6,
+        head_loss=COSFACE,
+        shared_negative_rows=2,
+    )
+    rng = np.random.default_rng(0)
+    examples = tf.data.Dataset.from_tensor_slices(
+        {
+            "image": rng.random((6, 28, 28, 1), dtype=np.float32),
+            "identity": np.array(["b", "a", "c", "a", "b", "c"]),
+        }
+    )
+    dataset = client_work.make_client_dataset(examples, "round0/vc0", config)
+    weights = models.backbone_weights(models.build_backbone(backbone, seed=3))
+
+    def update(rows):
+        result, measurements = client_work.train_one_client(
+            backbone, config, weights, dataset, shared_negatives=rows
+        )
+        assert measurements["reported"] == 1
+        return result
+
+    unreleased = update(None)
+    plain = client_work.train_one_client(
+        backbone, dataclasses.replace(config, shared_negative_rows=0), weights, dataset
+    )[0]
+    released = update(rng.normal(size=(2, 8)).astype(np.float32))
+    # Zero rows (nothing released yet) are masked: the same update as without the field.
+    for a, b in zip(unreleased, plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # The update has the backbone's shapes only (no head, no negatives), and moves.
+    assert [u.shape for u in released] == [w.shape for w in weights.trainable]
+    assert any(not np.allclose(a, b) for a, b in zip(released, plain, strict=True))
