@@ -96,6 +96,24 @@ def test_alg1_derivatives_equal_autodiff_and_a_loop_over_triplets(strategy, user
 
 
 @pytest.mark.parametrize("strategy", triplet.STRATEGIES)
+def test_mining_with_tied_distances_matches_the_loop(strategy):
+    """Distinct points of an integer grid: many equal distances, so the semi-hard choice
+    and the binary searches meet ties (the loop breaks them by the lowest row)."""
+    rng = np.random.default_rng(7)
+    grid = np.array([(x, y) for x in range(4) for y in range(4)], np.float64)
+    embeddings = grid[rng.permutation(len(grid))[:12]].reshape(3, 4, 2)
+    keys = rng.integers(0, 3, size=(3, 4)).astype(np.int64)
+    valid = np.ones((3, 4), bool)
+    for margin in (0.3, 1.3):
+        alg1, count = triplet.buffer_derivatives(
+            tf.constant(embeddings), keys, valid, 3, strategy, margin
+        )
+        reference, reference_count = _reference_buffer(embeddings, keys, valid, 3, strategy, margin)
+        np.testing.assert_allclose(alg1.numpy(), reference, atol=1e-12)
+        assert int(count) == reference_count
+
+
+@pytest.mark.parametrize("strategy", triplet.STRATEGIES)
 def test_padded_rows_are_in_no_triplet(strategy):
     embeddings, keys, valid = _random_buffer(3)
     derivatives, count = triplet.buffer_derivatives(
