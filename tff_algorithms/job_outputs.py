@@ -258,18 +258,6 @@ def _privacy_summary(
             "sensitivity_in_clips": planned.sensitivity_in_clips,
             "analysis": analysis,
         },
-    }
-
-
-def _client_failures(history: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Totals of the per-round client counts (None for centralized training)."""
-    rounds = [record["clients"] for record in history if "clients" in record]
-    if not rounds:
-        return None
-    return {
-        **{name: sum(r[name] for r in rounds) for name in CLIENT_COUNTS},
-        # Attempts below min_report_fraction, retried and never released (dropouts.py).
-        "discarded_attempts": sum(
         **_shared_negatives_summary(ledger),
     }
 
@@ -288,6 +276,18 @@ def _shared_negatives_summary(ledger: PrivacyLedger) -> dict[str, Any]:
             "releases_epsilon": dplc_releases.releases_epsilon(plan, rounds, ledger.delta),
             "sampling_amplification": "none",
         }
+    }
+
+
+def _client_failures(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Totals of the per-round client counts (None for centralized training)."""
+    rounds = [record["clients"] for record in history if "clients" in record]
+    if not rounds:
+        return None
+    return {
+        **{name: sum(r[name] for r in rounds) for name in CLIENT_COUNTS},
+        # Attempts below min_report_fraction, retried and never released (dropouts.py).
+        "discarded_attempts": sum(
             len(record.get("discarded_attempts_kept_clients", ())) for record in history
         ),
         "note": "operations counts of training clients, not covered by the DP guarantee",

@@ -428,11 +428,11 @@ def run_train_job(
         reader,
         user_ids,
         spec,
+        releases,
         evaluator,
         job_outputs.make_checkpoint_dir(output_dir),
         pretrained,
         _each_round(progress, board),
-        releases,
     )
     if config.algorithm == CENTRALIZED:
         outcome = _train_centralized(inputs)
