@@ -29,7 +29,8 @@ import yaml
 
 from tff_algorithms import client_config, job_config, model_config, recipes
 
-PRETRAIN_SOURCES = ("public", "import", "none")
+PRETRAIN_SOURCES = ("public", "import", "none", "private_contrastive")
+PRIVATE_CONTRASTIVE = "private_contrastive"
 
 
 # The image the Dockerfile builds (`docker build -t dp-fedemb:0.1.0 .`): every pipeline
@@ -121,14 +122,17 @@ class PartitionSection:
 @dataclasses.dataclass(frozen=True)
 class PretrainSection:
     # public: train non-privately on the public split; import: use backbone_dir;
-    # none: private training starts from a random backbone.
+    # none: private training starts from a random backbone; private_contrastive: Logit-DP
+    # contrastive training on the private training users themselves (labels unused),
+    # charged to their budget with the private training (component PrivatePretrain).
     source: str = "public"
     backbone_dir: str = ""
-    # TrainJobConfig fields for the centralized run (rounds are epochs; it uses the
-    # server learning rate and momentum), over the pretraining recipe
-    # (tff_algorithms.recipes.PRETRAIN), over those of `train`: `pretrain.job.rounds=5`
-    # changes the epochs only.
-    job: Mapping[str, Any] = dataclasses.field(default_factory=lambda: dict(recipes.PRETRAIN))
+    # TrainJobConfig fields over the source's recipe, over those of `train`: for public
+    # the centralized run (rounds are epochs; it uses the server learning rate and
+    # momentum; tff_algorithms.recipes.PRETRAIN), for private_contrastive the logit-dp
+    # run (rounds are steps; recipes.PRIVATE_CONTRASTIVE). `pretrain.job.rounds=5`
+    # changes the epochs (steps) only.
+    job: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,9 +245,13 @@ class PipelineConfig:
         return _train_job_config(self.train, "train").to_dict()
 
     def pretrain_job_dict(self) -> dict[str, Any]:
-        """The centralized pretraining run (recipes.pretrain_values): `train`, every
-        layer, the pretraining recipe, then pretrain.job."""
-        values = recipes.pretrain_values(self.train, self.pretrain.job)
+        """The pretraining run: for public, the centralized run (recipes.pretrain_values:
+        `train`, every layer, the pretraining recipe, then pretrain.job); for
+        private_contrastive, the logit-dp run (recipes.private_contrastive_values)."""
+        if self.pretrain.source == PRIVATE_CONTRASTIVE:
+            values = recipes.private_contrastive_values(self.train, self.pretrain.job)
+        else:
+            values = recipes.pretrain_values(self.train, self.pretrain.job)
         return _train_job_config(values, "pretrain.job").to_dict()
 
 
@@ -616,7 +624,7 @@ def validate(config: PipelineConfig) -> None:
 
     check("pipeline.beam_args", lambda: records_io.pipeline_options(config.pipeline.beam_args))
     check("runtime", lambda: runtime.RuntimeConfig(**dataclasses.asdict(config.runtime)))
-    if config.pretrain.source == "public":
+    if config.pretrain.source in ("public", PRIVATE_CONTRASTIVE):
         config.pretrain_job_dict()
     from tff_algorithms import budget, metrics
 

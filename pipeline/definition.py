@@ -1,7 +1,8 @@
 """The dp-fedemb TFX pipeline (DESIGN.md section 7), built from a validated PipelineConfig.
 
 CanonicalExampleGen -> CheckTrainingSchedule -> StatisticsGen -> SchemaGen -> ExampleValidator -> DeduplicateSplits
--> PartitionVirtualClients -> [PretrainBackbone | backbone Importer] -> PrivateTrain
+-> PartitionVirtualClients -> [PretrainBackbone | PrivatePretrain | backbone Importer]
+-> PrivateTrain
 -> EvaluateAndBless (+ latest blessed model resolver) -> Pusher -> RenderReport.
 
 The same function serves every orchestrator: LocalDagRunner runs it, the Kubeflow V2
@@ -32,6 +33,7 @@ EXAMPLE_VALIDATOR = "ExampleValidator"
 DEDUP = "DeduplicateSplits"
 PARTITION = "PartitionVirtualClients"
 PRETRAIN = "PretrainBackbone"
+PRIVATE_PRETRAIN = "PrivatePretrain"
 BACKBONE_IMPORTER = "BackboneImporter"
 PRIVATE_TRAIN = "PrivateTrain"
 BASELINE_RESOLVER = "LatestBlessedModelResolver"
@@ -137,6 +139,19 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         ).with_id(PRETRAIN)
         components.append(pretrain)
         backbone = pretrain.outputs["backbone"]
+    elif config.pretrain.source == config_lib.PRIVATE_CONTRASTIVE:
+        # On the private training users: after their partition, charged to their budget.
+        private_pretrain = training.PrivatePretrain(
+            partition=partition.outputs["partition"],
+            examples=examples,
+            pretrain_job_config=json.dumps(config.pretrain_job_dict(), sort_keys=True),
+            train_job_config=json.dumps(train_job, sort_keys=True),
+            budget_policy=json.dumps(config.budget_policy_dict(), sort_keys=True),
+            tensorboard_dir=tensorboard_dir(config),
+            code_fingerprint=_code(training.PrivatePretrain),
+        ).with_id(PRIVATE_PRETRAIN)
+        components.append(private_pretrain)
+        backbone = private_pretrain.outputs["backbone"]
     elif config.pretrain.source == "import":
         importer = tfx.dsl.Importer(
             source_uri=os.path.abspath(config.pretrain.backbone_dir),

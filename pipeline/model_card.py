@@ -96,11 +96,13 @@ def build_model_card(
     schedule: Mapping[str, Any],
     pushed_to: str | None,
     version: str | None = None,
+    composition: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The card as a dict in the Model Card Toolkit schema's field names."""
+    """The card as a dict in the Model Card Toolkit schema's field names; `composition`:
+    the model's private runs (its epsilon is theirs composed)."""
     spec = ledger["spec"]
-    statement = privacy_text.privacy_statement(ledger)
-    epsilon = privacy_text.final_epsilon(ledger)
+    statement = privacy_text.privacy_statement(ledger, composition)
+    epsilon = privacy_text.model_epsilon(ledger, composition)
     model = evaluation["model"]
     bootstrap = evaluation.get("bootstrap") or {}
     algorithm = training_metrics.get("algorithm", "dp-fedemb")

@@ -40,7 +40,17 @@ ACCOUNTANT_LABELS = {
 MECHANISM_LABELS = {
     accounting.Mechanism.DPSGD.value: "Gaussian noise added independently every round",
     accounting.Mechanism.DPFTRL.value: "tree-aggregated Gaussian noise (DP-FTRL)",
+    accounting.Mechanism.LOGIT_DP.value: (
+        "Logit-DP: per-pair clipped contrastive gradient, Gaussian noise every step"
+    ),
 }
+# A private run in a model's composition, by its mechanism.
+STAGE_LABELS = {
+    accounting.Mechanism.DPSGD.value: "private training",
+    accounting.Mechanism.DPFTRL.value: "private training (DP-FTRL)",
+    accounting.Mechanism.LOGIT_DP.value: "Logit-DP contrastive pretraining",
+}
+ROUND_UNITS = {accounting.Mechanism.LOGIT_DP.value: "steps"}
 SAMPLING_LABELS = {
     accounting.Sampling.UNIFORM.value: "a fixed number of users drawn without replacement each round",
     accounting.Sampling.POISSON.value: "each user independently with probability M / N",
@@ -74,10 +84,37 @@ def format_epsilon(epsilon: float) -> str:
     return "∞" if math.isinf(epsilon) else f"{epsilon:.2f}"
 
 
-def privacy_statement(ledger: Mapping[str, Any]) -> str:
+def model_epsilon(ledger: Mapping[str, Any], composition: Mapping[str, Any] | None) -> float:
+    """The model's epsilon: composed over its private runs when a composition is given
+    (tff_algorithms.composition), else the training ledger's."""
+    if composition is None:
+        return final_epsilon(ledger)
+    return math.inf if composition["epsilon"] is None else float(composition["epsilon"])
+
+
+def _stage_text(run: Mapping[str, Any]) -> str:
+    epsilon = math.inf if run["epsilon"] is None else float(run["epsilon"])
+    what = STAGE_LABELS.get(run["mechanism"], run["mechanism"])
+    return f"{what} ({int(run['rounds']):,} {ROUND_UNITS.get(run['mechanism'], 'rounds')}, ε = {format_epsilon(epsilon)})"
+
+
+def composition_text(composition: Mapping[str, Any] | None) -> str:
+    """'' for a model from one private run; else which runs its epsilon composes."""
+    if composition is None or len(composition["runs"]) < 2:
+        return ""
+    stages = " and ".join(_stage_text(run) for run in composition["runs"])
+    return (
+        f" ε composes every private run on these users that the model's weights come from: "
+        f"{stages}; their RDP curves summed, not the last run's ε alone."
+    )
+
+
+def privacy_statement(
+    ledger: Mapping[str, Any], composition: Mapping[str, Any] | None = None
+) -> str:
     """One paragraph saying what the trained model's (epsilon, delta) guarantee means."""
     spec = ledger["spec"]
-    epsilon, delta = final_epsilon(ledger), float(spec["delta"])
+    epsilon, delta = model_epsilon(ledger, composition), float(spec["delta"])
     relation = spec["neighboring_relation"]
     details = (
         f"Unit: user (all of one user's images together). Neighbouring relation: "
@@ -99,17 +136,34 @@ def privacy_statement(ledger: Mapping[str, Any]) -> str:
         f"alone) by at most a factor e^ε = e^{format_epsilon(epsilon)} ≈ {factor_text}, "
         f"except with probability at most δ = {delta:g}. This covers the "
         f"{spec['population']:,} training users over all {spec['rounds']:,} rounds; it "
-        f"does not cover the public pretraining data or the held-out evaluation users. " + details
+        f"does not cover the public pretraining data or the held-out evaluation users."
+        + composition_text(composition)
+        + " "
+        + details
     )
 
 
-def accounting_rows(ledger: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The accounting spec as (human label, value with unit) rows."""
+def accounting_rows(
+    ledger: Mapping[str, Any], composition: Mapping[str, Any] | None = None
+) -> list[tuple[str, str]]:
+    """The accounting spec as (human label, value with unit) rows; with a composition of
+    several runs, first the model's composed epsilon and each run's."""
+    composed = []
+    if composition is not None and len(composition["runs"]) > 1:
+        composed = [
+            (
+                "ε of the model (all its private runs, composed)",
+                format_epsilon(model_epsilon(ledger, composition)),
+            )
+        ] + [(f"ε of {run['stage']}", _stage_text(run)) for run in composition["runs"]]
     spec = ledger["spec"]
     k = int(spec.get("users_per_virtual_client", 1))
     users_per_round = int(spec["users_per_round"])
-    rows = [
-        ("ε after the last round", format_epsilon(final_epsilon(ledger))),
+    rows = composed + [
+        (
+            "ε after the last round" + (" of the training" if composed else ""),
+            format_epsilon(final_epsilon(ledger)),
+        ),
         ("δ", f"{float(spec['delta']):g}"),
         ("training users (population N)", f"{int(spec['population']):,} users"),
         (

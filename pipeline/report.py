@@ -294,17 +294,21 @@ def render_report(
     dedup: Mapping[str, Any],
     pushed_to: str | None,
     model_card: str | None = None,
+    composition: Mapping[str, Any] | None = None,
 ) -> str:
     """The HTML page of a run, from the JSON files its artifacts hold.
 
     `model_card`: a link (relative or absolute) to the pushed model's card, if any.
+    `composition`: the model's private runs, whose composed epsilon is the model's.
     """
     budget = evaluation["privacy_budget_epsilon"]
     curves = {"trained (private)": evaluation["model"]["roc"]}
     if "baseline" in evaluation and evaluation["baseline"]["id"] != evaluation["model"]["id"]:
         curves["last blessed"] = evaluation["baseline"]["roc"]
     if "pretrained" in evaluation:
-        curves["pretrained (public)"] = evaluation["pretrained"]["roc"]
+        private_start = composition is not None and len(composition["runs"]) > 1
+        label = "pretrained (private, Logit-DP)" if private_start else "pretrained (public)"
+        curves[label] = evaluation["pretrained"]["roc"]
     outcome = (
         f"Pushed to {pushed_to}"
         if pushed_to
@@ -319,13 +323,13 @@ def render_report(
     sections = [
         "<h1>dp-fedemb run report</h1>",
         _section("guarantee", "What the privacy guarantee means"),
-        f'<p class="statement">{html.escape(privacy_text.privacy_statement(ledger))}</p>',
+        f'<p class="statement">{html.escape(privacy_text.privacy_statement(ledger, composition))}</p>',
         _section("outcome", "Outcome"),
         f'<p class="outcome">{html.escape(outcome)}</p>',
         card_link,
         _section("privacy", "Privacy accounting"),
         _table(
-            privacy_text.accounting_rows(ledger)
+            privacy_text.accounting_rows(ledger, composition)
             + [
                 ("ε checked by the evaluator", f"{evaluation['epsilon']:.4g}"),
                 ("privacy budget (ε)", f"{budget:g}"),

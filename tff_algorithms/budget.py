@@ -321,3 +321,74 @@ def dataset_spent(ledger_path: str, fingerprint: str, delta: float) -> float:
     if not dataset:
         return 0.0
     return composed_epsilon(_specs(dataset), delta, [_releases(run) for run in dataset["runs"]])
+
+
+def charge_runs(
+    policy: BudgetPolicy,
+    fingerprint: str,
+    users: int,
+    runs: Sequence[tuple[str, accounting.AccountingSpec, dplc_releases.ReleasePlan | None]],
+) -> float:
+    """Charges several planned runs on the same users at once, or none of them.
+
+    For runs that will train one after another from each other's output (private
+    pretraining, then the training that starts from its backbone: issue 26): all are
+    charged before the first trains, so the first never spends budget that the last
+    then cannot get. Refused (ValueError, nothing written) when the composed epsilon of
+    the dataset's runs and these, at the last run's delta, exceeds the budget, unless
+    `policy.override`. A run id already charged with the same schedule is not charged
+    again (a retried execution); `charge_run` with one of these ids later is a resumed
+    charge. Returns the composed epsilon after the charge.
+    """
+    if not runs:
+        raise ValueError("charge_runs needs at least one run")
+    delta = runs[-1][1].delta
+    with _locked(policy.ledger_path):
+        data = _read(policy.ledger_path)
+        dataset = data["datasets"].setdefault(fingerprint, {"users": users, "runs": []})
+        charged = {run["run_id"]: run for run in dataset["runs"]}
+        new = []
+        for run_id, spec, releases in runs:
+            previous = charged.get(run_id)
+            if previous is None:
+                new.append((run_id, spec, releases))
+            elif (
+                accounting.AccountingSpec.from_dict(previous["spec"]) != spec
+                or _releases(previous) != releases
+            ):
+                raise ValueError(
+                    f"run {run_id} is in the budget ledger with another accounting spec; "
+                    "refusing to charge it twice"
+                )
+        specs = _specs(dataset) + [spec for _, spec, _ in new]
+        releases_of = [_releases(run) for run in dataset["runs"]] + [r for _, _, r in new]
+        spent_before = composed_epsilon(_specs(dataset), delta, releases_of[: len(charged)])
+        spent_after = composed_epsilon(specs, delta, releases_of)
+        over = not spent_after <= policy.total_epsilon
+        if new and over and not policy.override:
+            after = "infinite (no noise)" if math.isinf(spent_after) else f"{spent_after:.4g}"
+            raise ValueError(
+                f"dataset privacy budget exceeded: {len(charged)} earlier run(s) on these "
+                f"{users} training users (fingerprint {fingerprint[:12]}) spent epsilon "
+                f"{spent_before:.4g}; the {len(runs)} runs planned together would bring the "
+                f"composed total to {after} at delta {delta:.3g}, over the budget "
+                f"{policy.total_epsilon:g}; refusing to start either (an explicit budget "
+                "override starts them and is recorded)"
+            )
+        for run_id, spec, releases in new:
+            dataset["runs"].append(
+                {
+                    "run_id": run_id,
+                    "spec": spec.to_dict(),
+                    **({} if releases is None else {"shared_negatives": releases.to_dict()}),
+                    "run_epsilon": _number(composed_epsilon([spec], spec.delta, [releases])),
+                    "spent_after": _number(spent_after),
+                    "total_epsilon": policy.total_epsilon,
+                    "overridden": over,
+                    "charged_at": time.time(),
+                    "charged_with": [run_id for run_id, _, _ in runs],
+                }
+            )
+        if new:
+            _write_atomically(policy.ledger_path, data)
+    return spent_after

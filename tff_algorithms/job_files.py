@@ -9,4 +9,7 @@ CHECKPOINT_DIR = "checkpoints"
 SAVED_MODEL_DIR = "saved_model"
 METRICS_FILE = "metrics.json"
 LEDGER_FILE = "ledger.json"
+# Beside a model's training ledger in the pipeline: the epsilon of every private run its
+# weights come from, composed (tff_algorithms.composition).
+COMPOSITION_FILE = "composition.json"
 JOB_FILE = "train_job.json"

@@ -193,10 +193,17 @@ class ClaimedJob:
     schedule_seed: int
 
 
-def claim_output_dir(output_dir: str, job: dict[str, Any], config: TrainJobConfig) -> ClaimedJob:
-    """Records the job in OUTPUT, or checks that a re-run is the same job (resume)."""
+def claim_output_dir(
+    output_dir: str, job: dict[str, Any], config: TrainJobConfig, run_id: str | None = None
+) -> ClaimedJob:
+    """Records the job in OUTPUT, or checks that a re-run is the same job (resume).
+
+    `run_id`: the id a new job is charged under (None: a fresh one); a resumed job keeps
+    its recorded id, which must then be the same.
+    """
     path = os.path.join(output_dir, job_files.JOB_FILE)
-    run_id, schedule_seed = uuid.uuid4().hex, config.schedule_seed
+    given_run_id = run_id
+    run_id, schedule_seed = given_run_id or uuid.uuid4().hex, config.schedule_seed
     previous_text = _read_text(path)
     if previous_text is not None:
         previous = json.loads(previous_text)
@@ -216,6 +223,11 @@ def claim_output_dir(output_dir: str, job: dict[str, Any], config: TrainJobConfi
                 "use a new output directory"
             )
         run_id = previous.get("run_id") or run_id
+        if given_run_id is not None and run_id != given_run_id:
+            raise ValueError(
+                f"{output_dir} holds a training job charged as run {run_id}, not "
+                f"{given_run_id}; use a new output directory"
+            )
         if not isinstance(previous.get("schedule_seed"), int):
             raise ValueError(f"{path} records no schedule seed; use a new output directory")
         schedule_seed = previous["schedule_seed"]

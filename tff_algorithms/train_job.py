@@ -361,6 +361,7 @@ def run_train_job(
     runtime_config: runtime.RuntimeConfig | None = None,
     budget: budget_lib.BudgetPolicy | None = None,
     tensorboard_dir: str | None = None,
+    run_id: str | None = None,
 ) -> TrainJobResult:
     """Trains (or resumes) one job and writes its outputs (module docstring).
 
@@ -379,6 +380,9 @@ def run_train_job(
         is charged its planned schedule before training, or refused. None: no
         cross-run budget (`max_epsilon` still bounds this run alone).
       tensorboard_dir: where each round's scalars go (`tensorboard_rounds`), or None.
+      run_id: the job's id in the budget ledger, for a run charged in advance
+        (`budget.charge_runs`: the pipeline charges private pretraining and the training
+        after it together); None: a new id (`job_outputs.claim_output_dir`).
 
     Raises:
       ValueError: bad input (not a partition, no evaluation records, too few users for a
@@ -403,7 +407,7 @@ def run_train_job(
         else None
     )
     claimed = job_outputs.claim_output_dir(
-        output_dir, job_outputs.job_record(config, reader), config
+        output_dir, job_outputs.job_record(config, reader), config, run_id
     )
     charge = None
     if budget is not None:  # the centralized oracle, noiseless, exceeds any budget

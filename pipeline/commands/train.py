@@ -64,6 +64,7 @@ _CONFIG_FIELDS = (
     "noise_seed",
     "testing_fixed_noise",
     "restart_every_epoch",
+    "logit_scale",
     "max_epsilon",
 )
 _CONFIG_FLAGS = {field.replace("_", "-"): field for field in _CONFIG_FIELDS}
@@ -93,7 +94,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "pretraining recipe over it",
         flag_values=flag_values,
     )
-    define("string", "algorithm", "dp-fedemb | dp-fedavg | dp-ftrl-fedemb | centralized")
+    define(
+        "string",
+        "algorithm",
+        "dp-fedemb | dp-fedavg | dp-ftrl-fedemb | centralized | logit-dp (private "
+        "contrastive training: --virtual-clients-per-round users a step, one positive pair "
+        "each; takes the private contrastive recipe over --recipe)",
+    )
     define(
         "integer",
         "rounds",
@@ -174,6 +181,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "tests and benchmarks only: allow a fixed --noise-seed (default: OS entropy)",
     )
     define("boolean", "restart-every-epoch", "dp-ftrl-fedemb: restart the noise tree every epoch")
+    define("float", "logit-scale", "logit-dp: scale s of its cosine logits (1/temperature)")
     define("float", "max-epsilon", "privacy budget: refuse to start when the plan costs more")
     define("string", "budget-ledger", "cross-run privacy budget ledger file (JSON; shared by runs)")
     define("float", "dataset-budget-epsilon", "total epsilon all runs on these users may spend")
@@ -295,10 +303,14 @@ def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazil
 # The module tff_algorithms.job_config is imported as job_config_lib: this name is public.
 def job_config(value: Mapping[str, Any]) -> job_config_lib.TrainJobConfig:
     """The TrainJobConfig of parsed flags: the flags given over --recipe (for a
-    centralized run, over the pretraining recipe over it), by recipes' layering rule."""
+    centralized run, over the pretraining recipe over it; for logit-dp, over the private
+    contrastive recipe over it), by recipes' layering rule."""
     values, given = recipes.recipe(value["recipe"]), _config_values(value)
-    if given.get("algorithm", values.get("algorithm")) == job_config_lib.CENTRALIZED:
+    algorithm = given.get("algorithm", values.get("algorithm"))
+    if algorithm == job_config_lib.CENTRALIZED:
         values = recipes.pretrain_values(values, {})
+    elif algorithm == job_config_lib.LOGIT_DP:
+        values = recipes.private_contrastive_values(values, {})
     elif value["pretrained"] is None:
         # The recipe's layers fine-tune a pretrained backbone (recipes.check_start): from
         # a random one, every layer trains.

@@ -46,8 +46,14 @@ class PipelineReport(types.Artifact):
 
 
 # Custom property names shared by the components and the lineage query.
+# The model's epsilon: composed over every private run its weights come from (Logit-DP
+# pretraining on the same users and the training; tff_algorithms.composition).
 EPSILON = "epsilon"
 DELTA = "delta"
+# On PrivateTrain's artifacts: the training run's own epsilon, and how many private runs
+# the model's epsilon composes (1 without private pretraining).
+RUN_EPSILON = "run_epsilon"
+COMPOSED_RUNS = "composed_runs"
 # What the epsilon means (tff_algorithms.accounting): "strict" or "paper", and the
 # neighbouring relation, on Model, PrivacyLedger, TrainingMetrics and ModelEvaluation.
 ACCOUNTING_CONVENTION = "accounting_convention"

@@ -50,6 +50,7 @@ def RenderReport(
         ledger=_read_json(privacy_ledger, job_files.LEDGER_FILE),
         training_metrics=_read_json(training_metrics, job_files.METRICS_FILE),
         schedule=_read_json(schedule_statistics, partition.PARTICIPATION_FILE),
+        composition=_read_json(privacy_ledger, job_files.COMPOSITION_FILE),
     )
     card = model_card.build_model_card(
         **inputs,

@@ -1,4 +1,5 @@
-"""Training components: non-private pretraining on public data, and private training.
+"""Training components: pretraining (non-private on public data, or Logit-DP on the
+private users), and private training.
 
 Both call `tff_algorithms.train_job.run_train_job` in a work directory (checkpoints
 there let a killed run resume on retry) and publish only the serving SavedModel
@@ -8,6 +9,7 @@ without its epsilon: the Model, PrivacyLedger and TrainingMetrics artifacts all 
 epsilon and delta as MLMD custom properties.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,10 +23,22 @@ from tfx.types import standard_artifacts
 from pipeline import console
 from pipeline.components import artifacts, layout
 from tff_algorithms import job_files
-from tff_algorithms.job_config import TrainJobConfig, schedule_shape_for
+from tff_algorithms.job_config import (
+    TrainJobConfig,
+    accounting_spec_for,
+    release_plan_for,
+    schedule_shape_for,
+)
 
 if TYPE_CHECKING:  # imported lazily at run time: TFF is slow to import
     from tff_algorithms import job_outputs
+    from tff_algorithms import ledger as ledger_lib
+
+# pretrain.source private_contrastive (pipeline.config.PRIVATE_CONTRASTIVE): the value of
+# a backbone's "trained_on" property.
+PRIVATE_CONTRASTIVE = "private_contrastive"
+# The budget run id the private training after a private pretraining was charged under.
+RESERVED_TRAIN_RUN_ID = "reserved_train_run_id"
 
 
 def _work_dir(output: types.Artifact, *keys: str) -> str:
@@ -53,6 +67,7 @@ def _run_job(
     tensorboard_dir: str,
     runtime_config: str | None = None,
     budget_policy: str | None = None,
+    run_id: str | None = None,
 ) -> "job_outputs.TrainJobResult":
     from tff_algorithms import budget, runtime, train_job
 
@@ -77,6 +92,7 @@ def _run_job(
         # Each round on the console as it ends (`dp-fedemb run`) or in the task's log.
         progress=console.RoundProgress(config.rounds, label=component),
         tensorboard_dir=tensorboard_dir,
+        run_id=run_id,
     )
 
 
@@ -156,6 +172,95 @@ def PretrainBackbone(
     _set_recall_properties(backbone_metrics, result.metrics)
 
 
+def _set_privacy_properties(
+    artifact: types.Artifact, epsilon: float, ledger: "ledger_lib.PrivacyLedger"
+) -> None:
+    artifact.set_float_custom_property(artifacts.EPSILON, epsilon)
+    artifact.set_float_custom_property(artifacts.DELTA, ledger.delta)
+    artifact.set_string_custom_property(
+        artifacts.ACCOUNTING_CONVENTION, ledger.spec.convention.value
+    )
+    artifact.set_string_custom_property(
+        artifacts.NEIGHBORING_RELATION, ledger.spec.neighboring_relation.value
+    )
+
+
+def _planned_run(run_id: str, job_config: str, users: int) -> tuple:
+    """(run id, accounting spec, shared-negatives releases) of a job as it will train."""
+    config, _ = TrainJobConfig.from_dict(json.loads(job_config)).calibrated_for(users)
+    return run_id, accounting_spec_for(config, users), release_plan_for(config)
+
+
+@tfx.dsl.components.component
+def PrivatePretrain(
+    partition: tfx.dsl.components.InputArtifact[artifacts.VirtualClientPartition],
+    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
+    backbone: tfx.dsl.components.OutputArtifact[standard_artifacts.Model],
+    backbone_metrics: tfx.dsl.components.OutputArtifact[artifacts.TrainingMetrics],
+    pretrain_job_config: tfx.dsl.components.Parameter[str],
+    train_job_config: tfx.dsl.components.Parameter[str],
+    budget_policy: tfx.dsl.components.Parameter[str],
+    tensorboard_dir: tfx.dsl.components.Parameter[str],
+    code_fingerprint: tfx.dsl.components.Parameter[str],
+) -> None:
+    """Logit-DP contrastive pretraining on the private training users (issue 26).
+
+    Before it trains, this run and the private training that will start from its
+    backbone (`train_job_config`, the PrivateTrain parameter) are charged to the users'
+    budget together (`budget.charge_runs`), or both refused in one line: neither
+    trains unless both fit. The training's run id travels on the backbone
+    (`RESERVED_TRAIN_RUN_ID`), so PrivateTrain is not charged twice. The backbone
+    carries this run's epsilon and its ledger.json, from which PrivateTrain composes
+    the model's epsilon.
+    """
+    from beam_jobs import partition as partition_lib
+    from beam_jobs import splits
+    from tff_algorithms import budget
+    from tff_algorithms import ledger as ledger_lib
+
+    del code_fingerprint
+    work_dir = _work_dir(
+        backbone, pretrain_job_config, train_job_config, partition.uri, examples.uri
+    )
+    # One key, two runs: a retry of this execution finds its charges in the ledger.
+    run_key = os.path.basename(work_dir)
+    pretrain_run_id, train_run_id = f"{run_key}-private-pretrain", f"{run_key}-private-train"
+    user_ids = partition_lib.PartitionReader(partition.uri).user_ids()
+    policy = budget.BudgetPolicy(**json.loads(budget_policy))
+    budget.charge_runs(
+        policy,
+        budget.dataset_fingerprint(user_ids),
+        len(user_ids),
+        [
+            _planned_run(pretrain_run_id, pretrain_job_config, len(user_ids)),
+            _planned_run(train_run_id, train_job_config, len(user_ids)),
+        ],
+    )
+    result = _run_job(
+        "PrivatePretrain",
+        pretrain_job_config,
+        partition.uri,
+        layout.split_dir(examples, splits.VALIDATION),
+        work_dir,
+        pretrained_backbone=None,
+        tensorboard_dir=_tensorboard_run(tensorboard_dir, "PrivatePretrain", backbone),
+        budget_policy=budget_policy,
+        run_id=pretrain_run_id,
+    )
+    tf.io.gfile.copy(
+        result.ledger_path, os.path.join(backbone.uri, job_files.LEDGER_FILE), overwrite=True
+    )
+    ledger = ledger_lib.PrivacyLedger.from_json(tf.io.gfile.GFile(result.ledger_path).read())
+    _publish_model(result, backbone, backbone_metrics)
+    layout.remove_tree(work_dir)
+    backbone.set_string_custom_property("trained_on", PRIVATE_CONTRASTIVE)
+    backbone.set_string_custom_property(RESERVED_TRAIN_RUN_ID, train_run_id)
+    backbone.set_string_custom_property("algorithm", json.loads(pretrain_job_config)["algorithm"])
+    for artifact in (backbone, backbone_metrics):
+        _set_privacy_properties(artifact, ledger.epsilon, ledger)
+    _set_recall_properties(backbone_metrics, result.metrics)
+
+
 def check_published_schedule(job: dict, statistics: types.Artifact, training_users: int) -> None:
     """The partition's published participation statistics must be those of the schedule
     this job trains and is accounted with (`job_config.schedule_shape_for`): the whole
@@ -201,6 +306,26 @@ def CheckTrainingSchedule(
         raise ValueError(f"train: {e}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class _PrivateStart:
+    """A backbone from private pretraining: its run's ledger and the training's run id."""
+
+    ledger: "ledger_lib.PrivacyLedger"
+    train_run_id: str
+
+
+def _private_start(backbone: types.Artifact | None) -> _PrivateStart | None:
+    if backbone is None or backbone.get_string_custom_property("trained_on") != (
+        PRIVATE_CONTRASTIVE
+    ):
+        return None
+    from tff_algorithms import ledger as ledger_lib
+
+    with tf.io.gfile.GFile(os.path.join(backbone.uri, job_files.LEDGER_FILE)) as f:
+        ledger = ledger_lib.PrivacyLedger.from_json(f.read())
+    return _PrivateStart(ledger, backbone.get_string_custom_property(RESERVED_TRAIN_RUN_ID))
+
+
 @tfx.dsl.components.component
 def PrivateTrain(
     partition: tfx.dsl.components.InputArtifact[artifacts.VirtualClientPartition],
@@ -238,6 +363,7 @@ def PrivateTrain(
     and users); the final evaluation uses the test split (EvaluateAndBless).
     """
     from beam_jobs import splits
+    from tff_algorithms import composition as composition_lib
     from tff_algorithms import ledger as ledger_lib
 
     del code_fingerprint
@@ -247,6 +373,7 @@ def PrivateTrain(
     if pretrained_backbone is not None:
         keys.append(pretrained_backbone.uri)
     work_dir = _work_dir(model, *keys)
+    private_start = _private_start(pretrained_backbone)
     result = _run_job(
         "PrivateTrain",
         train_job_config,
@@ -257,6 +384,7 @@ def PrivateTrain(
         _tensorboard_run(tensorboard_dir, "PrivateTrain", model),
         runtime_config,
         budget_policy,
+        run_id=private_start.train_run_id if private_start else None,
     )
     with tf.io.gfile.GFile(result.ledger_path) as f:
         ledger_json = f.read()
@@ -267,17 +395,20 @@ def PrivateTrain(
         )
     with tf.io.gfile.GFile(os.path.join(privacy_ledger.uri, job_files.LEDGER_FILE), "w") as f:
         f.write(ledger_json)
+    # The model's epsilon is that of every private run its weights come from.
+    runs = [("PrivateTrain", ledger)]
+    if private_start is not None:
+        runs.insert(0, ("PrivatePretrain", private_start.ledger))
+    composition = composition_lib.model_composition(runs, ledger.delta)
+    with tf.io.gfile.GFile(os.path.join(privacy_ledger.uri, job_files.COMPOSITION_FILE), "w") as f:
+        f.write(json.dumps(composition, indent=1, allow_nan=False))
+    epsilon = composition_lib.composition_epsilon(composition)
     _publish_model(result, model, training_metrics)
     layout.remove_tree(work_dir)
     for artifact in (model, privacy_ledger, training_metrics):
-        artifact.set_float_custom_property(artifacts.EPSILON, ledger.epsilon)
-        artifact.set_float_custom_property(artifacts.DELTA, ledger.delta)
-        artifact.set_string_custom_property(
-            artifacts.ACCOUNTING_CONVENTION, ledger.spec.convention.value
-        )
-        artifact.set_string_custom_property(
-            artifacts.NEIGHBORING_RELATION, ledger.spec.neighboring_relation.value
-        )
+        _set_privacy_properties(artifact, epsilon, ledger)
+        artifact.set_float_custom_property(artifacts.RUN_EPSILON, ledger.epsilon)
+        artifact.set_int_custom_property(artifacts.COMPOSED_RUNS, len(runs))
     model.set_string_custom_property("algorithm", job["algorithm"])
     privacy_ledger.set_int_custom_property("rounds", ledger.rounds_recorded)
     privacy_ledger.set_string_custom_property("mechanism", ledger.spec.mechanism.value)
