@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import fdml, fdml_privacy, model_config, triplet
+from tff_algorithms import fdml, fdml_privacy, model_config, runtime, triplet
 
 IMAGE_SHAPE = (2, 2, 1)
 EMBEDDING = 3
@@ -413,3 +413,32 @@ def test_a_private_run_on_the_product_backbone_is_charged_per_release(tff_runtim
         rounds=1,
     )
     assert fdml_privacy.compute_epsilon(non_private, 1e-5) == math.inf
+
+
+def test_one_and_two_workers_give_the_same_round(tff_runtime):
+    """Two workers return the uploads in the order they finish: the round must not care."""
+    config = fdml.FdmlConfig(
+        samples_per_user=3,
+        users_per_round=4,
+        users_per_group=2,
+        margin=1.0,
+        row_clip=0.5,
+        derivative_noise_multiplier=0.1,
+        gradient_clip=1.0,
+        gradient_noise_multiplier=0.1,
+        server_learning_rate=0.01,
+        noise_seed=4,
+    )
+    data = [_dataset(u) for u in USERS]
+
+    def one_round():
+        process = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, config)
+        return process.next(process.initialize(), data, case_a_failures=[1])
+
+    one = one_round()
+    with runtime.TffRuntime(runtime.RuntimeConfig(local_workers=2)):
+        two = one_round()
+    assert one.metrics == two.metrics
+    for a, b in zip(one.gradient, two.gradient):
+        # Float32 sums merged in another order.
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -37,9 +37,12 @@ Client data: a sequence of per-example `{"image": float32[H, W, C], "identity": 
 string}`; it must yield the same elements in the same order each time it is iterated (no
 unseeded shuffle), since the replay of step 3 iterates it again.
 
-Multiple workers: the round returns CLIENTS-placed embeddings to the server between the
-two computations, which TFF's mergeable (multi-worker) context does not support; FDML
-runs on one worker (issue 27's two-worker check is open).
+Several workers (`runtime`): TFF's multi-worker context returns CLIENTS-placed values in
+the order the workers finish, not the order sent, so each upload carries its position and
+the server restores arrival order before filling the buffer (otherwise derivatives would go
+to the wrong participants). The backprop computation zips each participant's data with its
+own derivative rows and only sums the result; tests/test_fdml.py checks that one and two
+workers give the same round.
 """
 
 from __future__ import annotations
@@ -320,10 +323,14 @@ class FdmlProcess:
         def state_weights(state):
             return state["weights"]
 
-        @tff.tensorflow.computation(weights_type, data_type)
-        def client_embed(weights, dataset):
+        @tff.tensorflow.computation(weights_type, data_type, np.int32)
+        def client_embed(weights, dataset, position):
             client = _ClientModel(backbone_fn, image_shape, s)
-            return tf.function(client.embed)(weights, dataset)
+            upload = tf.function(client.embed)(weights, dataset)
+            # Echoed so the server can put uploads back in arrival order: with several
+            # workers, TFF returns CLIENTS values in the order the workers finish.
+            upload["position"] = position
+            return upload
 
         embedding_size = client_embed.type_signature.result.embeddings.shape[-1]
         derivatives_type = tff.TensorType(np.float32, [s, embedding_size])
@@ -415,11 +422,13 @@ class FdmlProcess:
             )
 
         @tff.federated_computation(
-            tff.FederatedType(state_type, tff.SERVER), tff.FederatedType(data_type, tff.CLIENTS)
+            tff.FederatedType(state_type, tff.SERVER),
+            tff.FederatedType(data_type, tff.CLIENTS),
+            tff.FederatedType(np.int32, tff.CLIENTS),
         )
-        def embed(state, data):
+        def embed(state, data, positions):
             weights = tff.federated_broadcast(tff.federated_map(state_weights, state))
-            return tff.federated_map(client_embed, (weights, data))
+            return tff.federated_map(client_embed, (weights, data, positions))
 
         @tff.federated_computation(
             tff.FederatedType(state_type, tff.SERVER),
@@ -475,7 +484,12 @@ class FdmlProcess:
             # Alg. 3, line 5: too few embeddings; nothing was released.
             metrics["case_b_failures"] = 0
             return FdmlRoundOutput(state, False, False, True, None, metrics)
-        uploaded = self.embed(state, [client_data[i] for i in uploading])
+        uploaded = self.embed(
+            state, [client_data[i] for i in uploading], list(range(len(uploading)))
+        )
+        uploaded = sorted(uploaded, key=lambda upload: int(upload["position"]))
+        if [int(u["position"]) for u in uploaded] != list(range(len(uploading))):
+            raise RuntimeError("the embedding uploads do not match the participants sent")
         # The first n uploads fill the buffer; later ones are not used (over-selection).
         in_buffer = uploading[:n]
         uploads = uploaded[:n]
