@@ -18,8 +18,11 @@ server's step between them:
    the same forward pass (the same examples, in the same order, with the same broadcast
    weights) and backpropagates them, g_v = J_v^T D~_v. Its gradient is clipped to L2 norm
    `gradient_clip`; the server sums, adds Gaussian noise, divides by the planned number of
-   participants (Eq. 2 with |d_i| = s for every planned participant: a fixed denominator,
-   so a missing gradient does not change the noise scale) and applies Adam.
+   participants and applies Adam. That is Eq. 2 when every participant holds s rows
+   (|d_i| / |D| = 1/n). With fewer rows Eq. 2 would down-weight a participant's gradient,
+   which is no longer the chain rule: the sum of the participants' gradients is exactly
+   the gradient of the round's loss, so it is kept, and the denominator stays the planned
+   n (fixed: a missing gradient does not change the noise scale).
 
 Case B (a participant in the buffer does not deliver its gradient) is counted apart from
 Case A. Strategy UC aggregates the first ceil(rate_p * users_per_round) gradients that
@@ -138,7 +141,10 @@ class FdmlConfig:
 
     @property
     def group_size(self) -> int:
-        return self.users_per_round if self.users_per_group is None else self.users_per_group
+        """Participants per triplet group (a group never exceeds the buffer)."""
+        if self.users_per_group is None:
+            return self.users_per_round
+        return min(self.users_per_group, self.users_per_round)
 
     @property
     def gradients_needed(self) -> int:
@@ -178,6 +184,10 @@ def _seed(base: tf.Tensor, round_num: tf.Tensor, purpose: int) -> tf.Tensor:
 
 
 _DROP, _DERIVATIVE_NOISE, _GRADIENT_NOISE = 0, 1, 2
+
+# `FdmlRoundOutput.metrics` computed by the server on training users' embeddings without
+# privacy: for monitoring, never to be released (the counts are data-independent).
+UNPRIVATE_METRICS = ("server_loss", "active_triplets")
 
 
 class _ClientModel:
@@ -250,7 +260,8 @@ class FdmlRoundOutput:
         gradient arrived): the accountant charges R1.
       restarted: too few embeddings (Case A): nothing released, not charged.
       gradient: the released aggregate (noised sum / n) when applied, else None.
-      metrics: counts (Case A and Case B apart) and the server's monitoring values.
+      metrics: counts (Case A and Case B apart) and the server's monitoring values
+        (`UNPRIVATE_METRICS`: never release them).
     """
 
     state: Any
