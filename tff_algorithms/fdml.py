@@ -193,7 +193,9 @@ UNPRIVATE_METRICS = ("server_loss", "active_triplets")
 class _ClientModel:
     """The participant's forward pass, used identically by both computations."""
 
-    def __init__(self, backbone_fn: Callable[[], tf.keras.Model], image_shape, samples: int):
+    def __init__(
+        self, backbone_fn: Callable[[], tf.keras.Model], image_shape: Sequence[int], samples: int
+    ) -> None:
         self._model = backbone_fn()
         self._image_shape = tuple(image_shape)
         self._samples = samples

@@ -16,6 +16,9 @@ Parties and what each sees (`fdml.FdmlProcess` implements the round):
   A coalition sees its members' rows; the analysis treats the whole noised derivative
   buffer of a round as released, which covers any coalition.
 - Anyone sees the released model (the final weights, and every broadcast model).
+- Nobody outside the server learns who else was selected in a round, which users fill
+  the buffer or which fail (as for DP-FedEmb, the sampling amplification below needs it);
+  a participant learns only that it was selected itself.
 
 Releases per round, and why the aggregate is a post-processing:
 
