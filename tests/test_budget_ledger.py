@@ -117,6 +117,53 @@ def test_charging_accumulates_refuses_over_budget_and_records_an_override(tmp_pa
     assert other.runs == 1 and other.spent_before == 0
 
 
+LOGIT_DP = accounting.AccountingSpec(
+    population=1000,
+    users_per_round=32,
+    rounds=40,
+    noise_multiplier=1.0,
+    delta=1e-5,
+    mechanism=accounting.Mechanism.LOGIT_DP,
+)
+
+
+def test_runs_planned_together_are_charged_together_or_not_at_all(tmp_path):
+    path = str(tmp_path / "ledger.json")
+    fingerprint = budget.dataset_fingerprint(["a", "b"])
+    both = budget.composed_epsilon([LOGIT_DP, DPSGD], DPSGD.delta)
+    # Independently: dp_accounting composing the two runs' own events.
+    assert both == pytest.approx(
+        _dp_accounting_epsilon(
+            [LOGIT_DP, DPSGD], dp_accounting.NeighboringRelation.REPLACE_ONE, DPSGD.delta
+        ),
+        rel=1e-9,
+    )
+    runs = [("pre", LOGIT_DP, None), ("train", DPSGD, None)]
+    # A budget that fits the training alone refuses both, and writes nothing.
+    tight = budget.BudgetPolicy(
+        path, total_epsilon=accounting.compute_privacy(DPSGD).epsilon * 1.001
+    )
+    with pytest.raises(ValueError, match="refusing to start either") as refused:
+        budget.charge_runs(tight, fingerprint, 1000, runs)
+    assert "\n" not in str(refused.value)
+    assert not os.path.exists(path) or fingerprint not in json.load(open(path))["datasets"]
+
+    policy = budget.BudgetPolicy(path, total_epsilon=both * 1.001)
+    assert budget.charge_runs(policy, fingerprint, 1000, runs) == pytest.approx(both)
+    entries = json.load(open(path))["datasets"][fingerprint]["runs"]
+    assert [e["run_id"] for e in entries] == ["pre", "train"]
+    assert all(e["charged_with"] == ["pre", "train"] for e in entries)
+    # Each run, when it starts, finds its charge: resumed, not charged twice.
+    for run_id, spec, _ in runs:
+        charge = budget.charge_run(policy, fingerprint, 1000, run_id, spec)
+        assert charge.resumed and charge.spent_after == pytest.approx(both)
+    # Retrying the pair charges nothing more; another schedule under the same id is refused.
+    assert budget.charge_runs(policy, fingerprint, 1000, runs) == pytest.approx(both)
+    with pytest.raises(ValueError, match="another accounting spec"):
+        budget.charge_runs(policy, fingerprint, 1000, [("train", LOGIT_DP, None)])
+    assert len(json.load(open(path))["datasets"][fingerprint]["runs"]) == 2
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
