@@ -442,3 +442,58 @@ def test_one_and_two_workers_give_the_same_round(tff_runtime):
     for a, b in zip(one.gradient, two.gradient):
         # Float32 sums merged in another order.
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_run_fdml_samples_uniformly_and_charges_every_release(tff_runtime):
+    config = fdml.FdmlConfig(
+        samples_per_user=2,
+        users_per_round=3,
+        margin=1.0,
+        row_clip=0.5,
+        derivative_noise_multiplier=5.0,
+        gradient_clip=0.5,
+        gradient_noise_multiplier=1.0,
+        case_b_strategy=fdml.AS,
+        server_learning_rate=0.01,
+    )
+    process = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, config)
+    population = [_user(10 + u, u % 4, 2) for u in range(8)]
+    loaded = []
+
+    def user_data(index):
+        loaded.append(index)
+        return _dataset(population[index])
+
+    run = fdml.run_fdml(
+        process,
+        process.initialize(),
+        user_data,
+        population=8,
+        rounds=4,
+        delta=1e-3,
+        seed=1,
+        over_selection=0.5,
+        case_a_rate=0.2,
+        case_b_rate=0.15,
+        max_attempts=5,
+    )
+    selected = 5  # ceil(3 x 1.5)
+    attempts = [loaded[i : i + selected] for i in range(0, len(loaded), selected)]
+    assert all(len(set(a)) == selected for a in attempts)  # without replacement
+    assert len(attempts) == 4 + run.restarts
+    assert run.applied_rounds + run.abandoned_rounds == 4
+    assert [r["attempts"] for r in run.history] and sum(r["attempts"] for r in run.history) == len(
+        attempts
+    )
+    epsilons = [r["epsilon"] for r in run.history]
+    assert epsilons == sorted(epsilons) and math.isfinite(epsilons[-1])
+    spec = fdml.privacy_spec(
+        config,
+        population=8,
+        selected_per_round=selected,
+        rounds=run.applied_rounds,
+        abandoned_rounds=run.abandoned_rounds,
+    )
+    assert run.spec == spec
+    assert run.epsilon == fdml_privacy.compute_epsilon(spec, 1e-3)
+    assert not any(name in r for r in run.history for name in fdml.UNPRIVATE_METRICS)

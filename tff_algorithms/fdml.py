@@ -60,6 +60,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from beam_jobs import schedule
 from tff_algorithms import fdml_privacy, local_training, model_config, models, triplet, validation
 
 UC = "uc"  # unconditionally continue with the gradients that arrive
@@ -625,6 +626,99 @@ def draw_failures(
     a = rng.random(selected) < case_a_rate
     b = rng.random(selected) < case_b_rate
     return [int(i) for i in np.flatnonzero(a)], [int(i) for i in np.flatnonzero(b & ~a)]
+
+
+class RoundRestartedTooOften(RuntimeError):
+    """Every attempt of a round had too few embedding uploads (Case A)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FdmlRun:
+    """What `run_fdml` did: the final state, the charged rounds and each round's record.
+
+    `history` holds, per round, the counts and the user-level epsilon so far; the server's
+    `UNPRIVATE_METRICS` are left out of it.
+    """
+
+    state: Any
+    applied_rounds: int
+    abandoned_rounds: int
+    restarts: int
+    epsilon: float
+    spec: fdml_privacy.FdmlPrivacySpec
+    history: list[dict[str, float]]
+
+
+def run_fdml(
+    process: FdmlProcess,
+    state: Any,
+    user_data: Callable[[int], tf.data.Dataset],
+    *,
+    population: int,
+    rounds: int,
+    delta: float,
+    seed: int,
+    over_selection: float = 0.0,
+    case_a_rate: float = 0.0,
+    case_b_rate: float = 0.0,
+    max_attempts: int = 3,
+) -> FdmlRun:
+    """Trains `rounds` rounds with the sampling the accountant assumes, charging every release.
+
+    Each attempt of a round selects ceil(n (1 + over_selection)) users uniformly without
+    replacement from `population` (`fdml_privacy.Sampling.UNIFORM`, all selected users
+    counted), in a random arrival order, from (seed, round, attempt) alone; failures come
+    from `draw_failures`. A restart (too few uploads) draws a fresh selection, up to
+    `max_attempts`. Rounds abandoned under AS count as rounds (the model does not move) and
+    are charged their derivative release.
+
+    Args:
+      user_data: user index in [0, population) -> that user's dataset.
+
+    Raises:
+      RoundRestartedTooOften: no attempt of a round had enough uploads.
+    """
+    validation.check_int("rounds", rounds, 0)
+    validation.check_int("max_attempts", max_attempts, 1)
+    config = process.config
+    selected = schedule.selected_per_round(config.users_per_round, over_selection)
+    if selected > population:
+        raise ValueError(f"a round selects {selected} users but the population is {population}")
+    applied = abandoned = restarts = 0
+    history = []
+    spec = privacy_spec(config, population=population, selected_per_round=selected, rounds=0)
+    epsilon = 0.0
+    for round_num in range(rounds):
+        for attempt in range(max_attempts):
+            rng = np.random.default_rng([seed, round_num, attempt])
+            users = rng.choice(population, size=selected, replace=False)
+            case_a, case_b = draw_failures(
+                seed, round_num * max_attempts + attempt, selected, case_a_rate, case_b_rate
+            )
+            output = process.next(
+                state,
+                [user_data(int(u)) for u in users],
+                case_a_failures=case_a,
+                case_b_failures=case_b,
+            )
+            if not output.restarted:
+                break
+            restarts += 1
+        else:
+            raise RoundRestartedTooOften(
+                f"round {round_num + 1}: {max_attempts} attempts each had fewer than "
+                f"{config.users_per_round} embedding uploads (case A failure rate {case_a_rate})"
+            )
+        state = output.state
+        applied += output.applied
+        abandoned += output.abandoned
+        spec = dataclasses.replace(spec, rounds=applied, abandoned_rounds=abandoned)
+        epsilon = fdml_privacy.compute_epsilon(spec, delta)
+        record = {k: v for k, v in output.metrics.items() if k not in UNPRIVATE_METRICS}
+        record.update(round=round_num + 1, attempts=attempt + 1, epsilon=epsilon)
+        record.update(applied=int(output.applied), abandoned=int(output.abandoned))
+        history.append(record)
+    return FdmlRun(state, applied, abandoned, restarts, epsilon, spec, history)
 
 
 def backbone_weights(state: Any) -> tff.learning.models.ModelWeights:
