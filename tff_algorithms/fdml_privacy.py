@@ -246,3 +246,48 @@ def paper_theorem_v1_epsilon(drop_rate: float, bound: float, laplace_scale: floa
     if not (bound > 0 and laplace_scale > 0):
         raise ValueError("bound and laplace_scale must be positive")
     return math.log((1 - drop_rate) * math.exp(2 * bound / laplace_scale) + drop_rate)
+
+
+def calibrate(
+    spec: FdmlPrivacySpec,
+    target_epsilon: float,
+    delta: float,
+    *,
+    derivative_share: float = 0.5,
+    relative_tolerance: float = 1e-3,
+) -> FdmlPrivacySpec:
+    """`spec` with the smallest noise that keeps its rounds within `target_epsilon`.
+
+    A round costs what one Gaussian of multiplier z costs, 1/z^2 = 1/z1^2 + 1/z2^2 (module
+    docstring); `derivative_share` of 1/z^2 goes to the derivatives (R1), the rest to the
+    aggregate (R2): z1 = z / sqrt(share), z2 = z / sqrt(1 - share), then z_d = 2 sqrt(g s) z1
+    and z_g = 2 z2. z is found by bisection on `compute_epsilon` (which only grows as z
+    shrinks), to within `relative_tolerance`; the returned spec's epsilon is at most the target.
+    Cost: about 10-20 accountant evaluations; with `Sampling.UNIFORM` each takes 1-4 s here
+    (dp_accounting's RDP of sampling without replacement), without sampling milliseconds.
+    """
+    if not 0 < derivative_share < 1:
+        raise ValueError(f"derivative_share must be in (0, 1), got {derivative_share}")
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target_epsilon must be positive, got {target_epsilon}")
+    rows = derivative_sensitivity(1.0, spec.users_per_group, spec.samples_per_user)
+
+    def with_noise(z: float) -> FdmlPrivacySpec:
+        return dataclasses.replace(
+            spec,
+            derivative_noise_multiplier=rows * z / math.sqrt(derivative_share),
+            gradient_noise_multiplier=2.0 * z / math.sqrt(1 - derivative_share),
+        )
+
+    low, high = 0.0, 1.0
+    while compute_epsilon(with_noise(high), delta) > target_epsilon:
+        low, high = high, 2 * high
+        if high > 1e6:
+            raise ValueError(f"epsilon {target_epsilon} is out of reach for this schedule")
+    while high - low > relative_tolerance * high:
+        middle = (low + high) / 2
+        if compute_epsilon(with_noise(middle), delta) > target_epsilon:
+            low = middle
+        else:
+            high = middle
+    return with_noise(high)
