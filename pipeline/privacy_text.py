@@ -193,7 +193,31 @@ def accounting_rows(
             rows.append(
                 ("minimum separation", f"{int(spec['min_separation'])} rounds between uses")
             )
+    rows.extend(shared_negatives_rows(ledger))
     return rows
+
+
+def shared_negatives_rows(ledger: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The DPLC releases of shared negatives (issue 22), whose cost the ledger's epsilon
+    already includes; none for a ledger without them."""
+    plan = ledger.get("shared_negatives")
+    if not plan:
+        return []
+    from tff_algorithms import dplc_releases
+
+    plan = dplc_releases.ReleasePlan.from_dict(plan)
+    rounds = len(ledger.get("history") or [])
+    releases = plan.releases_after(rounds)
+    alone = dplc_releases.releases_epsilon(plan, rounds, float(ledger["spec"]["delta"]))
+    return [
+        (
+            "shared negatives (DPLC releases, in ε above)",
+            f"{releases} release(s) of {plan.num_clusters} noisy cluster center(s) every "
+            f"{plan.every_rounds} round(s), noise multiplier {plan.noise_multiplier:g}, "
+            f"{plan.pool_users} sampled users a release, no sampling amplification; "
+            f"ε of the releases alone {format_epsilon(alone)}",
+        )
+    ]
 
 
 # participation.json (beam_jobs.partition) keys -> (label, unit).

@@ -390,3 +390,119 @@ def test_a_client_trains_against_the_broadcast_rows_and_returns_only_its_backbon
     # The update has the backbone's shapes only (no head, no negatives), and moves.
     assert [u.shape for u in released] == [w.shape for w in weights.trainable]
     assert any(not np.allclose(a, b) for a, b in zip(released, plain, strict=True))
+
+
+# ---------------------------------------------------------------------------------------
+# Wiring: `dp-fedemb train` flags and the pipeline's train.shared_negatives.
+
+
+def _flag_config(*args):
+    from absl import flags
+
+    from pipeline.commands import train
+
+    flag_values = flags.FlagValues()
+    train.define_flags(flag_values)
+    flag_values(["dp-fedemb train", "--recipe=paper", *args])
+    return train.job_config({name: flag_values[name].value for name in flag_values})
+
+
+def test_train_flags_set_shared_negatives():
+    assert _flag_config().shared_negatives is None
+    assert _flag_config("--shared-negatives").shared_negatives == (
+        job_config.SharedNegativesConfig()
+    )
+    config = _flag_config("--shared-negatives-every-rounds=3", "--shared-negatives-margin=0.8")
+    assert config.shared_negatives == job_config.SharedNegativesConfig(every_rounds=3, margin=0.8)
+
+
+def test_bad_shared_negatives_flags_give_one_error_line(tmp_path, capsys):
+    from pipeline import cli
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for extra, message in [
+        (["--shared-negatives-pool-users=0"], "--shared-negatives-pool-users must be >= 1"),
+        (["--shared-negatives-margin=-1"], "--shared-negatives-margin must be > 0"),
+        (
+            ["--shared-negatives", "--algorithm=dp-fedavg"],
+            "shared_negatives applies to dp-fedemb and dp-ftrl-fedemb",
+        ),
+    ]:
+        code = cli.main(
+            ["dp-fedemb", "train", "--data", str(data), "--output", str(tmp_path / "o"), *extra]
+        )
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert code != 0 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_pipeline_config_takes_shared_negatives_through_set():
+    from pipeline import config as config_lib
+
+    config = config_lib.check_config(
+        None,
+        ["train.shared_negatives.every_rounds=4", "train.shared_negatives.noise_multiplier=6"],
+    )
+    job = job_config.TrainJobConfig.from_dict(config.train_job_dict())
+    assert job.shared_negatives == job_config.SharedNegativesConfig(
+        every_rounds=4, noise_multiplier=6.0
+    )
+    # Public pretraining (centralized) drops it; a typo is one line.
+    assert "shared_negatives" not in config.pretrain_job_dict()
+    with pytest.raises(ValueError, match="unknown shared_negatives field 'every'") as error:
+        config_lib.load_config(None, ["train.shared_negatives.every=4"])
+    assert "\n" not in str(error.value)
+
+
+def test_dp_fedemb_train_trains_with_shared_negatives(tmp_path):
+    import subprocess
+
+    from beam_jobs import synthetic
+
+    data, output = str(tmp_path / "raw"), str(tmp_path / "out")
+    synthetic.write_image_folder(data, support.TRAIN_CLI_DATA)
+    command = [
+        support.CONSOLE_SCRIPT,
+        "train",
+        "--data",
+        data,
+        "--output",
+        output,
+        *support.train_cli_flags(2),
+        "--shared-negatives-every-rounds=1",
+        "--shared-negatives-pool-users=8",
+        "--shared-negatives-cluster-size=4",
+        "--shared-negatives-num-clusters=3",
+        "--shared-negatives-noise-multiplier=5",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    metrics = json.loads(open(summary["metrics"]).read())
+    assert metrics["shared_negatives"]["releases"] == 2
+    assert metrics["config"]["shared_negatives"]["num_clusters"] == 3
+    ledger = json.loads(open(summary["ledger"]).read())
+    assert ledger["shared_negatives"]["every_rounds"] == 1
+    plan = dplc_releases.ReleasePlan.from_dict(ledger["shared_negatives"])
+    spec = accounting.AccountingSpec.from_dict(ledger["spec"])
+    assert summary["epsilon"] == pytest.approx(
+        dplc_releases.composed_privacy(spec, plan).epsilon, rel=1e-12
+    )
+    assert summary["epsilon"] > accounting.compute_privacy(spec).epsilon
+
+
+def test_report_shows_the_releases_in_the_accounting_rows():
+    from pipeline import privacy_text
+
+    ledger = PrivacyLedger(SGD, PLAN)
+    for r in range(1, 5):
+        ledger.record_round(r)
+    rows = dict(privacy_text.accounting_rows(ledger.to_dict()))
+    line = rows["shared negatives (DPLC releases, in ε above)"]
+    assert line.startswith("2 release(s) of 2 noisy cluster center(s) every 3 round(s)")
+    alone = dplc_releases.releases_epsilon(PLAN, 4, SGD.delta)
+    assert privacy_text.format_epsilon(alone) in line and "no sampling amplification" in line
+    assert not any(
+        "shared negatives" in label
+        for label, _ in privacy_text.accounting_rows(PrivacyLedger(SGD).to_dict())
+    )

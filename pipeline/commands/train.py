@@ -68,6 +68,13 @@ _CONFIG_FIELDS = (
     "max_epsilon",
 )
 _CONFIG_FLAGS = {field.replace("_", "-"): field for field in _CONFIG_FIELDS}
+# train.shared_negatives (issue 22): --shared-negatives turns it on with the defaults of
+# job_config.SharedNegativesConfig; each --shared-negatives-FIELD sets FIELD (and turns
+# it on).
+_SHARED_NEGATIVES_FLAGS = {
+    f"shared-negatives-{field.name.replace('_', '-')}": field.name
+    for field in dataclasses.fields(job_config_lib.SharedNegativesConfig)
+}
 # Old spelling -> the flag it was renamed to (issue 25), accepted with one deprecation
 # line on stderr (`cli.main`) for one release: remove in the release after 0.1.0.
 RENAMED_FLAGS = {
@@ -183,6 +190,29 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("boolean", "restart-every-epoch", "dp-ftrl-fedemb: restart the noise tree every epoch")
     define("float", "logit-scale", "logit-dp: scale s of its cosine logits (1/temperature)")
     define("float", "max-epsilon", "privacy budget: refuse to start when the plan costs more")
+    define(
+        "boolean",
+        "shared-negatives",
+        "dp-fedemb / dp-ftrl-fedemb: broadcast DPLC-released cluster centers of sampled "
+        "training users as fixed negative rows of every local head; each release is charged "
+        "to the run's epsilon (the --shared-negatives-* flags set it and imply this one)",
+    )
+    shared_defaults = job_config_lib.SharedNegativesConfig()
+    shared_help = {
+        "every_rounds": "release before every this many rounds (R)",
+        "pool_users": "training users sampled per release, one class center each (n)",
+        "num_clusters": "noisy cluster centers per release (Q)",
+        "cluster_size": "class centers averaged per released center (T)",
+        "margin": "cluster margin rho, radians in (0, pi]",
+        "noise_multiplier": "DPLC noise std / the cluster mean's sensitivity (sigma)",
+    }
+    for flag, field in _SHARED_NEGATIVES_FLAGS.items():
+        kind = "float" if field in ("margin", "noise_multiplier") else "integer"
+        define(
+            kind,
+            flag,
+            f"shared negatives: {shared_help[field]} (default {getattr(shared_defaults, field)})",
+        )
     define("string", "budget-ledger", "cross-run privacy budget ledger file (JSON; shared by runs)")
     define("float", "dataset-budget-epsilon", "total epsilon all runs on these users may spend")
     define(
@@ -283,6 +313,13 @@ def _config_values(value: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("restart-every-epoch", "testing-fixed-noise", "testing-fixed-schedule"):
         if not value[name]:
             given.pop(_CONFIG_FLAGS[name], None)
+    shared = {
+        field: value[flag]
+        for flag, field in _SHARED_NEGATIVES_FLAGS.items()
+        if value[flag] is not None
+    }
+    if value["shared-negatives"] or shared:
+        given["shared_negatives"] = shared
     return given
 
 
@@ -493,6 +530,11 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         checks.number(name, value[name], 0, low_open=True)
     for name in ("client-momentum", "server-momentum"):
         checks.number(name, value[name], 0, 1, high_open=True)
+    for flag, field in _SHARED_NEGATIVES_FLAGS.items():
+        if field in ("margin", "noise_multiplier"):
+            checks.number(flag, value[flag], 0, low_open=True)
+        else:
+            checks.number(flag, value[flag], 1)
     checks.number("head-loss-margin", value["head-loss-margin"], 0)
     for name in ("validation-fraction", "test-fraction"):
         checks.number(name, value[name], 0, 1, high_open=True)
