@@ -506,3 +506,18 @@ def test_report_shows_the_releases_in_the_accounting_rows():
         "shared negatives" in label
         for label, _ in privacy_text.accounting_rows(PrivacyLedger(SGD).to_dict())
     )
+
+
+def test_dp_ftrl_fedemb_trains_with_shared_negatives(tff_runtime, data, tmp_path):
+    config = dataclasses.replace(
+        CONFIG, algorithm=job_config.DP_FTRL_FEDEMB, rounds=2, evaluate_every=0
+    )
+    result = train_job.run_train_job(config, *data, str(tmp_path / "ftrl"))
+    ledger = json.loads(open(result.ledger_path).read())
+    assert ledger["spec"]["mechanism"] == "dpftrl" and ledger["shared_negatives"]
+    spec = accounting.AccountingSpec.from_dict(ledger["spec"])
+    tree = accounting.compute_privacy(spec)
+    # One release (before round 0; every 2 rounds): Q = 2 Gaussians of sigma 3 in zCDP.
+    assert result.metrics["zcdp_rho"] == pytest.approx(tree.zcdp_rho + 2 / (2 * 3.0**2))
+    assert result.metrics["epsilon"] > tree.epsilon
+    assert all(0.0 <= v <= 1.0 for v in result.metrics["recall_at_far"].values())
