@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import subprocess
+import types
 
 import numpy as np
 import pytest
@@ -140,17 +141,24 @@ def test_interrupted_and_resumed_equals_uninterrupted(data, straight_run, tmp_pa
 
 
 def test_each_step_takes_one_pair_from_each_of_n_distinct_users(data):
-    partition_dir, _ = data
     from beam_jobs import partition
 
-    reader = partition.PartitionReader(partition_dir)
-    user_ids = reader.user_ids()
-    plan = job_config.schedule_for(CONFIG, len(user_ids), schedule_seed=3)
-    ids = client_data.VirtualClientIds(partition_dir, plan, user_ids)
+    reader = partition.PartitionReader(data[0])
+    inputs = types.SimpleNamespace(config=CONFIG, reader=reader, user_ids=reader.user_ids())
+    source = contrastive_training.PairSource(inputs, schedule_seed=3)
     for step in range(3):
-        users = [i.split(client_data.USER_SEPARATOR)[1:] for i in ids.for_round(step)]
-        assert all(len(u) == 1 for u in users)  # one user per "virtual client"
-        assert len({u[0] for u in users}) == 14  # no user twice in a step
+        users = source.users(step)
+        assert len(set(users)) == len(users) == 14  # no user twice in a step
+        x, y = source.pairs(step)
+        assert x.shape == y.shape == (14, *CONFIG.image_shape)
+        # Row k holds two of user k's own images.
+        for k in (0, 13):
+            own = [
+                client_data.parse_example(e, CONFIG.image_shape)["image"].numpy()
+                for e in reader.user_examples(users[k])
+            ]
+            for image in (x[k].numpy(), y[k].numpy()):
+                assert any(np.array_equal(image, o) for o in own)
     pairs = contrastive_training._pair_indices([1, 2, 6, 6], schedule_seed=3, step=0)
     assert pairs[0] == (0, 0)  # one image: used twice
     assert all(a != b and 0 <= a < n and 0 <= b < n for (a, b), n in zip(pairs[1:], [2, 6, 6]))
@@ -175,7 +183,5 @@ def test_config_refusals_are_one_line(changes, message):
 
 def test_paper_convention_is_refused_for_logit_dp():
     with pytest.raises(ValueError, match="no paper convention") as e:
-        accounting.AccountingSpec(
-            100, 14, 5, 1.0, 1e-5, mechanism="logit_dp", convention="paper"
-        )
+        accounting.AccountingSpec(100, 14, 5, 1.0, 1e-5, mechanism="logit_dp", convention="paper")
     assert "\n" not in str(e.value)

@@ -64,33 +64,43 @@ def _pair_indices(records: list[int], schedule_seed: int, step: int) -> list[tup
     return pairs
 
 
-def _record(virtual_client_id: str, index: int, image_shape: tuple[int, int, int]) -> tf.Tensor:
-    records = client_data.read_virtual_client_records(tf.constant(virtual_client_id))
-    serialized = next(iter(records.skip(index).take(1)))
-    return client_data.parse_example(serialized, image_shape)["image"]
+@tf.function
+def _decode(serialized: tf.Tensor, image_shape: tuple[int, int, int]) -> tf.Tensor:
+    return tf.map_fn(
+        lambda s: client_data.parse_example(s, image_shape)["image"],
+        serialized,
+        fn_output_signature=tf.TensorSpec(image_shape, tf.float32),
+    )
 
 
 class PairSource:
-    """The users and positive pairs of each step (module docstring, steps 1-2)."""
+    """The users and positive pairs of each step (module docstring, steps 1-2).
+
+    A user's records are read from its byte range of the partition (the reader's
+    shard index; no tf.data pipeline per user) and only the pair's two are decoded.
+    """
 
     def __init__(self, inputs: JobInputs, schedule_seed: int) -> None:
         config = inputs.config
-        plan = schedule_for(config, len(inputs.user_ids), schedule_seed)
-        self._ids = client_data.VirtualClientIds(inputs.partition_dir, plan, inputs.user_ids)
+        self._plan = schedule_for(config, len(inputs.user_ids), schedule_seed)
+        self._reader = inputs.reader
+        self._user_ids = inputs.user_ids
         self._seed = schedule_seed
         self._shape = config.image_shape
 
+    def users(self, step: int) -> list[str]:
+        """The step's sampled users (the schedule's round `step`, one user per group)."""
+        return [self._user_ids[int(i)] for i in np.ravel(self._plan.round_user_indices(step))]
+
     def pairs(self, step: int) -> tuple[tf.Tensor, tf.Tensor]:
         """(x, y), each [n, H, W, C]: row k is the k-th sampled user's two images."""
-        ids = self._ids.for_round(step)
-        records = [int(client_data.expected_examples(tf.constant(i))) for i in ids]
-        xs, ys = [], []
-        for vc_id, (first, second) in zip(
-            ids, _pair_indices(records, self._seed, step), strict=True
-        ):
-            xs.append(_record(vc_id, first, self._shape))
-            ys.append(_record(vc_id, second, self._shape))
-        return tf.stack(xs), tf.stack(ys)
+        examples = [self._reader.user_examples(user) for user in self.users(step)]
+        indices = _pair_indices([len(e) for e in examples], self._seed, step)
+        first = [e[i] for e, (i, _) in zip(examples, indices, strict=True)]
+        second = [e[j] for e, (_, j) in zip(examples, indices, strict=True)]
+        images = _decode(tf.constant(first + second), self._shape)
+        n = len(first)
+        return images[:n], images[n:]
 
 
 def train_logit_dp(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
