@@ -120,15 +120,32 @@ def test_padded_rows_are_in_no_triplet(strategy):
         tf.constant(embeddings), keys, valid, 2, strategy, 1.0
     )
     assert np.all(derivatives.numpy()[~valid] == 0)
-    # Whatever padding holds, nothing changes.
+    # Whatever padding holds, even NaN, nothing changes.
     rng = np.random.default_rng(9)
-    other = np.where(valid[..., None], embeddings, 100 * rng.normal(size=embeddings.shape))
-    other_keys = np.where(valid, keys, keys[0, 0])
-    derivatives2, count2 = triplet.buffer_derivatives(
-        tf.constant(other), other_keys, valid, 2, strategy, 1.0
-    )
-    np.testing.assert_array_equal(derivatives.numpy(), derivatives2.numpy())
-    assert int(count) == int(count2)
+    for filler in (100 * rng.normal(size=embeddings.shape), np.full(embeddings.shape, np.nan)):
+        other = np.where(valid[..., None], embeddings, filler)
+        other_keys = np.where(valid, keys, keys[0, 0])
+        derivatives2, count2 = triplet.buffer_derivatives(
+            tf.constant(other), other_keys, valid, 2, strategy, 1.0
+        )
+        np.testing.assert_array_equal(derivatives.numpy(), derivatives2.numpy())
+        assert int(count) == int(count2)
+        loss = triplet.buffer_loss(tf.constant(other), other_keys, valid, 2, strategy, 1.0)
+        assert np.isfinite(loss.numpy())
+
+
+@pytest.mark.parametrize("strategy", triplet.STRATEGIES)
+def test_buffers_without_a_triplet_have_zero_derivatives(strategy):
+    embeddings, _, valid = _random_buffer(5)
+    for keys, mask in [
+        (np.zeros((5, 3), np.int64), valid),  # one identity: no negative
+        (np.arange(15, dtype=np.int64).reshape(5, 3), valid),  # no positive pair
+        (np.zeros((5, 3), np.int64), np.zeros((5, 3), bool)),  # all padding
+    ]:
+        derivatives, count = triplet.buffer_derivatives(
+            tf.constant(embeddings), keys, mask, 5, strategy, 1.0
+        )
+        assert int(count) == 0 and not np.any(derivatives.numpy())
 
 
 def test_groups_do_not_reach_each_other():
@@ -304,6 +321,39 @@ def test_noise_is_seeded_by_round_and_clips_hold(tff_runtime):
     # No gradient noise: the aggregate is a mean of 3 gradients clipped to 0.05.
     norm = np.sqrt(sum(float(np.sum(g**2)) for g in output.gradient))
     assert norm <= 0.05 + 1e-6
+
+
+def test_server_step_drops_embeddings_and_treats_non_finite_uploads_as_padding(tff_runtime):
+    config = fdml.FdmlConfig(
+        samples_per_user=10, users_per_round=6, margin=1.0, embedding_drop_rate=0.3
+    )
+    process = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, config)
+    rng = np.random.default_rng(1)
+    embeddings = rng.normal(size=(6, 10, EMBEDDING)).astype(np.float32)
+    keys = np.repeat(np.array([0, 0, 1, 1, 2, 2], np.int64)[:, None], 10, axis=1)
+    valid = np.ones((6, 10), bool)
+    seed = np.array([1, 2], np.int64)
+    step = process.server_step(embeddings, keys, valid, seed, np.int64(0))
+    used = np.asarray(step["used"])
+    assert int(step["dropped_embeddings"]) == int((~used).sum())
+    assert 0.15 < (~used).mean() < 0.45
+    assert not np.any(np.asarray(step["derivatives"])[~used])
+    # The same buffer with the dropped rows marked as padding: the same derivatives.
+    plain = fdml.FdmlProcess(
+        _backbone, IMAGE_SHAPE, dataclasses.replace(config, embedding_drop_rate=0.0)
+    )
+    again = plain.server_step(embeddings, keys, used, seed, np.int64(0))
+    np.testing.assert_array_equal(step["derivatives"], again["derivatives"])
+    # A NaN row counts as non-finite and as padding; nothing else becomes NaN.
+    poisoned = embeddings.copy()
+    poisoned[2, 3, 0] = np.nan
+    step = plain.server_step(poisoned, keys, valid, seed, np.int64(0))
+    assert int(step["non_finite_embeddings"]) == 1 and not np.asarray(step["used"])[2, 3]
+    assert np.all(np.isfinite(step["derivatives"])) and np.isfinite(step["loss"])
+    expected = valid.copy()
+    expected[2, 3] = False
+    reference = plain.server_step(embeddings, keys, expected, seed, np.int64(0))
+    np.testing.assert_array_equal(step["derivatives"], reference["derivatives"])
 
 
 def test_noise_std_is_z_times_clip(tff_runtime):

@@ -186,9 +186,17 @@ def _seed(base: tf.Tensor, round_num: tf.Tensor, purpose: int) -> tf.Tensor:
 
 _DROP, _DERIVATIVE_NOISE, _GRADIENT_NOISE = 0, 1, 2
 
-# `FdmlRoundOutput.metrics` computed by the server on training users' embeddings without
-# privacy: for monitoring, never to be released (the counts are data-independent).
-UNPRIVATE_METRICS = ("server_loss", "active_triplets")
+# `FdmlRoundOutput.metrics` that depend on the training users' data and carry no privacy:
+# for monitoring, never to be released. The others (selected, case_a_failures,
+# case_b_failures, aggregated) count the data-independent schedule and failures.
+UNPRIVATE_METRICS = (
+    "server_loss",
+    "active_triplets",
+    "dropped_embeddings",
+    "non_finite_embeddings",
+    "padded_rows",
+    "non_finite_gradients",
+)
 
 
 class _ClientModel:
@@ -407,6 +415,11 @@ class FdmlProcess:
             np.int64,
         )
         def server_step(embeddings, keys, valid, noise_seed, round_num):
+            # A non-finite upload is treated as padding (only its own slot's rows are
+            # affected), so it can neither poison its group nor show in the release.
+            finite = tf.reduce_all(tf.math.is_finite(embeddings), axis=-1)
+            non_finite = tf.logical_and(valid, tf.logical_not(finite))
+            valid = tf.logical_and(valid, finite)
             dropped = tf.zeros_like(valid)
             if config.embedding_drop_rate > 0:
                 uniform = tf.random.stateless_uniform(
@@ -428,11 +441,13 @@ class FdmlProcess:
             )
             return collections.OrderedDict(
                 derivatives=noised,
-                # Dropped rows are not backpropagated (server randomness, not data).
-                dropped=dropped,
+                # Rows outside the loss (dropped by the server's coin, padding, non-finite)
+                # are not backpropagated: zeroing them uses the participant's own rows only.
+                used=used,
                 loss=loss,
                 active_triplets=active,
                 dropped_embeddings=tf.reduce_sum(tf.cast(dropped, tf.int32)),
+                non_finite_embeddings=tf.reduce_sum(tf.cast(non_finite, tf.int32)),
             )
 
         @tff.federated_computation(
@@ -514,11 +529,12 @@ class FdmlProcess:
         step = self.server_step(
             embeddings, keys, valid, np.asarray(state["noise_seed"]), np.int64(state["round_num"])
         )
-        derivatives = np.asarray(step["derivatives"]) * ~np.asarray(step["dropped"])[..., None]
+        derivatives = np.asarray(step["derivatives"]) * np.asarray(step["used"])[..., None]
         metrics.update(
             server_loss=float(step["loss"]),
             active_triplets=float(step["active_triplets"]),
             dropped_embeddings=int(step["dropped_embeddings"]),
+            non_finite_embeddings=int(step["non_finite_embeddings"]),
             padded_rows=int((~valid).sum()),
         )
         failed_b = set(case_b_failures)

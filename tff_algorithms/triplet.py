@@ -198,6 +198,11 @@ def _grouped(tensor: tf.Tensor, users_per_group: int) -> tf.Tensor:
     return tf.reshape(padded, tf.concat([[groups, users_per_group * tf.shape(tensor)[1]], tail], 0))
 
 
+def _zero_invalid(embeddings: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
+    """Padding holds zeros: whatever an invalid row held (even NaN) reaches no output."""
+    return tf.where(valid[..., None], embeddings, tf.zeros_like(embeddings))
+
+
 def _ungrouped(tensor: tf.Tensor, slots: tf.Tensor, samples: tf.Tensor) -> tf.Tensor:
     """Inverse of `_grouped`, dropping the padding slots."""
     tail = tf.shape(tensor)[2:]
@@ -214,6 +219,7 @@ def buffer_loss(
     margin: float,
 ) -> tf.Tensor:
     """The round's loss over a buffer (module docstring), differentiable in `embeddings`."""
+    embeddings = _zero_invalid(embeddings, valid)
     return group_loss(
         _grouped(embeddings, users_per_group),
         _grouped(keys, users_per_group),
@@ -237,6 +243,7 @@ def buffer_derivatives(
     """
     if users_per_group < 1:
         raise ValueError(f"users_per_group must be >= 1, got {users_per_group}")
+    embeddings = _zero_invalid(embeddings, valid)
     rows, counts = group_derivatives(
         _grouped(embeddings, users_per_group),
         _grouped(keys, users_per_group),
