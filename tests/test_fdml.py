@@ -510,9 +510,12 @@ def test_run_fdml_samples_uniformly_and_charges_every_release(tff_runtime):
     population = [_user(10 + u, u % 4, 2) for u in range(8)]
     loaded = []
 
-    def user_data(index):
+    def user_data(index, round_num):
         loaded.append(index)
-        return _dataset(population[index])
+        # The round's samples: a shuffle seeded by (user, round), the same on replay.
+        return _dataset(population[index]).shuffle(
+            4, seed=100 * round_num + index, reshuffle_each_iteration=False
+        )
 
     run = fdml.run_fdml(
         process,

@@ -668,7 +668,7 @@ class FdmlRun:
 def run_fdml(
     process: FdmlProcess,
     state: Any,
-    user_data: Callable[[int], tf.data.Dataset],
+    user_data: Callable[[int, int], tf.data.Dataset],
     *,
     population: int,
     rounds: int,
@@ -689,7 +689,11 @@ def run_fdml(
     are charged their derivative release.
 
     Args:
-      user_data: user index in [0, population) -> that user's dataset.
+      user_data: (user index in [0, population), round) -> the user's dataset for that
+        round; its first `samples_per_user` elements are the round's samples (the paper
+        draws them afresh each round: `shuffle(..., seed=f(user, round),
+        reshuffle_each_iteration=False)` does that). It must yield the same elements in
+        the same order each time it is iterated: the replay iterates it again.
 
     Raises:
       RoundRestartedTooOften: no attempt of a round had enough uploads.
@@ -713,7 +717,7 @@ def run_fdml(
             )
             output = process.next(
                 state,
-                [user_data(int(u)) for u in users],
+                [user_data(int(u), round_num) for u in users],
                 case_a_failures=case_a,
                 case_b_failures=case_b,
             )
