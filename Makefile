@@ -1,6 +1,9 @@
 # Entry points for a new machine: every target sets up .venv from the lock first.
 PY := .venv/bin/python
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): modules sharing the session's tiny pipeline run are one
+# group on one worker (tests/conftest.py); TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup test bench bench-quick lint lock clean airflow-setup airflow-lock
 
@@ -8,7 +11,7 @@ setup:
 	@bash scripts/setup_env.sh
 
 test: setup
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Every bench/bench_*.py; JSON in bench/results/, figures in BENCHMARKS.md.
 bench: setup

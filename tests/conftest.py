@@ -58,6 +58,15 @@ def tiny_pipeline_first_run(tmp_path_factory):
     return config, summary, store, process
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup` (make test), a module's tests stay on one xdist worker, so
+    its module-scoped fixtures (a trained job, a partition) are built once; modules that
+    share a session fixture name one group (`xdist_group("tiny_pipeline")`)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if "tensorflow_federated" in sys.modules:
         # Drop TFF's import-time context now, so its __del__ does not print a

@@ -29,7 +29,8 @@ from beam_jobs import partition, schema, synthetic
 from pipeline.components import artifacts
 from tff_algorithms import job_files
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs every module of the session's tiny pipeline run (conftest).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiny_pipeline")]
 
 # Distinctive names: any occurrence in an output is a leak, never a coincidence.
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=3)

@@ -24,7 +24,8 @@ from pipeline.components import artifacts
 from tests import support
 from tff_algorithms import job_files
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs every module of the session's tiny pipeline run (conftest).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiny_pipeline")]
 
 UPSTREAM_OF_EVALUATION = (
     definition.EXAMPLE_GEN,

@@ -31,6 +31,9 @@ from pipeline.components import artifacts
 from tests import support
 from tff_algorithms import job_config, job_files, job_outputs, train_job
 
+# One xdist worker runs every module of the session's tiny pipeline run (conftest).
+pytestmark = pytest.mark.xdist_group("tiny_pipeline")
+
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=11)
 TRAIN_IDENTITIES = 20
 # Production schedule; the noise is fixed (its own testing flag, tests/test_noise_seed.py)
