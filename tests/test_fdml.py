@@ -262,6 +262,8 @@ def test_case_a_over_selection_fills_the_buffer_and_too_few_restart(tff_runtime,
     for got, want in zip(output.gradient, same.gradient):
         np.testing.assert_allclose(got, want, rtol=1e-6)
 
+    with pytest.raises(ValueError, match="case_b_failures must index"):
+        small_process.next(state, data, case_b_failures=[5])
     restarted = small_process.next(state, data, case_a_failures=[0, 1, 2])
     assert restarted.restarted and not restarted.applied and not restarted.abandoned
     assert restarted.state is state

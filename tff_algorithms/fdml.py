@@ -499,6 +499,12 @@ class FdmlProcess:
         """
         config = self.config
         n, s = config.users_per_round, config.samples_per_user
+        for name, indices in (
+            ("case_a_failures", case_a_failures),
+            ("case_b_failures", case_b_failures),
+        ):
+            if any(not 0 <= int(i) < len(client_data) for i in indices):
+                raise ValueError(f"{name} must index the {len(client_data)} participants")
         # TFF serializes datasets of OrderedDicts only; the map keeps order and content.
         client_data = [
             dataset.map(lambda e: collections.OrderedDict(identity=e["identity"], image=e["image"]))
