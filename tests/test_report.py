@@ -277,3 +277,52 @@ def test_report_and_card_render_in_headless_chromium(page, tmp_path):
     # A blank page is one shade; a rendered report has text and plots in many.
     shades = support.screenshot_shades(browser, str(tmp_path / "profile"), report_file, "1000,3000")
     assert shades is None or shades > 50
+
+
+def test_a_model_from_two_private_runs_shows_their_composed_epsilon():
+    from tff_algorithms import composition, ledger
+
+    pretrain = ledger.PrivacyLedger(
+        accounting.AccountingSpec(
+            population=400,
+            users_per_round=32,
+            rounds=3,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            mechanism=accounting.Mechanism.LOGIT_DP,
+        )
+    )
+    train = ledger.PrivacyLedger.from_dict(_ledger())
+    for run in (pretrain,):
+        for step in range(1, 4):
+            run.record_round(step)
+    composed = composition.model_composition(
+        [("PrivatePretrain", pretrain), ("PrivateTrain", train)], 1e-5
+    )
+    epsilon = composed["epsilon"]
+    assert epsilon > max(pretrain.epsilon, train.epsilon)
+    ledger_dict = _ledger()
+    statement = privacy_text.privacy_statement(ledger_dict, composed)
+    assert f"ε = {epsilon:.2f}" in statement
+    assert "Logit-DP contrastive pretraining (3 steps" in statement
+    assert f"private training (4 rounds, ε = {train.epsilon:.2f})" in statement
+    rows = dict(privacy_text.accounting_rows(ledger_dict, composed))
+    assert rows["ε of the model (all its private runs, composed)"] == f"{epsilon:.2f}"
+    inputs = _inputs(ledger_dict)
+    card = model_card.build_model_card(
+        inputs["evaluation"],
+        ledger_dict,
+        inputs["training_metrics"],
+        inputs["schedule"],
+        pushed_to=None,
+        composition=composed,
+    )
+    assert f"ε = {epsilon:.2f}" in card["model_details"]["overview"]
+    page = report.render_report(**inputs, pushed_to=None, composition=composed)
+    assert "all its private runs, composed" in page and f"ε = {epsilon:.2f}" in page
+    # One run: the composition is the ledger's own epsilon, and the text is unchanged.
+    alone = composition.model_composition([("PrivateTrain", train)], 1e-5)
+    assert alone["epsilon"] == train.epsilon
+    assert privacy_text.privacy_statement(ledger_dict, alone) == privacy_text.privacy_statement(
+        ledger_dict
+    )
