@@ -33,28 +33,13 @@ def tiny_pipeline_first_run(tmp_path_factory):
     """The whole pipeline run once on tiny data (support.TINY_PIPELINE), through the
     command line as a user runs it, shared by the modules that inspect its outputs:
     (config, run summary, MLMD store, the command's CompletedProcess)."""
-    import json
-    import subprocess
-
-    from ml_metadata.metadata_store import metadata_store
-
-    from pipeline import config as config_lib
-    from pipeline import definition, local_run
+    from pipeline import local_run
     from tests import support
 
     root = tmp_path_factory.mktemp("pipeline")
-    config = config_lib.config_from_dict(support.tiny_pipeline(str(root / "output")))
-    config_path = root / "tiny-config.json"
-    config_path.write_text(json.dumps(config.to_dict()))
-    process = subprocess.run(
-        [support.CONSOLE_SCRIPT, "run", "--config", str(config_path)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert process.returncode == 0, process.stderr[-5000:]
+    values = support.tiny_pipeline(str(root / "output"))
+    config, store, process = support.run_pipeline(values, root)
     summary = local_run.summarize(config)
-    store = metadata_store.MetadataStore(definition.local_metadata_config(config))
     return config, summary, store, process
 
 

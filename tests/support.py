@@ -10,6 +10,7 @@ where they are used.
 
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -298,6 +299,30 @@ def tiny_pipeline(output_dir: str, **section_overrides: Mapping[str, Any]) -> di
         values.setdefault(section, {}).update(overrides)
     values.setdefault("pipeline", {})["output_dir"] = output_dir
     return values
+
+
+def run_pipeline(values: Mapping[str, Any], root: str | os.PathLike[str]) -> Any:
+    """Runs the pipeline of config `values` through the command line as a user does
+    (`dp-fedemb run --config ROOT/config.json`); asserts it succeeded and returns
+    (config, ML Metadata store, the command's CompletedProcess)."""
+    from ml_metadata.metadata_store import metadata_store
+
+    from pipeline import config as config_lib
+    from pipeline import definition
+
+    config = config_lib.config_from_dict(dict(values))
+    path = os.path.join(os.fspath(root), "config.json")
+    with open(path, "w") as f:
+        f.write(json.dumps(config.to_dict()))
+    process = subprocess.run(
+        [CONSOLE_SCRIPT, "run", "--config", path],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert process.returncode == 0, process.stderr[-5000:]
+    store = metadata_store.MetadataStore(definition.local_metadata_config(config))
+    return config, store, process
 
 
 def executions_by_node(store: Any) -> dict[str, list]:

@@ -8,11 +8,9 @@ the composed epsilon, which the test recomputes with dp_accounting directly.
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from pipeline import config as config_lib
 from pipeline import definition, lineage
 from pipeline.components import artifacts
 from tests import support
@@ -32,24 +30,11 @@ PRETRAIN_JOB = {
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from ml_metadata.metadata_store import metadata_store
-
     root = tmp_path_factory.mktemp("private-pretraining")
     values = support.tiny_pipeline(
         str(root / "output"), pretrain={"source": "private_contrastive", "job": PRETRAIN_JOB}
     )
-    config = config_lib.config_from_dict(values)
-    path = root / "config.json"
-    path.write_text(json.dumps(config.to_dict()))
-    process = subprocess.run(
-        [support.CONSOLE_SCRIPT, "run", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert process.returncode == 0, process.stderr[-5000:]
-    store = metadata_store.MetadataStore(definition.local_metadata_config(config))
-    return config, store, process
+    return support.run_pipeline(values, root)
 
 
 def _independent_composed_epsilon(pretrain_spec: dict, train_spec: dict, delta: float) -> float:
