@@ -127,6 +127,10 @@ class Mechanism(str, enum.Enum):
     # multiplier relative to the derived sensitivity C(n, s, B) of the clipped sum
     # (tff_algorithms.logit_dp_sensitivity), not to a clip norm.
     LOGIT_DP = "logit_dp"
+    # FDML rounds (issue 27, `fdml_privacy`): the noised derivatives then the noised
+    # gradient sum, on the same sampled users; the two Gaussians compose to one whose
+    # multiplier z (1/z^2 = 1/z_1^2 + 1/z_2^2) is relative to the sensitivities, not a clip.
+    FDML = "fdml"
 
 
 class Sampling(str, enum.Enum):
@@ -176,15 +180,19 @@ _SUPPORTED = {
         Accountant.PLD,
     ),
     (Mechanism.LOGIT_DP, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (Accountant.RDP,),
+    (Mechanism.FDML, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (Accountant.RDP,),
 }
 
 _DEFAULT_SAMPLING = {
     Mechanism.DPSGD: Sampling.UNIFORM,
     Mechanism.DPFTRL: Sampling.EPOCH,
     Mechanism.LOGIT_DP: Sampling.UNIFORM,
+    Mechanism.FDML: Sampling.UNIFORM,
 }
 # Independent Gaussian noise each round or step, over a sampled set of users.
-_SAMPLED_GAUSSIAN = (Mechanism.DPSGD, Mechanism.LOGIT_DP)
+_SAMPLED_GAUSSIAN = (Mechanism.DPSGD, Mechanism.LOGIT_DP, Mechanism.FDML)
+# Mechanisms whose noise multiplier is already relative to the L2 sensitivity.
+_RELATIVE_TO_SENSITIVITY = (Mechanism.LOGIT_DP, Mechanism.FDML)
 _DEFAULT_RELATION = {
     Sampling.UNIFORM: NeighboringRelation.REPLACE_ONE,
     Sampling.POISSON: NeighboringRelation.ADD_OR_REMOVE_ONE,
@@ -344,6 +352,11 @@ class AccountingSpec:
                     "the logit_dp mechanism samples single users (one positive pair each): "
                     "users per virtual client must be 1"
                 )
+        if self.mechanism is Mechanism.FDML and self.users_per_virtual_client != 1:
+            raise ValueError(
+                "the fdml mechanism's noise multiplier already counts the triplet group "
+                "(sensitivity 2 C_r sqrt(g s)): users per virtual client must be 1"
+            )
         combination = (self.mechanism, self.sampling, self.neighboring_relation)
         accountants = _SUPPORTED.get(combination)
         if accountants is None:
@@ -363,9 +376,10 @@ class AccountingSpec:
     def sensitivity_in_clips(self) -> float:
         """L2 sensitivity of the noised sum to one user, in clip norms (docstring table).
 
-        logit_dp: 1, because its noise multiplier is already relative to the sensitivity.
+        logit_dp, fdml: 1, because their noise multiplier is already relative to the
+        sensitivity.
         """
-        if self.mechanism is Mechanism.LOGIT_DP:
+        if self.mechanism in _RELATIVE_TO_SENSITIVITY:
             return 1.0
         if self.neighboring_relation is NeighboringRelation.REPLACE_ONE:
             return 1.0 if self.convention is Convention.PAPER else 2.0
@@ -557,6 +571,8 @@ def _analysis_name(spec: AccountingSpec) -> str:
         what = f"sampled Gaussian ({sampling})"
         if spec.mechanism is Mechanism.LOGIT_DP:
             what += ", Logit-DP per-pair clipping"
+        if spec.mechanism is Mechanism.FDML:
+            what += ", FDML derivatives and gradient sum composed per round"
     elif spec.restart_every_epoch:
         what = "tree aggregation restarted every epoch"
     else:
@@ -568,6 +584,8 @@ def _analysis_name(spec: AccountingSpec) -> str:
     }[spec.neighboring_relation]
     if spec.mechanism is Mechanism.LOGIT_DP:
         convention = "strict convention (noise relative to the sensitivity C(n, s, B))"
+    elif spec.mechanism is Mechanism.FDML and spec.convention is Convention.STRICT:
+        convention = "strict convention (noise relative to 2 C_r sqrt(g s) and 2 C_g)"
     elif spec.convention is Convention.STRICT:
         convention = f"strict convention (sensitivity {spec.sensitivity_in_clips:g} x clip)"
     else:
@@ -581,6 +599,13 @@ def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
     from dp_accounting.pld import pld_privacy_accountant
     from dp_accounting.rdp import rdp_privacy_accountant
 
+    if spec.mechanism is Mechanism.FDML and spec.convention is Convention.PAPER:
+        # The paper's only privacy figure (Theorem V.1) is per sample and per round, with
+        # other parameters (r, T, b): no user-level epsilon to compute.
+        raise ValueError(
+            "the fdml paper convention is Theorem V.1, per sample and per round, not "
+            "user-level (fdml_privacy.paper_theorem_v1_epsilon); use the strict convention"
+        )
     z = spec.effective_noise_multiplier
     is_tree = spec.mechanism is Mechanism.DPFTRL
     if z == 0:  # no noise: no guarantee

@@ -650,6 +650,16 @@ def draw_failures(
     return [int(i) for i in np.flatnonzero(a)], [int(i) for i in np.flatnonzero(b & ~a)]
 
 
+def round_users(
+    seed: int, round_num: int, attempt: int, population: int, selected: int
+) -> np.ndarray:
+    """The users (indices into the population) an attempt of a round selects, uniformly
+    without replacement and in a random arrival order, from (seed, round, attempt) alone:
+    `run_fdml`'s and the training job's sampling, the one the accountant assumes."""
+    rng = np.random.default_rng([seed, round_num, attempt])
+    return rng.choice(population, size=selected, replace=False)
+
+
 class RoundRestartedTooOften(RuntimeError):
     """Every attempt of a round had too few embedding uploads (Case A)."""
 
@@ -716,8 +726,7 @@ def run_fdml(
     epsilon = 0.0
     for round_num in range(rounds):
         for attempt in range(max_attempts):
-            rng = np.random.default_rng([seed, round_num, attempt])
-            users = rng.choice(population, size=selected, replace=False)
+            users = round_users(seed, round_num, attempt, population, selected)
             case_a, case_b = draw_failures(
                 seed, round_num * max_attempts + attempt, selected, case_a_rate, case_b_rate
             )

@@ -43,12 +43,25 @@ CENTRALIZED = "centralized"
 # Centralized contrastive training of the backbone under user-level DP (issue 26): each
 # step samples users, one positive pair (two images) per user, per-pair clipping.
 LOGIT_DP = "logit-dp"
+# Federated metric learning (issue 27, `fdml`, `fdml_training`): participants upload
+# embeddings, the trusted server's triplet loss sends noised derivatives back.
+FDML = "fdml"
+# The fields only fdml reads (`TrainJobConfig`).
+FDML_FIELDS = (
+    "samples_per_user",
+    "derivative_clip",
+    "derivative_noise_share",
+    "triplet_strategy",
+    "triplet_margin",
+)
+# fdml's triplet strategies (`triplet.STRATEGIES`, which imports TensorFlow).
+TRIPLET_STRATEGIES = ("batch_all", "semi_hard")
 # The paper's EMNIST noise multiplier (appendix D), when neither it nor a target is given.
 DEFAULT_NOISE_MULTIPLIER = 0.62
 AUTO = schedule.AUTO
-ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, CENTRALIZED, LOGIT_DP)
+ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, CENTRALIZED, LOGIT_DP, FDML)
 # The algorithms with a privacy guarantee: the only ones a pipeline run may train.
-PRIVATE_ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB)
+PRIVATE_ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, FDML)
 
 # Never published (module docstring).
 _SECRET_FIELDS = ("schedule_seed", "noise_seed")
@@ -208,6 +221,22 @@ class TrainJobConfig:
     logit gradients clipped to `clip_norm` (B); noise `noise_multiplier`·C(n, s, B);
     momentum SGD with `server_learning_rate` / `server_momentum` on the noised sum over n.
     Head, local-training and dropout fields do not apply to it.
+
+    `fdml` (`tff_algorithms.fdml_training`) reads them as a round's buffer: each round
+    selects ceil(n(1 + over_selection)) users uniformly without replacement, n =
+    `users_per_virtual_client` (g, users per triplet group) x `virtual_clients_per_round`
+    (groups); each uploads `samples_per_user` embeddings; derivatives are clipped per
+    row to `derivative_clip` (C_r), gradients to `clip_norm` (C_g). `noise_multiplier`
+    is z, the round's noise relative to its sensitivities (`accounting.Mechanism.FDML`),
+    split as 1/z^2 = share/z^2 + (1 - share)/z^2 by `derivative_noise_share` (the
+    derivatives' std is 2 sqrt(g s) z C_r / sqrt(share), the gradient sum's
+    2 z C_g / sqrt(1 - share)); Adam on the server at `server_learning_rate`;
+    `max_round_attempts` restarts of a round with too few uploads. Only users holding
+    at least `samples_per_user` images train (the population the accountant counts).
+      samples_per_user: fdml only: s, images each participant embeds per round.
+      derivative_clip: fdml only: C_r, the L2 clip of each derivative row.
+      derivative_noise_share: fdml only: the derivatives' share of the round's 1/z^2.
+      triplet_strategy / triplet_margin: fdml only: `batch_all` or `semi_hard`, margin m.
       max_epsilon: privacy budget; the job refuses to start when the planned rounds
         would cost more. None: no budget.
       over_selection: o; a round selects ceil(M(1 + o)) virtual clients and keeps the
@@ -259,6 +288,11 @@ class TrainJobConfig:
     testing_fixed_noise: bool = False
     restart_every_epoch: bool = False
     logit_scale: float = 1.0
+    samples_per_user: int = 8
+    derivative_clip: float = 1.0
+    derivative_noise_share: float = 0.5
+    triplet_strategy: str = TRIPLET_STRATEGIES[0]
+    triplet_margin: float = 0.2
     max_epsilon: float | None = None
     over_selection: float = 0.0
     min_report_fraction: float = 0.5
@@ -362,6 +396,7 @@ class TrainJobConfig:
         validation.check_number("logit_scale", self.logit_scale, 0, MAX_SCALE, low_open=True)
         if self.algorithm == LOGIT_DP:
             self._check_logit_dp()
+        self._check_fdml()
         if self.restart_every_epoch and self.algorithm != DP_FTRL_FEDEMB:
             raise ValueError("restart_every_epoch applies only to dp-ftrl-fedemb")
         if isinstance(self.trainable_layers, str) or not all(
@@ -397,6 +432,24 @@ class TrainJobConfig:
                     f"logit-dp with {self.virtual_clients_per_round} users a step "
                     f"(virtual_clients_per_round): {str(e).rstrip('.')}"
                 ) from None
+
+    def _check_fdml(self) -> None:
+        validation.check_int("samples_per_user", self.samples_per_user, 2)
+        validation.check_number("derivative_clip", self.derivative_clip, 0, low_open=True)
+        validation.check_number(
+            "derivative_noise_share", self.derivative_noise_share, 0, 1, low_open=True
+        )
+        if self.triplet_strategy not in TRIPLET_STRATEGIES:
+            raise ValueError(
+                f"triplet_strategy must be one of {TRIPLET_STRATEGIES}, "
+                f"got {self.triplet_strategy!r}"
+            )
+        validation.check_number("triplet_margin", self.triplet_margin, 0, low_open=False)
+        if self.algorithm == FDML and self.failure_injection_rate:
+            raise ValueError(
+                "failure_injection_rate applies to DP-FedEmb's virtual clients, not to fdml: "
+                "set it to 0"
+            )
 
     def _resolve_noise(self) -> None:
         if self.target_epsilon is None:
@@ -437,7 +490,9 @@ class TrainJobConfig:
             resolved = dataclasses.replace(self, virtual_clients_per_round=largest)
             config, source = resolved.calibrated_for(num_users)
             return config, {**source, "virtual_clients_per_round": AUTO}
-        if self.algorithm != CENTRALIZED:
+        if self.algorithm == FDML:
+            fdml_selected_per_round(self, num_users)  # one line when a round cannot fill
+        elif self.algorithm != CENTRALIZED:
             schedule_shape_for(self, num_users)  # one line when the users cannot fill a round
         if self.shared_negatives is not None and self.shared_negatives.pool_users > num_users:
             raise ValueError(
@@ -545,6 +600,12 @@ class TrainJobConfig:
         # metrics.json, golden runs) stay equal, so those jobs still resume.
         if values["shared_negatives"] is None:
             del values["shared_negatives"]
+        # The same for fdml's fields, at their defaults in the jobs of other algorithms.
+        if self.algorithm != FDML:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name in FDML_FIELDS:
+                if values[name] == defaults[name]:
+                    del values[name]
         return values
 
     def public_dict(self) -> dict[str, Any]:
@@ -614,6 +675,15 @@ def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.Ac
     delta = config.resolved_delta(num_users)
     if config.algorithm == CENTRALIZED:
         return accounting.AccountingSpec(num_users, num_users, config.rounds, 0.0, delta)
+    if config.algorithm == FDML:
+        return accounting.AccountingSpec(
+            population=num_users,
+            users_per_round=fdml_selected_per_round(config, num_users),
+            rounds=config.rounds,
+            noise_multiplier=config.noise_multiplier,
+            delta=delta,
+            mechanism=accounting.Mechanism.FDML,
+        )
     stats = schedule_shape_for(config, num_users).participation_stats(config.rounds)
     is_tree = config.algorithm == DP_FTRL_FEDEMB
     if config.algorithm == LOGIT_DP:
@@ -631,6 +701,22 @@ def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.Ac
         restart_every_epoch=config.restart_every_epoch,
         min_separation=stats.min_separation if is_tree and not config.restart_every_epoch else None,
     )
+
+
+def fdml_selected_per_round(config: TrainJobConfig, num_users: int) -> int:
+    """Users an fdml round selects, ceil(n (1 + over_selection)) with n = g x groups (all
+    of them count for the sampling: any may fill the buffer); one line when `num_users`
+    (those holding `samples_per_user` images) cannot fill it."""
+    n = config.users_per_virtual_client * int(config.virtual_clients_per_round)
+    selected = schedule.selected_per_round(n, float(config.over_selection))
+    if selected > num_users:
+        raise ValueError(
+            f"fdml selects {selected} users a round ({config.virtual_clients_per_round} "
+            f"groups of {config.users_per_virtual_client}, over_selection "
+            f"{config.over_selection:g}) but only {num_users} users hold "
+            f"samples_per_user={config.samples_per_user} images"
+        )
+    return selected
 
 
 def release_plan_for(config: TrainJobConfig) -> dplc_releases.ReleasePlan | None:

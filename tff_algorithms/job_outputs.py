@@ -40,6 +40,7 @@ from tff_algorithms import accounting, dplc_releases, dropouts, export, job_file
 from tff_algorithms import budget as budget_lib
 from tff_algorithms.job_config import (
     CENTRALIZED,
+    FDML,
     LOGIT_DP,
     TrainJobConfig,
     fresh_schedule_seed,
@@ -309,6 +310,7 @@ def _client_failures(history: list[dict[str, Any]]) -> dict[str, Any] | None:
 _ROUNDS_ARE = {
     CENTRALIZED: "epochs over all training users",
     LOGIT_DP: "Logit-DP steps (one positive pair per sampled user)",
+    FDML: "FDML rounds (embeddings up, noised triplet derivatives down, noised gradients up)",
 }
 
 
@@ -330,6 +332,8 @@ def write_outputs(
     summary = {
         "algorithm": config.algorithm,
         "recall_at_far": final_eval["recall_at_far"],
+        # fdml: the FDML paper's authentication accuracy at the EER threshold (Alg. 4).
+        **({"eer_accuracy": final_eval["eer_accuracy"]} if "eer_accuracy" in final_eval else {}),
         **_privacy_summary(config, outcome.ledger, facts.planned),
         "noise_multiplier_source": facts.noise_source,
         "rounds": outcome.ledger.rounds_recorded,

@@ -20,6 +20,10 @@ train` and the TFX trainer component call. It
 (`contrastive_training`): users sampled by the same schedule, one positive pair each,
 per-pair clipping and noise; a "round" is one step.
 
+`algorithm="fdml"` is federated metric learning (`fdml_training`): embeddings up, the
+trusted server's triplet derivatives down, noised; only users holding `samples_per_user`
+images train (fewer than a round selects: refused before any round).
+
 `algorithm="centralized"` is the non-private oracle (also the pipeline's non-private
 pretraining on public data): SGD with momentum over all training examples, one "round"
 per epoch, learning rate and momentum from `server_learning_rate` / `server_momentum`
@@ -62,6 +66,7 @@ from tff_algorithms import (
     client_data,
     contrastive_training,
     dplc_releases,
+    fdml_training,
     job_outputs,
     local_training,
     mechanisms,
@@ -76,6 +81,7 @@ from tff_algorithms.evaluation import HeldOutEvaluator
 from tff_algorithms.job_config import (
     CENTRALIZED,
     DP_FEDAVG,
+    FDML,
     LOGIT_DP,
     TrainJobConfig,
     accounting_spec_for,
@@ -390,7 +396,10 @@ def run_train_job(
     """
     started = time.perf_counter()
     reader = partition.PartitionReader(partition_dir)
-    user_ids = reader.user_ids()
+    user_ids = all_user_ids = reader.user_ids()
+    if config.algorithm == FDML:
+        # Its population: the users that can fill s rows (`fdml_training`).
+        user_ids = fdml_training.eligible_users(reader, user_ids, config.samples_per_user)
     config, noise_source = config.calibrated_for(len(user_ids))
     spec = accounting_spec_for(config, len(user_ids))
     releases = release_plan_for(config)
@@ -413,8 +422,9 @@ def run_train_job(
     if budget is not None:  # the centralized oracle, noiseless, exceeds any budget
         charge = budget_lib.charge_run(
             budget,
-            budget_lib.dataset_fingerprint(user_ids),
-            len(user_ids),
+            # Every training user, so runs on the same users compose whatever they sample.
+            budget_lib.dataset_fingerprint(all_user_ids),
+            len(all_user_ids),
             claimed.run_id,
             spec,
             releases,
@@ -442,6 +452,9 @@ def run_train_job(
         outcome = _train_centralized(inputs)
     elif config.algorithm == LOGIT_DP:
         outcome = contrastive_training.train_logit_dp(inputs, claimed.schedule_seed)
+    elif config.algorithm == FDML:
+        with runtime.session(runtime_config, handle_signals=False):
+            outcome = fdml_training.train_fdml(inputs, claimed.schedule_seed)
     else:
         # The caller's runtime, else one for this job; workers that `runtime_config` names
         # run nested over the caller's (stopping them reinstates it).
