@@ -43,12 +43,16 @@ MECHANISM_LABELS = {
     accounting.Mechanism.LOGIT_DP.value: (
         "Logit-DP: per-pair clipped contrastive gradient, Gaussian noise every step"
     ),
+    accounting.Mechanism.FDML.value: (
+        "FDML: Gaussian noise on the triplet derivatives and on the gradient sum every round"
+    ),
 }
 # A private run in a model's composition, by its mechanism.
 STAGE_LABELS = {
     accounting.Mechanism.DPSGD.value: "private training",
     accounting.Mechanism.DPFTRL.value: "private training (DP-FTRL)",
     accounting.Mechanism.LOGIT_DP.value: "Logit-DP contrastive pretraining",
+    accounting.Mechanism.FDML.value: "private training (FDML)",
 }
 ROUND_UNITS = {accounting.Mechanism.LOGIT_DP.value: "steps"}
 SAMPLING_LABELS = {

@@ -27,7 +27,7 @@ still be charged as a full round by the ledger, an upper bound of its cost
 
 Checkpoints. The server state (weights, Adam state, round counter, noise seed), the
 ledger and the history are saved together every `CHECKPOINT_EVERY` rounds and on
-evaluation rounds (OUTPUT/checkpoints/fdml-<round>.npz); a re-run resumes from the
+evaluation rounds (OUTPUT/checkpoints/fdml-<round>.npz, the latest two kept); a re-run resumes from the
 latest and redraws the same users, images and noise, so it ends where an uninterrupted
 run ends. The server's monitoring values (`fdml.UNPRIVATE_METRICS`) are never recorded.
 
@@ -180,10 +180,12 @@ def _save(directory: str, done: int, state: Any, ledger: PrivacyLedger, history:
     with tf.io.gfile.GFile(temporary, "wb") as f:
         f.write(buffer.getvalue())
     tf.io.gfile.rename(temporary, path, overwrite=True)
-    for name in tf.io.gfile.listdir(directory):
-        m = _CHECKPOINT.match(name)
-        if m and int(m.group(1)) < done:
-            tf.io.gfile.remove(os.path.join(directory, name))
+    # The latest two are kept (as `tf.train.CheckpointManager(max_to_keep=2)` does).
+    saved = sorted(
+        int(m.group(1)) for name in tf.io.gfile.listdir(directory) if (m := _CHECKPOINT.match(name))
+    )
+    for old in saved[:-2]:
+        tf.io.gfile.remove(os.path.join(directory, f"fdml-{old}.npz"))
 
 
 def _restore(path: str, template: Any) -> tuple[Any, dict[str, Any]]:

@@ -64,7 +64,10 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "dpsgd: independent Gaussian noise (DP-FedEmb, DP-FedAvg); "
         "dpftrl: tree-aggregated noise (DP-FTRL-FedEmb); logit_dp: Logit-DP contrastive "
         "steps (--users-per-round users a step, --rounds steps, the noise multiplier "
-        "relative to the sensitivity C(n, s, B)).",
+        "relative to the sensitivity C(n, s, B)); fdml: FDML rounds (--users-per-round "
+        "users selected a round, over-selection included; the noise multiplier of "
+        "`dp-fedemb train --algorithm fdml`, relative to the round's sensitivities; strict "
+        "convention only: the paper's Theorem V.1 is per sample and per round).",
         flag_values=flag_values,
     )
     flags.DEFINE_integer(

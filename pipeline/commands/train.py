@@ -65,6 +65,7 @@ _CONFIG_FIELDS = (
     "testing_fixed_noise",
     "restart_every_epoch",
     "logit_scale",
+    *job_config_lib.FDML_FIELDS,
     "max_epsilon",
 )
 _CONFIG_FLAGS = {field.replace("_", "-"): field for field in _CONFIG_FIELDS}
@@ -106,7 +107,9 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "algorithm",
         "dp-fedemb | dp-fedavg | dp-ftrl-fedemb | centralized | logit-dp (private "
         "contrastive training: --virtual-clients-per-round users a step, one positive pair "
-        "each; takes the private contrastive recipe over --recipe)",
+        "each; takes the private contrastive recipe over --recipe) | fdml (federated metric "
+        "learning: --virtual-clients-per-round groups of --users-per-virtual-client users a "
+        "round, server-side triplet loss, noised derivatives and gradients)",
     )
     define(
         "integer",
@@ -189,6 +192,15 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     )
     define("boolean", "restart-every-epoch", "dp-ftrl-fedemb: restart the noise tree every epoch")
     define("float", "logit-scale", "logit-dp: scale s of its cosine logits (1/temperature)")
+    define("integer", "samples-per-user", "fdml: images each participant embeds per round (s)")
+    define("float", "derivative-clip", "fdml: L2 clip of each triplet-derivative row (C_r)")
+    define(
+        "float",
+        "derivative-noise-share",
+        "fdml: the derivatives' share of the round's noise budget 1/z^2, in (0, 1)",
+    )
+    define("string", "triplet-strategy", "fdml: batch_all | semi_hard")
+    define("float", "triplet-margin", "fdml: the triplet loss margin m")
     define("float", "max-epsilon", "privacy budget: refuse to start when the plan costs more")
     define(
         "boolean",

@@ -1,0 +1,223 @@
+"""FDML as a training job (issue 27 item 3): outputs, epsilon, resume, refusals, budget."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from absl import flags
+
+from beam_jobs import synthetic
+from pipeline import cli
+from pipeline.commands import train
+from tests import support
+from tff_algorithms import (
+    accounting,
+    budget,
+    fdml,
+    fdml_privacy,
+    fdml_training,
+    job_config,
+    job_files,
+    train_job,
+)
+
+TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES  # one user each, 6 images
+# Two groups of two users a round, four images each.
+CONFIG = job_config.TrainJobConfig(
+    algorithm=job_config.FDML,
+    rounds=2,
+    noise_multiplier=1.0,
+    clip_norm=1.0,
+    users_per_virtual_client=2,
+    virtual_clients_per_round=2,
+    samples_per_user=4,
+    derivative_clip=0.5,
+    server_learning_rate=0.01,
+    embedding_size=16,
+    evaluate_every=1,
+    seed=1,
+    noise_seed=7,
+    testing_fixed_noise=True,
+)
+DELTA = TRAIN_IDENTITIES**-1.1
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return support.write_partition_and_held_out(
+        tmp_path_factory.mktemp("data"), support.TRAIN_CLI_DATA, TRAIN_IDENTITIES
+    )
+
+
+@pytest.fixture(scope="module")
+def straight_run(data, tmp_path_factory):
+    return train_job.run_train_job(CONFIG, *data, str(tmp_path_factory.mktemp("straight")))
+
+
+def _cli_lines(capsys, *args: str) -> tuple[int, list[str], str]:
+    code = cli.main(["dp-fedemb", *args])
+    captured = capsys.readouterr()
+    return code, [line for line in captured.err.splitlines() if line.strip()], captured.out
+
+
+def test_job_writes_metrics_ledger_and_saved_model(straight_run):
+    summary = straight_run.metrics
+    assert summary["algorithm"] == "fdml" and summary["rounds"] == 2
+    assert summary["private"] is True and "FDML" in summary["privacy"]
+    assert set(summary["recall_at_far"]) == {"0.1", "0.01", "0.001"}
+    # The paper's EER accuracy on the held-out identities (6 images each: split 2/1/1).
+    eer = summary["eer_accuracy"]
+    assert 0 <= eer["accuracy"] <= 1 and 0 <= eer["balanced_accuracy"] <= 1
+    assert eer["split"] == {"template": 2, "threshold": 1, "test": 1}
+    assert eer["paper_split"] is False
+    ledger = json.loads(open(straight_run.ledger_path).read())
+    assert ledger["spec"]["mechanism"] == accounting.Mechanism.FDML.value
+    assert [e["round"] for e in ledger["history"]] == [1, 2]
+    assert os.path.exists(os.path.join(straight_run.saved_model_dir, "saved_model.pb"))
+    # Nothing the server computed on training data without noise is recorded.
+    for record in summary["history"]:
+        assert not set(record) & set(fdml.UNPRIVATE_METRICS)
+        assert record["applied"] == 1 and record["selected"] == 4
+
+
+def test_epsilon_equals_the_privacy_command_and_fdml_privacy(straight_run, capsys):
+    summary = straight_run.metrics
+    code, _, out = _cli_lines(
+        capsys,
+        "privacy",
+        "--mechanism=fdml",
+        f"--users={TRAIN_IDENTITIES}",
+        "--users-per-round=4",
+        "--rounds=2",
+        "--noise-multiplier=1.0",
+        f"--delta={DELTA!r}",
+        "--json",
+    )
+    assert code == 0
+    assert summary["epsilon"] == pytest.approx(json.loads(out)["epsilon"], rel=1e-12)
+    # The noise the process adds, accounted by fdml_privacy's own two-release events.
+    process_config = fdml_training.fdml_config(CONFIG, noise_seed=0)
+    spec = fdml.privacy_spec(
+        process_config, population=TRAIN_IDENTITIES, selected_per_round=4, rounds=2
+    )
+    assert summary["epsilon"] == pytest.approx(fdml_privacy.compute_epsilon(spec, DELTA), rel=1e-9)
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(data, straight_run, tmp_path):
+    # What a kill during round 2 leaves behind: the checkpoint of round 1.
+    resumed_dir = str(tmp_path / "resumed")
+    shutil.copytree(straight_run.output_dir, resumed_dir)
+    os.remove(os.path.join(resumed_dir, job_files.CHECKPOINT_DIR, "fdml-2.npz"))
+    shutil.rmtree(os.path.join(resumed_dir, job_files.SAVED_MODEL_DIR))
+
+    resumed = train_job.run_train_job(CONFIG, *data, resumed_dir)
+
+    assert resumed.metrics["resumed_from_round"] == 1
+    for a, b in zip(
+        support.saved_backbone(straight_run.saved_model_dir),
+        support.saved_backbone(resumed.saved_model_dir),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert open(resumed.ledger_path).read() == open(straight_run.ledger_path).read()
+
+
+def test_too_few_users_with_s_images_is_refused_before_any_round(data, tmp_path):
+    # Every user holds 6 images: none can fill 7 rows.
+    with pytest.raises(ValueError, match="only 0 users hold samples_per_user=7") as e:
+        train_job.run_train_job(
+            dataclasses.replace(CONFIG, samples_per_user=7), *data, str(tmp_path / "out")
+        )
+    assert "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_train_command_refuses_too_few_users_in_one_line(tmp_path, capsys):
+    images = str(tmp_path / "images")
+    synthetic.write_image_folder(images, support.TRAIN_CLI_DATA)
+    code, lines, _ = _cli_lines(
+        capsys,
+        "train",
+        "--data",
+        images,
+        "--output",
+        str(tmp_path / "out"),
+        "--algorithm=fdml",
+        "--rounds=1",
+        "--users-per-virtual-client=2",
+        "--virtual-clients-per-round=2",
+        "--samples-per-user=7",
+        "--noise-multiplier=1",
+    )
+    assert code != 0
+    assert len(lines) == 1 and "hold samples_per_user=7 images" in lines[0], lines
+
+
+def test_train_flags_set_the_fdml_fields():
+    flag_values = flags.FlagValues()
+    train.define_flags(flag_values)
+    flag_values(
+        [
+            "dp-fedemb train",
+            "--algorithm=fdml",
+            "--samples-per-user=5",
+            "--derivative-clip=0.3",
+            "--derivative-noise-share=0.25",
+            "--triplet-strategy=semi_hard",
+            "--triplet-margin=0.4",
+        ]
+    )
+    config = train.job_config({name: flag_values[name].value for name in flag_values})
+    assert config.algorithm == "fdml"
+    assert (config.samples_per_user, config.derivative_clip) == (5, 0.3)
+    assert (config.derivative_noise_share, config.triplet_strategy) == (0.25, "semi_hard")
+    assert config.triplet_margin == 0.4
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"samples_per_user": 1}, "samples_per_user"),
+        ({"derivative_noise_share": 1.0}, "derivative_noise_share"),
+        ({"derivative_clip": 0.0}, "derivative_clip"),
+        ({"triplet_strategy": "hardest"}, "triplet_strategy must be one of"),
+        ({"failure_injection_rate": 0.1}, "failure_injection_rate applies to DP-FedEmb"),
+    ],
+)
+def test_config_refusals_are_one_line(changes, message):
+    with pytest.raises(ValueError, match=message) as e:
+        dataclasses.replace(CONFIG, **changes)
+    assert "\n" not in str(e.value)
+
+
+def test_other_algorithms_records_do_not_change():
+    # Jobs recorded before fdml's fields existed still resume (train_job.json compares).
+    assert not set(job_config.FDML_FIELDS) & set(support.SMALL_JOB.to_dict())
+    assert set(job_config.FDML_FIELDS) <= set(CONFIG.to_dict())
+
+
+def test_budget_and_the_accountant_refuse_the_paper_convention(tmp_path, capsys):
+    paper = accounting.AccountingSpec(
+        TRAIN_IDENTITIES, 4, 2, 1.0, DELTA, mechanism="fdml", convention="paper"
+    )
+    policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), total_epsilon=100.0)
+    with pytest.raises(ValueError, match="paper-convention run cannot count") as e:
+        budget.charge_run(policy, "f" * 64, TRAIN_IDENTITIES, "run", paper)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="Theorem V.1, per sample and per round"):
+        accounting.compute_privacy(paper)
+    code, lines, _ = _cli_lines(
+        capsys,
+        "privacy",
+        "--mechanism=fdml",
+        "--convention=paper",
+        "--users=32",
+        "--users-per-round=4",
+        "--rounds=2",
+        "--noise-multiplier=1",
+        "--delta=1e-5",
+    )
+    assert code != 0 and len(lines) == 1 and "not user-level" in lines[0], lines
