@@ -209,15 +209,40 @@ def test_budget_and_the_accountant_refuse_the_paper_convention(tmp_path, capsys)
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="Theorem V.1, per sample and per round"):
         accounting.compute_privacy(paper)
-    code, lines, _ = _cli_lines(
-        capsys,
+    paper_flags = [
         "privacy",
         "--mechanism=fdml",
         "--convention=paper",
         "--users=32",
         "--users-per-round=4",
         "--rounds=2",
-        "--noise-multiplier=1",
         "--delta=1e-5",
-    )
-    assert code != 0 and len(lines) == 1 and "not user-level" in lines[0], lines
+    ]
+    code, lines, _ = _cli_lines(capsys, *paper_flags, "--noise-multiplier=1")
+    assert code != 0 and len(lines) == 1 and "needs --derivative-bound" in lines[0], lines
+
+
+THEOREM_V1_FLAGS = [
+    "privacy",
+    "--mechanism=fdml",
+    "--convention=paper",
+    "--users=32",
+    "--users-per-round=4",
+    "--rounds=2",
+    "--delta=1e-5",
+    "--embedding-drop-rate=0.5",
+    "--derivative-bound=1",
+    "--laplace-scale=2",
+]
+
+
+def test_privacy_command_shows_theorem_v1_labelled_as_a_comparison(capsys):
+    code, _, out = _cli_lines(capsys, *THEOREM_V1_FLAGS, "--json")
+    assert code == 0
+    shown = json.loads(out)
+    assert shown["user_level"] is False and shown["per"] == "sample and round"
+    assert shown["analysis"] == fdml_privacy.PAPER_THEOREM_V1_LABEL
+    # ln[(1 - r) e^{2T/b} + r] with r = 0.5, T = 1, b = 2.
+    assert shown["epsilon"] == pytest.approx(np.log(0.5 * np.e + 0.5))
+    code, _, out = _cli_lines(capsys, *THEOREM_V1_FLAGS)
+    assert code == 0 and "PER SAMPLE AND PER ROUND" in out and "not a user-level" in out

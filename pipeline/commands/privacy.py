@@ -5,6 +5,11 @@ prints epsilon; `--target-epsilon E` instead of `--noise-multiplier` prints the 
 noise multiplier that reaches E. With `--json`, one JSON object on stdout (`epsilon`,
 `delta`, `zcdp_rho` (null unless dpftrl), the resolved schedule, and for calibration
 `target_epsilon`). An infinite epsilon (zero noise) is written as null.
+
+`--mechanism fdml --convention paper` prints the FDML paper's Theorem V.1 instead,
+ln[(1 - r) e^{2T/b} + r] from `--embedding-drop-rate`, `--derivative-bound` and
+`--laplace-scale`, labelled per sample and per round and `"user_level": false`: a
+comparison with the paper only (the budget refuses paper-convention specs).
 """
 
 import enum
@@ -14,7 +19,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from pipeline.commands import checks
-from tff_algorithms import accounting, calibration
+from tff_algorithms import accounting, calibration, fdml_privacy
 
 
 def _values(enum_type: type[enum.Enum]) -> list[str]:
@@ -66,8 +71,9 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "steps (--users-per-round users a step, --rounds steps, the noise multiplier "
         "relative to the sensitivity C(n, s, B)); fdml: FDML rounds (--users-per-round "
         "users selected a round, over-selection included; the noise multiplier of "
-        "`dp-fedemb train --algorithm fdml`, relative to the round's sensitivities; strict "
-        "convention only: the paper's Theorem V.1 is per sample and per round).",
+        "`dp-fedemb train --algorithm fdml`, relative to the round's sensitivities; with "
+        "--convention paper the paper's Theorem V.1, per sample and per round, not "
+        "user-level: a comparison only).",
         flag_values=flag_values,
     )
     flags.DEFINE_integer(
@@ -122,6 +128,24 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         flag_values=flag_values,
     )
     flags.DEFINE_float(
+        "embedding-drop-rate",
+        0.0,
+        "fdml --convention paper only: Theorem V.1's embedding drop rate r, in [0, 1).",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_float(
+        "derivative-bound",
+        None,
+        "fdml --convention paper only: Theorem V.1's derivative bound T (> 0).",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_float(
+        "laplace-scale",
+        None,
+        "fdml --convention paper only: Theorem V.1's Laplace noise scale b (> 0).",
+        flag_values=flag_values,
+    )
+    flags.DEFINE_float(
         "calibration-tolerance",
         calibration.CALIBRATION_RELATIVE_TOLERANCE,
         "With --target-epsilon: the calibrated noise exceeds the exact one by at most this "
@@ -155,6 +179,12 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     errors; the accountant checks them again, with the combinations."""
     checks.no_arguments(args)
     value = {name: flag_values[name].value for name in flag_values}
+    if _is_fdml_paper(value):
+        _check_fdml_paper(value)
+        return
+    for name in ("derivative-bound", "laplace-scale"):
+        if value[name] is not None:
+            raise ValueError(f"--{name} applies only to --mechanism fdml --convention paper")
     if (value["noise-multiplier"] is None) == (value["target-epsilon"] is None):
         raise ValueError("give exactly one of --noise-multiplier and --target-epsilon")
     checks.number("users", value["users"], 1, accounting.MAX_POPULATION)
@@ -178,9 +208,62 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     checks.number("calibration-tolerance", value["calibration-tolerance"], 1e-9, 1, high_open=True)
 
 
+def _is_fdml_paper(value: dict) -> bool:
+    return (
+        value["mechanism"] == accounting.Mechanism.FDML.value
+        and value["convention"] == accounting.Convention.PAPER.value
+    )
+
+
+def _check_fdml_paper(value: dict) -> None:
+    if value["target-epsilon"] is not None:
+        raise ValueError(
+            "--target-epsilon calibrates a user-level epsilon: use --convention strict"
+        )
+    for name in ("derivative-bound", "laplace-scale"):
+        if value[name] is None:
+            raise ValueError(f"--convention paper with --mechanism fdml needs --{name}")
+        checks.number(name, value[name], 0, low_open=True)
+    checks.number("embedding-drop-rate", value["embedding-drop-rate"], 0, 1, high_open=True)
+
+
+def _run_fdml_paper(value: dict) -> int:
+    """Theorem V.1 as the paper states it (module docstring): never a guarantee."""
+    _check_fdml_paper(value)
+    epsilon = fdml_privacy.paper_theorem_v1_epsilon(
+        value["embedding-drop-rate"], value["derivative-bound"], value["laplace-scale"]
+    )
+    label = fdml_privacy.PAPER_THEOREM_V1_LABEL
+    if value["json"]:
+        output = {
+            "mechanism": accounting.Mechanism.FDML.value,
+            "convention": accounting.Convention.PAPER.value,
+            "epsilon": epsilon,
+            "delta": 0.0,
+            "zcdp_rho": None,
+            "user_level": False,
+            "per": "sample and round",
+            "analysis": label,
+            "embedding_drop_rate": value["embedding-drop-rate"],
+            "derivative_bound": value["derivative-bound"],
+            "laplace_scale": value["laplace-scale"],
+        }
+        print(json.dumps(output, allow_nan=False))
+        return 0
+    print(f"epsilon = {_format_number(epsilon)} PER SAMPLE AND PER ROUND  ({label})")
+    print(
+        "comparison with the paper only: not composed over rounds or samples, not a "
+        "user-level guarantee; --convention strict gives the user-level epsilon"
+    )
+    return 0
+
+
 def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     if args:
         raise ValueError(f"unexpected arguments: {' '.join(args)}")
+    value = {name: flag_values[name].value for name in flag_values}
+    if _is_fdml_paper(value):
+        return _run_fdml_paper(value)
     noise = flag_values["noise-multiplier"].value
     target_epsilon = flag_values["target-epsilon"].value
     if (noise is None) == (target_epsilon is None):
