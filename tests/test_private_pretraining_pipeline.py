@@ -128,3 +128,17 @@ def test_the_backbone_carries_its_own_epsilon_and_ledger(run):
         ledger["history"][-1]["epsilon"]
     )
     assert sorted(os.listdir(backbone.uri)) == ["Format-Serving", job_files.LEDGER_FILE]
+
+
+def test_the_console_shows_each_step_and_nothing_on_stderr(run):
+    """Progress of the private pretraining like training's; the per-example loop's
+    TensorFlow warnings stay out of the console (stderr empty)."""
+    _, _, process = run
+    assert process.stderr == ""
+    lines = process.stdout.splitlines()
+    steps = PRETRAIN_JOB["rounds"]
+    assert any(
+        line.startswith(f"{definition.PRIVATE_PRETRAIN} round {steps}/{steps}  ") and "ε " in line
+        for line in lines
+    )
+    assert any(f"] {definition.PRIVATE_PRETRAIN}: done in " in line for line in lines)
