@@ -228,6 +228,27 @@ def training_history(training_metrics: Mapping[str, Any]) -> tuple[list[dict], s
     )
 
 
+def eer_note(training_metrics: Mapping[str, Any]) -> str:
+    """FDML's authentication accuracy at the EER threshold (its paper's Alg. 4) after the
+    last round, as training recorded it (metrics.json `eer_accuracy`); "" without it."""
+    result = training_metrics.get("eer_accuracy")
+    if not result or result.get("accuracy") is None:
+        return ""
+    split = result["split"]
+    protocol = (
+        "the paper's split"
+        if result["paper_split"]
+        else f"a smaller split than the paper's 20/10/10 ({split['template']}/"
+        f"{split['threshold']}/{split['test']} images for template/threshold/test)"
+    )
+    return (
+        f"Authentication accuracy at the equal-error-rate threshold (FDML paper, Alg. 4) "
+        f"after the last round, on {result['evaluated_users']} validation identities with "
+        f"{result['reference_users']} reference users each, {protocol}: "
+        f"{result['accuracy']:.4f} (balanced {result['balanced_accuracy']:.4f})."
+    )
+
+
 def _history_rows(history: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[tuple]]:
     fars = sorted({far for e in history for far in e["eval"]["recall_at_far"]}, key=float)
     fars.reverse()
@@ -359,6 +380,8 @@ def render_report(
         _section("training", "Recall during training (validation identities)"),
         f"<p>{html.escape(history_note)}</p>",
     ]
+    if eer_note(training_metrics):
+        sections.append(f"<p>{html.escape(eer_note(training_metrics))}</p>")
     if history:
         header, rows = _history_rows(history)
         sections += [

@@ -10,7 +10,7 @@ import pytest
 from absl import flags
 
 from beam_jobs import synthetic
-from pipeline import cli
+from pipeline import cli, report
 from pipeline.commands import train
 from tests import support
 from tff_algorithms import (
@@ -81,6 +81,13 @@ def test_job_writes_metrics_ledger_and_saved_model(straight_run):
     for record in summary["history"]:
         assert not set(record) & set(fdml.UNPRIVATE_METRICS)
         assert record["applied"] == 1 and record["selected"] == 4
+
+
+def test_report_shows_the_eer_accuracy(straight_run):
+    note = report.eer_note(straight_run.metrics)
+    accuracy = straight_run.metrics["eer_accuracy"]["accuracy"]
+    assert "Alg. 4" in note and f"{accuracy:.4f}" in note and "smaller split" in note
+    assert report.eer_note({"recall_at_far": {}}) == ""
 
 
 def test_epsilon_equals_the_privacy_command_and_fdml_privacy(straight_run, capsys):
