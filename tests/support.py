@@ -129,6 +129,21 @@ def saved_backbone(saved_model_dir: str) -> list[np.ndarray]:
     return [v.numpy() for v in tf.saved_model.load(saved_model_dir).backbone_variables]
 
 
+def assert_same_trained_outputs(expected: Any, got: Any) -> None:
+    """Two training jobs' results (`job_outputs.TrainJobResult`) hold the same exported
+    backbone bit for bit, the same ledger and the same history up to wall times: what a
+    resumed job must end with."""
+    for a, b in zip(
+        saved_backbone(expected.saved_model_dir), saved_backbone(got.saved_model_dir), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    with open(expected.ledger_path) as f, open(got.ledger_path) as g:
+        assert f.read() == g.read()
+    assert without_round_seconds(got.metrics["history"]) == without_round_seconds(
+        expected.metrics["history"]
+    )
+
+
 def without_round_seconds(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Training history records without their wall-clock times, the one field that
     differs between a resumed run and an uninterrupted one."""
