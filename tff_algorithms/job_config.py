@@ -150,6 +150,10 @@ class SharedNegativesConfig:
         )
 
 
+# Fields only one algorithm reads, added after jobs of the others were recorded.
+_ALGORITHM_FIELDS = {LOGIT_DP: ("logit_scale",), FDML: FDML_FIELDS}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainJobConfig:
     """Hyperparameters of one training job (defaults: paper, EMNIST small CNN, appendix D).
@@ -600,12 +604,13 @@ class TrainJobConfig:
         # metrics.json, golden runs) stay equal, so those jobs still resume.
         if values["shared_negatives"] is None:
             del values["shared_negatives"]
-        # The same for fdml's fields, at their defaults in the jobs of other algorithms.
-        if self.algorithm != FDML:
-            defaults = {f.name: f.default for f in dataclasses.fields(self)}
-            for name in FDML_FIELDS:
-                if values[name] == defaults[name]:
-                    del values[name]
+        # The same for one algorithm's own fields, at their defaults in the jobs of others.
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for algorithm, names in _ALGORITHM_FIELDS.items():
+            if self.algorithm != algorithm:
+                for name in names:
+                    if values[name] == defaults[name]:
+                        del values[name]
         return values
 
     def public_dict(self) -> dict[str, Any]:
