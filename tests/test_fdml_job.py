@@ -253,3 +253,17 @@ def test_privacy_command_shows_theorem_v1_labelled_as_a_comparison(capsys):
     assert shown["epsilon"] == pytest.approx(np.log(0.5 * np.e + 0.5))
     code, _, out = _cli_lines(capsys, *THEOREM_V1_FLAGS)
     assert code == 0 and "PER SAMPLE AND PER ROUND" in out and "not a user-level" in out
+
+
+def test_budget_charges_and_target_epsilon_calibrates_the_strict_fdml_spec(straight_run, tmp_path):
+    spec = job_config.accounting_spec_for(CONFIG, TRAIN_IDENTITIES)
+    policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), total_epsilon=100.0)
+    charge = budget.charge_run(policy, "f" * 64, TRAIN_IDENTITIES, "run", spec)
+    assert charge.to_dict()["run_epsilon"] == pytest.approx(straight_run.metrics["epsilon"])
+    target = dataclasses.replace(CONFIG, noise_multiplier=None, target_epsilon=2.0)
+    calibrated, source = target.calibrated_for(TRAIN_IDENTITIES)
+    assert source["source"] == "calibrated"
+    epsilon = accounting.compute_privacy(
+        job_config.accounting_spec_for(calibrated, TRAIN_IDENTITIES)
+    ).epsilon
+    assert 2.0 * (1 - 1e-2) <= epsilon <= 2.0
