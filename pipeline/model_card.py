@@ -4,7 +4,10 @@
 jsonschema<4; Beam 2.59 pins jsonschema 4), so the card is built here with the field
 names of the Model Card Toolkit JSON schema (schema_version 0.0.2: model_details,
 model_parameters, quantitative_analysis, considerations), which MCT and other tools
-read. The privacy guarantee is the report's plain-language statement, from the ledger.
+read. The privacy guarantee is the report's plain-language statement, from the ledger,
+followed, for a model trained with shared negatives (issue 22), by the report's row on
+their DPLC releases: how many, of how many noisy cluster centers, and their ε alone
+(`privacy_text.shared_negatives_rows`; the model's ε already includes them).
 """
 
 from __future__ import annotations
@@ -89,6 +92,18 @@ def performance_metrics(evaluation: Mapping[str, Any]) -> list[dict[str, Any]]:
     return metrics
 
 
+def privacy_guarantee(
+    ledger: Mapping[str, Any], composition: Mapping[str, Any] | None = None
+) -> str:
+    """The card's privacy paragraph: the report's statement, then the shared-negatives
+    releases the ledger accounted (nothing more for a ledger without them)."""
+    releases = "".join(
+        f" {label[0].upper()}{label[1:]}: {value}."
+        for label, value in privacy_text.shared_negatives_rows(ledger)
+    )
+    return privacy_text.privacy_statement(ledger, composition) + releases
+
+
 def build_model_card(
     evaluation: Mapping[str, Any],
     ledger: Mapping[str, Any],
@@ -101,7 +116,7 @@ def build_model_card(
     """The card as a dict in the Model Card Toolkit schema's field names; `composition`:
     the model's private runs (its epsilon is theirs composed)."""
     spec = ledger["spec"]
-    statement = privacy_text.privacy_statement(ledger, composition)
+    statement = privacy_guarantee(ledger, composition)
     epsilon = privacy_text.model_epsilon(ledger, composition)
     model = evaluation["model"]
     bootstrap = evaluation.get("bootstrap") or {}

@@ -326,3 +326,43 @@ def test_a_model_from_two_private_runs_shows_their_composed_epsilon():
     assert privacy_text.privacy_statement(ledger_dict, alone) == privacy_text.privacy_statement(
         ledger_dict
     )
+
+
+def test_the_model_card_shows_the_shared_negatives_releases_with_their_epsilon(tmp_path):
+    from tff_algorithms import dplc_releases, ledger
+
+    plan = dplc_releases.ReleasePlan(
+        every_rounds=2,
+        num_clusters=3,
+        noise_multiplier=6.0,
+        cluster_size=16,
+        margin=1.0,
+        pool_users=64,
+        sensitivity=2 * math.sin(1.0) / 16,
+    )
+    spec = accounting.AccountingSpec.from_dict(_ledger()["spec"])
+    with_releases = ledger.PrivacyLedger(spec, plan)
+    for round_num in range(1, spec.rounds + 1):
+        with_releases.record_round(round_num)
+    ledger_dict = with_releases.to_dict()
+    alone = dplc_releases.releases_epsilon(plan, spec.rounds, spec.delta)
+    assert 0 < alone < with_releases.epsilon
+    inputs = _inputs(ledger_dict)
+    card = model_card.build_model_card(
+        inputs["evaluation"], ledger_dict, inputs["training_metrics"], inputs["schedule"], None
+    )
+    privacy = card["considerations"]["ethical_considerations"][0]["mitigation_strategy"]
+    # The report's statement, then its releases row: 4 rounds, a release every 2 -> 2.
+    assert privacy.startswith(privacy_text.privacy_statement(ledger_dict))
+    assert "Shared negatives (DPLC releases, in ε above): 2 release(s) of 3 noisy" in privacy
+    assert f"ε of the releases alone {alone:.2f}." in privacy
+    assert f"ε = {with_releases.epsilon:.2f}" in card["model_details"]["overview"]
+    model_card.write_model_card(card, str(tmp_path))
+    for name in (model_card.MARKDOWN_FILE, model_card.HTML_FILE):
+        assert f"ε of the releases alone {alone:.2f}" in (tmp_path / name).read_text(), name
+    # The report shows the same row.
+    page = report.render_report(**inputs, pushed_to=None)
+    assert f"ε of the releases alone {alone:.2f}" in page
+    # Without releases the card's paragraph is the statement alone.
+    plain = _ledger()
+    assert model_card.privacy_guarantee(plain) == privacy_text.privacy_statement(plain)
