@@ -200,6 +200,14 @@ def test_config_refusals_are_one_line(changes, message):
     assert "\n" not in str(e.value)
 
 
+def test_an_unreachable_target_epsilon_names_the_triplet_groups():
+    # fdml's virtual_clients_per_round counts triplet groups: the refusal says so.
+    config = dataclasses.replace(CONFIG, noise_multiplier=None, target_epsilon=0.05, delta=1e-5)
+    with pytest.raises(ValueError, match="above the 2 triplet groups per round;") as e:
+        config.calibrated_for(TRAIN_IDENTITIES)
+    assert "virtual clients" not in str(e.value) and "\n" not in str(e.value)
+
+
 def test_other_algorithms_records_do_not_change():
     # Jobs recorded before fdml's fields existed still resume (train_job.json compares).
     assert not set(job_config.FDML_FIELDS) & set(support.SMALL_JOB.to_dict())

@@ -516,12 +516,18 @@ class TrainJobConfig:
         # Beyond z = M the noise on every coordinate of the averaged update exceeds the
         # norm of the largest update a client may send: nothing would be learnt.
         if noise > self.virtual_clients_per_round:
+            # fdml's virtual_clients_per_round counts its triplet groups.
+            bound = (
+                f"the {self.virtual_clients_per_round} triplet groups per round"
+                if self.algorithm == FDML
+                else f"the {self.virtual_clients_per_round} virtual clients per round that "
+                "average it"
+            )
             raise ValueError(
                 f"target_epsilon {self.target_epsilon:g} is out of reach for this schedule "
                 f"({num_users} training users, {spec.users_per_round} per round, "
                 f"{spec.rounds} rounds, delta {spec.delta:.3g}): it needs a noise multiplier "
-                f"of {noise:.4g}, above the {self.virtual_clients_per_round} virtual clients "
-                "per round that average it; raise the target or delta, or train on more "
+                f"of {noise:.4g}, above {bound}; raise the target or delta, or train on more "
                 "users, for fewer rounds or with fewer users per round"
             )
         return dataclasses.replace(fixed, noise_multiplier=noise), {
