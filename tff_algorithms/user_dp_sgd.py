@@ -262,8 +262,14 @@ class UserDpSgd:
         sums = [tf.zeros_like(v) for v in self.variables]
         for k in tf.range(tf.shape(x)[0]):
             tf.autograph.experimental.set_loop_options(parallel_iterations=1)
-            gradient = self.user_gradient(x[k], identity[k], real[k])
-            sums = [s + g for s, g in zip(sums, gradient, strict=True)]
+            own = real[k]  # the padding is not computed; a user without examples adds 0
+            if tf.reduce_any(own):
+                gradient = self.user_gradient(
+                    tf.boolean_mask(x[k], own),
+                    tf.boolean_mask(identity[k], own),
+                    tf.boolean_mask(own, own),
+                )
+                sums = [s + g for s, g in zip(sums, gradient, strict=True)]
         return sums
 
     def dense_clipped_sum(
