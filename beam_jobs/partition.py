@@ -86,17 +86,23 @@ def _index_path(partition_dir: str, shard: int) -> str:
 
 
 def write_shard(
-    partition_dir: str, shard: int, records: Iterable[tuple[str, bytes]], max_part_bytes: int
+    partition_dir: str,
+    shard: int,
+    records: Iterable[tuple[str, bytes]],
+    max_part_bytes: int,
+    keep_order: bool = False,
 ) -> dict:
     """One shard's part files and index from its (user id, serialized record) pairs;
     returns the shard's counts for `build_manifest`. What `partition_job.PartitionByUser` does for each
     shard, callable without a pipeline.
 
-    Files are written under temporary names and renamed, so a retried bundle leaves
-    complete files only.
+    Files are written under temporary names and renamed (the index last), so a retried
+    bundle leaves complete files only. `keep_order`: a user's records keep their given
+    order (a derived partition that must match its source's record for record, such as
+    `tff_algorithms.feature_cache`) instead of being sorted by their bytes.
     """
     # Sorting by (user, bytes) makes the files identical across runs.
-    ordered = sorted(records)
+    ordered = sorted(records, key=lambda r: r[0]) if keep_order else sorted(records)
     index_lines, part, part_bytes, writer, temporaries = [], 0, 0, None, []
     position = 0
     while position < len(ordered):

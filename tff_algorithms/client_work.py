@@ -9,7 +9,8 @@ the backbone update. The local head never leaves the client computation.
 Client dataset: one element is one batch of one virtual client::
 
     OrderedDict(
-        image=float32[None, H, W, C],       # values in [0, 1]
+        image=float32[None, H, W, C],       # values in [0, 1]; with cached features
+                                             # the frozen prefix's outputs (`feature_cache`)
         identity=int64[None] | string[None], # the raw identity: a name or a global id
         client_seed=int64[],                 # the same in every batch of a virtual client
         expected_examples=int64[],           # examples the loader should yield (capped at

@@ -67,6 +67,8 @@ PRIVATE_ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, FDML)
 _SECRET_FIELDS = ("schedule_seed", "noise_seed")
 # The algorithms whose virtual clients train a local head that shared negatives extend.
 SHARED_NEGATIVES_ALGORITHMS = (DP_FEDEMB, DP_FTRL_FEDEMB)
+# The federated algorithms whose client work can train a suffix on cached features.
+CACHEABLE_ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +200,10 @@ class TrainJobConfig:
       trainable_layers: layer-name patterns of the backbone layers training updates
         (`model_config.BackboneConfig.trainable_layers`); the others keep their initial
         (pretrained) values and are neither aggregated nor noised.
+      cache_features: train a suffix of the backbone on cached outputs of its frozen
+        prefix (`feature_cache`): None (the default) caches when the trained layers are
+        a suffix and the algorithm is federated without shared negatives; True requires
+        it (an error otherwise); False never caches.
       delta: None resolves to N^-1.1 (module docstring).
       evaluate_every: evaluate every this many rounds (0: only after the last).
       seed: backbone initialisation, local-head initialisation and the centralized
@@ -306,6 +312,7 @@ class TrainJobConfig:
     failure_injection_rate: float = 0.0
     trainable_layers: tuple[str, ...] = model_config.ALL_LAYERS
     shared_negatives: SharedNegativesConfig | None = None
+    cache_features: bool | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -414,6 +421,27 @@ class TrainJobConfig:
         object.__setattr__(self, "trainable_layers", tuple(self.trainable_layers))
         # Checks the architecture against the input size.
         _ = self.backbone_config
+        if self.cache_features is True:
+            self._check_cache_features()
+
+    def _check_cache_features(self) -> None:
+        reason = None
+        if self.algorithm not in CACHEABLE_ALGORITHMS:
+            reason = f"{self.algorithm} does not train on client batches of images"
+        elif self.shared_negatives is not None:
+            reason = "shared negatives embed images with the whole backbone each release"
+        else:
+            from tff_algorithms import feature_cache  # TensorFlow, only when asked for
+
+            decision = feature_cache.cut_for(self.backbone_config)
+            if decision.cut is None:
+                reason = decision.reason
+        if reason is not None:
+            raise ValueError(
+                f"cache_features is true but cannot apply: {reason}; set cache_features to "
+                "false or null, or train a suffix of the backbone (trainable_layers such as "
+                '["embedding"])'
+            )
 
     def _check_logit_dp(self) -> None:
         if self.users_per_virtual_client != 1:
@@ -608,8 +636,9 @@ class TrainJobConfig:
         values = dataclasses.asdict(self)
         # Off is left out: the records of jobs from before the field (train_job.json,
         # metrics.json, golden runs) stay equal, so those jobs still resume.
-        if values["shared_negatives"] is None:
-            del values["shared_negatives"]
+        for name in ("shared_negatives", "cache_features"):
+            if values[name] is None:
+                del values[name]
         # The same for one algorithm's own fields, at their defaults in the jobs of others.
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for algorithm, names in _ALGORITHM_FIELDS.items():

@@ -15,7 +15,10 @@ Global model weights:
 - DP-FedAvg: `ModelWeights(trainable=OrderedDict(backbone=[...], head=[kernel]),
   non_trainable=OrderedDict(backbone=[...]))`; the global head has one row per
   training identity and is aggregated and noised with the backbone.
-`backbone_model_weights` extracts the backbone from either layout.
+`backbone_model_weights` extracts the backbone from either layout. A process built with
+a `feature_cut` trains the backbone's suffix after the cut on cached features of the
+frozen prefix (`feature_cache`): its "backbone" weights are the suffix's, the trainable
+ones the same variables in the same order as the whole backbone's.
 
 Initial weights come from `backbone_seed`; to start from a pretrained backbone,
 call `process.set_model_weights(state, weights)` with
@@ -37,18 +40,35 @@ import tensorflow_federated as tff
 
 from tff_algorithms import client_work, local_training, model_config, models
 from tff_algorithms.client_config import ClientConfig, HeadLossConfig
+from tff_algorithms.feature_cache import FeatureCut
 
 _SOFTMAX_LOSS = HeadLossConfig()
 
 
-def _backbone_fn(config: model_config.BackboneConfig) -> Callable[[], tf.keras.Model]:
-    return lambda: models.build_backbone(config)
+def _trained_model(
+    config: model_config.BackboneConfig, cut: FeatureCut | None, seed: int = 0
+) -> tf.keras.Model:
+    """The model a process trains: the backbone, or with cached features its suffix."""
+    model = models.build_backbone(config, seed)
+    return model if cut is None else cut.suffix(model)
 
 
-def _initial_backbone_weights_fn(config: model_config.BackboneConfig, seed: int) -> tff.Computation:
+def _input_shape(config: model_config.BackboneConfig, cut: FeatureCut | None) -> tuple[int, ...]:
+    return config.image_shape if cut is None else cut.feature_shape
+
+
+def _backbone_fn(
+    config: model_config.BackboneConfig, cut: FeatureCut | None
+) -> Callable[[], tf.keras.Model]:
+    return lambda: _trained_model(config, cut)
+
+
+def _initial_backbone_weights_fn(
+    config: model_config.BackboneConfig, seed: int, cut: FeatureCut | None
+) -> tff.Computation:
     @tff.tensorflow.computation
     def initial_weights():
-        model = models.build_backbone(config, seed)
+        model = _trained_model(config, cut, seed)
         return tff.learning.models.ModelWeights(
             trainable=[v.read_value() for v in model.trainable_weights],
             non_trainable=[v.read_value() for v in model.non_trainable_weights],
@@ -58,11 +78,11 @@ def _initial_backbone_weights_fn(config: model_config.BackboneConfig, seed: int)
 
 
 def _initial_fedavg_weights_fn(
-    config: model_config.BackboneConfig, seed: int, num_identities: int
+    config: model_config.BackboneConfig, seed: int, num_identities: int, cut: FeatureCut | None
 ) -> tff.Computation:
     @tff.tensorflow.computation
     def initial_weights():
-        model = models.build_backbone(config, seed)
+        model = _trained_model(config, cut, seed)
         head = models.initial_head_kernel(
             tf.constant([seed, -1], tf.int64), config.embedding_size, num_identities
         )
@@ -119,18 +139,21 @@ def build_fedemb_process(
     identity_dtype: tf.DType = tf.string,
     backbone_seed: int = 0,
     max_reports: int | None = None,
+    feature_cut: FeatureCut | None = None,
 ) -> tff.learning.templates.LearningProcess:
     """FedEmb with any aggregator (`mechanisms.aggregator_for_spec` for DP-FedEmb and
     DP-FTRL-FedEmb; `aggregators.no_dp` or `gaussian_adaptive` for ablations and tuning).
 
     `max_reports`: keep only the first this many reporting virtual clients of a round
     (over-selection; the aggregator's denominator is the planned number either way).
+    `feature_cut`: train only the backbone's suffix after this cut, on cached features
+    of the frozen prefix (`feature_cache`); the weights are then the suffix's.
     """
-    initial_weights_fn = _initial_backbone_weights_fn(backbone_config, backbone_seed)
+    initial_weights_fn = _initial_backbone_weights_fn(backbone_config, backbone_seed, feature_cut)
     work = client_work.build_fedemb_client_work(
-        _backbone_fn(backbone_config),
+        _backbone_fn(backbone_config, feature_cut),
         initial_weights_fn.type_signature.result,
-        client_work.client_element_spec(backbone_config.image_shape, identity_dtype),
+        client_work.client_element_spec(_input_shape(backbone_config, feature_cut), identity_dtype),
         client_config,
         max_reports,
         embedding_size=backbone_config.embedding_size,
@@ -148,6 +171,7 @@ def build_fedavg_process(
     identity_dtype: tf.DType = tf.string,
     backbone_seed: int = 0,
     max_reports: int | None = None,
+    feature_cut: FeatureCut | None = None,
 ) -> tff.learning.templates.LearningProcess:
     """FedAvg with a global head over `identity_vocabulary`, with any aggregator.
 
@@ -155,15 +179,15 @@ def build_fedavg_process(
     clips and noises the backbone and global head together.
 
     `identity_vocabulary` is `local_training.identity_keys_vocabulary(all training identities)`;
-    `max_reports` as in `build_fedemb_process`.
+    `max_reports` and `feature_cut` as in `build_fedemb_process`.
     """
     initial_weights_fn = _initial_fedavg_weights_fn(
-        backbone_config, backbone_seed, len(identity_vocabulary)
+        backbone_config, backbone_seed, len(identity_vocabulary), feature_cut
     )
     work = client_work.build_fedavg_client_work(
-        _backbone_fn(backbone_config),
+        _backbone_fn(backbone_config, feature_cut),
         initial_weights_fn.type_signature.result,
-        client_work.client_element_spec(backbone_config.image_shape, identity_dtype),
+        client_work.client_element_spec(_input_shape(backbone_config, feature_cut), identity_dtype),
         client_config,
         identity_vocabulary,
         max_reports,

@@ -67,6 +67,7 @@ from tff_algorithms import (
     contrastive_training,
     dplc_releases,
     fdml_training,
+    feature_cache,
     job_outputs,
     local_training,
     mechanisms,
@@ -79,6 +80,7 @@ from tff_algorithms import (
 from tff_algorithms import budget as budget_lib
 from tff_algorithms.evaluation import HeldOutEvaluator
 from tff_algorithms.job_config import (
+    CACHEABLE_ALGORITHMS,
     CENTRALIZED,
     DP_FEDAVG,
     FDML,
@@ -91,9 +93,14 @@ from tff_algorithms.job_config import (
 from tff_algorithms.job_outputs import JobOutcome, TrainJobResult
 from tff_algorithms.ledger import PrivacyLedger
 
+# Under OUTPUT unless the caller names a shared place (the pipeline does).
+FEATURE_CACHE_DIR = "feature_cache"
+
 
 def _shared_negatives_hook(
-    inputs: JobInputs, process: tff.learning.templates.LearningProcess
+    inputs: JobInputs,
+    process: tff.learning.templates.LearningProcess,
+    backbone_of: Callable[[Any], tff.learning.models.ModelWeights],
 ) -> Callable[[int, Any], Any] | None:
     """Before each release round: release DPLC centers with the current backbone and
     put them in the state the round broadcasts (`shared_negatives`); None without them."""
@@ -116,7 +123,7 @@ def _shared_negatives_hook(
     def before_round(round_num: int, state: Any) -> Any:
         if not plan.is_release_round(round_num):
             return state
-        backbone = processes.backbone_model_weights(process.get_model_weights(state))
+        backbone = backbone_of(state)
         previous = shared_negatives.shared_negatives_of(state)
         rows = releaser.release(round_num // plan.every_rounds, backbone, previous)
         return shared_negatives.with_shared_negatives(state, rows)
@@ -147,6 +154,7 @@ class JobInputs:
       checkpoint_dir: OUTPUT/checkpoints.
       pretrained: the initial backbone, or None for the seeded initialisation.
       progress: called with each round's history record, or None.
+      feature_cache_dir: where caches of frozen-prefix features live (`feature_cache`).
     """
 
     config: TrainJobConfig
@@ -159,6 +167,7 @@ class JobInputs:
     checkpoint_dir: str
     pretrained: tff.learning.models.ModelWeights | None
     progress: Callable[[Mapping[str, Any]], None] | None
+    feature_cache_dir: str
 
 
 def _training_identity_vocabulary(
@@ -173,7 +182,10 @@ def _training_identity_vocabulary(
 
 
 def _build_process(
-    inputs: JobInputs, plan: schedule.VirtualClientSchedule
+    inputs: JobInputs,
+    plan: schedule.VirtualClientSchedule,
+    cached: feature_cache.CachedFeatures | None,
+    cut: feature_cache.FeatureCut | None,
 ) -> tff.learning.templates.LearningProcess:
     # The process shape comes from the algorithm; the mechanism (Gaussian or tree noise,
     # its noise multiplier and restarts) only from the spec the ledger accounts with.
@@ -189,7 +201,11 @@ def _build_process(
         rounds_per_epoch=plan.rounds_per_epoch,
     )
     server_optimizer = processes.server_sgdm(config.server_learning_rate, config.server_momentum)
-    shape_options = dict(backbone_seed=config.seed, max_reports=config.report_policy().max_reports)
+    shape_options = dict(
+        backbone_seed=config.seed,
+        max_reports=config.report_policy().max_reports,
+        feature_cut=cut,
+    )
     if config.algorithm == DP_FEDAVG:
         vocabulary = _training_identity_vocabulary(inputs.reader, inputs.user_ids)
         base = processes.build_fedavg_process(
@@ -207,7 +223,9 @@ def _build_process(
     image_shape = config.image_shape
     return processes.compose_with_client_loader(
         base,
-        lambda vc_id: client_data.load_examples(vc_id, image_shape),
+        (lambda vc_id: client_data.load_examples(vc_id, image_shape))
+        if cached is None
+        else cached.load_examples,
         client_config,
         client_data.expected_examples,
         client_data.seed_name,
@@ -246,14 +264,62 @@ def _head_capacity_check(config: TrainJobConfig) -> Callable[[Mapping[str, Any],
     return check
 
 
+def feature_cut_for(config: TrainJobConfig) -> feature_cache.FeatureCut | None:
+    """The cut a federated job trains after on cached features, or None (`cache_features`
+    off, not a federated algorithm, shared negatives, or the trained layers are no
+    suffix; `TrainJobConfig` refuses `cache_features: true` in those cases)."""
+    if config.cache_features is False or config.algorithm not in CACHEABLE_ALGORITHMS:
+        return None
+    if config.shared_negatives is not None:
+        return None
+    return feature_cache.cut_for(config.backbone_config).cut
+
+
+class _SuffixTraining:
+    """A federated job on cached features: the process trains the suffix after `cut`,
+    the frozen prefix keeps the start backbone's values, and the backbone a round
+    evaluates, releases centers with or exports is the two put back together."""
+
+    def __init__(self, inputs: JobInputs, cut: feature_cache.FeatureCut) -> None:
+        config = inputs.config
+        self._backbone = models.build_backbone(config.backbone_config, config.seed)
+        if inputs.pretrained is not None:
+            models.assign_backbone_weights(self._backbone, inputs.pretrained)
+        self._suffix = cut.suffix(self._backbone)
+        self.start = models.backbone_weights(self._suffix)
+        self.cached = feature_cache.ensure_cache(
+            inputs.partition_dir,
+            inputs.feature_cache_dir,
+            config.backbone_config,
+            self._backbone,
+            cut,
+        )
+
+    def backbone(
+        self, suffix_weights: tff.learning.models.ModelWeights
+    ) -> tff.learning.models.ModelWeights:
+        models.assign_backbone_weights(self._suffix, suffix_weights)
+        return models.backbone_weights(self._backbone)
+
+
 def _train_federated(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     config, user_ids, spec = inputs.config, inputs.user_ids, inputs.spec
     plan = schedule_for(config, len(user_ids), schedule_seed)
-    process = _build_process(inputs, plan)
-    ids = client_data.VirtualClientIds(inputs.partition_dir, plan, user_ids)
+    cut = feature_cut_for(config)
+    suffix = None if cut is None else _SuffixTraining(inputs, cut)
+    process = _build_process(inputs, plan, None if suffix is None else suffix.cached, cut)
+    ids = client_data.VirtualClientIds(
+        inputs.partition_dir if suffix is None else suffix.cached.partition_dir, plan, user_ids
+    )
+    start = inputs.pretrained if suffix is None else suffix.start
     initial_state = None
-    if inputs.pretrained is not None:
-        initial_state = _with_backbone(process, process.initialize(), inputs.pretrained)
+    if start is not None:
+        initial_state = _with_backbone(process, process.initialize(), start)
+
+    def backbone_of(state: Any) -> tff.learning.models.ModelWeights:
+        trained = processes.backbone_model_weights(process.get_model_weights(state))
+        return trained if suffix is None else suffix.backbone(trained)
+
     check_head = _head_capacity_check(config)
 
     def on_round(record: dict[str, Any], training_metrics: Any) -> None:
@@ -274,16 +340,13 @@ def _train_federated(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
         training.TrainingProgramConfig(
             config.rounds, inputs.checkpoint_dir, evaluate_every=config.evaluate_every
         ),
-        evaluate=lambda state, _: inputs.evaluator(
-            processes.backbone_model_weights(process.get_model_weights(state))
-        ),
+        evaluate=lambda state, _: inputs.evaluator(backbone_of(state)),
         initial_state=initial_state,
         on_round=on_round,
         report_policy=config.report_policy(),
-        before_round=_shared_negatives_hook(inputs, process),
+        before_round=_shared_negatives_hook(inputs, process, backbone_of),
     )
-    backbone = processes.backbone_model_weights(process.get_model_weights(result.state))
-    return JobOutcome(backbone, ledger, result.history, result.resumed_from_round)
+    return JobOutcome(backbone_of(result.state), ledger, result.history, result.resumed_from_round)
 
 
 def _all_training_examples(
@@ -368,6 +431,7 @@ def run_train_job(
     budget: budget_lib.BudgetPolicy | None = None,
     tensorboard_dir: str | None = None,
     run_id: str | None = None,
+    feature_cache_dir: str | None = None,
 ) -> TrainJobResult:
     """Trains (or resumes) one job and writes its outputs (module docstring).
 
@@ -389,6 +453,9 @@ def run_train_job(
       run_id: the job's id in the budget ledger, for a run charged in advance
         (`budget.charge_runs`: the pipeline charges private pretraining and the training
         after it together); None: a new id (`job_outputs.claim_output_dir`).
+      feature_cache_dir: where a job that trains a suffix of the backbone keeps the
+        frozen prefix's features (`feature_cache`; keyed, so jobs may share it);
+        None: OUTPUT/feature_cache.
 
     Raises:
       ValueError: bad input (not a partition, no evaluation records, too few users for a
@@ -447,6 +514,7 @@ def run_train_job(
         job_outputs.make_checkpoint_dir(output_dir),
         pretrained,
         _each_round(progress, board),
+        feature_cache_dir or os.path.join(output_dir, FEATURE_CACHE_DIR),
     )
     if config.algorithm == CENTRALIZED:
         outcome = _train_centralized(inputs)
