@@ -17,6 +17,7 @@ from tff_algorithms import (
     accounting,
     budget,
     fdml,
+    fdml_fields,
     fdml_privacy,
     fdml_training,
     job_config,
@@ -210,8 +211,8 @@ def test_an_unreachable_target_epsilon_names_the_triplet_groups():
 
 def test_other_algorithms_records_do_not_change():
     # Jobs recorded before fdml's fields existed still resume (train_job.json compares).
-    assert not set(job_config.FDML_FIELDS) & set(support.SMALL_JOB.to_dict())
-    assert set(job_config.FDML_FIELDS) <= set(CONFIG.to_dict())
+    assert not set(fdml_fields.FDML_FIELDS) & set(support.SMALL_JOB.to_dict())
+    assert set(fdml_fields.FDML_FIELDS) <= set(CONFIG.to_dict())
 
 
 def test_budget_and_the_accountant_refuse_the_paper_convention(tmp_path, capsys):

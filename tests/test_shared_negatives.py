@@ -26,6 +26,7 @@ from tff_algorithms import (
     job_config,
     job_files,
     shared_negatives,
+    shared_negatives_config,
     train_job,
 )
 from tff_algorithms.ledger import PrivacyLedger
@@ -157,7 +158,7 @@ def test_config_reads_a_mapping_and_round_trips():
     config = job_config.TrainJobConfig.from_dict(
         {"shared_negatives": {"every_rounds": 2, "pool_users": 16, "cluster_size": 4}}
     )
-    assert config.shared_negatives == job_config.SharedNegativesConfig(
+    assert config.shared_negatives == shared_negatives_config.SharedNegativesConfig(
         every_rounds=2, pool_users=16, cluster_size=4
     )
     assert job_config.TrainJobConfig.from_dict(config.to_dict()) == config
@@ -253,7 +254,7 @@ def test_zero_negative_rows_are_masked_and_leave_the_loss_unchanged():
 
 SYNTH = support.TRAIN_CLI_DATA
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES
-SHARED = job_config.SharedNegativesConfig(
+SHARED = shared_negatives_config.SharedNegativesConfig(
     every_rounds=2, pool_users=12, num_clusters=2, cluster_size=4, margin=1.0, noise_multiplier=3.0
 )
 CONFIG = dataclasses.replace(
@@ -434,10 +435,12 @@ def _flag_config(*args):
 def test_train_flags_set_shared_negatives():
     assert _flag_config().shared_negatives is None
     assert _flag_config("--shared-negatives").shared_negatives == (
-        job_config.SharedNegativesConfig()
+        shared_negatives_config.SharedNegativesConfig()
     )
     config = _flag_config("--shared-negatives-every-rounds=3", "--shared-negatives-margin=0.8")
-    assert config.shared_negatives == job_config.SharedNegativesConfig(every_rounds=3, margin=0.8)
+    assert config.shared_negatives == shared_negatives_config.SharedNegativesConfig(
+        every_rounds=3, margin=0.8
+    )
 
 
 def test_bad_shared_negatives_flags_give_one_error_line(tmp_path, capsys):
@@ -468,7 +471,7 @@ def test_pipeline_config_takes_shared_negatives_through_set():
         ["train.shared_negatives.every_rounds=4", "train.shared_negatives.noise_multiplier=6"],
     )
     job = job_config.TrainJobConfig.from_dict(config.train_job_dict())
-    assert job.shared_negatives == job_config.SharedNegativesConfig(
+    assert job.shared_negatives == shared_negatives_config.SharedNegativesConfig(
         every_rounds=4, noise_multiplier=6.0
     )
     # Public pretraining (centralized) drops it; a typo is one line.

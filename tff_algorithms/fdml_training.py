@@ -15,7 +15,7 @@ s rows is never selected (nothing of it is used: its epsilon is 0). The accounta
 population is the eligible users; the cross-run budget is still keyed by every training
 user, so runs of other algorithms on the same users compose with this one. Fewer
 eligible users than a round selects: one line, before any round
-(`job_config.fdml_selected_per_round`).
+(`fdml_fields.fdml_selected_per_round`).
 
 Rounds. Round t selects users by `fdml.round_users(schedule_seed, t, 0, ...)` (the
 schedule seed is secret and in OUTPUT/train_job.json, as for the other algorithms);
@@ -51,7 +51,8 @@ import tensorflow as tf
 
 from beam_jobs import partition
 from tff_algorithms import client_data, eer, fdml, metrics
-from tff_algorithms.job_config import TrainJobConfig, fdml_selected_per_round
+from tff_algorithms.fdml_fields import fdml_selected_per_round
+from tff_algorithms.job_config import TrainJobConfig
 from tff_algorithms.job_outputs import JobOutcome
 from tff_algorithms.ledger import PrivacyLedger
 

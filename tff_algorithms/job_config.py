@@ -3,7 +3,10 @@
 `TrainJobConfig` holds a job's hyperparameters and validates each of them;
 `schedule_shape_for` / `schedule_for` give the virtual-client schedule a federated job
 trains with, and `accounting_spec_for` the accounting spec of that schedule. The job
-(`train_job.run_train_job`) takes its schedule and its accounting spec from here.
+(`train_job.run_train_job`) takes its schedule and its accounting spec from here. Two
+algorithms' own fields are configured and checked in their modules:
+`shared_negatives_config.SharedNegativesConfig` (`shared_negatives`) and `fdml_fields`
+(fdml's `FDML_FIELDS`, and the users an fdml round selects).
 
 delta: `TrainJobConfig.delta=None` resolves to N^-1.1 for N training users, which is
 below 1/N as (epsilon, delta)-DP needs (N=6800 gives 6.1e-5, N=10M gives 2e-8).
@@ -30,11 +33,13 @@ from tff_algorithms import (
     calibration,
     client_config,
     dplc_releases,
+    fdml_fields,
     model_config,
     report_policy,
     validation,
 )
 from tff_algorithms.logit_dp_sensitivity import MAX_SCALE, check_logit_dp_config
+from tff_algorithms.shared_negatives_config import SharedNegativesConfig
 
 DP_FEDEMB = "dp-fedemb"
 DP_FEDAVG = "dp-fedavg"
@@ -46,16 +51,6 @@ LOGIT_DP = "logit-dp"
 # Federated metric learning (issue 27, `fdml`, `fdml_training`): participants upload
 # embeddings, the trusted server's triplet loss sends noised derivatives back.
 FDML = "fdml"
-# The fields only fdml reads (`TrainJobConfig`).
-FDML_FIELDS = (
-    "samples_per_user",
-    "derivative_clip",
-    "derivative_noise_share",
-    "triplet_strategy",
-    "triplet_margin",
-)
-# fdml's triplet strategies (`triplet.STRATEGIES`, which imports TensorFlow).
-TRIPLET_STRATEGIES = ("batch_all", "semi_hard")
 # The paper's EMNIST noise multiplier (appendix D), when neither it nor a target is given.
 DEFAULT_NOISE_MULTIPLIER = 0.62
 AUTO = schedule.AUTO
@@ -71,89 +66,8 @@ SHARED_NEGATIVES_ALGORITHMS = (DP_FEDEMB, DP_FTRL_FEDEMB)
 CACHEABLE_ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB)
 
 
-@dataclasses.dataclass(frozen=True)
-class SharedNegativesConfig:
-    """`train.shared_negatives` (issue 22): privately released cluster centers that every
-    virtual client adds to its local head as fixed negative rows (never trained, never
-    sent back).
-
-    Before every `every_rounds`-th round (0-based rounds 0, R, 2R, ...) the server
-    samples `pool_users` training users (a fixed pool size: the DPLC divisor and pool
-    are public), computes one class center per sampled user (the mean unit embedding of
-    the user's first identity, so one user shapes exactly one row) with the current
-    backbone, and releases `num_clusters` noisy cluster means (`dplc.dplc_release`,
-    public queries: the previous release's centers, the first time directions drawn from
-    the public `seed`) of `cluster_size` members within angle `margin` (radians), with
-    Gaussian noise of multiplier `noise_multiplier` relative to the mean's sensitivity.
-    Each release is charged in the ledger and the budget as `num_clusters` Gaussian
-    mechanisms on every user, without sampling amplification (`dplc_releases`).
-
-    Defaults: a large cluster (the noise scale is σ·2·sin ρ / T per coordinate) and
-    high σ so that a release costs little next to the training (BENCHMARKS.md).
-    """
-
-    every_rounds: int = 10
-    pool_users: int = 512
-    num_clusters: int = 2
-    cluster_size: int = 128
-    margin: float = 1.0
-    noise_multiplier: float = 10.0
-
-    def __post_init__(self) -> None:
-        for name in ("every_rounds", "pool_users", "num_clusters", "cluster_size"):
-            validation.check_int(f"shared_negatives.{name}", getattr(self, name), 1)
-        validation.check_number(
-            "shared_negatives.margin", self.margin, 0, math.pi + 1e-12, low_open=True
-        )
-        validation.check_number(
-            "shared_negatives.noise_multiplier",
-            self.noise_multiplier,
-            0,
-            accounting.MAX_NOISE_MULTIPLIER,
-            low_open=True,
-        )
-        if self.cluster_size > self.pool_users:
-            raise ValueError(
-                f"shared_negatives.cluster_size {self.cluster_size} exceeds pool_users "
-                f"{self.pool_users}: a cluster takes its members from the pool"
-            )
-
-    @classmethod
-    def from_value(cls, value: Any) -> SharedNegativesConfig | None:
-        """None, a SharedNegativesConfig, or a mapping of its fields (JSON, YAML, --set)."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, Mapping):
-            raise ValueError(
-                f"shared_negatives must be a mapping of its fields or null, got {value!r}"[:200]
-            )
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(names), key=str)
-        if unknown:
-            raise ValueError(
-                f"unknown shared_negatives field {unknown[0]!r} (known: {', '.join(names)})"
-            )
-        return cls(**{k: v for k, v in value.items() if v is not None})
-
-    def release_plan(self) -> dplc_releases.ReleasePlan:
-        """The public facts the releases' privacy depends on (imports dp_accounting)."""
-        from tff_algorithms import dplc
-
-        return dplc_releases.ReleasePlan(
-            every_rounds=self.every_rounds,
-            num_clusters=self.num_clusters,
-            noise_multiplier=float(self.noise_multiplier),
-            cluster_size=self.cluster_size,
-            margin=float(self.margin),
-            pool_users=self.pool_users,
-            sensitivity=dplc.dplc_sensitivity(
-                rho=float(self.margin), cluster_size=self.cluster_size, public_queries=True
-            ),
-        )
-
-
 # Fields only one algorithm reads, added after jobs of the others were recorded.
-_ALGORITHM_FIELDS = {LOGIT_DP: ("logit_scale",), FDML: FDML_FIELDS}
+_ALGORITHM_FIELDS = {LOGIT_DP: ("logit_scale",), FDML: fdml_fields.FDML_FIELDS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +215,7 @@ class TrainJobConfig:
     samples_per_user: int = 8
     derivative_clip: float = 1.0
     derivative_noise_share: float = 0.5
-    triplet_strategy: str = TRIPLET_STRATEGIES[0]
+    triplet_strategy: str = fdml_fields.TRIPLET_STRATEGIES[0]
     triplet_margin: float = 0.2
     max_epsilon: float | None = None
     over_selection: float = 0.0
@@ -407,7 +321,9 @@ class TrainJobConfig:
         validation.check_number("logit_scale", self.logit_scale, 0, MAX_SCALE, low_open=True)
         if self.algorithm == LOGIT_DP:
             self._check_logit_dp()
-        self._check_fdml()
+        fdml_fields.check_fields(self)
+        if self.algorithm == FDML:
+            fdml_fields.check_fdml_job(self)
         if self.restart_every_epoch and self.algorithm != DP_FTRL_FEDEMB:
             raise ValueError("restart_every_epoch applies only to dp-ftrl-fedemb")
         if isinstance(self.trainable_layers, str) or not all(
@@ -465,24 +381,6 @@ class TrainJobConfig:
                     f"(virtual_clients_per_round): {str(e).rstrip('.')}"
                 ) from None
 
-    def _check_fdml(self) -> None:
-        validation.check_int("samples_per_user", self.samples_per_user, 2)
-        validation.check_number("derivative_clip", self.derivative_clip, 0, low_open=True)
-        validation.check_number(
-            "derivative_noise_share", self.derivative_noise_share, 0, 1, low_open=True
-        )
-        if self.triplet_strategy not in TRIPLET_STRATEGIES:
-            raise ValueError(
-                f"triplet_strategy must be one of {TRIPLET_STRATEGIES}, "
-                f"got {self.triplet_strategy!r}"
-            )
-        validation.check_number("triplet_margin", self.triplet_margin, 0, low_open=False)
-        if self.algorithm == FDML and self.failure_injection_rate:
-            raise ValueError(
-                "failure_injection_rate applies to DP-FedEmb's virtual clients, not to fdml: "
-                "set it to 0"
-            )
-
     def _resolve_noise(self) -> None:
         if self.target_epsilon is None:
             if self.noise_multiplier is None:
@@ -523,14 +421,12 @@ class TrainJobConfig:
             config, source = resolved.calibrated_for(num_users)
             return config, {**source, "virtual_clients_per_round": AUTO}
         if self.algorithm == FDML:
-            fdml_selected_per_round(self, num_users)  # one line when a round cannot fill
+            # One line when a round cannot fill.
+            fdml_fields.fdml_selected_per_round(self, num_users)
         elif self.algorithm != CENTRALIZED:
             schedule_shape_for(self, num_users)  # one line when the users cannot fill a round
-        if self.shared_negatives is not None and self.shared_negatives.pool_users > num_users:
-            raise ValueError(
-                f"shared_negatives.pool_users {self.shared_negatives.pool_users} exceeds the "
-                f"{num_users} training users"
-            )
+        if self.shared_negatives is not None:
+            self.shared_negatives.check_population(num_users)
         if self.target_epsilon is None:
             return self, {"source": "configured", "noise_multiplier": self.noise_multiplier}
         fixed = dataclasses.replace(self, noise_multiplier=1.0, target_epsilon=None)
@@ -718,7 +614,7 @@ def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.Ac
     if config.algorithm == FDML:
         return accounting.AccountingSpec(
             population=num_users,
-            users_per_round=fdml_selected_per_round(config, num_users),
+            users_per_round=fdml_fields.fdml_selected_per_round(config, num_users),
             rounds=config.rounds,
             noise_multiplier=config.noise_multiplier,
             delta=delta,
@@ -741,22 +637,6 @@ def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.Ac
         restart_every_epoch=config.restart_every_epoch,
         min_separation=stats.min_separation if is_tree and not config.restart_every_epoch else None,
     )
-
-
-def fdml_selected_per_round(config: TrainJobConfig, num_users: int) -> int:
-    """Users an fdml round selects, ceil(n (1 + over_selection)) with n = g x groups (all
-    of them count for the sampling: any may fill the buffer); one line when `num_users`
-    (those holding `samples_per_user` images) cannot fill it."""
-    n = config.users_per_virtual_client * int(config.virtual_clients_per_round)
-    selected = schedule.selected_per_round(n, float(config.over_selection))
-    if selected > num_users:
-        raise ValueError(
-            f"fdml selects {selected} users a round ({config.virtual_clients_per_round} "
-            f"groups of {config.users_per_virtual_client}, over_selection "
-            f"{config.over_selection:g}) but only {num_users} users hold "
-            f"samples_per_user={config.samples_per_user} images"
-        )
-    return selected
 
 
 def release_plan_for(config: TrainJobConfig) -> dplc_releases.ReleasePlan | None:

@@ -41,7 +41,7 @@ import tensorflow_federated as tff
 
 from beam_jobs import partition
 from tff_algorithms import dplc, export, model_config, models
-from tff_algorithms.job_config import SharedNegativesConfig
+from tff_algorithms.shared_negatives_config import SharedNegativesConfig
 
 STATE_KEY = "shared_negatives"
 _EMBED_BATCH = 256

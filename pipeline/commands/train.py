@@ -25,7 +25,14 @@ from absl import flags
 
 from pipeline import console
 from pipeline.commands import checks
-from tff_algorithms import accounting, client_config, model_config, recipes
+from tff_algorithms import (
+    accounting,
+    client_config,
+    fdml_fields,
+    model_config,
+    recipes,
+    shared_negatives_config,
+)
 from tff_algorithms import job_config as job_config_lib
 
 # The TrainJobConfig fields passed straight through as flags: each flag is its field's
@@ -65,16 +72,16 @@ _CONFIG_FIELDS = (
     "testing_fixed_noise",
     "restart_every_epoch",
     "logit_scale",
-    *job_config_lib.FDML_FIELDS,
+    *fdml_fields.FDML_FIELDS,
     "max_epsilon",
 )
 _CONFIG_FLAGS = {field.replace("_", "-"): field for field in _CONFIG_FIELDS}
 # train.shared_negatives (issue 22): --shared-negatives turns it on with the defaults of
-# job_config.SharedNegativesConfig; each --shared-negatives-FIELD sets FIELD (and turns
+# shared_negatives_config.SharedNegativesConfig; each --shared-negatives-FIELD sets FIELD (and turns
 # it on).
 _SHARED_NEGATIVES_FLAGS = {
     f"shared-negatives-{field.name.replace('_', '-')}": field.name
-    for field in dataclasses.fields(job_config_lib.SharedNegativesConfig)
+    for field in dataclasses.fields(shared_negatives_config.SharedNegativesConfig)
 }
 # Old spelling -> the flag it was renamed to (issue 25), accepted with one deprecation
 # line on stderr (`cli.main`) for one release: remove in the release after 0.1.0.
@@ -209,7 +216,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "training users as fixed negative rows of every local head; each release is charged "
         "to the run's epsilon (the --shared-negatives-* flags set it and imply this one)",
     )
-    shared_defaults = job_config_lib.SharedNegativesConfig()
+    shared_defaults = shared_negatives_config.SharedNegativesConfig()
     shared_help = {
         "every_rounds": "release before every this many rounds (R)",
         "pool_users": "training users sampled per release, one class center each (n)",
