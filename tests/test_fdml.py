@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import fdml, fdml_privacy, model_config, runtime, triplet
+from tff_algorithms import fdml, fdml_privacy, fdml_run, model_config, runtime, triplet
 
 IMAGE_SHAPE = (2, 2, 1)
 EMBEDDING = 3
@@ -402,8 +402,8 @@ def test_config_refuses_noise_without_clip_and_bad_rates():
 
 
 def test_draw_failures_is_data_independent_and_disjoint():
-    a, b = fdml.draw_failures(3, 7, 20, 0.3, 0.3)
-    assert (a, b) == fdml.draw_failures(3, 7, 20, 0.3, 0.3)
+    a, b = fdml_run.draw_failures(3, 7, 20, 0.3, 0.3)
+    assert (a, b) == fdml_run.draw_failures(3, 7, 20, 0.3, 0.3)
     assert not set(a) & set(b)
     assert collections.Counter(a + b).most_common(1)[0][1] == 1
 
@@ -449,7 +449,7 @@ def test_a_private_run_on_the_product_backbone_is_charged_per_release(tff_runtim
     assert (applied, abandoned, restarted) == (2, 1, 1)
     assert int(state["round_num"]) == 3  # every release advanced the noise stream
 
-    spec = fdml.privacy_spec(
+    spec = fdml_run.privacy_spec(
         config, population=100, selected_per_round=4, rounds=applied, abandoned_rounds=abandoned
     )
     assert (spec.users_per_group, spec.samples_per_user, spec.users_per_round) == (3, 2, 4)
@@ -458,7 +458,7 @@ def test_a_private_run_on_the_product_backbone_is_charged_per_release(tff_runtim
         dataclasses.replace(spec, abandoned_rounds=0), 1e-5
     )
     assert math.isfinite(epsilon) and epsilon > without_abandoned
-    non_private = fdml.privacy_spec(
+    non_private = fdml_run.privacy_spec(
         fdml.FdmlConfig(samples_per_user=2, users_per_round=3),
         population=100,
         selected_per_round=3,
@@ -519,7 +519,7 @@ def test_run_fdml_samples_uniformly_and_charges_every_release(tff_runtime):
             4, seed=100 * round_num + index, reshuffle_each_iteration=False
         )
 
-    run = fdml.run_fdml(
+    run = fdml_run.run_fdml(
         process,
         process.initialize(),
         user_data,
@@ -542,7 +542,7 @@ def test_run_fdml_samples_uniformly_and_charges_every_release(tff_runtime):
     )
     epsilons = [r["epsilon"] for r in run.history]
     assert epsilons == sorted(epsilons) and math.isfinite(epsilons[-1])
-    spec = fdml.privacy_spec(
+    spec = fdml_run.privacy_spec(
         config,
         population=8,
         selected_per_round=selected,

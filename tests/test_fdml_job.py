@@ -19,6 +19,7 @@ from tff_algorithms import (
     fdml,
     fdml_fields,
     fdml_privacy,
+    fdml_run,
     fdml_training,
     job_config,
     job_files,
@@ -108,7 +109,7 @@ def test_epsilon_equals_the_privacy_command_and_fdml_privacy(straight_run, capsy
     assert summary["epsilon"] == pytest.approx(json.loads(out)["epsilon"], rel=1e-12)
     # The noise the process adds, accounted by fdml_privacy's own two-release events.
     process_config = fdml_training.fdml_config(CONFIG, noise_seed=0)
-    spec = fdml.privacy_spec(
+    spec = fdml_run.privacy_spec(
         process_config, population=TRAIN_IDENTITIES, selected_per_round=4, rounds=2
     )
     assert summary["epsilon"] == pytest.approx(fdml_privacy.compute_epsilon(spec, DELTA), rel=1e-9)

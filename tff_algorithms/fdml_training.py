@@ -17,7 +17,7 @@ user, so runs of other algorithms on the same users compose with this one. Fewer
 eligible users than a round selects: one line, before any round
 (`fdml_fields.fdml_selected_per_round`).
 
-Rounds. Round t selects users by `fdml.round_users(schedule_seed, t, 0, ...)` (the
+Rounds. Round t selects users by `fdml_run.round_users(schedule_seed, t, 0, ...)` (the
 schedule seed is secret and in OUTPUT/train_job.json, as for the other algorithms);
 each user's s images are drawn from (schedule seed, user, round). The job injects no
 failures (`failure_injection_rate` is refused for fdml) and continues with every
@@ -50,7 +50,7 @@ import numpy as np
 import tensorflow as tf
 
 from beam_jobs import partition
-from tff_algorithms import client_data, eer, fdml, metrics
+from tff_algorithms import client_data, eer, fdml, fdml_run, metrics
 from tff_algorithms.fdml_fields import fdml_selected_per_round
 from tff_algorithms.job_config import TrainJobConfig
 from tff_algorithms.job_outputs import JobOutcome
@@ -232,7 +232,7 @@ def train_fdml(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     samples = _UserSamples(inputs, schedule_seed)
     for t in range(start, config.rounds):
         began = time.perf_counter()
-        users = fdml.round_users(schedule_seed, t, 0, population, selected)
+        users = fdml_run.round_users(schedule_seed, t, 0, population, selected)
         output = process.next(state, [samples(int(u), t) for u in users])
         if output.restarted:  # impossible without failures (module docstring)
             raise RuntimeError(f"round {t + 1} had too few embedding uploads")
