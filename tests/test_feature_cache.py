@@ -179,7 +179,14 @@ def test_a_cached_job_trains_what_the_uncached_job_trains(tff_runtime, data, tmp
         support.saved_backbone(cached.saved_model_dir)[0], start[0].numpy()
     )
     assert uncached.epsilon == cached.epsilon
-    assert json.loads(open(cached.metrics_path).read())["config"].get("cache_features") is True
+    facts = json.loads(open(cached.metrics_path).read())["feature_cache"]
+    assert (
+        facts["used"] and facts["cut_before"] == "conv1" and facts["feature_shape"] == [14, 14, 32]
+    )
+    assert json.loads(open(uncached.metrics_path).read())["feature_cache"] == {
+        "used": False,
+        "reason": "cache_features is false",
+    }
 
 
 def test_cache_features_true_is_refused_where_it_cannot_apply():
@@ -192,3 +199,17 @@ def test_cache_features_true_is_refused_where_it_cannot_apply():
             trainable_layers=("embedding",),
             cache_features=True,
         )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--trainable-layers=embedding"], "--trainable-layers embedding would keep"),
+        (["--cache-features=yes"], "--cache-features must be one of auto, true, false"),
+    ],
+)
+def test_the_train_command_refuses_bad_suffix_flags_in_one_line(tmp_path, flags, message):
+    line, _ = support.run_refused(
+        "train", f"--data={tmp_path}", f"--output={tmp_path / 'out'}", *flags
+    )
+    assert message in line

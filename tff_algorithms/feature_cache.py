@@ -25,10 +25,10 @@ own byte-range index; each record is a `tf.train.Example` holding `user_id`,
 `identity` and `features/raw` (the prefix output, float32 little-endian, shape in
 `feature_cache.json`). Virtual-client ids built from it (`client_data`) read features
 where they would read images. Its directory name is a key over the prefix's layers and
-variable values, the image shape and the source partition's manifest and indexes, so
-another pretrained start, another cut or a rebuilt partition never reuses it. It is
-built shard by shard into `<key>.partial` (a killed build resumes from its finished
-shards) and renamed when complete. The features are derived from private users' images
+variable values, the image shape and the source partition's manifest, indexes and part
+file bytes, so another pretrained start, another cut or a rebuilt partition never
+reuses it. It is built shard by shard into `<key>.partial` (a killed build resumes
+from its finished shards) and renamed when complete. The features are derived from private users' images
 and are as private as the partition: they live beside the job's outputs, and nothing of
 them is exported or released.
 """
@@ -202,7 +202,9 @@ class CachedFeatures:
 
 
 def _source_fingerprint(partition_dir: str) -> bytes:
-    """Hash of the source partition's manifest and indexes: which records sit where."""
+    """Hash of the source partition's manifest, indexes and part files: which records
+    sit where, and their bytes (a partition rewritten in place with other images of the
+    same sizes must not reuse features; hashing costs far less than the prefix)."""
     digest = hashlib.sha256()
     manifest = partition.read_manifest(partition_dir)
     digest.update(json.dumps(manifest, sort_keys=True).encode())
@@ -211,6 +213,10 @@ def _source_fingerprint(partition_dir: str) -> bytes:
         if tf.io.gfile.exists(path):
             with tf.io.gfile.GFile(path, "rb") as f:
                 digest.update(f.read())
+        for part in _shard_parts(partition_dir, shard):
+            with tf.io.gfile.GFile(part, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
     return digest.digest()
 
 
@@ -330,7 +336,11 @@ def ensure_cache(
     tf.io.gfile.makedirs(os.path.join(partial, partition.INDEX_DIR))
     reader = partition.PartitionReader(partition_dir)
     num_shards = reader.manifest["num_shards"]
-    prefix_fn = tf.function(lambda images: prefix(images, training=False))
+    # One trace for every batch size (a shard's last batch is smaller).
+    prefix_fn = tf.function(
+        lambda images: prefix(images, training=False),
+        input_signature=[tf.TensorSpec([None, *config.image_shape], tf.float32)],
+    )
     counts = []
     for shard in range(num_shards):
         written = _written_counts(partial, shard)

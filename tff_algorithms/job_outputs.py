@@ -84,6 +84,8 @@ class JobOutcome:
     ledger: PrivacyLedger
     history: list[dict[str, Any]]
     resumed_from_round: int
+    # A federated job's feature-cache decision (`train_job.feature_cache_decision`).
+    feature_cache: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,6 +353,7 @@ def write_outputs(
         "trained_parameters": sum(int(np.size(v)) for v in outcome.backbone.trainable),
         "frozen_parameters": sum(int(np.size(v)) for v in outcome.backbone.non_trainable),
         "client_failures": _client_failures(outcome.history),
+        **({"feature_cache": outcome.feature_cache} if outcome.feature_cache else {}),
         "history": outcome.history,
         "config": config.public_dict(),
         "saved_model": saved_model_dir,

@@ -80,7 +80,6 @@ from tff_algorithms import (
 from tff_algorithms import budget as budget_lib
 from tff_algorithms.evaluation import HeldOutEvaluator
 from tff_algorithms.job_config import (
-    CACHEABLE_ALGORITHMS,
     CENTRALIZED,
     DP_FEDAVG,
     FDML,
@@ -264,15 +263,17 @@ def _head_capacity_check(config: TrainJobConfig) -> Callable[[Mapping[str, Any],
     return check
 
 
-def feature_cut_for(config: TrainJobConfig) -> feature_cache.FeatureCut | None:
-    """The cut a federated job trains after on cached features, or None (`cache_features`
-    off, not a federated algorithm, shared negatives, or the trained layers are no
-    suffix; `TrainJobConfig` refuses `cache_features: true` in those cases)."""
-    if config.cache_features is False or config.algorithm not in CACHEABLE_ALGORITHMS:
-        return None
+def feature_cache_decision(config: TrainJobConfig) -> feature_cache.CutDecision:
+    """Whether a federated job trains on cached features, and after which cut (None:
+    `cache_features` false, shared negatives, or the trained layers have no frozen
+    prefix; `TrainJobConfig` refuses `cache_features: true` in those cases)."""
+    if config.cache_features is False:
+        return feature_cache.CutDecision(None, "cache_features is false")
     if config.shared_negatives is not None:
-        return None
-    return feature_cache.cut_for(config.backbone_config).cut
+        return feature_cache.CutDecision(
+            None, "shared negatives embed images with the whole backbone each release"
+        )
+    return feature_cache.cut_for(config.backbone_config)
 
 
 class _SuffixTraining:
@@ -305,8 +306,19 @@ class _SuffixTraining:
 def _train_federated(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     config, user_ids, spec = inputs.config, inputs.user_ids, inputs.spec
     plan = schedule_for(config, len(user_ids), schedule_seed)
-    cut = feature_cut_for(config)
+    decision = feature_cache_decision(config)
+    cut = decision.cut
+    began = time.perf_counter()
     suffix = None if cut is None else _SuffixTraining(inputs, cut)
+    # In metrics.json: whether the prefix was cached, why not, and what building it cost.
+    cache_facts: dict[str, Any] = {"used": cut is not None, "reason": decision.reason}
+    if suffix is not None:
+        cache_facts.update(
+            cut_before=cut.layer,
+            feature_shape=list(cut.feature_shape),
+            key=suffix.cached.key,
+            ready_seconds=round(time.perf_counter() - began, 3),
+        )
     process = _build_process(inputs, plan, None if suffix is None else suffix.cached, cut)
     ids = client_data.VirtualClientIds(
         inputs.partition_dir if suffix is None else suffix.cached.partition_dir, plan, user_ids
@@ -346,7 +358,9 @@ def _train_federated(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
         report_policy=config.report_policy(),
         before_round=_shared_negatives_hook(inputs, process, backbone_of),
     )
-    return JobOutcome(backbone_of(result.state), ledger, result.history, result.resumed_from_round)
+    return JobOutcome(
+        backbone_of(result.state), ledger, result.history, result.resumed_from_round, cache_facts
+    )
 
 
 def _all_training_examples(

@@ -210,6 +210,19 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("float", "triplet-margin", "fdml: the triplet loss margin m")
     define("float", "max-epsilon", "privacy budget: refuse to start when the plan costs more")
     define(
+        "list",
+        "trainable-layers",
+        "comma-separated layer-name patterns of the backbone layers that train (default: the "
+        "recipe's, or every layer without --pretrained), e.g. embedding or conv1,gn1,embedding",
+    )
+    define(
+        "string",
+        "cache-features",
+        "auto | true | false: train a suffix of the backbone (--trainable-layers after a "
+        "frozen prefix) on the prefix's outputs computed once per image (default auto: "
+        "whenever the trained layers allow it)",
+    )
+    define(
         "boolean",
         "shared-negatives",
         "dp-fedemb / dp-ftrl-fedemb: broadcast DPLC-released cluster centers of sampled "
@@ -328,6 +341,10 @@ def _config_values(value: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(
                 f"--virtual-clients-per-round must be a count or auto, got {planned!r}"
             ) from None
+    if value["trainable-layers"] is not None:
+        given["trainable_layers"] = list(value["trainable-layers"])
+    if value["cache-features"] not in (None, "auto"):
+        given["cache_features"] = value["cache-features"] == "true"
     # Boolean flags default to None; an explicit false keeps the config's default too.
     for name in ("restart-every-epoch", "testing-fixed-noise", "testing-fixed-schedule"):
         if not value[name]:
@@ -472,6 +489,7 @@ _CHOICES = {
     "head-init": client_config.HEAD_INITS,
     "head-loss": client_config.HEAD_LOSSES,
     "architecture": model_config.ARCHITECTURES,
+    "cache-features": ("auto", "true", "false"),
 }
 _POSITIVE_INTS = (
     "rounds",
@@ -508,6 +526,12 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         )
     if value["noise-multiplier"] is not None and value["target-epsilon"] is not None:
         raise ValueError("give at most one of --noise-multiplier and --target-epsilon")
+    layers = value["trainable-layers"]
+    if layers is not None and layers != recipes.EVERY_LAYER and value["pretrained"] is None:
+        raise ValueError(
+            f"--trainable-layers {','.join(layers)} would keep the other layers at their "
+            "random initial values: give --pretrained, or drop --trainable-layers"
+        )
     for name, choices in _CHOICES.items():
         if value[name] is not None and value[name] not in choices:
             raise ValueError(

@@ -93,6 +93,9 @@ def _run_job(
         progress=console.RoundProgress(config.rounds, label=component),
         tensorboard_dir=tensorboard_dir,
         run_id=run_id,
+        # Beside the work directories, not in them: a retry or another run whose job
+        # differs but whose frozen prefix and partition are the same reuses the features.
+        feature_cache_dir=os.path.join(os.path.dirname(work_dir), "feature_cache"),
     )
 
 
