@@ -250,68 +250,8 @@ def charge_run(
     run is refused when the composed epsilon of the dataset's runs and this one, at this
     run's delta, exceeds `policy.total_epsilon`, unless `policy.override`.
     """
-    with _locked(policy.ledger_path):
-        data = _read(policy.ledger_path)
-        dataset = data["datasets"].setdefault(fingerprint, {"users": users, "runs": []})
-        others = [run for run in dataset["runs"] if run["run_id"] != run_id]
-        previous = next((run for run in dataset["runs"] if run["run_id"] == run_id), None)
-        other_specs = [accounting.AccountingSpec.from_dict(run["spec"]) for run in others]
-        other_releases = [_releases(run) for run in others]
-        spent_before = composed_epsilon(other_specs, spec.delta, other_releases)
-        spent_after = composed_epsilon(
-            [*other_specs, spec], spec.delta, [*other_releases, releases]
-        )
-        run_epsilon = composed_epsilon([spec], spec.delta, [releases])
-
-        def charge(overridden: bool, resumed: bool) -> BudgetCharge:
-            return BudgetCharge(
-                fingerprint,
-                run_id,
-                users,
-                len(dataset["runs"]),
-                spent_before,
-                spent_after,
-                run_epsilon,
-                spec.delta,
-                policy.total_epsilon,
-                overridden=overridden,
-                resumed=resumed,
-            )
-
-        if previous is not None:
-            if (
-                accounting.AccountingSpec.from_dict(previous["spec"]) != spec
-                or _releases(previous) != releases
-            ):
-                raise ValueError(
-                    f"run {run_id} is in the budget ledger with another accounting spec; "
-                    "refusing to charge it twice"
-                )
-            return charge(bool(previous["overridden"]), resumed=True)
-        over = not spent_after <= policy.total_epsilon
-        if over and not policy.override:
-            after = "infinite (no noise)" if math.isinf(spent_after) else f"{spent_after:.4g}"
-            raise ValueError(
-                f"dataset privacy budget exceeded: {len(others)} earlier run(s) on these "
-                f"{users} training users (fingerprint {fingerprint[:12]}) spent epsilon "
-                f"{spent_before:.4g}; this run would bring the composed total to {after} at "
-                f"delta {spec.delta:.3g}, over the budget {policy.total_epsilon:g}; refusing "
-                "to start (an explicit budget override starts it and is recorded)"
-            )
-        dataset["runs"].append(
-            {
-                "run_id": run_id,
-                "spec": spec.to_dict(),
-                **({} if releases is None else {"shared_negatives": releases.to_dict()}),
-                "run_epsilon": _number(run_epsilon),
-                "spent_after": _number(spent_after),
-                "total_epsilon": policy.total_epsilon,
-                "overridden": over,
-                "charged_at": time.time(),
-            }
-        )
-        _write_atomically(policy.ledger_path, data)
-    return charge(over, resumed=False)
+    (charge,) = _charge(policy, fingerprint, users, [(run_id, spec, releases)], together=False)
+    return charge
 
 
 def dataset_spent(ledger_path: str, fingerprint: str, delta: float) -> float:
@@ -340,6 +280,26 @@ def charge_runs(
     again (a retried execution); `charge_run` with one of these ids later is a resumed
     charge. Returns the composed epsilon after the charge.
     """
+    return _charge(policy, fingerprint, users, runs, together=True)[-1].spent_after
+
+
+def _charge(
+    policy: BudgetPolicy,
+    fingerprint: str,
+    users: int,
+    runs: Sequence[tuple[str, accounting.AccountingSpec, dplc_releases.ReleasePlan | None]],
+    *,
+    together: bool,
+) -> list[BudgetCharge]:
+    """`charge_run` (one run) and `charge_runs` (`together`): charges the runs not yet in
+    the ledger, all or none, under one lock, and returns each run's charge.
+
+    A run id already charged must have the same spec and releases (it is resumed, not
+    charged again). The composed totals are at the last run's delta, over the dataset's
+    other runs (ledger order) and then `runs` (in order): a resumed or retried charge
+    composes in the order its first charge did. `together`: the new entries name each
+    other (``charged_with``) and a refusal names the runs planned together.
+    """
     if not runs:
         raise ValueError("charge_runs needs at least one run")
     delta = runs[-1][1].delta
@@ -347,12 +307,9 @@ def charge_runs(
         data = _read(policy.ledger_path)
         dataset = data["datasets"].setdefault(fingerprint, {"users": users, "runs": []})
         charged = {run["run_id"]: run for run in dataset["runs"]}
-        new = []
         for run_id, spec, releases in runs:
             previous = charged.get(run_id)
-            if previous is None:
-                new.append((run_id, spec, releases))
-            elif (
+            if previous is not None and (
                 accounting.AccountingSpec.from_dict(previous["spec"]) != spec
                 or _releases(previous) != releases
             ):
@@ -360,35 +317,72 @@ def charge_runs(
                     f"run {run_id} is in the budget ledger with another accounting spec; "
                     "refusing to charge it twice"
                 )
-        specs = _specs(dataset) + [spec for _, spec, _ in new]
-        releases_of = [_releases(run) for run in dataset["runs"]] + [r for _, _, r in new]
-        spent_before = composed_epsilon(_specs(dataset), delta, releases_of[: len(charged)])
-        spent_after = composed_epsilon(specs, delta, releases_of)
+        ids = {run_id for run_id, _, _ in runs}
+        others = [run for run in dataset["runs"] if run["run_id"] not in ids]
+        other_specs = [accounting.AccountingSpec.from_dict(run["spec"]) for run in others]
+        other_releases = [_releases(run) for run in others]
+        spent_before = composed_epsilon(other_specs, delta, other_releases)
+        spent_after = composed_epsilon(
+            [*other_specs, *(spec for _, spec, _ in runs)],
+            delta,
+            [*other_releases, *(releases for _, _, releases in runs)],
+        )
+        new = [run for run in runs if run[0] not in charged]
         over = not spent_after <= policy.total_epsilon
         if new and over and not policy.override:
             after = "infinite (no noise)" if math.isinf(spent_after) else f"{spent_after:.4g}"
+            if together:
+                earlier = len(charged)
+                before = composed_epsilon(
+                    _specs(dataset), delta, [_releases(run) for run in dataset["runs"]]
+                )
+                planned = f"the {len(runs)} runs planned together would bring"
+                start = "start either (an explicit budget override starts them"
+            else:
+                earlier, before = len(others), spent_before
+                planned = "this run would bring"
+                start = "start (an explicit budget override starts it"
             raise ValueError(
-                f"dataset privacy budget exceeded: {len(charged)} earlier run(s) on these "
+                f"dataset privacy budget exceeded: {earlier} earlier run(s) on these "
                 f"{users} training users (fingerprint {fingerprint[:12]}) spent epsilon "
-                f"{spent_before:.4g}; the {len(runs)} runs planned together would bring the "
-                f"composed total to {after} at delta {delta:.3g}, over the budget "
-                f"{policy.total_epsilon:g}; refusing to start either (an explicit budget "
-                "override starts them and is recorded)"
+                f"{before:.4g}; {planned} the composed total to {after} at delta "
+                f"{delta:.3g}, over the budget {policy.total_epsilon:g}; refusing to "
+                f"{start} and is recorded)"
             )
-        for run_id, spec, releases in new:
+        run_epsilons = [
+            composed_epsilon([spec], spec.delta, [releases]) for _, spec, releases in runs
+        ]
+        for (run_id, spec, releases), run_epsilon in zip(runs, run_epsilons):
+            if run_id in charged:
+                continue
             dataset["runs"].append(
                 {
                     "run_id": run_id,
                     "spec": spec.to_dict(),
                     **({} if releases is None else {"shared_negatives": releases.to_dict()}),
-                    "run_epsilon": _number(composed_epsilon([spec], spec.delta, [releases])),
+                    "run_epsilon": _number(run_epsilon),
                     "spent_after": _number(spent_after),
                     "total_epsilon": policy.total_epsilon,
                     "overridden": over,
                     "charged_at": time.time(),
-                    "charged_with": [run_id for run_id, _, _ in runs],
+                    **({"charged_with": [r for r, _, _ in runs]} if together else {}),
                 }
             )
         if new:
             _write_atomically(policy.ledger_path, data)
-    return spent_after
+    return [
+        BudgetCharge(
+            fingerprint,
+            run_id,
+            users,
+            len(dataset["runs"]),
+            spent_before,
+            spent_after,
+            run_epsilon,
+            delta,
+            policy.total_epsilon,
+            overridden=bool(charged[run_id]["overridden"]) if run_id in charged else over,
+            resumed=run_id in charged,
+        )
+        for (run_id, _, _), run_epsilon in zip(runs, run_epsilons)
+    ]
