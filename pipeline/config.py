@@ -358,7 +358,9 @@ def _overlay_default(field: dataclasses.Field, value: Any) -> Any:
         return {**dataclasses.asdict(default), **value}
     if not isinstance(default, Mapping):
         return value
-    return recipes.overlay(default, value)
+    # An algorithm with a recipe of its own (dp-sgd-centralized, dp-last-layer) takes it
+    # between the section's default and what the user set.
+    return recipes.overlay(recipes.for_algorithm(default, value.get("algorithm")), value)
 
 
 def _closest(name: str, known: Sequence[str]) -> str:

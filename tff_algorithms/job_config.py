@@ -40,6 +40,11 @@ from tff_algorithms import (
 )
 from tff_algorithms.logit_dp_sensitivity import MAX_SCALE, check_logit_dp_config
 from tff_algorithms.shared_negatives_config import SharedNegativesConfig
+from tff_algorithms.user_dp_sgd_config import (
+    DP_LAST_LAYER,
+    DP_SGD_CENTRALIZED,
+    check_user_dp_sgd_job,
+)
 
 DP_FEDEMB = "dp-fedemb"
 DP_FEDAVG = "dp-fedavg"
@@ -54,9 +59,25 @@ FDML = "fdml"
 # The paper's EMNIST noise multiplier (appendix D), when neither it nor a target is given.
 DEFAULT_NOISE_MULTIPLIER = 0.62
 AUTO = schedule.AUTO
-ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, CENTRALIZED, LOGIT_DP, FDML)
+ALGORITHMS = (
+    DP_FEDEMB,
+    DP_FEDAVG,
+    DP_FTRL_FEDEMB,
+    CENTRALIZED,
+    LOGIT_DP,
+    FDML,
+    DP_SGD_CENTRALIZED,
+    DP_LAST_LAYER,
+)
 # The algorithms with a privacy guarantee: the only ones a pipeline run may train.
-PRIVATE_ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB, FDML)
+PRIVATE_ALGORITHMS = (
+    DP_FEDEMB,
+    DP_FEDAVG,
+    DP_FTRL_FEDEMB,
+    FDML,
+    DP_SGD_CENTRALIZED,
+    DP_LAST_LAYER,
+)
 
 # Never published (module docstring).
 _SECRET_FIELDS = ("schedule_seed", "noise_seed")
@@ -145,6 +166,14 @@ class TrainJobConfig:
     logit gradients clipped to `clip_norm` (B); noise `noise_multiplier`·C(n, s, B);
     momentum SGD with `server_learning_rate` / `server_momentum` on the noised sum over n.
     Head, local-training and dropout fields do not apply to it.
+
+    `dp-sgd-centralized` and `dp-last-layer` (`tff_algorithms.user_dp_sgd`, checked in
+    `user_dp_sgd_config`) read them the same way: `rounds` steps of
+    `virtual_clients_per_round` users (`users_per_virtual_client` must be 1), each
+    user's gradient of its mean loss over at most `max_examples_per_client` examples
+    clipped to `clip_norm`, noise `noise_multiplier`·clip_norm on the sum, accounted as
+    DP-FedEmb with one user per virtual client. dp-last-layer trains the embedding layer
+    alone (`trainable_layers` ["embedding"]), zero-initialised, under the softmax head.
 
     `fdml` (`tff_algorithms.fdml_training`) reads them as a round's buffer: each round
     selects ceil(n(1 + over_selection)) users uniformly without replacement, n =
@@ -321,6 +350,8 @@ class TrainJobConfig:
         validation.check_number("logit_scale", self.logit_scale, 0, MAX_SCALE, low_open=True)
         if self.algorithm == LOGIT_DP:
             self._check_logit_dp()
+        # dp-sgd-centralized, dp-last-layer (`user_dp_sgd_config`).
+        check_user_dp_sgd_job(self)
         fdml_fields.check_fields(self)
         if self.algorithm == FDML:
             fdml_fields.check_fdml_job(self)
@@ -342,7 +373,8 @@ class TrainJobConfig:
 
     def _check_cache_features(self) -> None:
         reason = None
-        if self.algorithm not in CACHEABLE_ALGORITHMS:
+        # dp-last-layer always trains on the cache (`user_dp_sgd`).
+        if self.algorithm not in (*CACHEABLE_ALGORITHMS, DP_LAST_LAYER):
             reason = f"{self.algorithm} does not train on client batches of images"
         elif self.shared_negatives is not None:
             reason = "shared negatives embed images with the whole backbone each release"

@@ -46,6 +46,7 @@ from tff_algorithms.job_config import (
     fresh_schedule_seed,
 )
 from tff_algorithms.ledger import PrivacyLedger
+from tff_algorithms.user_dp_sgd_config import DP_LAST_LAYER, DP_SGD_CENTRALIZED
 
 JOB_FORMAT = "dp-fedemb-train-job/1"
 
@@ -313,6 +314,8 @@ _ROUNDS_ARE = {
     CENTRALIZED: "epochs over all training users",
     LOGIT_DP: "Logit-DP steps (one positive pair per sampled user)",
     FDML: "FDML rounds (embeddings up, noised triplet derivatives down, noised gradients up)",
+    DP_SGD_CENTRALIZED: "user-level DP-SGD steps (one clipped gradient per sampled user)",
+    DP_LAST_LAYER: "user-level DP-SGD steps of the embedding layer on cached features",
 }
 
 

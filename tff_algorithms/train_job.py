@@ -20,6 +20,11 @@ train` and the TFX trainer component call. It
 (`contrastive_training`): users sampled by the same schedule, one positive pair each,
 per-pair clipping and noise; a "round" is one step.
 
+`algorithm="dp-sgd-centralized"` and `"dp-last-layer"` are user-level DP-SGD without
+virtual clients (`user_dp_sgd`): each sampled user's gradient clipped, summed, noised;
+dp-last-layer trains the zero-initialised embedding layer alone on the feature cache
+of the frozen prefix; a "round" is one step.
+
 `algorithm="fdml"` is federated metric learning (`fdml_training`): embeddings up, the
 trusted server's triplet derivatives down, noised; only users holding `samples_per_user`
 images train (fewer than a round selects: refused before any round).
@@ -91,6 +96,7 @@ from tff_algorithms.job_config import (
 )
 from tff_algorithms.job_outputs import JobOutcome, TrainJobResult
 from tff_algorithms.ledger import PrivacyLedger
+from tff_algorithms.user_dp_sgd_config import DP_LAST_LAYER, USER_DP_SGD_ALGORITHMS
 
 # Under OUTPUT unless the caller names a shared place (the pipeline does).
 FEATURE_CACHE_DIR = "feature_cache"
@@ -534,6 +540,12 @@ def run_train_job(
         outcome = _train_centralized(inputs)
     elif config.algorithm == LOGIT_DP:
         outcome = contrastive_training.train_logit_dp(inputs, claimed.schedule_seed)
+    elif config.algorithm in USER_DP_SGD_ALGORITHMS:
+        from tff_algorithms import user_dp_sgd
+
+        outcome = user_dp_sgd.train_user_dp_sgd(
+            inputs, claimed.schedule_seed, last_layer=config.algorithm == DP_LAST_LAYER
+        )
     elif config.algorithm == FDML:
         with runtime.session(runtime_config, handle_signals=False):
             outcome = fdml_training.train_fdml(inputs, claimed.schedule_seed)

@@ -364,9 +364,11 @@ def _initial_model(inputs: JobInputs, last_layer: bool) -> tf.keras.Model:
     return backbone
 
 
-def _cached_source(inputs: JobInputs, backbone: tf.keras.Model) -> tuple[UserExamples, Any]:
-    """dp-last-layer's examples (the feature cache of the frozen prefix) and trained
-    model (the suffix)."""
+def _cached_source(
+    inputs: JobInputs, backbone: tf.keras.Model
+) -> tuple[UserExamples, tf.keras.Model, dict[str, Any]]:
+    """dp-last-layer's examples (the feature cache of the frozen prefix), trained model
+    (the suffix) and the cache's facts for metrics.json (as a federated job's)."""
     from tff_algorithms import feature_cache
 
     config = inputs.config
@@ -374,6 +376,7 @@ def _cached_source(inputs: JobInputs, backbone: tf.keras.Model) -> tuple[UserExa
     if decision.cut is None:
         raise ValueError(f"dp-last-layer trains on cached features: {decision.reason}")
     _, suffix = decision.cut.split(backbone)
+    began = time.perf_counter()
     cached = feature_cache.ensure_cache(
         inputs.partition_dir,
         inputs.feature_cache_dir,
@@ -389,6 +392,14 @@ def _cached_source(inputs: JobInputs, backbone: tf.keras.Model) -> tuple[UserExa
             shape,
         ),
         suffix,
+        {
+            "used": True,
+            "reason": decision.reason,
+            "cut_before": decision.cut.layer,
+            "feature_shape": list(shape),
+            "key": cached.key,
+            "ready_seconds": round(time.perf_counter() - began, 3),
+        },
     )
 
 
@@ -397,9 +408,10 @@ def train_user_dp_sgd(inputs: JobInputs, schedule_seed: int, *, last_layer: bool
     config, spec, evaluator = inputs.config, inputs.spec, inputs.evaluator
     backbone = _initial_model(inputs, last_layer)
     if last_layer:
-        examples, trained = _cached_source(inputs, backbone)
+        examples, trained, cache_facts = _cached_source(inputs, backbone)
     else:
         examples, trained = image_examples(inputs.partition_dir, config.image_shape), backbone
+        cache_facts = {"used": False, "reason": "dp-sgd-centralized trains on images"}
     vocabulary = local_training.identity_keys_vocabulary(
         sorted({r.identity for u in inputs.user_ids for r in inputs.reader.user_records(u)})
     )
@@ -464,4 +476,6 @@ def train_user_dp_sgd(inputs: JobInputs, schedule_seed: int, *, last_layer: bool
             ledger_text.assign(ledger.to_json())
             history_text.assign(json.dumps(history))
             manager.save(checkpoint_number=done)
-    return JobOutcome(models.backbone_weights(backbone), ledger, history, start)
+    return JobOutcome(
+        models.backbone_weights(backbone), ledger, history, start, feature_cache=cache_facts
+    )

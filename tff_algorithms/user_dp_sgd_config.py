@@ -45,6 +45,11 @@ def check_user_dp_sgd_job(config: Any) -> None:
             f"{name} trains the {EMBEDDING_LAYER} layer alone on cached features: set "
             f'trainable_layers to ["{EMBEDDING_LAYER}"] (got {list(config.trainable_layers)})'
         )
+    if config.cache_features is False:
+        raise ValueError(
+            f"{name} trains on cached features of the frozen prefix: set cache_features "
+            "to null or true"
+        )
     if config.head_loss != ZERO_INIT_HEAD_LOSS:
         raise ValueError(
             f"{name} starts the {EMBEDDING_LAYER} layer at zero, where the {config.head_loss} "

@@ -116,7 +116,11 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "contrastive training: --virtual-clients-per-round users a step, one positive pair "
         "each; takes the private contrastive recipe over --recipe) | fdml (federated metric "
         "learning: --virtual-clients-per-round groups of --users-per-virtual-client users a "
-        "round, server-side triplet loss, noised derivatives and gradients)",
+        "round, server-side triplet loss, noised derivatives and gradients) | "
+        "dp-sgd-centralized (user-level DP-SGD: --virtual-clients-per-round users a step, "
+        "each user's gradient clipped) | dp-last-layer (the same on the zero-initialised "
+        "embedding layer alone, on cached features of the frozen prefix); both take their "
+        "recipe over --recipe",
     )
     define(
         "integer",
@@ -377,13 +381,19 @@ def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazil
 def job_config(value: Mapping[str, Any]) -> job_config_lib.TrainJobConfig:
     """The TrainJobConfig of parsed flags: the flags given over --recipe (for a
     centralized run, over the pretraining recipe over it; for logit-dp, over the private
-    contrastive recipe over it), by recipes' layering rule."""
+    contrastive recipe over it; for dp-sgd-centralized and dp-last-layer, over their own
+    recipe over it), by recipes' layering rule."""
     values, given = recipes.recipe(value["recipe"]), _config_values(value)
     algorithm = given.get("algorithm", values.get("algorithm"))
     if algorithm == job_config_lib.CENTRALIZED:
         values = recipes.pretrain_values(values, {})
     elif algorithm == job_config_lib.LOGIT_DP:
         values = recipes.private_contrastive_values(values, {})
+    elif algorithm in recipes.ALGORITHM_RECIPES:
+        values = recipes.for_algorithm(values, algorithm)
+        # dp-last-layer trains the embedding layer alone whatever the prefix holds.
+        if value["pretrained"] is None and algorithm != job_config_lib.DP_LAST_LAYER:
+            values["trainable_layers"] = list(recipes.EVERY_LAYER)
     elif value["pretrained"] is None:
         # The recipe's layers fine-tune a pretrained backbone (recipes.check_start): from
         # a random one, every layer trains.

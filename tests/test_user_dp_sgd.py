@@ -1,0 +1,310 @@
+"""User-level DP-SGD baselines as jobs (issue 21 item 2): dp-sgd-centralized and
+dp-last-layer. Epsilon against dp_accounting, resume, serving, the step against plain
+SGD computed here, refusals."""
+
+import dataclasses
+import io
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from PIL import Image
+
+from tests import support
+from tff_algorithms import job_config, job_files, models, train_job, user_dp_sgd
+from tff_algorithms.client_config import HeadLossConfig
+
+TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES
+USERS_PER_STEP = 8
+CONFIG = job_config.TrainJobConfig(
+    algorithm=job_config.DP_SGD_CENTRALIZED,
+    rounds=4,
+    noise_multiplier=1.0,
+    clip_norm=1.0,
+    users_per_virtual_client=1,
+    virtual_clients_per_round=USERS_PER_STEP,
+    server_learning_rate=0.5,
+    server_momentum=0.9,
+    head_loss="softmax",
+    embedding_size=16,
+    evaluate_every=2,
+    seed=1,
+    noise_seed=7,
+    testing_fixed_noise=True,
+)
+LAST_LAYER = dataclasses.replace(
+    CONFIG,
+    algorithm=job_config.DP_LAST_LAYER,
+    rounds=2,
+    evaluate_every=0,
+    trainable_layers=("embedding",),
+)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return support.write_partition_and_held_out(
+        tmp_path_factory.mktemp("data"), support.TRAIN_CLI_DATA, TRAIN_IDENTITIES
+    )
+
+
+@pytest.fixture(scope="module")
+def straight_run(data, tmp_path_factory):
+    return train_job.run_train_job(CONFIG, *data, str(tmp_path_factory.mktemp("straight")))
+
+
+def _independent_epsilon(steps: int, noise_multiplier: float, delta: float) -> float:
+    # dp_accounting's own events, not the product's spec: substitute-one moves the sum of
+    # clipped gradients by up to 2·clip, so the Gaussian's multiplier is z / 2.
+    import dp_accounting
+
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(
+            TRAIN_IDENTITIES, USERS_PER_STEP, dp_accounting.GaussianDpEvent(noise_multiplier / 2)
+        ),
+        steps,
+    )
+    accountant = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    )
+    return accountant.compose(event).get_epsilon(delta)
+
+
+def test_epsilon_equals_dp_accounting_and_the_privacy_command(straight_run, capsys):
+    from absl import flags
+
+    from pipeline.commands import privacy
+
+    summary = straight_run.metrics
+    delta = TRAIN_IDENTITIES**-1.1
+    assert summary["private"] is True and summary["rounds"] == 4
+    assert summary["epsilon"] == pytest.approx(_independent_epsilon(4, 1.0, delta), rel=1e-9)
+    # `dp-fedemb privacy`, in process (its flags and run).
+    flag_values = flags.FlagValues()
+    privacy.define_flags(flag_values)
+    flag_values(
+        [
+            "dp-fedemb privacy",
+            "--mechanism=dpsgd",
+            f"--users={TRAIN_IDENTITIES}",
+            f"--users-per-round={USERS_PER_STEP}",
+            "--users-per-virtual-client=1",
+            "--rounds=4",
+            "--noise-multiplier=1.0",
+            f"--delta={delta!r}",
+            "--json",
+        ]
+    )
+    capsys.readouterr()
+    assert privacy.run(flag_values, []) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert summary["epsilon"] == pytest.approx(out["epsilon"], rel=1e-12)
+    ledger = json.loads(open(straight_run.ledger_path).read())
+    assert [e["round"] for e in ledger["history"]] == [1, 2, 3, 4]
+    assert ledger["spec"]["users_per_virtual_client"] == 1
+    assert ledger["spec"]["convention"] == "strict"
+
+
+def test_history_releases_nothing_but_epsilon_time_and_held_out_evaluation(straight_run):
+    history = straight_run.metrics["history"]
+    assert [r["round"] for r in history if "eval" in r] == [2, 4]
+    for record in history:
+        assert set(record) <= {"round", "epsilon", "round_seconds", "eval"}
+
+
+def _png(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_serving_model_maps_image_bytes_to_unit_embeddings(straight_run):
+    serve = tf.saved_model.load(straight_run.saved_model_dir).signatures["serving_default"]
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (28, 28), dtype=np.uint8) for _ in range(3)]
+    embeddings = serve(images=tf.constant([_png(i) for i in images]))["embedding"].numpy()
+    assert embeddings.shape == (3, CONFIG.embedding_size)
+    np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, rtol=1e-5)
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(data, straight_run, tmp_path):
+    # What a kill after step 3 leaves behind: the checkpoint of step 2 (an evaluation step).
+    resumed_dir = str(tmp_path / "resumed")
+    shutil.copytree(straight_run.output_dir, resumed_dir)
+    checkpoints = os.path.join(resumed_dir, job_files.CHECKPOINT_DIR)
+    for name in os.listdir(checkpoints):
+        if name.startswith("ckpt-4") or name == "checkpoint":
+            os.remove(os.path.join(checkpoints, name))
+    with open(os.path.join(checkpoints, "checkpoint"), "w") as f:
+        f.write('model_checkpoint_path: "ckpt-2"\nall_model_checkpoint_paths: "ckpt-2"\n')
+    shutil.rmtree(os.path.join(resumed_dir, job_files.SAVED_MODEL_DIR))
+
+    resumed = train_job.run_train_job(CONFIG, *data, resumed_dir)
+
+    assert resumed.metrics["resumed_from_round"] == 2
+    support.assert_same_trained_outputs(straight_run, resumed)
+
+
+def _reference_step(model, head, x, identity, real, vocabulary, clip, learning_rate):
+    """Plain SGD on the mean over users of each user's clipped gradient, computed here."""
+    variables = [*model.trainable_variables, head]
+    keys = tf.strings.to_hash_bucket_fast(identity, 2**62).numpy()
+    labels = np.searchsorted(vocabulary, keys)
+    total = [np.zeros(v.shape, np.float32) for v in variables]
+    for k in range(x.shape[0]):
+        rows = np.flatnonzero(real[k].numpy())
+        with tf.GradientTape() as tape:
+            logits = tf.matmul(model(tf.gather(x[k], rows)), head)
+            loss = tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(labels[k][rows], logits)
+            )
+        gradient = [g.numpy() for g in tape.gradient(loss, variables)]
+        norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in gradient))
+        scale = min(1.0, clip / norm)
+        total = [t + scale * g for t, g in zip(total, gradient, strict=True)]
+    n = x.shape[0]
+    return [v.numpy() - learning_rate * t / n for v, t in zip(variables, total, strict=True)]
+
+
+@pytest.mark.parametrize("clip", [1e6, 0.05])
+def test_noiseless_step_is_sgd_on_the_mean_of_clipped_user_gradients(data, clip):
+    from beam_jobs import partition
+
+    reader = partition.PartitionReader(data[0])
+    users = reader.user_ids()
+    config = dataclasses.replace(CONFIG, max_examples_per_client=4, embedding_size=8)
+    source = user_dp_sgd.StepSource(
+        config, user_dp_sgd.image_examples(data[0], config.image_shape), users, 5
+    )
+    x, identity, real = source.batch(0)
+    assert x.shape[:2] == (USERS_PER_STEP, 4)  # users hold 6 images: 4 drawn
+    assert len(set(source.users(0))) == USERS_PER_STEP
+    vocabulary = np.unique(tf.strings.to_hash_bucket_fast(identity, 2**62).numpy().ravel())
+
+    def fresh():
+        model = models.build_backbone(config.backbone_config, seed=2)
+        head = tf.Variable(
+            models.initial_head_kernel(tf.constant([2, -1], tf.int64), 8, len(vocabulary))
+        )
+        return model, head
+
+    model, head = fresh()
+    expected = _reference_step(model, head, x, identity, real, vocabulary, clip, 0.1)
+    model, head = fresh()
+    trainer = user_dp_sgd.UserDpSgd(
+        model,
+        head,
+        vocabulary,
+        HeadLossConfig("softmax"),
+        clip_norm=clip,
+        noise_multiplier=0.0,
+        users_per_step=USERS_PER_STEP,
+        learning_rate=0.1,
+        momentum=0.9,  # the first step of momentum SGD is plain SGD
+    )
+    trainer.step(x, identity, real, tf.constant([1, 0], tf.int64))
+    for want, got in zip(expected, trainer.variables, strict=True):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_user_with_fewer_examples_is_padded_and_masked():
+    subsets = user_dp_sgd._example_subsets([2, 9, 9], limit=4, schedule_seed=3, step=0)
+    assert list(subsets[0]) == [0, 1]
+    assert all(len(s) == 4 and len(set(s)) == 4 and max(s) < 9 for s in subsets[1:])
+    again = user_dp_sgd._example_subsets([2, 9, 9], limit=4, schedule_seed=3, step=0)
+    assert all(np.array_equal(a, b) for a, b in zip(subsets, again, strict=True))
+
+
+def test_dp_last_layer_trains_the_zero_initialised_embedding_on_cached_features(data, tmp_path):
+    result = train_job.run_train_job(LAST_LAYER, *data, str(tmp_path / "last"))
+    delta = TRAIN_IDENTITIES**-1.1
+    assert result.metrics["epsilon"] == pytest.approx(_independent_epsilon(2, 1.0, delta), rel=1e-9)
+    trained = models.load_pretrained_backbone(LAST_LAYER.backbone_config, result.saved_model_dir)
+    initial = models.build_backbone(LAST_LAYER.backbone_config, seed=LAST_LAYER.seed)
+    for layer in (layer for layer in models.all_layers(trained) if layer.weights):
+        for got, start in zip(layer.weights, initial.get_layer(layer.name).weights, strict=True):
+            if layer.name == "embedding":
+                assert np.max(np.abs(got.numpy())) > 0  # moved from zero
+            else:
+                np.testing.assert_array_equal(got.numpy(), start.numpy())  # frozen prefix
+    facts = result.metrics["feature_cache"]
+    assert facts["used"] is True and facts["cut_before"] == "embedding"
+    cache = os.path.join(result.output_dir, train_job.FEATURE_CACHE_DIR)
+    assert os.listdir(cache) == [facts["key"]]
+
+
+@pytest.mark.parametrize(
+    "config, changes, message",
+    [
+        (CONFIG, {"users_per_virtual_client": 2}, "set users_per_virtual_client to 1"),
+        (CONFIG, {"over_selection": 0.5}, "over_selection applies to federated rounds"),
+        (LAST_LAYER, {"trainable_layers": ("conv*", "embedding")}, "trains the embedding layer"),
+        (LAST_LAYER, {"head_loss": "cosface"}, "set head_loss to softmax"),
+        (LAST_LAYER, {"cache_features": False}, "set cache_features to null or true"),
+    ],
+)
+def test_config_refusals_are_one_line(config, changes, message):
+    with pytest.raises(ValueError, match=message) as e:
+        dataclasses.replace(config, **changes)
+    assert "\n" not in str(e.value)
+
+
+def test_dense_layer_shortcut_equals_one_tape_per_user(clip=0.1):
+    users, examples, width, size, rows = 6, 3, 20, 5, 7
+    rng = np.random.default_rng(0)
+    inputs = tf.keras.Input([width])
+    dense = tf.keras.layers.Dense(
+        size, kernel_initializer=tf.keras.initializers.GlorotUniform(1), bias_initializer="ones"
+    )
+    model = tf.keras.Model(inputs, dense(inputs))
+    names = [f"id{i}" for i in range(rows)]
+    vocabulary = np.unique(tf.strings.to_hash_bucket_fast(names, 2**62).numpy())
+    x = tf.constant(rng.normal(size=(users, examples, width)).astype(np.float32))
+    identity = tf.constant(rng.choice(names, (users, examples)))
+    real = np.ones((users, examples), bool)
+    real[0, 2] = real[1, 1] = False  # padding
+    real[2] = False  # a user with no example adds nothing
+    head = tf.Variable(models.initial_head_kernel(tf.constant([0, -1], tf.int64), size, rows))
+    trainer = user_dp_sgd.UserDpSgd(
+        model,
+        head,
+        vocabulary,
+        HeadLossConfig("softmax"),
+        clip_norm=clip,
+        noise_multiplier=0.0,
+        users_per_step=users,
+        learning_rate=0.1,
+        momentum=0.0,
+    )
+    assert trainer._dense is dense
+    shortcut = tf.function(trainer.dense_clipped_sum)(x, identity, tf.constant(real))
+    trainer._dense = None
+    loop = tf.function(trainer.clipped_sum)(x, identity, tf.constant(real))
+    for got, want in zip(shortcut, loop, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_the_cli_and_the_pipeline_take_each_baseline_recipe():
+    from absl import flags
+
+    from pipeline import config as config_lib
+    from pipeline.commands import train
+
+    flag_values = flags.FlagValues()
+    train.define_flags(flag_values)
+    flag_values(["dp-fedemb train", "--algorithm=dp-last-layer", "--rounds=7"])
+    cli = train.job_config({name: flag_values[name].value for name in flag_values})
+    pipeline = config_lib.load_config(
+        None, ["train.algorithm=dp-last-layer", "train.rounds=7"]
+    ).train_job_dict()
+    for job in (cli.to_dict(), pipeline):
+        assert job["algorithm"] == "dp-last-layer" and job["rounds"] == 7
+        assert job["trainable_layers"] == ("embedding",) or job["trainable_layers"] == ["embedding"]
+        assert (job["users_per_virtual_client"], job["head_loss"]) == (1, "softmax")
+    job = config_lib.load_config(
+        None, ["train.algorithm=dp-sgd-centralized", "train.virtual_clients_per_round=64"]
+    ).train_job_dict()
+    assert (job["users_per_virtual_client"], job["virtual_clients_per_round"]) == (1, 64)
