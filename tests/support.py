@@ -124,6 +124,13 @@ def write_partition_and_held_out(
     )
 
 
+def small_job_inputs(root: str | os.PathLike[str]) -> tuple[str, str]:
+    """The small jobs' inputs under ROOT (`write_partition_and_held_out`):
+    `TRAIN_CLI_DATA`'s first `SMALL_JOB_TRAIN_IDENTITIES` identities train (one user
+    each, six images), the rest are held out."""
+    return write_partition_and_held_out(root, TRAIN_CLI_DATA, SMALL_JOB_TRAIN_IDENTITIES)
+
+
 def saved_backbone(saved_model_dir: str) -> list[np.ndarray]:
     """The backbone weights of a SavedModel that a training job exported."""
     return [v.numpy() for v in tf.saved_model.load(saved_model_dir).backbone_variables]
