@@ -23,6 +23,9 @@ one clipped gradient, so the sum is DP-FedEmb's with one user per virtual client
 sensitivity 2·clip_norm under the strict convention (dp_accounting is given z/2;
 `job_config.accounting_spec_for`, the same spec `dp-fedemb privacy --mechanism dpsgd`
 accounts).
+The global head's rows are the training identities, listed from the data: the caveat of
+DP-FedAvg's global head (which rows exist, and in which order, is not privatised; the
+head is never exported), which the accounting above does not cover.
 
 What a user's examples are and which model trains is pluggable (`UserExamples`):
 
