@@ -46,9 +46,7 @@ LAST_LAYER = dataclasses.replace(
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return support.write_partition_and_held_out(
-        tmp_path_factory.mktemp("data"), support.TRAIN_CLI_DATA, TRAIN_IDENTITIES
-    )
+    return support.small_job_inputs(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")
