@@ -21,8 +21,8 @@ The privacy unit is the user. Each step t:
 
 Which images form a pair is drawn from the secret schedule seed and the step (as the
 users are); the noise from the noise seed and the step. Both seeds are in the
-checkpoint (every `CHECKPOINT_EVERY` steps and on evaluation steps), so a resumed job
-redraws the same pairs and noise and ends where an uninterrupted run ends. Nothing
+checkpoint (`private_steps.run_steps`), so a resumed job redraws the same pairs and
+noise and ends where an uninterrupted run ends. Nothing
 computed from the training pairs other than the noised gradient is recorded: the
 history holds epsilon, wall time and held-out evaluation only (a per-step training
 loss would be an unaccounted release).
@@ -30,23 +30,18 @@ loss would be an unaccounted release).
 
 from __future__ import annotations
 
-import json
-import secrets
-import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tensorflow as tf
 
-from tff_algorithms import client_data, logit_dp, models
+from tff_algorithms import client_data, logit_dp, models, private_steps
 from tff_algorithms.job_config import schedule_for
 from tff_algorithms.job_outputs import JobOutcome
-from tff_algorithms.ledger import PrivacyLedger
 
 if TYPE_CHECKING:
     from tff_algorithms.train_job import JobInputs
 
-CHECKPOINT_EVERY = 10
 # Stream of the pair draws, apart from the schedule's own streams of the same seed.
 _PAIR_STREAM = 0x10617
 
@@ -105,7 +100,7 @@ class PairSource:
 
 def train_logit_dp(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     """Trains the backbone with Logit-DP for `config.rounds` steps (module docstring)."""
-    config, spec, evaluator = inputs.config, inputs.spec, inputs.evaluator
+    config = inputs.config
     model = models.build_backbone(config.backbone_config, seed=config.seed)
     if inputs.pretrained is not None:
         models.assign_backbone_weights(model, inputs.pretrained)
@@ -133,49 +128,11 @@ def train_logit_dp(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
         )
         optimizer.apply_gradients(zip([g / n for g in noised], variables, strict=True))
 
-    fresh_noise_seed = config.noise_seed if config.noise_seed is not None else secrets.randbits(62)
-    noise_seed = tf.Variable(fresh_noise_seed, dtype=tf.int64)
-    step = tf.Variable(0, dtype=tf.int64)
-    ledger_text = tf.Variable(PrivacyLedger(spec).to_json())
-    history_text = tf.Variable("[]")
     optimizer.build(variables)
-    checkpoint = tf.train.Checkpoint(
-        model=model,
-        optimizer=optimizer,
-        step=step,
-        noise_seed=noise_seed,
-        ledger=ledger_text,
-        history=history_text,
-    )
-    manager = tf.train.CheckpointManager(checkpoint, inputs.checkpoint_dir, max_to_keep=2)
-    if manager.latest_checkpoint:
-        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
-    ledger = PrivacyLedger.from_json(ledger_text.numpy().decode(), expected_spec=spec)
-    history: list[dict[str, Any]] = json.loads(history_text.numpy().decode())
-    start = int(step.numpy())
     source = PairSource(inputs, schedule_seed)
-    for t in range(start, config.rounds):
-        began = time.perf_counter()
-        x, y = source.pairs(t)
-        step_fn(x, y, tf.constant([int(noise_seed.numpy()), t], tf.int64))
-        done = t + 1
-        ledger.record_round(done)
-        record: dict[str, Any] = {
-            "round": done,
-            "epsilon": ledger.epsilon,
-            "round_seconds": time.perf_counter() - began,
-        }
-        evaluate = done == config.rounds or (
-            config.evaluate_every and done % config.evaluate_every == 0
-        )
-        if evaluate:
-            record["eval"] = evaluator(models.backbone_weights(model))
-        history.append(record)
-        if inputs.progress is not None:
-            inputs.progress(record)
-        if evaluate or done % CHECKPOINT_EVERY == 0:
-            step.assign(done)
-            ledger_text.assign(ledger.to_json())
-            history_text.assign(json.dumps(history))
-            manager.save(checkpoint_number=done)
-    return JobOutcome(models.backbone_weights(model), ledger, history, start)
+    return private_steps.run_steps(
+        inputs,
+        {"model": model, "optimizer": optimizer},
+        lambda t, seed: step_fn(*source.pairs(t), seed),
+        lambda: models.backbone_weights(model),
+    )

@@ -156,6 +156,22 @@ def cut_for(config: model_config.BackboneConfig) -> CutDecision:
     return _decide(models.build_backbone(config))
 
 
+def cache_facts(
+    decision: CutDecision, cached: CachedFeatures | None, seconds: float
+) -> dict[str, object]:
+    """What metrics.json says of a job's cache: used or not and why, the cut, the
+    features' shape, the cache key, and the seconds it took to find or build."""
+    facts: dict[str, object] = {"used": cached is not None, "reason": decision.reason}
+    if cached is not None and decision.cut is not None:
+        facts.update(
+            cut_before=decision.cut.layer,
+            feature_shape=list(cached.feature_shape),
+            key=cached.key,
+            ready_seconds=round(seconds, 3),
+        )
+    return facts
+
+
 def parse_cached_example(
     serialized: tf.Tensor, feature_shape: tuple[int, ...]
 ) -> collections.OrderedDict:

@@ -316,15 +316,9 @@ def _train_federated(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     cut = decision.cut
     began = time.perf_counter()
     suffix = None if cut is None else _SuffixTraining(inputs, cut)
-    # In metrics.json: whether the prefix was cached, why not, and what building it cost.
-    cache_facts: dict[str, Any] = {"used": cut is not None, "reason": decision.reason}
-    if suffix is not None:
-        cache_facts.update(
-            cut_before=cut.layer,
-            feature_shape=list(cut.feature_shape),
-            key=suffix.cached.key,
-            ready_seconds=round(time.perf_counter() - began, 3),
-        )
+    cache_facts = feature_cache.cache_facts(
+        decision, None if suffix is None else suffix.cached, time.perf_counter() - began
+    )
     process = _build_process(inputs, plan, None if suffix is None else suffix.cached, cut)
     ids = client_data.VirtualClientIds(
         inputs.partition_dir if suffix is None else suffix.cached.partition_dir, plan, user_ids

@@ -46,9 +46,9 @@ What a user's examples are and which model trains is pluggable (`UserExamples`):
 Seeds: which users and which of their examples from the schedule seed (kept in
 train_job.json), the noise from the noise seed (in the checkpoint) and the step, so a
 resumed job redraws the same steps and ends where an uninterrupted run ends.
-Checkpoints every `CHECKPOINT_EVERY` steps and on evaluation steps. The history holds
-epsilon, wall time and held-out evaluation only: a training loss would be an
-unaccounted release.
+Checkpoints, ledger and history: `private_steps.run_steps` (the history holds epsilon,
+wall time and held-out evaluation only: a training loss would be an unaccounted
+release).
 
 Per-user gradients (`UserDpSgd.clipped_sum`): a `tf.while_loop` over the step's users
 inside one `tf.function`, one tape per user, its clipped gradient added to running sums.
@@ -65,8 +65,6 @@ step against the loop's 3.7 s).
 from __future__ import annotations
 
 import dataclasses
-import json
-import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -75,17 +73,15 @@ import numpy as np
 import tensorflow as tf
 
 from beam_jobs import partition
-from tff_algorithms import client_data, local_training, models
+from tff_algorithms import client_data, feature_cache, local_training, models, private_steps
 from tff_algorithms.client_config import SOFTMAX, HeadLossConfig
 from tff_algorithms.job_config import schedule_for
 from tff_algorithms.job_outputs import JobOutcome
-from tff_algorithms.ledger import PrivacyLedger
 from tff_algorithms.user_dp_sgd_config import EMBEDDING_LAYER
 
 if TYPE_CHECKING:
     from tff_algorithms.train_job import JobInputs
 
-CHECKPOINT_EVERY = 10
 # Stream of the example-subset draws, apart from the schedule's own streams of the seed.
 _EXAMPLE_STREAM = 0x5D65
 
@@ -372,8 +368,6 @@ def _cached_source(
 ) -> tuple[UserExamples, tf.keras.Model, dict[str, Any]]:
     """dp-last-layer's examples (the feature cache of the frozen prefix), trained model
     (the suffix) and the cache's facts for metrics.json (as a federated job's)."""
-    from tff_algorithms import feature_cache
-
     config = inputs.config
     decision = feature_cache.cut_for(config.backbone_config)
     if decision.cut is None:
@@ -395,20 +389,13 @@ def _cached_source(
             shape,
         ),
         suffix,
-        {
-            "used": True,
-            "reason": decision.reason,
-            "cut_before": decision.cut.layer,
-            "feature_shape": list(shape),
-            "key": cached.key,
-            "ready_seconds": round(time.perf_counter() - began, 3),
-        },
+        feature_cache.cache_facts(decision, cached, time.perf_counter() - began),
     )
 
 
 def train_user_dp_sgd(inputs: JobInputs, schedule_seed: int, *, last_layer: bool) -> JobOutcome:
     """Trains for `config.rounds` steps (module docstring); `last_layer`: dp-last-layer."""
-    config, spec, evaluator = inputs.config, inputs.spec, inputs.evaluator
+    config = inputs.config
     backbone = _initial_model(inputs, last_layer)
     if last_layer:
         examples, trained, cache_facts = _cached_source(inputs, backbone)
@@ -434,51 +421,15 @@ def train_user_dp_sgd(inputs: JobInputs, schedule_seed: int, *, last_layer: bool
         learning_rate=config.server_learning_rate,
         momentum=config.server_momentum,
     )
-    fresh_noise_seed = config.noise_seed if config.noise_seed is not None else secrets.randbits(62)
-    noise_seed = tf.Variable(fresh_noise_seed, dtype=tf.int64)
-    step = tf.Variable(0, dtype=tf.int64)
-    ledger_text = tf.Variable(PrivacyLedger(spec).to_json())
-    history_text = tf.Variable("[]")
-    checkpoint = tf.train.Checkpoint(
-        model=backbone,
-        head=head,
-        optimizer=trainer.optimizer,
-        step=step,
-        noise_seed=noise_seed,
-        ledger=ledger_text,
-        history=history_text,
-    )
-    manager = tf.train.CheckpointManager(checkpoint, inputs.checkpoint_dir, max_to_keep=2)
-    if manager.latest_checkpoint:
-        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
-    ledger = PrivacyLedger.from_json(ledger_text.numpy().decode(), expected_spec=spec)
-    history: list[dict[str, Any]] = json.loads(history_text.numpy().decode())
-    start = int(step.numpy())
     source = StepSource(config, examples, inputs.user_ids, schedule_seed)
-    for t in range(start, config.rounds):
-        began = time.perf_counter()
-        x, identity, real = source.batch(t)
-        trainer.step(x, identity, real, tf.constant([int(noise_seed.numpy()), t], tf.int64))
-        done = t + 1
-        ledger.record_round(done)
-        record: dict[str, Any] = {
-            "round": done,
-            "epsilon": ledger.epsilon,
-            "round_seconds": time.perf_counter() - began,
-        }
-        evaluate = done == config.rounds or (
-            config.evaluate_every and done % config.evaluate_every == 0
-        )
-        if evaluate:
-            record["eval"] = evaluator(models.backbone_weights(backbone))
-        history.append(record)
-        if inputs.progress is not None:
-            inputs.progress(record)
-        if evaluate or done % CHECKPOINT_EVERY == 0:
-            step.assign(done)
-            ledger_text.assign(ledger.to_json())
-            history_text.assign(json.dumps(history))
-            manager.save(checkpoint_number=done)
-    return JobOutcome(
-        models.backbone_weights(backbone), ledger, history, start, feature_cache=cache_facts
+
+    def step(t: int, seed: tf.Tensor) -> None:
+        trainer.step(*source.batch(t), seed)
+
+    outcome = private_steps.run_steps(
+        inputs,
+        {"model": backbone, "head": head, "optimizer": trainer.optimizer},
+        step,
+        lambda: models.backbone_weights(backbone),
     )
+    return dataclasses.replace(outcome, feature_cache=cache_facts)
