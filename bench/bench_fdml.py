@@ -216,7 +216,6 @@ class DirectRuns:
             )
         row = {
             "epsilon": run.epsilon,
-            "user_level": True,
             "rounds": self.config.rounds,
             "applied_rounds": run.applied_rounds,
             "abandoned_rounds": run.abandoned_rounds,
@@ -387,7 +386,7 @@ def run(out_dir: str, quick: bool) -> dict:
         robustness[name] = (direct.process_config(z, case_b_strategy=strategy), CASE_B_RATE)
     for name, (process_config, case_b_rate) in robustness.items():
         row, _, embeddings[name] = direct.run(name, process_config, case_b_rate)
-        rows[name] = {**row, "noise_multiplier": z}
+        rows[name] = {**row, "user_level": True, "noise_multiplier": z}
     training_seconds = time.perf_counter() - began
 
     table, samples = bench_contrastive._recall_table(embeddings, labels, sizes["bootstrap"])
