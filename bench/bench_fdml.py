@@ -31,7 +31,7 @@ users, images and noise stream). Rows:
 - rate_p 1 / 0.8 / 0.6 at the strict ε ROBUSTNESS_EPSILON (Alg. 3: the first rate_p·n
   gradients that arrive are aggregated), and Case B failures at rate CASE_B_RATE under
   UC (continue with the gradients that arrive) and AS (abandon the round). These run
-  `fdml.run_fdml` on the job's process, users, images and seeds (rate_p 1 without
+  `fdml_run.run_fdml` on the job's process, users, images and seeds (rate_p 1 without
   failures is the fdml@eps job row itself).
 - server step: Alg. 1's batch-all derivatives, row clip and noise (`triplet`, `fdml`) over
   a buffer of n participants × 8 rows × 128 dimensions on this machine's CPU, for the
@@ -69,6 +69,7 @@ from tff_algorithms import (
     evaluation,
     fdml,
     fdml_privacy,
+    fdml_run,
     fdml_training,
     job_config,
     job_outputs,
@@ -171,7 +172,7 @@ def derivative_release_epsilon(spec: fdml_privacy.FdmlPrivacySpec, delta: float)
 
 
 class DirectRuns:
-    """`fdml.run_fdml` on a job's users, images, process and seeds (module docstring)."""
+    """`fdml_run.run_fdml` on a job's users, images, process and seeds (module docstring)."""
 
     def __init__(self, config: job_config.TrainJobConfig, data: tuple[str, str], pretrained: str):
         reader = partition.PartitionReader(data[0])
@@ -203,7 +204,7 @@ class DirectRuns:
             initial_weights=self.pretrained,
         )
         with runtime.session(handle_signals=False):
-            run = fdml.run_fdml(
+            run = fdml_run.run_fdml(
                 process,
                 process.initialize(),
                 self.samples,

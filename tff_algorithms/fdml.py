@@ -608,25 +608,3 @@ def backbone_weights(state: Any) -> tff.learning.models.ModelWeights:
         trainable=[np.asarray(w) for w in weights.trainable],
         non_trainable=[np.asarray(w) for w in weights.non_trainable],
     )
-
-
-# The driver loop moved to `fdml_run`; its names still resolve here for callers written
-# before the split (fdml_run imports this module, so only lazily).
-_MOVED_TO_FDML_RUN = frozenset(
-    (
-        "privacy_spec",
-        "draw_failures",
-        "round_users",
-        "RoundRestartedTooOften",
-        "FdmlRun",
-        "run_fdml",
-    )
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_FDML_RUN:
-        from tff_algorithms import fdml_run
-
-        return getattr(fdml_run, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
