@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import types
 
@@ -16,7 +15,6 @@ from tff_algorithms import (
     client_data,
     contrastive_training,
     job_config,
-    job_files,
     train_job,
 )
 
@@ -116,15 +114,9 @@ def test_the_model_moves(straight_run, data):
 
 def test_interrupted_and_resumed_equals_uninterrupted(data, straight_run, tmp_path):
     # What a kill after step 3 leaves behind: the checkpoint of step 2 (an evaluation step).
-    resumed_dir = str(tmp_path / "resumed")
-    shutil.copytree(straight_run.output_dir, resumed_dir)
-    checkpoints = os.path.join(resumed_dir, job_files.CHECKPOINT_DIR)
-    for name in os.listdir(checkpoints):
-        if name.startswith("ckpt-4") or name == "checkpoint":
-            os.remove(os.path.join(checkpoints, name))
-    with open(os.path.join(checkpoints, "checkpoint"), "w") as f:
-        f.write('model_checkpoint_path: "ckpt-2"\nall_model_checkpoint_paths: "ckpt-2"\n')
-    shutil.rmtree(os.path.join(resumed_dir, job_files.SAVED_MODEL_DIR))
+    resumed_dir = support.stopped_after_checkpoint(
+        straight_run.output_dir, str(tmp_path / "resumed"), 2
+    )
 
     resumed = train_job.run_train_job(CONFIG, *data, resumed_dir)
 

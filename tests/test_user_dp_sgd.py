@@ -6,7 +6,6 @@ import dataclasses
 import io
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import tensorflow as tf
 from PIL import Image
 
 from tests import support
-from tff_algorithms import job_config, job_files, models, train_job, user_dp_sgd
+from tff_algorithms import job_config, models, train_job, user_dp_sgd
 from tff_algorithms.client_config import HeadLossConfig
 
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES
@@ -130,15 +129,9 @@ def test_serving_model_maps_image_bytes_to_unit_embeddings(straight_run):
 
 def test_interrupted_and_resumed_equals_uninterrupted(data, straight_run, tmp_path):
     # What a kill after step 3 leaves behind: the checkpoint of step 2 (an evaluation step).
-    resumed_dir = str(tmp_path / "resumed")
-    shutil.copytree(straight_run.output_dir, resumed_dir)
-    checkpoints = os.path.join(resumed_dir, job_files.CHECKPOINT_DIR)
-    for name in os.listdir(checkpoints):
-        if name.startswith("ckpt-4") or name == "checkpoint":
-            os.remove(os.path.join(checkpoints, name))
-    with open(os.path.join(checkpoints, "checkpoint"), "w") as f:
-        f.write('model_checkpoint_path: "ckpt-2"\nall_model_checkpoint_paths: "ckpt-2"\n')
-    shutil.rmtree(os.path.join(resumed_dir, job_files.SAVED_MODEL_DIR))
+    resumed_dir = support.stopped_after_checkpoint(
+        straight_run.output_dir, str(tmp_path / "resumed"), 2
+    )
 
     resumed = train_job.run_train_job(CONFIG, *data, resumed_dir)
 
