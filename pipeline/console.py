@@ -15,6 +15,7 @@ has seen before still reaches the user.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -37,6 +38,9 @@ KNOWN_NOISE: tuple[re.Pattern[str], ...] = tuple(
         r"tensorflow/core/util/port\.cc.*oneDNN custom operations are on",
         # Grappler on a SavedModel signature without fetch nodes (export, evaluation).
         r"grappler_item_builder\.cc.*Failed to detect the fetch node\(s\), skipping this input",
+        # tf.data's background optimisation, cancelled when a dataset is dropped before
+        # it finishes (seen on a loaded machine only).
+        r"tensorflow/core/data/root_dataset\.cc:\d+\] Optimization loop failed: CANCELLED",
         # absl and gRPC in forked children (Beam, TFF workers).
         r"^WARNING: All log messages before absl::InitializeLog\(\) is called",
         r"^I0000 00:00:.*fork_posix\.cc",
@@ -116,10 +120,26 @@ class QuietStderr:
     def _record(self, text: str) -> None:
         with self._lock:
             if self._log is not None:
-                self._log.write(text)
-                self._log.flush()
+                try:
+                    self._log.write(text)
+                    self._log.flush()
+                except OSError as e:
+                    # A full disk must not end the command (the log is a copy of what
+                    # it printed): the log stops here, and says so where it can.
+                    self._log_failed(e)
             elif len(self._memory) < _KEPT_IN_MEMORY:
                 self._memory.append(text)
+
+    def _log_failed(self, error: OSError) -> None:
+        log, self._log = self._log, None
+        with contextlib.suppress(OSError):
+            log.close()
+        with contextlib.suppress(OSError, TypeError):  # the console may be gone already
+            os.write(
+                self._saved_fd,
+                f"dp-fedemb: warning: the full log {self.log_path} stops here: "
+                f"{error.strerror or type(error).__name__}\n".encode(),
+            )
 
     def _copy(self, read_fd: int, console_fd: int) -> None:
         with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace", newline="") as pipe:
@@ -164,7 +184,17 @@ def keep_log_in(output_dir: str, command: str) -> None:
     once. Outside one (a command called in-process by a test): nothing to keep."""
     active = QuietStderr._active
     if active is not None and active.log_path is None:
-        path = active.keep_log_in(output_dir, command)
+        try:
+            path = active.keep_log_in(output_dir, command)
+        except OSError as e:
+            # What the command wrote stands; only the copy of its log is missing.
+            print(
+                f"dp-fedemb {command}: warning: could not keep the full log under "
+                f"{os.path.join(output_dir, LOG_DIR)} ({e.strerror or type(e).__name__})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         print(f"dp-fedemb {command}: full log in {path}", flush=True)
 
 

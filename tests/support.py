@@ -248,14 +248,14 @@ def train_toy_rounds(
     )
 
 
-def run_refused(*args: str, timeout: int = 900) -> tuple[str, Any]:
+def run_refused(*args: str, timeout: int = 900, cwd: str | None = None) -> tuple[str, Any]:
     """Runs `dp-fedemb ARGS` as a user does and checks it was refused as a user should
     see it: a non-zero exit, one `dp-fedemb COMMAND: error` line and no traceback on
     stderr. Returns that line and the completed process."""
     import subprocess
 
     process = subprocess.run(
-        [CONSOLE_SCRIPT, *args], capture_output=True, text=True, timeout=timeout
+        [CONSOLE_SCRIPT, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
     assert process.returncode != 0, process.stdout[-2000:]
     errors = [line for line in process.stderr.splitlines() if ": error: " in line]

@@ -11,7 +11,15 @@ import tensorflow as tf
 
 from beam_jobs import partition, schema
 from tests import support
-from tff_algorithms import client_data, feature_cache, job_config, model_config, models, train_job
+from tff_algorithms import (
+    client_data,
+    feature_cache,
+    job_config,
+    job_files,
+    model_config,
+    models,
+    train_job,
+)
 
 SMALL = model_config.BackboneConfig(embedding_size=16)
 
@@ -164,8 +172,8 @@ def test_a_cached_job_trains_what_the_uncached_job_trains(tff_runtime, data, tmp
     cached = train_job.run_train_job(
         dataclasses.replace(base, cache_features=True), *data, str(tmp_path / "cached")
     )
-    assert not os.path.exists(tmp_path / "uncached" / train_job.FEATURE_CACHE_DIR)
-    assert os.listdir(tmp_path / "cached" / train_job.FEATURE_CACHE_DIR)
+    assert not os.path.exists(tmp_path / "uncached" / job_files.FEATURE_CACHE_DIR)
+    assert os.listdir(tmp_path / "cached" / job_files.FEATURE_CACHE_DIR)
     # The same updates, noise and server steps: equal to float tolerance (the prefix ran
     # in other batch shapes), and the frozen prefix exactly as it started.
     for a, b in zip(

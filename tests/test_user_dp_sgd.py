@@ -13,7 +13,7 @@ import tensorflow as tf
 from PIL import Image
 
 from tests import support
-from tff_algorithms import job_config, models, train_job, user_dp_sgd
+from tff_algorithms import job_config, job_files, models, train_job, user_dp_sgd
 from tff_algorithms.client_config import HeadLossConfig
 
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES
@@ -223,7 +223,7 @@ def test_dp_last_layer_trains_the_zero_initialised_embedding_on_cached_features(
                 np.testing.assert_array_equal(got.numpy(), start.numpy())  # frozen prefix
     facts = result.metrics["feature_cache"]
     assert facts["used"] is True and facts["cut_before"] == "embedding"
-    cache = os.path.join(result.output_dir, train_job.FEATURE_CACHE_DIR)
+    cache = os.path.join(result.output_dir, job_files.FEATURE_CACHE_DIR)
     assert os.listdir(cache) == [facts["key"]]
 
 

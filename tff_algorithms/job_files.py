@@ -13,3 +13,19 @@ LEDGER_FILE = "ledger.json"
 # weights come from, composed (tff_algorithms.composition).
 COMPOSITION_FILE = "composition.json"
 JOB_FILE = "train_job.json"
+FEATURE_CACHE_DIR = "feature_cache"
+# What a job (`job_outputs`) and `dp-fedemb train` create in OUTPUT: the entries an output
+# directory written before `owned_files` kept its record adopts as the product's.
+TRAIN_OUTPUT_NAMES = frozenset(
+    {
+        JOB_FILE,
+        CHECKPOINT_DIR,
+        SAVED_MODEL_DIR,
+        METRICS_FILE,
+        LEDGER_FILE,
+        FEATURE_CACHE_DIR,
+        "data",
+        "logs",
+        "tensorboard",
+    }
+)

@@ -36,7 +36,15 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from beam_jobs import partition
-from tff_algorithms import accounting, dplc_releases, dropouts, export, job_files, secret_files
+from tff_algorithms import (
+    accounting,
+    dplc_releases,
+    dropouts,
+    export,
+    job_files,
+    owned_files,
+    secret_files,
+)
 from tff_algorithms import budget as budget_lib
 from tff_algorithms.job_config import (
     CENTRALIZED,
@@ -158,7 +166,7 @@ def make_checkpoint_dir(output_dir: str) -> str:
     Checkpoints carry the noise state and are written with the umask's modes: the
     directory, which this job owns, is what keeps them private (tightened if it exists).
     """
-    path = os.path.join(output_dir, job_files.CHECKPOINT_DIR)
+    path = owned_files.create_entry(output_dir, job_files.CHECKPOINT_DIR)
     _make_dir(path, tighten_existing=True)
     return path
 
@@ -166,12 +174,21 @@ def make_checkpoint_dir(output_dir: str) -> str:
 def _export(
     config: TrainJobConfig, backbone: tff.learning.models.ModelWeights, output_dir: str
 ) -> str:
-    final = os.path.join(output_dir, job_files.SAVED_MODEL_DIR)
-    temporary = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-    export.export_serving_model(config.backbone_config, backbone, temporary)
-    if tf.io.gfile.exists(final):
-        tf.io.gfile.rmtree(final)
-    tf.io.gfile.rename(temporary, final)
+    final = owned_files.create_entry(output_dir, job_files.SAVED_MODEL_DIR)
+    # Exports of runs killed midway: recorded as ours, so they can go.
+    for name in owned_files.created_entries(output_dir):
+        if name.startswith(f"{job_files.SAVED_MODEL_DIR}.tmp-"):
+            owned_files.remove_tree(os.path.join(output_dir, name), owned_files.SAVED_MODEL)
+    temporary = owned_files.create_entry(
+        output_dir, f"{job_files.SAVED_MODEL_DIR}.tmp-{uuid.uuid4().hex[:8]}"
+    )
+    try:
+        export.export_serving_model(config.backbone_config, backbone, temporary)
+        owned_files.remove_tree(final, owned_files.SAVED_MODEL)
+        tf.io.gfile.rename(temporary, final)
+    except BaseException:
+        owned_files.remove_tree(temporary, owned_files.SAVED_MODEL)
+        raise
     return final
 
 
@@ -205,7 +222,13 @@ def claim_output_dir(
     `run_id`: the id a new job is charged under (None: a fresh one); a resumed job keeps
     its recorded id, which must then be the same.
     """
-    path = os.path.join(output_dir, job_files.JOB_FILE)
+    owned_files.claim(
+        output_dir,
+        "train",
+        legacy_marker=job_files.JOB_FILE,
+        legacy_names=job_files.TRAIN_OUTPUT_NAMES,
+    )
+    path = owned_files.create_entry(output_dir, job_files.JOB_FILE)
     given_run_id = run_id
     run_id, schedule_seed = given_run_id or uuid.uuid4().hex, config.schedule_seed
     previous_text = _read_text(path)
@@ -331,7 +354,7 @@ def write_outputs(
     `started`: the job's `time.perf_counter()` when it began, for its wall time.
     """
     saved_model_dir = _export(config, outcome.backbone, output_dir)
-    ledger_path = os.path.join(output_dir, job_files.LEDGER_FILE)
+    ledger_path = owned_files.create_entry(output_dir, job_files.LEDGER_FILE)
     _write_text(ledger_path, outcome.ledger.to_json())
     final_eval = outcome.history[-1]["eval"]
     summary = {
@@ -366,6 +389,6 @@ def write_outputs(
         else None,
     }
     summary = _json_ready(summary)
-    metrics_path = os.path.join(output_dir, job_files.METRICS_FILE)
+    metrics_path = owned_files.create_entry(output_dir, job_files.METRICS_FILE)
     _write_text(metrics_path, json.dumps(summary, indent=1, allow_nan=False))
     return TrainJobResult(output_dir, saved_model_dir, metrics_path, ledger_path, summary)

@@ -73,10 +73,12 @@ from tff_algorithms import (
     dplc_releases,
     fdml_training,
     feature_cache,
+    job_files,
     job_outputs,
     local_training,
     mechanisms,
     models,
+    owned_files,
     processes,
     runtime,
     tensorboard_rounds,
@@ -99,7 +101,6 @@ from tff_algorithms.ledger import PrivacyLedger
 from tff_algorithms.user_dp_sgd_config import DP_LAST_LAYER, USER_DP_SGD_ALGORITHMS
 
 # Under OUTPUT unless the caller names a shared place (the pipeline does).
-FEATURE_CACHE_DIR = "feature_cache"
 
 
 def _shared_negatives_hook(
@@ -528,7 +529,7 @@ def run_train_job(
         job_outputs.make_checkpoint_dir(output_dir),
         pretrained,
         _each_round(progress, board),
-        feature_cache_dir or os.path.join(output_dir, FEATURE_CACHE_DIR),
+        feature_cache_dir or owned_files.create_entry(output_dir, job_files.FEATURE_CACHE_DIR),
     )
     if config.algorithm == CENTRALIZED:
         outcome = _train_centralized(inputs)

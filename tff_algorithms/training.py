@@ -34,7 +34,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -43,7 +42,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 from absl import logging
 
-from tff_algorithms import dropouts
+from tff_algorithms import dropouts, owned_files
 from tff_algorithms.report_policy import ReportPolicy
 
 CHECKPOINT_PREFIX = "round_"
@@ -109,7 +108,15 @@ def _remove_partial_checkpoints(checkpoint_dir: str) -> None:
     partial = re.compile(rf"^{CHECKPOINT_PREFIX}\d+_temp\d+$")
     for entry in os.listdir(checkpoint_dir):
         if partial.match(entry):
-            shutil.rmtree(os.path.join(checkpoint_dir, entry), ignore_errors=True)
+            owned_files.remove_tree(os.path.join(checkpoint_dir, entry), owned_files.SAVED_MODEL)
+
+
+def _remove_old_checkpoints(checkpoint_dir: str, versions: Sequence[int], keep: int) -> None:
+    """Keeps the newest `keep` versions. TFF's manager would remove the others without
+    looking inside; `owned_files` refuses a version holding a file it did not write."""
+    for version in sorted(versions)[:-keep]:
+        path = os.path.join(checkpoint_dir, f"{CHECKPOINT_PREFIX}{version}")
+        owned_files.remove_tree(path, owned_files.SAVED_MODEL)
 
 
 def _read_error(version_dir: str) -> str | None:
@@ -148,7 +155,7 @@ def _load_newest_intact(
             path,
             error,
         )
-        shutil.rmtree(path, ignore_errors=True)
+        owned_files.remove_tree(path, owned_files.SAVED_MODEL)
     return None, 0
 
 
@@ -205,13 +212,16 @@ def train(
     manager = tff.program.FileProgramStateManager(
         config.checkpoint_dir,
         prefix=CHECKPOINT_PREFIX,
-        keep_total=config.keep_checkpoints,
+        keep_total=0,  # every version: `_remove_old_checkpoints` prunes
         keep_first=False,
     )
     state = process.initialize() if initial_state is None else initial_state
     history: list[dict[str, Any]] = []
     saved, start_round = _load_newest_intact(
         manager, _program_state(state, ledger, history), config.checkpoint_dir
+    )
+    _remove_old_checkpoints(
+        config.checkpoint_dir, _run(manager.get_versions()) or [], config.keep_checkpoints
     )
     if saved is not None:
         state = saved["state"]
@@ -280,6 +290,9 @@ def train(
             on_round(record, output.metrics)
         if last or done % config.checkpoint_every == 0:
             _run(manager.save(_program_state(state, ledger, history), version=done))
+            _remove_old_checkpoints(
+                config.checkpoint_dir, _run(manager.get_versions()) or [], config.keep_checkpoints
+            )
     result = TrainingResult(
         state=state,
         rounds_completed=config.total_rounds,

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import shlex
-import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,7 +28,9 @@ from tff_algorithms import (
     accounting,
     client_config,
     fdml_fields,
+    job_files,
     model_config,
+    owned_files,
     recipes,
     shared_negatives_config,
 )
@@ -90,6 +91,24 @@ RENAMED_FLAGS = {
     "server-lr": "server-learning-rate",
 }
 PREPARED_FILE = "prepared.json"
+# What `prepare_data` writes under OUTPUT/data (ingest, split, partition and Beam's
+# temporaries): the only files a restarted preparation removes.
+_RECORDS = r"records-\d{5}-of-\d{5}\.tfrecord"
+_BEAM_TEMPORARY = r"beam-temp-[^/]+"
+DATA_LAYOUT = owned_files.TreeLayout(
+    "data prepared by dp-fedemb train",
+    files=(
+        rf"({PREPARED_FILE}|ingested/({_RECORDS}|ingest_summary\.json)"
+        rf"|split/(split_summary\.json|[a-z_]+/{_RECORDS})"
+        r"|partition/(manifest\.json|participation\.json"
+        r"|shard-\d{5}-part-\d{5}\.tfrecord(\.tmp)?|index/shard-\d{5}\.jsonl(\.tmp)?)"
+        rf"|(ingested|split(/[a-z_]+)?|partition)/{_BEAM_TEMPORARY}/[^/]+)"
+    ),
+    directories=(
+        rf"(ingested|split|split/[a-z_]+|partition|partition/index"
+        rf"|(ingested|split(/[a-z_]+)?|partition)/{_BEAM_TEMPORARY})"
+    ),
+)
 
 
 def define_flags(flag_values: flags.FlagValues) -> None:
@@ -314,8 +333,9 @@ def prepare_data(
                     f"{data_dir} was prepared from other data or split settings; use a new --output"
                 )
         return prepared
-    # A preparation killed midway leaves no marker: start it again from scratch.
-    shutil.rmtree(data_dir, ignore_errors=True)
+    # A preparation killed midway leaves no marker: start it again from scratch, removing
+    # only what it wrote.
+    owned_files.remove_tree(data_dir, DATA_LAYOUT)
     ingest.run_ingest([_beam_source(data)], os.path.join(data_dir, "ingested"), beam_args=beam_args)
     splits.run_split(
         os.path.join(data_dir, "ingested"),
@@ -415,8 +435,13 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         "seed": value["split-seed"],
     }
     beam_args = [f"--runner={value['runner']}", *shlex.split(value["beam-args"])]
+    output = value["output"]
     prepared = prepare_data(
-        value["data"], os.path.join(value["output"], "data"), split, value["num-shards"], beam_args
+        value["data"],
+        owned_files.create_entry(output, "data"),
+        split,
+        value["num-shards"],
+        beam_args,
     )
     result = train_job.run_train_job(
         config,
@@ -426,7 +451,7 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         value["pretrained"],
         progress=console.RoundProgress(config.rounds, stream=sys.stderr),
         budget=budget_policy,
-        tensorboard_dir=os.path.join(value["output"], "tensorboard"),
+        tensorboard_dir=owned_files.create_entry(output, "tensorboard"),
     )
     summary = {
         key: result.metrics[key]
@@ -596,7 +621,7 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     except ValueError as e:
         raise ValueError(f"--beam-args cannot be split as shell words: {e}") from None
     checks.input_path("data", value["data"], "dir")
-    checks.output_dir("output", value["output"])
+    _check_output(value["data"], value["output"])
     if value["budget-ledger"] is not None:
         checks.output_file("budget-ledger", value["budget-ledger"])
     if value["pretrained"] is not None:
@@ -604,6 +629,35 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     for name in ("worker-ca", "worker-cert", "worker-key"):
         if value[name] is not None:
             checks.input_path(name, value[name], "file")
+
+
+def _check_output(data: str, output: str) -> None:
+    """--output is a directory the product owns (or a new one), apart from --data;
+    claimed before anything is written."""
+    if owned_files.is_local(output):
+        if os.path.islink(output):
+            raise ValueError(
+                f"--output {checks.shown(output)} is a symbolic link; give the directory it "
+                "points to, or a new one"
+            )
+        if owned_files.overlapping(data, output):
+            raise ValueError(
+                f"--data {checks.shown(data)} lies inside --output {checks.shown(output)}: "
+                "the job would write among your images; give an --output outside --data"
+            )
+        if owned_files.overlapping(output, data):
+            raise ValueError(
+                f"--output {checks.shown(output)} lies inside --data {checks.shown(data)}: "
+                "a later run would read the job's files as images; give an --output "
+                "outside --data"
+            )
+    checks.output_dir("output", output)
+    owned_files.claim(
+        output,
+        "train",
+        legacy_marker=job_files.JOB_FILE,
+        legacy_names=job_files.TRAIN_OUTPUT_NAMES,
+    )
 
 
 def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
@@ -637,6 +691,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             summary = _train(value)
         finally:
             if os.path.isdir(value["output"]):
+                owned_files.create_entry(value["output"], console.LOG_DIR)
                 console.keep_log_in(value["output"], "train")
     print(json.dumps(summary, sort_keys=True))
     return 0

@@ -1,0 +1,163 @@
+"""Issue 37: the product never deletes or overwrites a file it did not create.
+
+`dp-fedemb train` claims its output directory (tff_algorithms/owned_files.py): images kept
+under OUTPUT, an output inside or equal to --data, a symbolic link, or a user's file put
+inside OUTPUT/data, a checkpoint or the SavedModel are refused in one line, and nothing of
+the user's is removed.
+"""
+
+import json
+import os
+
+import pytest
+
+from beam_jobs import synthetic
+from pipeline.commands import train
+from tests import support
+from tff_algorithms import job_files, owned_files, training
+
+IMAGES = synthetic.SyntheticConfig(identities=4, images_per_identity=2, seed=1)
+
+
+def _images(path) -> list[str]:
+    return sorted(
+        os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs
+    )
+
+
+def _refused_train(data, output, cwd=None) -> str:
+    line, _ = support.run_refused(
+        "train", "--data", str(data), "--output", str(output), timeout=300, cwd=cwd
+    )
+    return line
+
+
+def test_images_kept_under_the_output_directory_are_refused_not_deleted(tmp_path):
+    photos = tmp_path / "p" / "data" / "photos"
+    synthetic.write_image_folder(str(photos), IMAGES)
+    before = _images(photos)
+    line = _refused_train(photos, tmp_path / "p")
+    assert "--data" in line and "inside --output" in line
+    assert _images(photos) == before
+    # The same from the project folder, with --output .
+    line = _refused_train("data/photos", ".", cwd=tmp_path / "p")
+    assert "inside --output" in line
+    assert _images(photos) == before
+    assert sorted(os.listdir(tmp_path / "p")) == ["data"]
+
+
+def test_output_equal_to_or_inside_data_is_refused(tmp_path):
+    data = tmp_path / "images"
+    synthetic.write_image_folder(str(data), IMAGES)
+    before = _images(data)
+    assert "inside --output" in _refused_train(data, data)
+    assert "inside --data" in _refused_train(data, data / "out")
+    assert _images(data) == before
+
+
+def test_a_symlinked_output_is_refused_before_anything_is_written(tmp_path):
+    data, target = tmp_path / "images", tmp_path / "elsewhere"
+    synthetic.write_image_folder(str(data), IMAGES)
+    target.mkdir()
+    (tmp_path / "out").symlink_to(target)
+    line = _refused_train(data, tmp_path / "out")
+    assert "symbolic link" in line
+    assert os.listdir(target) == []
+
+
+def test_an_output_directory_holding_other_files_is_refused_naming_one(tmp_path):
+    data, output = tmp_path / "images", tmp_path / "project"
+    synthetic.write_image_folder(str(data), IMAGES)
+    output.mkdir()
+    (output / "notes.txt").write_text("mine")
+    line = _refused_train(data, output)
+    assert "notes.txt" in line and "did not create" in line
+    assert os.listdir(output) == ["notes.txt"]
+
+
+def test_a_users_file_in_a_killed_preparation_is_refused_not_deleted(tmp_path):
+    """OUTPUT/data without prepared.json is restarted from scratch: only the files a
+    preparation writes may go."""
+    data, output = tmp_path / "images", tmp_path / "out"
+    synthetic.write_image_folder(str(data), IMAGES)
+    owned_files.claim(str(output), "train")
+    prepared = owned_files.create_entry(str(output), "data")
+    os.makedirs(os.path.join(prepared, "ingested"))
+    beam_file = os.path.join(prepared, "ingested", "records-00000-of-00001.tfrecord")
+    open(beam_file, "wb").close()
+    mine = os.path.join(prepared, "ingested", "my_photo.png")
+    open(mine, "wb").close()
+    line = _refused_train(data, output)
+    assert "my_photo.png" in line
+    assert os.path.exists(mine) and os.path.exists(beam_file)
+    # Without the user's file the preparation's own leftovers are removed (the layout
+    # matches what prepare_data writes).
+    os.remove(mine)
+    owned_files.remove_tree(prepared, train.DATA_LAYOUT)
+    assert not os.path.exists(prepared)
+
+
+def test_the_data_layout_matches_a_real_preparation(tmp_path):
+    data = tmp_path / "images"
+    synthetic.write_image_folder(str(data), support.TRAIN_CLI_DATA)
+    split = {"validation_fraction": 0.2, "test_fraction": 0.2, "public_fraction": 0.0, "seed": 0}
+    prepared = train.prepare_data(str(data), str(tmp_path / "data"), split, 4, [])
+    assert os.listdir(prepared.partition_dir)
+    assert train.DATA_LAYOUT.foreign_entry(str(tmp_path / "data")) is None
+
+
+def test_a_users_file_in_an_old_checkpoint_stops_pruning_and_survives(tmp_path, tff_runtime):
+    process = support.toy_process()
+    directory = str(tmp_path / "checkpoints")
+    support.train_toy_rounds(process, directory, rounds=1)
+    mine = os.path.join(directory, f"{training.CHECKPOINT_PREFIX}1", "notes.txt")
+    open(mine, "w").close()
+    # keep_checkpoints is 3: saving round 4 would remove round 1.
+    with pytest.raises(owned_files.ForeignEntryError, match="notes.txt"):
+        support.train_toy_rounds(process, directory, rounds=4)
+    assert os.path.exists(mine)
+    os.remove(mine)
+    result, _ = support.train_toy_rounds(process, directory, rounds=4)
+    assert result.rounds_completed == 4
+    assert sorted(os.listdir(directory)) == [f"{training.CHECKPOINT_PREFIX}{n}" for n in (2, 3, 4)]
+
+
+def test_remove_tree_checks_every_path_before_removing_any(tmp_path):
+    model = tmp_path / "saved_model"
+    (model / "variables").mkdir(parents=True)
+    (model / "saved_model.pb").write_bytes(b"")
+    (model / "variables" / "variables.index").write_bytes(b"")
+    (model / "variables" / "extra").symlink_to("/etc/hostname")
+    with pytest.raises(owned_files.ForeignEntryError, match="extra"):
+        owned_files.remove_tree(str(model), owned_files.SAVED_MODEL)
+    assert (model / "saved_model.pb").exists()
+    (model / "variables" / "extra").unlink()
+    os.mkfifo(model / "fifo")
+    with pytest.raises(owned_files.ForeignEntryError, match="fifo"):
+        owned_files.remove_tree(str(model), owned_files.SAVED_MODEL)
+    (model / "fifo").unlink()
+    owned_files.remove_tree(str(model), owned_files.SAVED_MODEL)
+    assert not model.exists()
+
+
+def test_claim_records_what_it_creates_and_adopts_legacy_outputs(tmp_path):
+    output = str(tmp_path / "out")
+    owned_files.claim(output, "train")
+    path = owned_files.create_entry(output, job_files.METRICS_FILE)
+    open(path, "w").close()
+    owned_files.claim(output, "train")  # again: everything in it is recorded
+    open(os.path.join(output, "theirs.txt"), "w").close()
+    with pytest.raises(owned_files.ForeignEntryError, match="theirs.txt"):
+        owned_files.claim(output, "train")
+    with pytest.raises(owned_files.ForeignEntryError, match="theirs.txt"):
+        owned_files.create_entry(output, "theirs.txt")
+    # An output directory written before the record existed: its job file marks it.
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    for name in (job_files.JOB_FILE, "checkpoints", "data"):
+        (legacy / name).mkdir() if "." not in name else (legacy / name).write_text("{}")
+    owned_files.claim(
+        str(legacy), "train", job_files.JOB_FILE, legacy_names=job_files.TRAIN_OUTPUT_NAMES
+    )
+    record = json.loads((legacy / owned_files.OWNED_FILE).read_text())
+    assert record["created"] == sorted([job_files.JOB_FILE, "checkpoints", "data"])
