@@ -178,7 +178,8 @@ class BudgetSection:
     # OUTPUT/privacy_budget_ledger.json. Point several pipelines at one file to share it.
     ledger_path: str = ""
     # Total epsilon all private trainings on the same users may spend together,
-    # composed across runs. A parameter of PrivateTrain: changing it re-runs training.
+    # composed across runs. The ledger keeps the value of the users' first charge: a
+    # different one is refused unless `override` (recorded).
     dataset_epsilon: float = 10.0
     # Start a training that would exceed it anyway; recorded in the ledger and in ML
     # Metadata (PrivacyLedger property budget_overridden).

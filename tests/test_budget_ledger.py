@@ -269,3 +269,62 @@ def test_train_job_is_charged_once_and_a_second_job_over_budget_refused(
     with pytest.raises(ValueError, match="dataset privacy budget exceeded"):
         train_job.run_train_job(JOB, *small_data, second_dir, budget=policy)
     assert not os.path.exists(os.path.join(second_dir, job_files.CHECKPOINT_DIR))
+
+
+def test_the_budget_is_fixed_by_the_first_charge_and_a_change_is_an_override(tmp_path):
+    path = str(tmp_path / "ledger.json")
+    fingerprint = budget.dataset_fingerprint(["a", "b"])
+    budget.charge_run(budget.BudgetPolicy(path, 40.0), fingerprint, 1000, "run-1", DPSGD)
+    before = open(path, "rb").read()
+    for asked in (60.0, 20.0):
+        with pytest.raises(ValueError, match="fixed the budget .* at epsilon 40") as refused:
+            budget.charge_run(budget.BudgetPolicy(path, asked), fingerprint, 1000, "run-2", DPSGD)
+        assert "\n" not in str(refused.value)
+    assert open(path, "rb").read() == before
+    raised = budget.charge_run(
+        budget.BudgetPolicy(path, 60.0, override=True), fingerprint, 1000, "run-2", DPSGD
+    )
+    assert raised.overridden and raised.total_epsilon == 40.0
+    entry = json.load(open(path))["datasets"][fingerprint]
+    assert entry["budget_epsilon"] == 40.0
+    assert (entry["runs"][1]["overridden"], entry["runs"][1]["requested_epsilon"]) == (True, 60.0)
+    # The first budget still holds for the next run that asks for 30 without override.
+    with pytest.raises(ValueError, match="fixed the budget"):
+        budget.charge_run(budget.BudgetPolicy(path, 60.0), fingerprint, 1000, "run-3", DPSGD)
+
+
+def test_a_ledger_written_before_the_fixed_budget_keeps_its_first_runs_budget(tmp_path):
+    path = tmp_path / "ledger.json"
+    fingerprint = budget.dataset_fingerprint(["a"])
+    budget.charge_run(budget.BudgetPolicy(str(path), 40.0), fingerprint, 1000, "run-1", DPSGD)
+    data = json.loads(path.read_text())
+    del data["datasets"][fingerprint]["budget_epsilon"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="at epsilon 40"):
+        budget.charge_run(budget.BudgetPolicy(str(path), 60.0), fingerprint, 1000, "r2", DPSGD)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: p.write_text(""), "is empty"),
+        (lambda p: p.chmod(0o444), r"not readable and writable \(mode 0444\)"),
+        (lambda p: p.chmod(0o200), r"not readable and writable \(mode 0200\)"),
+    ],
+)
+def test_an_empty_or_locked_ledger_is_refused_never_replaced(tmp_path, damage, message):
+    path = tmp_path / "ledger.json"
+    fingerprint = budget.dataset_fingerprint(["a"])
+    policy = budget.BudgetPolicy(str(path), 40.0)
+    budget.charge_run(policy, fingerprint, 1000, "run-1", DPSGD)
+    damage(path)
+    before = (path.read_bytes() if os.stat(path).st_mode & 0o400 else None, os.stat(path))
+    with pytest.raises(ValueError, match=message) as refused:
+        budget.charge_run(policy, fingerprint, 1000, "run-2", DPSGD)
+    assert "\n" not in str(refused.value)
+    after = os.stat(path)
+    assert (after.st_ino, after.st_mode, after.st_size) == (
+        before[1].st_ino,
+        before[1].st_mode,
+        before[1].st_size,
+    )

@@ -35,6 +35,13 @@ convention existed (specs without a ``convention`` key) are accounted again unde
 when read, never mixed with the paper's arithmetic. A ``paper``-convention run is a
 comparison, not a guarantee, and cannot be charged.
 
+The budget itself is fixed by the first charge on a dataset (``budget_epsilon`` in its
+entry; a ledger from before kept it per run, and its first run's budget is taken): a
+later run that asks for another budget is refused, or, with an explicit override,
+charged and recorded as overridden with the budget it asked for. An existing ledger
+that is empty, unreadable or read-only is refused, never replaced: a new file would
+forget every earlier charge.
+
 Runs are identified by a run id (train_job keeps one per output directory), so a run
 that crashes and resumes is charged once.
 
@@ -55,6 +62,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -197,9 +205,35 @@ def _empty_ledger() -> dict[str, Any]:
     return {"format": BUDGET_LEDGER_FORMAT, "fingerprint": FINGERPRINT_SCHEME, "datasets": {}}
 
 
-def _read(path: str) -> dict[str, Any]:
+def _check_usable(path: str, *, writing: bool) -> None:
+    """A ledger that exists must be readable (and, to be charged, writable) as it is:
+    an empty or locked-down one is refused, never replaced by a new one, which would
+    forget every earlier charge."""
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if status.st_size == 0:
+        raise ValueError(
+            f"budget ledger {path} is empty; it holds the budget's earlier charges, so "
+            "restore it from a backup (or remove it on purpose to start a new budget)"
+        )
+    # Root passes every permission check: the owner's mode bits say what was meant.
+    needed = stat.S_IRUSR | (stat.S_IWUSR if writing else 0)
+    if status.st_mode & needed != needed or not os.access(
+        path, os.R_OK | (os.W_OK if writing else 0)
+    ):
+        raise ValueError(
+            f"budget ledger {path} is not {'readable and writable' if writing else 'readable'} "
+            f"(mode {stat.S_IMODE(status.st_mode):04o}); make it so (chmod 600) or give "
+            "another ledger"
+        )
+
+
+def _read(path: str, *, writing: bool = True) -> dict[str, Any]:
+    _check_usable(path, writing=writing)
     text = secret_files.read_text(path)
-    if not text:
+    if text is None:
         return _empty_ledger()
     try:
         data = json.loads(text)
@@ -223,6 +257,21 @@ def _locked(path: str) -> Iterator[None]:
         yield
     finally:
         os.close(lock)  # closing releases the lock
+
+
+def _fixed_budget(dataset: dict[str, Any], policy: BudgetPolicy) -> float:
+    """The users' budget, fixed by their first charge (ledgers written before it was kept
+    apart: their first run's budget); a later run cannot raise it by asking."""
+    if "budget_epsilon" not in dataset:
+        runs = dataset["runs"]
+        dataset["budget_epsilon"] = runs[0]["total_epsilon"] if runs else policy.total_epsilon
+    value = dataset["budget_epsilon"]
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"budget ledger {policy.ledger_path} records a budget of {value!r} for these "
+            "users; it is damaged: restore it from a backup"
+        )
+    return float(value)
 
 
 def _specs(dataset: Mapping[str, Any]) -> list[accounting.AccountingSpec]:
@@ -257,7 +306,7 @@ def charge_run(
 def dataset_spent(ledger_path: str, fingerprint: str, delta: float) -> float:
     """Composed epsilon at `delta` of every run charged to the dataset (0 if none)."""
     with _locked(ledger_path):
-        dataset = _read(ledger_path)["datasets"].get(fingerprint)
+        dataset = _read(ledger_path, writing=False)["datasets"].get(fingerprint)
     if not dataset:
         return 0.0
     return composed_epsilon(_specs(dataset), delta, [_releases(run) for run in dataset["runs"]])
@@ -306,6 +355,8 @@ def _charge(
     with _locked(policy.ledger_path):
         data = _read(policy.ledger_path)
         dataset = data["datasets"].setdefault(fingerprint, {"users": users, "runs": []})
+        budget_epsilon = _fixed_budget(dataset, policy)
+        budget_changed = budget_epsilon != policy.total_epsilon
         charged = {run["run_id"]: run for run in dataset["runs"]}
         for run_id, spec, releases in runs:
             previous = charged.get(run_id)
@@ -328,7 +379,14 @@ def _charge(
             [*other_releases, *(releases for _, _, releases in runs)],
         )
         new = [run for run in runs if run[0] not in charged]
-        over = not spent_after <= policy.total_epsilon
+        if new and budget_changed and not policy.override:
+            raise ValueError(
+                f"budget ledger {policy.ledger_path} fixed the budget of these {users} "
+                f"training users at epsilon {budget_epsilon:g} when they were first charged; "
+                f"a budget of {policy.total_epsilon:g} needs an explicit budget override "
+                f"(recorded), or give {budget_epsilon:g}"
+            )
+        over = not spent_after <= budget_epsilon
         if new and over and not policy.override:
             after = "infinite (no noise)" if math.isinf(spent_after) else f"{spent_after:.4g}"
             if together:
@@ -346,7 +404,7 @@ def _charge(
                 f"dataset privacy budget exceeded: {earlier} earlier run(s) on these "
                 f"{users} training users (fingerprint {fingerprint[:12]}) spent epsilon "
                 f"{before:.4g}; {planned} the composed total to {after} at delta "
-                f"{delta:.3g}, over the budget {policy.total_epsilon:g}; refusing to "
+                f"{delta:.3g}, over the budget {budget_epsilon:g}; refusing to "
                 f"{start} and is recorded)"
             )
         run_epsilons = [
@@ -362,8 +420,9 @@ def _charge(
                     **({} if releases is None else {"shared_negatives": releases.to_dict()}),
                     "run_epsilon": _number(run_epsilon),
                     "spent_after": _number(spent_after),
-                    "total_epsilon": policy.total_epsilon,
-                    "overridden": over,
+                    "total_epsilon": budget_epsilon,
+                    **({"requested_epsilon": policy.total_epsilon} if budget_changed else {}),
+                    "overridden": over or budget_changed,
                     "charged_at": time.time(),
                     **({"charged_with": [r for r, _, _ in runs]} if together else {}),
                 }
@@ -380,8 +439,10 @@ def _charge(
             spent_after,
             run_epsilon,
             delta,
-            policy.total_epsilon,
-            overridden=bool(charged[run_id]["overridden"]) if run_id in charged else over,
+            budget_epsilon,
+            overridden=(
+                bool(charged[run_id]["overridden"]) if run_id in charged else over or budget_changed
+            ),
             resumed=run_id in charged,
         )
         for (run_id, _, _), run_epsilon in zip(runs, run_epsilons)
