@@ -232,23 +232,66 @@ class SyntheticRecords(beam.PTransform):
         )
 
 
-def write_image_folder(out_dir: str, config: SyntheticConfig) -> dict:
-    """Writes OUT/<user_id>/<identity>/<image>.png (single process); returns a summary."""
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise ValueError(f"output directory {out_dir} is not empty")
+def _planned_images(config: SyntheticConfig) -> Iterator[tuple[str, int, int]]:
+    """(path relative to OUT, identity index, image index) of every image, in order."""
     width = len(str(config.images_per_identity - 1))
     for identity_index in range(config.identities):
         # Names become folders only through the one sanitiser (schema.path_component).
         folder = os.path.join(
-            out_dir,
             schema.path_component(config.user_name(identity_index)),
             schema.path_component(config.identity_name(identity_index)),
         )
-        os.makedirs(folder, exist_ok=True)
         for image_index in range(config.images_per_identity):
-            pixels = render_image(config, identity_index, image_index)
-            with open(os.path.join(folder, f"{image_index:0{width}d}.png"), "wb") as f:
-                f.write(schema.encode_png(pixels))
+            yield os.path.join(folder, f"{image_index:0{width}d}.png"), identity_index, image_index
+
+
+_TEMPORARY_SUFFIX = ".partial"
+
+
+def _foreign_entry(out_dir: str, planned: set[str]) -> str | None:
+    """The first path under OUT that this config would not write (nor its temporaries)."""
+    folders = {os.path.dirname(path) for path in planned}
+    folders |= {os.path.dirname(folder) for folder in folders}
+    for current, subdirs, names in os.walk(out_dir):
+        relative = os.path.relpath(current, out_dir)
+        for name in subdirs:
+            path = os.path.normpath(os.path.join(relative, name))
+            if path not in folders or os.path.islink(os.path.join(current, name)):
+                return os.path.join(current, name)
+        for name in names:
+            path = os.path.normpath(os.path.join(relative, name))
+            kept = path.removesuffix(_TEMPORARY_SUFFIX)
+            if kept not in planned or not os.path.isfile(os.path.join(current, name)):
+                return os.path.join(current, name)
+    return None
+
+
+def write_image_folder(out_dir: str, config: SyntheticConfig) -> dict:
+    """Writes OUT/<user_id>/<identity>/<image>.png (single process); returns a summary.
+
+    Each image is written to a temporary name and renamed, so an image that exists is
+    whole. An interrupted run (a full disk, a kill) is continued by running it again
+    with the same settings: OUT may then hold only what this config writes, and the
+    images already there are kept.
+    """
+    images = list(_planned_images(config))
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        foreign = _foreign_entry(out_dir, {path for path, _, _ in images})
+        if foreign is not None:
+            shown = foreign if foreign.isprintable() else ascii(foreign)
+            raise ValueError(
+                f"output directory {out_dir} holds {shown}, which this synth run would not "
+                "write; give an empty directory (or the same settings to continue a run)"
+            )
+    for path, identity_index, image_index in images:
+        final = os.path.join(out_dir, path)
+        if os.path.isfile(final):
+            continue
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        pixels = render_image(config, identity_index, image_index)
+        with open(final + _TEMPORARY_SUFFIX, "wb") as f:
+            f.write(schema.encode_png(pixels))
+        os.replace(final + _TEMPORARY_SUFFIX, final)
     return {
         "out": out_dir,
         "users": config.users,

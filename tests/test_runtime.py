@@ -97,6 +97,39 @@ def test_worker_logs_go_to_the_configured_directory(tmp_path):
         assert "worker_binary --port=" in log.readline()
 
 
+def test_worker_logs_of_killed_runs_are_removed_by_the_next_run(tmp_path, monkeypatch):
+    """A run killed by SIGKILL cannot remove its worker-log folder; the next run does,
+    keeping folders of live runs, folders a failed worker's warning named, and
+    anything that holds more than worker logs."""
+    monkeypatch.setattr(runtime.tempfile, "tempdir", str(tmp_path))
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = int(finished.stdout)
+    folders = {
+        "killed": f"dp_fedemb_tff_{dead}_a1b2",
+        "live": f"dp_fedemb_tff_{os.getpid()}_c3d4",
+        "kept": f"dp_fedemb_tff_kept_{dead}_e5f6",
+        "other": f"dp_fedemb_tff_{dead}_g7h8",
+    }
+    for name in folders.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "worker_1234.log").write_text("log")
+    (tmp_path / folders["other"] / "notes.txt").write_text("mine")
+    with runtime.TffRuntime():
+        assert _federated_sum([1.0, 2.0]) == 3.0
+    left = set(os.listdir(tmp_path))
+    assert folders["killed"] not in left
+    assert {folders["live"], folders["kept"], folders["other"]} <= left
+    # This run stopped cleanly: its own folder is gone too.
+    assert not [
+        n for n in left if n.startswith(f"dp_fedemb_tff_{os.getpid()}_") and n != folders["live"]
+    ]
+
+
 def test_leak_detector_finds_an_orphaned_worker(tmp_path):
     """The session-end check must be able to fail: an unowned worker is found."""
     marker = "leak-detector-self-test"

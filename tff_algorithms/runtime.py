@@ -56,6 +56,7 @@ import dataclasses
 import gc
 import ipaddress
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -337,6 +338,32 @@ def _executor_factory(
     return tff.framework.ResourceManagingExecutorFactory(executor_stack_fn=stack_fn)
 
 
+# Local workers' logs: TEMP/dp_fedemb_tff_<pid>_<random>/, removed when the workers
+# stop cleanly, kept (and named in a warning) when one failed.
+_TEMP_LOG_PREFIX = "dp_fedemb_tff_"
+_KILLED_RUN_LOGS = re.compile(rf"^{_TEMP_LOG_PREFIX}(\d+)_[A-Za-z0-9_]+$")
+
+
+def _remove_logs_of_killed_runs() -> None:
+    """Removes the worker-log folders of runs killed before they could (SIGKILL, power
+    loss): those whose process is gone and that hold only worker logs."""
+    temp = tempfile.gettempdir()
+    for name in os.listdir(temp):
+        match = _KILLED_RUN_LOGS.match(name)
+        path = os.path.join(temp, name)
+        if not match or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # its process still runs
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        if all(n.endswith(".log") for n in os.listdir(path)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class TffRuntime:
     """Starts (or connects to) TFF workers and installs the execution context.
 
@@ -377,7 +404,10 @@ class TffRuntime:
                 log_dir = config.log_dir
                 os.makedirs(log_dir, exist_ok=True)
             else:
-                log_dir = self._temp_log_dir = tempfile.mkdtemp(prefix="dp_fedemb_tff_")
+                _remove_logs_of_killed_runs()
+                log_dir = self._temp_log_dir = tempfile.mkdtemp(
+                    prefix=f"{_TEMP_LOG_PREFIX}{os.getpid()}_"
+                )
             for _ in range(config.local_workers):
                 worker = LocalWorker(
                     log_dir,
@@ -455,6 +485,11 @@ class TffRuntime:
         if self._temp_log_dir and clean:
             shutil.rmtree(self._temp_log_dir, ignore_errors=True)
         elif self._temp_log_dir:
+            # Renamed out of `_remove_logs_of_killed_runs`' way: this one is for the user.
+            kept = self._temp_log_dir.replace(_TEMP_LOG_PREFIX, f"{_TEMP_LOG_PREFIX}kept_", 1)
+            with contextlib.suppress(OSError):
+                os.rename(self._temp_log_dir, kept)
+                self._temp_log_dir = kept
             logging.warning("A TFF worker ended abnormally; its log is in %s", self._temp_log_dir)
         atexit.unregister(self.stop)
 
