@@ -25,9 +25,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import yaml
-
-from tff_algorithms import client_config, job_config, model_config, recipes
+from tff_algorithms import bounded_load, client_config, job_config, model_config, recipes
 
 PRETRAIN_SOURCES = ("public", "import", "none", "private_contrastive")
 PRIVATE_CONTRASTIVE = "private_contrastive"
@@ -274,34 +272,34 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         return _coerce(value, inner, key)
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, Mapping):
-            raise ValueError(f"config {key} must be a mapping, got {value!r}")
+            raise ValueError(f"config {key} must be a mapping, got {bounded_load.shown(value)}")
         return _build_section(annotation, value, key)
     if origin is tuple:
         (item,) = {a for a in typing.get_args(annotation) if a is not Ellipsis}
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise ValueError(f"config {key} must be a list, got {value!r}")
+            raise ValueError(f"config {key} must be a list, got {bounded_load.shown(value)}")
         return tuple(_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
     if origin in (Mapping, dict) or annotation is Mapping:
         if not isinstance(value, Mapping):
-            raise ValueError(f"config {key} must be a mapping, got {value!r}")
+            raise ValueError(f"config {key} must be a mapping, got {bounded_load.shown(value)}")
         return dict(value)
     if annotation is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"config {key} must be true or false, got {value!r}")
+            raise ValueError(f"config {key} must be true or false, got {bounded_load.shown(value)}")
         return value
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"config {key} must be an integer, got {value!r}")
+            raise ValueError(f"config {key} must be an integer, got {bounded_load.shown(value)}")
         return value
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"config {key} must be a number, got {value!r}")
+            raise ValueError(f"config {key} must be a number, got {bounded_load.shown(value)}")
         if not math.isfinite(value):
-            raise ValueError(f"config {key} must be finite, got {value!r}")
+            raise ValueError(f"config {key} must be finite, got {bounded_load.shown(value)}")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
-            raise ValueError(f"config {key} must be a string, got {value!r}")
+            raise ValueError(f"config {key} must be a string, got {bounded_load.shown(value)}")
         return value
     raise TypeError(f"unsupported config annotation {_type_name(annotation)} at {key}")
 
@@ -377,9 +375,9 @@ def _suggest(value: str, known: Sequence[str]) -> str:
 
 
 def _shown(text: str) -> str:
-    """`text` for an error message: escaped when it holds line breaks or control
-    characters, so every error stays one line."""
-    return text if text.isprintable() else ascii(text)
+    """A key or path for an error message: escaped when it holds line breaks or control
+    characters, so every error stays one line; capped in length."""
+    return bounded_load.shown_name(text)
 
 
 def _check_keys(values: Mapping[str, Any], prefix: str) -> None:
@@ -387,7 +385,7 @@ def _check_keys(values: Mapping[str, Any], prefix: str) -> None:
     for name in values:
         if not isinstance(name, str):
             where = f" in {prefix}" if prefix else ""
-            raise ValueError(f"config keys must be names, got {ascii(name)[:60]}{where}")
+            raise ValueError(f"config keys must be names, got {bounded_load.shown(name)}{where}")
 
 
 def _train_job_config(values: Mapping[str, Any], key: str) -> job_config.TrainJobConfig:
@@ -408,6 +406,11 @@ def _train_job_config(values: Mapping[str, Any], key: str) -> job_config.TrainJo
 
 def _set_dotted(values: dict[str, Any], dotted_key: str, value: Any) -> None:
     *parents, leaf = dotted_key.split(".")
+    if len(parents) >= bounded_load.MAX_DEPTH:
+        raise ValueError(
+            f"config override {_shown(dotted_key)} nests deeper than "
+            f"{bounded_load.MAX_DEPTH} levels; config keys are section.key"
+        )
     node = values
     for i, part in enumerate(parents):
         child = node.setdefault(part, {})
@@ -424,26 +427,25 @@ def parse_override(text: str) -> tuple[str, Any]:
     """`section.key=value` (value in YAML syntax) -> (dotted key, value)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise ValueError(f"override must look like section.key=value, got {text!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        raise ValueError(f"override {_shown(key)}: cannot parse value {raw!r}") from None
-    return key.strip(), value
+        raise ValueError(
+            f"override must look like section.key=value, got {bounded_load.shown(text)}"
+        )
+    key = key.strip()
+    source = f"override {_shown(key)}"
+    value = bounded_load.load_yaml(raw, source, depth=len(key.split("."))) if raw.strip() else ""
+    return key, value
 
 
 def read_config_file(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
     try:
-        values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        first = str(e).splitlines()[0]
-        raise ValueError(
-            f"config file {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {first}"
-        ) from None
+        with open(path, encoding="utf-8") as f:
+            # One character over the limit is enough for the loader to refuse the length.
+            text = f.read(bounded_load.MAX_TEXT_CHARS + 1)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {_shown(path)} is not UTF-8 text: {e.reason}") from None
+    values = bounded_load.loader_for(path)(text, f"config file {_shown(path)}")
     if values is None:
         return {}
     if not isinstance(values, dict):
@@ -514,20 +516,20 @@ def _check_train_light(values: Mapping[str, Any], key: str) -> None:
         )
     for name, value in values.items():
         if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"config {key}.{name} must be finite, got {value!r}")
+            raise ValueError(f"config {key}.{name} must be finite, got {bounded_load.shown(value)}")
         kinds = {part.strip() for part in _TRAIN_FIELD_TYPES[name].split("|")}
         if value is None or not kinds <= set(_LIGHT_TYPES):
             continue
         if not any(_LIGHT_TYPES[kind](value) for kind in kinds):
             wanted = " or ".join(_TYPE_WORDS[kind] for kind in sorted(kinds - {"None"}))
             raise ValueError(
-                f"config {key}: {name} must be {wanted}, got {_shown(repr(value))[:80]}"
+                f"config {key}: {name} must be {wanted}, got {bounded_load.shown(value)}"
             )
         choices = _TRAIN_CHOICES.get(name)
         if choices and isinstance(value, str) and value not in choices:
             raise ValueError(
                 f"config {key}: {name} must be one of {', '.join(choices)}, got "
-                f"{_shown(repr(value))[:80]}{_suggest(value, choices)}"
+                f"{bounded_load.shown(value)}{_suggest(value, choices)}"
             )
 
 
@@ -535,7 +537,7 @@ def validate_light(config: PipelineConfig) -> None:
     """The checks of `validate` that need no library import (TF-free, fast)."""
     if not config.pipeline.name.replace("-", "").replace("_", "").isalnum():
         raise ValueError(
-            f"config pipeline.name must be letters, digits, - or _, got {config.pipeline.name!r}"
+            f"config pipeline.name must be letters, digits, - or _, got {bounded_load.shown(config.pipeline.name)}"
         )
     if not config.pipeline.output_dir:
         raise ValueError("config pipeline.output_dir must not be empty")
@@ -561,7 +563,7 @@ def validate_light(config: PipelineConfig) -> None:
     if algorithm not in private:
         raise ValueError(
             f"config train.algorithm must be one of {', '.join(private)} (private training), "
-            f"got {_shown(repr(algorithm))[:80]}"
+            f"got {bounded_load.shown(algorithm)}"
             + (_suggest(algorithm, private) if isinstance(algorithm, str) else "")
         )
     _check_train_light(config.train, "train")
@@ -570,13 +572,14 @@ def validate_light(config: PipelineConfig) -> None:
     if pretrain.source not in PRETRAIN_SOURCES:
         raise ValueError(
             f"config pretrain.source must be one of {', '.join(PRETRAIN_SOURCES)}, got "
-            f"{_shown(repr(pretrain.source))[:80]}{_suggest(pretrain.source, PRETRAIN_SOURCES)}"
+            f"{bounded_load.shown(pretrain.source)}{_suggest(pretrain.source, PRETRAIN_SOURCES)}"
         )
     if pretrain.source == "none":
         recipes.check_start(config.train, pretrained=False, where="config train.")
     if pretrain.source == "import" and not os.path.isdir(pretrain.backbone_dir):
         raise ValueError(
-            f"config pretrain.backbone_dir {pretrain.backbone_dir!r} is not a directory (pretrain.source is import)"
+            f"config pretrain.backbone_dir {bounded_load.shown(pretrain.backbone_dir)} is not a "
+            "directory (pretrain.source is import)"
         )
     if pretrain.source == "public" and (
         config.split.public_fraction <= 0 and not config.has_public_inputs

@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from tff_algorithms import accounting, dplc_releases, secret_files, validation
+from tff_algorithms import accounting, bounded_load, dplc_releases, secret_files, validation
 
 BUDGET_LEDGER_FORMAT = "dp-fedemb-budget-ledger/1"
 FINGERPRINT_SCHEME = "sha256 of sorted training user ids"
@@ -235,10 +235,8 @@ def _read(path: str, *, writing: bool = True) -> dict[str, Any]:
     text = secret_files.read_text(path)
     if text is None:
         return _empty_ledger()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"budget ledger {path} is not valid JSON: {e}") from None
+    # The ledger grows with every run: nesting and integers bounded, not its size.
+    data = bounded_load.load_json(text, f"budget ledger {path}", bound_size=False)
     if not isinstance(data, dict) or data.get("format") != BUDGET_LEDGER_FORMAT:
         raise ValueError(f"{path} is not a budget ledger (format {BUDGET_LEDGER_FORMAT!r})")
     return data

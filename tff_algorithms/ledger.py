@@ -28,7 +28,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from tff_algorithms import accounting, dplc_releases
+from tff_algorithms import accounting, bounded_load, dplc_releases
 
 LEDGER_FORMAT = "dp-fedemb-privacy-ledger/2"
 _LEGACY_FORMAT = "dp-fedemb-privacy-ledger/1"
@@ -209,10 +209,7 @@ class PrivacyLedger:
         expected_spec: accounting.AccountingSpec | None = None,
         expected_releases: dplc_releases.ReleasePlan | None = None,
     ) -> PrivacyLedger:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"privacy ledger is not valid JSON: {e}") from None
+        data = bounded_load.load_json(text, "privacy ledger", bound_size=False)
         return cls.from_dict(data, expected_spec, expected_releases)
 
     def __eq__(self, other: object) -> bool:
