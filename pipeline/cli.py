@@ -18,6 +18,7 @@ end with one line on stderr and a non-zero exit; anything else is a bug and keep
 traceback. An unknown command, flag or enum value names the closest valid one.
 """
 
+import errno
 import importlib
 import os
 import re
@@ -51,6 +52,38 @@ def _usage() -> str:
 
 def _one_line(text: str) -> str:
     return "; ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+# OS errors that a user fixes outside the product (space, quota, a read-only disk).
+_STORAGE_ERRORS = {
+    errno.ENOSPC: "No space left on device",
+    errno.EDQUOT: "Disk quota exceeded",
+    errno.EROFS: "Read-only file system",
+}
+_STORAGE_HINT = (
+    "free space (or write to a larger disk) and re-run the same command: it continues "
+    "where it stopped"
+)
+
+
+def _storage_error(error: BaseException) -> str | None:
+    """One line for a full disk, an exceeded quota or a read-only filesystem anywhere
+    in `error`'s chain (an OSError from Python or Beam, or TensorFlow's error naming
+    the file it was writing); None for anything else."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _STORAGE_ERRORS:
+            where = f" writing {current.filename}" if current.filename else ""
+            return f"{_STORAGE_ERRORS[current.errno]}{where}; {_STORAGE_HINT}"
+        text = str(current)
+        for reason in _STORAGE_ERRORS.values():
+            if reason in text and type(current).__module__.startswith("tensorflow"):
+                first = _one_line(text)[:300]
+                return f"{reason} ({first}); {_STORAGE_HINT}"
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _flag_error(flag_values: flags.FlagValues, error: flags.Error) -> str:
@@ -149,10 +182,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if hasattr(command, "check"):
             command.check(flag_values, rest[1:])
-        with console.QuietStderr():
+        with console.QuietStderr(), console.library_logs_to_file_only():
             return int(command.run(flag_values, rest[1:]) or 0)
-    except (ValueError, OSError) as e:
-        message = _one_line(str(e)) if str(e) else type(e).__name__
+    except Exception as e:  # noqa: BLE001 - sorted below: input errors, storage, bugs
+        storage = _storage_error(e)
+        if storage is None and not isinstance(e, (ValueError, OSError)):
+            raise  # a bug: keep its traceback
+        message = storage or (_one_line(str(e)) if str(e) else type(e).__name__)
         print(f"dp-fedemb {name}: error: {checks.shown(message)}", file=sys.stderr)
         return EXIT_INPUT_ERROR
 

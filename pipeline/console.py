@@ -23,6 +23,7 @@ import re
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import TextIO
 
 # Lines that say nothing to a user of this product (each seen in `make run` output).
@@ -177,6 +178,29 @@ class LogFileHandler(logging.Handler):
         active = QuietStderr._active
         if active is not None:
             active._record(self.format(record) + "\n")
+
+
+# Libraries that log an error's traceback before raising it (Beam's bundle runner): the
+# command's one error line says what failed, the full log keeps the traceback.
+_LOGGED_TO_FILE_ONLY = ("apache_beam",)
+
+
+@contextlib.contextmanager
+def library_logs_to_file_only(names: tuple[str, ...] = _LOGGED_TO_FILE_ONLY) -> Iterator[None]:
+    """While a command runs: the named loggers write to its full log only."""
+    handler = LogFileHandler(level=logging.DEBUG)
+    saved = []
+    for name in names:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.propagate))
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in saved:
+            logger.removeHandler(handler)
+            logger.propagate = propagate
 
 
 def keep_log_in(output_dir: str, command: str) -> None:

@@ -190,11 +190,20 @@ class TreeLayout:
         return None
 
 
+# A SavedModel, and what TensorFlow's saver leaves of one it was writing when stopped
+# (variables/variables_temp/part-*, `.tempstate<n>` files).
+_SHARD = r"\d{5}-of-\d{5}"
 _SAVED_MODEL_FILES = (
     r"(saved_model\.pb|fingerprint\.pb|keras_metadata\.pb"
-    r"|variables/variables\.(index|data-\d{5}-of-\d{5}))"
+    rf"|variables/variables\.(index|data-{_SHARD})"
+    rf"|variables/variables_temp/part-{_SHARD}\.(index|data-{_SHARD}))"
+    r"(\.tempstate\d+)?"
 )
-SAVED_MODEL = TreeLayout("a SavedModel", _SAVED_MODEL_FILES, r"(assets|variables|assets\.extra)")
+SAVED_MODEL = TreeLayout(
+    "a SavedModel",
+    _SAVED_MODEL_FILES,
+    r"(assets|variables|variables/variables_temp|assets\.extra)",
+)
 
 
 def remove_tree(path: str, layout: TreeLayout) -> None:

@@ -289,7 +289,13 @@ def train(
         if on_round is not None:
             on_round(record, output.metrics)
         if last or done % config.checkpoint_every == 0:
-            _run(manager.save(_program_state(state, ledger, history), version=done))
+            try:
+                _run(manager.save(_program_state(state, ledger, history), version=done))
+            except BaseException:
+                # A save stopped by a full disk: its temporary goes (the round is
+                # trained again on resume).
+                _remove_partial_checkpoints(config.checkpoint_dir)
+                raise
             _remove_old_checkpoints(
                 config.checkpoint_dir, _run(manager.get_versions()) or [], config.keep_checkpoints
             )
