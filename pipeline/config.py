@@ -64,6 +64,9 @@ class SyntheticSection:
     seed: int = 0
     # photo or sketch (beam_jobs.synthetic.STYLES).
     style: str = "photo"
+    # 0: every user holds identities of their own; N: N users draw identities_per_user
+    # identities each from the one pool of `identities` (beam_jobs.synthetic).
+    users_sharing_identities: int = 0
 
 
 # The public pretraining data of the synthetic default: other identities (another seed),

@@ -39,6 +39,14 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         1,
         "synth: identities per user (1 faces-like, >1 landmarks-like)",
     )
+    define(
+        "integer",
+        "users-sharing-identities",
+        0,
+        "synth: 0: each user holds identities of their own; N: N users draw "
+        "--identities-per-user identities each from one shared pool of --identities, popular "
+        "ones more often (landmarks-, handwriting-like)",
+    )
     flags.DEFINE_enum(
         "style",
         "photo",
@@ -141,6 +149,12 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         raise ValueError(f"--channels must be 1 or 3, got {value['channels']}")
     checks.number("image-size", value["image-size"], 1, 4096)
     checks.number("seed", value["seed"], 0)
+    checks.number("users-sharing-identities", value["users-sharing-identities"], 0)
+    if 0 < value["users-sharing-identities"] and value["identities-per-user"] > value["identities"]:
+        raise ValueError(
+            f"--identities-per-user ({value['identities-per-user']}) must not exceed "
+            f"--identities ({value['identities']}), the pool users share"
+        )
     for name in ("max-bad-fraction", "validation-fraction", "test-fraction", "public-fraction"):
         checks.number(name, value[name], 0, 1)
     for name in ("max-removed-fraction",):
@@ -187,6 +201,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             identities_per_user=value["identities-per-user"],
             seed=value["seed"],
             style=value["style"],
+            users_sharing_identities=value["users-sharing-identities"],
         )
         result = synthetic.write_image_folder(value["out"], config)
     elif verb == "ingest":
