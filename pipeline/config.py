@@ -102,6 +102,12 @@ class SplitSection:
     # non-private pretraining when no separate public data is given.
     public_fraction: float = 0.0
     seed: int = 0
+    # The evaluation protocol (beam_jobs.splits): identity_and_user (faces), identity
+    # (EMNIST), held_out_images (landmarks, species), or auto: identity_and_user when no
+    # identity is held by two users, otherwise a stop naming the modes.
+    mode: str = "auto"
+    # Stop when the split would drop more than this share of the private records.
+    max_dropped_fraction: float = 0.1
 
 
 @dataclasses.dataclass(frozen=True)

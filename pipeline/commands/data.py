@@ -70,6 +70,22 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define(
         "float", "public-fraction", 0.0, "split: share of identities for a public pretraining split"
     )
+    flags.DEFINE_enum(
+        "mode",
+        "auto",
+        ["auto", "identity_and_user", "identity", "held_out_images"],
+        "split: evaluation protocol: identity_and_user (faces: held-out identities and their "
+        "users), identity (EMNIST: held-out identities, shared users), held_out_images "
+        "(landmarks: held-out users' images of training identities), auto (identity_and_user "
+        "when users hold disjoint identities, else a stop naming the modes)",
+        flag_values=flag_values,
+    )
+    define(
+        "float",
+        "max-dropped-fraction",
+        0.1,
+        "split: stop when the split would drop more than this share of the records",
+    )
     define(
         "string",
         "public-input",
@@ -157,7 +173,7 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         )
     for name in ("max-bad-fraction", "validation-fraction", "test-fraction", "public-fraction"):
         checks.number(name, value[name], 0, 1)
-    for name in ("max-removed-fraction",):
+    for name in ("max-removed-fraction", "max-dropped-fraction"):
         checks.number(name, value[name], 0, 1)
     checks.number("hamming-threshold", value["hamming-threshold"], 0, 63)
     checks.number("max-shift", value["max-shift"], 0, 31)
@@ -220,6 +236,8 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             value["public-fraction"],
             value["seed"],
             public_inputs=value["public-input"] is not None,
+            mode=value["mode"],
+            max_dropped_fraction=value["max-dropped-fraction"],
         )
         result = splits.run_split(
             _single_input(flag_values), value["out"], config, beam_args, value["public-input"]
