@@ -76,8 +76,9 @@ class Protocol:
     outside_guarantee: str  # whose records the private training never touches
     recall_measures: str  # what recall@FAR of the evaluation measures
     # Dedup's id kinds ("user", "identity") that may be on both sides of train vs
-    # evaluation in this mode.
+    # evaluation, and of public vs private, in this mode.
     shared_across_splits: tuple[str, ...]
+    shared_with_public: tuple[str, ...]
 
 
 PROTOCOLS = {
@@ -89,6 +90,7 @@ PROTOCOLS = {
         ),
         recall_measures="how well the model tells apart identities and users it never saw",
         shared_across_splits=(),
+        shared_with_public=(),
     ),
     IDENTITY: Protocol(
         evaluation=(
@@ -104,6 +106,9 @@ PROTOCOLS = {
             "users it may have trained on"
         ),
         shared_across_splits=("user",),
+        # Public users hold training identities, and their evaluation identities' records
+        # are in the evaluation splits.
+        shared_with_public=("user", "identity"),
     ),
     HELD_OUT_IMAGES: Protocol(
         evaluation="held-out users' images of identities the training users hold too",
@@ -113,9 +118,10 @@ PROTOCOLS = {
         ),
         recall_measures=(
             "how well the model recognises training identities in images of users it never "
-            "saw (genuine pairs: one identity, two users)"
+            "saw (genuine pairs: two images of one identity, of one evaluation user or two)"
         ),
         shared_across_splits=("identity",),
+        shared_with_public=("identity",),
     ),
 }
 

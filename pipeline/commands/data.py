@@ -11,6 +11,7 @@ further standard pipeline options (e.g. "--project=p --region=r").
 """
 
 import json
+import os
 import shlex
 from collections.abc import Sequence
 
@@ -136,6 +137,16 @@ def _single_input(flag_values: flags.FlagValues) -> str:
     return flag_values["input"].value[0]
 
 
+def _split_mode_of(split_dir: str) -> str:
+    """The mode `data split` wrote SPLIT_DIR by (its summary), identity_and_user without one."""
+    from beam_jobs import records_io, splits
+
+    summary = os.path.join(split_dir, splits.SUMMARY_FILE)
+    if not os.path.exists(summary):
+        return splits.IDENTITY_AND_USER
+    return records_io.read_json(summary).get("mode", splits.IDENTITY_AND_USER)
+
+
 _POSITIVE = (
     "identities",
     "images-per-identity",
@@ -248,7 +259,10 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             max_shift=value["max-shift"],
             max_removed_fraction=value["max-removed-fraction"],
         )
-        result = dedup.run_dedup(_single_input(flag_values), value["out"], config, beam_args)
+        split_dir = _single_input(flag_values)
+        result = dedup.run_dedup(
+            split_dir, value["out"], config, beam_args, _split_mode_of(split_dir)
+        )
     else:
         spec = partition.ScheduleSpec(
             value["users-per-virtual-client"],

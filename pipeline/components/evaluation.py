@@ -101,7 +101,8 @@ def EvaluateAndBless(
     baseline_model: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
     pretrained_backbone: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
 ) -> None:
-    """Evaluates on the test split (identities and users never seen in training)."""
+    """Evaluates on the test split (what it holds depends on the split mode,
+    beam_jobs.splits.PROTOCOLS)."""
     from beam_jobs import splits
 
     del code_fingerprint
@@ -129,6 +130,8 @@ def EvaluateAndBless(
         ),
         "privacy_budget_epsilon": privacy_budget_epsilon,
         "gate_far": gate_far,
+        # The protocol the test split was made by: what the recall measures.
+        "split_mode": layout.split_mode(examples),
         "bootstrap": {"resamples": bootstrap_resamples, "confidence": confidence},
     }
     baseline_recall = None
