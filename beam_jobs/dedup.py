@@ -25,7 +25,9 @@ batch, so no worker holds a whole side.
 
 Only the candidate side (train, public) ever loses records; reference records (the
 evaluation splits, the private data) pass through untouched. Users or identities on both
-sides are an error: splits must be disjoint by user and identity. A dedup that would
+sides are an error, except those the split mode shares between the splits compared
+(beam_jobs.splits.PROTOCOLS: users in mode identity, identities in held_out_images,
+`run_dedup`'s `split_mode`). A dedup that would
 remove more than `max_removed_fraction` of a candidate split stops the job after writing
 its report (`run_dedup`): that many near duplicates is more often a threshold wrong for
 the data than real copies, and training on what is left would be training on little.
@@ -131,7 +133,8 @@ class Fingerprint(beam.PTransform):
         return {"fingerprints": out.fingerprints, "records": out[batches.RECORDS]}
 
 
-def _overlap_error(overlaps: list[tuple[str, str]], name: str) -> None:
+def _overlap_error(overlaps: list[tuple[str, str]], name: str, shared_ids: tuple[str, ...]) -> None:
+    overlaps = [(kind, name_) for kind, name_ in overlaps if kind not in shared_ids]
     if overlaps:
         overlaps = sorted(overlaps)
         kinds = sorted({kind for kind, _ in overlaps})
@@ -170,11 +173,19 @@ class FindDuplicates(beam.PTransform):
     the record files): "sizes" is then that dict, and the job spends no stages counting.
     """
 
-    def __init__(self, config: DedupConfig, name: str, sizes: dict[str, int] | None = None):
+    def __init__(
+        self,
+        config: DedupConfig,
+        name: str,
+        sizes: dict[str, int] | None = None,
+        shared_ids: tuple[str, ...] = (),
+    ):
         super().__init__()
         self._config = config
         self._name = name
         self._sizes = sizes
+        # Id kinds ("user", "identity") the split mode lets both sides hold.
+        self._shared_ids = shared_ids
 
     def expand(self, inputs):
         config = self._config
@@ -218,7 +229,7 @@ class FindDuplicates(beam.PTransform):
         overlap_check = (
             joined[batches.SHARED_IDS]
             | "AllShared" >> beam.combiners.ToList()
-            | "FailOnOverlap" >> beam.Map(_overlap_error, self._name)
+            | "FailOnOverlap" >> beam.Map(_overlap_error, self._name, self._shared_ids)
         )
         requests = (
             joined.close
@@ -298,10 +309,12 @@ class Deduplicate(beam.PTransform):
         name: str,
         splits_compared: tuple[str, str],
         sizes: dict[str, int] | None = None,
+        shared_ids: tuple[str, ...] = (),
     ):
         super().__init__()
         self._config = config
         self._sizes = sizes
+        self._shared_ids = shared_ids
         self._names = {
             "name": name,
             "candidate_split": splits_compared[0] or "candidate",
@@ -313,7 +326,7 @@ class Deduplicate(beam.PTransform):
         found = {
             "candidates": inputs["candidates"],
             "reference": inputs["reference"],
-        } | "FindDuplicates" >> FindDuplicates(config, names["name"], self._sizes)
+        } | "FindDuplicates" >> FindDuplicates(config, names["name"], self._sizes, self._shared_ids)
         removed_ids = found["removed"] | "RemovedIds" >> beam.combiners.ToDict()
         kept = inputs["records"] | "Kept" >> beam.FlatMap(
             batches.kept_records, beam.pvalue.AsSingleton(removed_ids)
@@ -359,15 +372,23 @@ class RemoveNearDuplicates(beam.PTransform):
         } | Deduplicate(self._config, self._name, self._splits)
 
 
-def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None) -> dict:
+def run_dedup(
+    split_dir: str,
+    out_dir: str,
+    config: DedupConfig,
+    beam_args=None,
+    split_mode: str = splits.IDENTITY_AND_USER,
+) -> dict:
     """Dedups SPLIT_DIR/<split>/records-* into OUT_DIR/<split>/records-*.
 
     train loses records equal or near validation/test ones; public (when present) loses
     records equal or near any private (train/validation/test) one; validation and test are
     copied unchanged. Writes OUT_DIR/dedup_report.json and returns it; raises DedupRefused
     (its record shards removed, the report kept) when a split would lose more than
-    `config.max_removed_fraction`.
+    `config.max_removed_fraction`. `split_mode`: the mode the splits were made by
+    (beam_jobs.splits.MODES), which says which ids both sides may hold.
     """
+    protocol = splits.PROTOCOLS[split_mode]
     present = [
         s
         for s in splits.SPLIT_PRIORITY
@@ -399,6 +420,7 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
             "train_vs_evaluation",
             (splits.TRAIN, "/".join(splits.EVALUATION_SPLITS)),
             {_CANDIDATE: sizes[splits.TRAIN], _REFERENCE: evaluation_size},
+            protocol.shared_across_splits,
         )
         reports = [train["report"]]
         outputs = {splits.TRAIN: train["kept"]}
@@ -416,6 +438,7 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
                     _CANDIDATE: sizes[splits.PUBLIC],
                     _REFERENCE: evaluation_size + sizes[splits.TRAIN],
                 },
+                protocol.shared_with_public,
             )
             reports.append(public["report"])
             outputs[splits.PUBLIC] = public["kept"]

@@ -1,13 +1,35 @@
-"""Splits by identity and user (DESIGN.md section 3), streamed and deterministic.
+"""Splits of the private records into train, validation, test (and public), streamed and
+deterministic: the split protocol every job, component and text imports (DESIGN.md section 3).
 
-Each identity goes to a split by a keyed hash of (seed, identity), so the assignment
-needs no global state and is the same on every worker and run. A user goes to the most
-protected split among their identities' splits (test, then validation, then train, then
-public), and keeps only the records whose identity is in that split; the rest are
-dropped and counted. Hence evaluation identities and their users never appear in
-training, no user is in two splits, and no identity is in two splits. The optional public
-split (for non-private pretraining) ranks last, so a user holding any private identity
-never lands in it.
+Each identity or user goes to a split by a keyed hash of (seed, name), so the assignment
+needs no global state and is the same on every worker and run. Which is hashed depends on
+`SplitConfig.mode`, one of the evaluation protocols of the paper's benchmarks (Table 3):
+
+identity_and_user (faces: one identity per user): each identity goes to a split; a user
+  goes to the most protected split among their identities' splits (test, then
+  validation, then train, then public) and keeps only the records whose identity is in
+  that split; the rest are dropped and counted. Evaluation identities and their users
+  never appear in training; no user and no identity is in two splits.
+identity (EMNIST: every writer writes every character): each identity goes to a split
+  and every record goes to its identity's split, so a user can be in training with some
+  identities and in evaluation with others; evaluation identities never appear in
+  training. Nothing is dropped.
+held_out_images (landmarks, species: photographers share them): each user goes to a split
+  with all their records, so evaluation users never appear in training; evaluation is
+  on their images of identities the training users hold too (records of identities no
+  training user holds are dropped and counted).
+auto: identity_and_user when no identity is held by two users; otherwise `run_split`
+  stops with one line naming the modes and the records each would keep.
+
+`public_fraction` moves whole users to the public split (for non-private pretraining) in
+every mode: in identity_and_user as the users of public identities, in the other modes
+by a hash of the user. A user holding any private record never has a record in the public
+split; in identity mode a public user's records of evaluation identities go to their
+evaluation split (evaluation identities stay apart from all training, public included).
+
+A split that would drop more than `max_dropped_fraction` of the private records stops
+(`SplitRefused`, after writing the summary): silently training on a sliver of the data
+is the failure this guards against.
 
 Public data usually comes from elsewhere (the paper pretrains on ImageNet, a different
 domain from the private users' faces): records from separate public sources go whole to
@@ -20,6 +42,7 @@ refuses as a split that is not disjoint).
 
 import dataclasses
 import hashlib
+import math
 import os
 from collections.abc import Iterable
 
@@ -38,16 +61,82 @@ EVALUATION_SPLITS = (VALIDATION, TEST)
 # Names of records from separate public sources, in the public split.
 PUBLIC_SOURCE_PREFIX = "public:"
 
+IDENTITY_AND_USER = "identity_and_user"
+IDENTITY = "identity"
+HELD_OUT_IMAGES = "held_out_images"
+AUTO = "auto"
+MODES = (IDENTITY_AND_USER, IDENTITY, HELD_OUT_IMAGES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+    """What a split mode means, in the words the privacy text, report and model card use."""
+
+    evaluation: str  # which records are evaluated
+    outside_guarantee: str  # whose records the private training never touches
+    recall_measures: str  # what recall@FAR of the evaluation measures
+    # Dedup's id kinds ("user", "identity") that may be on both sides of train vs
+    # evaluation, and of public vs private, in this mode.
+    shared_across_splits: tuple[str, ...]
+    shared_with_public: tuple[str, ...]
+
+
+PROTOCOLS = {
+    IDENTITY_AND_USER: Protocol(
+        evaluation="held-out identities and their users, none of them in training",
+        outside_guarantee=(
+            "evaluation users' records are never trained on; a user holding identities of "
+            "several splits keeps only those of the most protected one (the rest are dropped)"
+        ),
+        recall_measures="how well the model tells apart identities and users it never saw",
+        shared_across_splits=(),
+        shared_with_public=(),
+    ),
+    IDENTITY: Protocol(
+        evaluation=(
+            "held-out identities; their users may be training users (with other identities)"
+        ),
+        outside_guarantee=(
+            "each user's records of evaluation identities are never trained on; the "
+            "guarantee covers their training records, and the evaluation measures the model "
+            "on users it was trained on"
+        ),
+        recall_measures=(
+            "how well the model tells apart identities it never saw, written or taken by "
+            "users it may have trained on"
+        ),
+        shared_across_splits=("user",),
+        # Public users hold training identities, and their evaluation identities' records
+        # are in the evaluation splits.
+        shared_with_public=("user", "identity"),
+    ),
+    HELD_OUT_IMAGES: Protocol(
+        evaluation="held-out users' images of identities the training users hold too",
+        outside_guarantee=(
+            "evaluation users' records are never trained on; the identities they show are "
+            "training identities"
+        ),
+        recall_measures=(
+            "how well the model recognises training identities in images of users it never "
+            "saw (genuine pairs: two images of one identity, of one evaluation user or two)"
+        ),
+        shared_across_splits=("identity",),
+        shared_with_public=("identity",),
+    ),
+}
+
 SUMMARY_FILE = "split_summary.json"
 METRICS_NAMESPACE = "dp_fedemb.split"
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitConfig:
-    """Fractions of identities per split; train takes the rest.
+    """Fractions per split (of identities or users, by `mode`); train takes the rest.
 
     public_inputs: records from separate public sources are given too (they all go
     to the public split, which then exists even when public_fraction is 0).
+    max_dropped_fraction: `run_split` stops when the split would drop more than this
+    share of the private records.
     """
 
     validation_fraction: float = 0.1
@@ -55,12 +144,22 @@ class SplitConfig:
     public_fraction: float = 0.0
     seed: int = 0
     public_inputs: bool = False
+    mode: str = IDENTITY_AND_USER
+    max_dropped_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         fractions = (self.validation_fraction, self.test_fraction, self.public_fraction)
         if any(f < 0 for f in fractions) or sum(fractions) >= 1.0:
             raise ValueError(
                 f"split fractions must be >= 0 and leave room for train, got {fractions}"
+            )
+        if self.mode not in (AUTO, *MODES):
+            raise ValueError(
+                f"split mode must be one of {', '.join((AUTO, *MODES))}, got {self.mode!r}"
+            )
+        if not 0.0 <= self.max_dropped_fraction <= 1.0:
+            raise ValueError(
+                f"max dropped fraction must be in [0, 1], got {self.max_dropped_fraction}"
             )
 
     @property
@@ -70,23 +169,58 @@ class SplitConfig:
         return tuple(s for s in SPLIT_PRIORITY if s in present)
 
 
+MODE_CHECK_FILE = "split_mode_check.json"
+
+
+class SplitRefused(ValueError):
+    """A split that would drop more than `max_dropped_fraction` of the private records,
+    or mode auto on data whose users share identities."""
+
+
 def _unit_interval(seed: int, key: str) -> float:
     digest = hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2.0**64
 
 
-def identity_split(identity: str, config: SplitConfig) -> str:
-    """The split of an identity: a pure function of (seed, identity)."""
-    u = _unit_interval(config.seed, identity)
-    for split, fraction in (
-        (TEST, config.test_fraction),
-        (VALIDATION, config.validation_fraction),
-        (PUBLIC, config.public_fraction),
-    ):
+def _band(seed: int, key: str, bands: tuple[tuple[str, float], ...]) -> str:
+    u = _unit_interval(seed, key)
+    for split, fraction in bands:
         if u < fraction:
             return split
         u -= fraction
     return TRAIN
+
+
+def identity_split(identity: str, config: SplitConfig) -> str:
+    """The split of an identity (modes identity_and_user and identity): a pure function
+    of (seed, identity). Only identity_and_user gives identities to the public split."""
+    bands = ((TEST, config.test_fraction), (VALIDATION, config.validation_fraction))
+    if config.mode in (IDENTITY_AND_USER, AUTO):
+        bands += ((PUBLIC, config.public_fraction),)
+    return _band(config.seed, identity, bands)
+
+
+def user_split(user_id: str, config: SplitConfig) -> str:
+    """The split of a user (modes identity and held_out_images): a pure function of
+    (seed, user). In identity mode it says only whether the user is public."""
+    bands = ((PUBLIC, config.public_fraction),)
+    if config.mode == HELD_OUT_IMAGES:
+        bands = ((TEST, config.test_fraction), (VALIDATION, config.validation_fraction), *bands)
+    # Keyed apart from identities: a user and an identity of one name hash independently.
+    return _band(config.seed, "user\x00" + user_id, bands)
+
+
+def _record_splits(user_id: str, serialized_records: Iterable[bytes], config: SplitConfig):
+    """(split, record) of one private user's records, before any drop."""
+    if config.mode == HELD_OUT_IMAGES:
+        split = user_split(user_id, config)
+        return [(split, s) for s in serialized_records]
+    public_user = config.mode == IDENTITY and user_split(user_id, config) == PUBLIC
+    assigned = []
+    for serialized in serialized_records:
+        split = identity_split(schema.parse(serialized).identity, config)
+        assigned.append((PUBLIC if public_user and split == TRAIN else split, serialized))
+    return assigned
 
 
 def _assign_user(user_records: tuple[tuple[bool, str], Iterable[bytes]], config: SplitConfig):
@@ -101,31 +235,54 @@ def _assign_user(user_records: tuple[tuple[bool, str], Iterable[bytes]], config:
             )
             yield beam.pvalue.TaggedOutput(PUBLIC, schema.serialize(renamed))
         return
-    by_split: dict[str, list[bytes]] = {}
-    for serialized in serialized_records:
-        split = identity_split(schema.parse(serialized).identity, config)
-        by_split.setdefault(split, []).append(serialized)
-    user_split = next(s for s in SPLIT_PRIORITY if s in by_split)
-    for split, records in by_split.items():
-        if split != user_split:
-            Metrics.counter(METRICS_NAMESPACE, "dropped_cross_split").inc(len(records))
-            yield beam.pvalue.TaggedOutput("dropped", (user_id, split, len(records)))
-    for serialized in by_split[user_split]:
-        yield beam.pvalue.TaggedOutput(user_split, serialized)
+    assigned = _record_splits(user_id, serialized_records, config)
+    yield beam.pvalue.TaggedOutput("input", len(assigned))
+    if config.mode != IDENTITY_AND_USER:
+        for split, serialized in assigned:
+            yield beam.pvalue.TaggedOutput(split, serialized)
+        return
+    user_split_ = next(s for s in SPLIT_PRIORITY if any(s == split for split, _ in assigned))
+    dropped = sum(split != user_split_ for split, _ in assigned)
+    if dropped:
+        Metrics.counter(METRICS_NAMESPACE, "dropped_cross_split").inc(dropped)
+        yield beam.pvalue.TaggedOutput("dropped", ("cross_split", dropped))
+    for split, serialized in assigned:
+        if split == user_split_:
+            yield beam.pvalue.TaggedOutput(split, serialized)
 
 
-def _split_summary(counts: dict[tuple[str, str], int], dropped: int, config: SplitConfig) -> dict:
+def _seen_in_training(item, split: str):
+    """Evaluation records of an identity training holds too; the rest counted as dropped
+    (mode held_out_images)."""
+    _, grouped = item
+    records = list(grouped["records"])
+    if grouped["train"]:
+        for serialized in records:
+            yield beam.pvalue.TaggedOutput(split, serialized)
+    elif records:
+        Metrics.counter(METRICS_NAMESPACE, "dropped_unseen_identity").inc(len(records))
+        yield beam.pvalue.TaggedOutput("dropped", ("unseen_identity", len(records)))
+
+
+def _split_summary(
+    counts: dict[tuple[str, str], int], dropped: dict[str, int], config: SplitConfig
+) -> dict:
     return {
         "config": dataclasses.asdict(config),
+        "mode": config.mode,
+        "input_records": counts.get(("input", "records"), 0),
         "records": {s: counts.get((s, "records"), 0) for s in config.splits},
         "users": {s: counts.get((s, "users"), 0) for s in config.splits},
         "identities": {s: counts.get((s, "identities"), 0) for s in config.splits},
-        "dropped_cross_split_records": dropped,
+        "dropped_records": sum(dropped.values()),
+        "dropped_by_reason": dropped,
+        "dropped_cross_split_records": dropped.get("cross_split", 0),
     }
 
 
-class SplitByIdentityAndUser(beam.PTransform):
-    """Serialized canonical records -> {split name: records, "summary": one dict}.
+class SplitRecords(beam.PTransform):
+    """Serialized canonical records -> {split name: records, "summary": one dict}, by
+    `config.mode` (not auto: `run_split` resolves it first).
 
     The input is the private sources' records, or with `config.public_inputs` a dict
     {"records": private sources' records, "public_records": public sources' records}.
@@ -133,13 +290,15 @@ class SplitByIdentityAndUser(beam.PTransform):
 
     def __init__(self, config: SplitConfig):
         super().__init__()
+        if config.mode not in MODES:
+            raise ValueError(f"SplitRecords needs a mode of {MODES}, got {config.mode!r}")
         self._config = config
 
     def expand(self, inputs):
         config = self._config
         if config.public_inputs != isinstance(inputs, dict):
             raise ValueError(
-                "SplitByIdentityAndUser takes {'records', 'public_records'} exactly when "
+                "SplitRecords takes {'records', 'public_records'} exactly when "
                 "config.public_inputs is set"
             )
         sources = [(False, inputs["records"] if config.public_inputs else inputs)]
@@ -156,13 +315,40 @@ class SplitByIdentityAndUser(beam.PTransform):
             | "FlattenSources" >> beam.Flatten()
             | "GroupByUser" >> beam.GroupByKey()
             | "AssignUsers"
-            >> beam.FlatMap(_assign_user, config).with_outputs("dropped", *config.splits)
+            >> beam.FlatMap(_assign_user, config).with_outputs("dropped", "input", *config.splits)
         )
-        counts = []
+        outputs = {split: assigned[split] for split in config.splits}
+        dropped = [assigned["dropped"]]
+        if config.mode == HELD_OUT_IMAGES:
+            trained = (
+                outputs[TRAIN]
+                | "TrainIdentities" >> beam.Map(lambda s: schema.parse(s).identity)
+                | "DistinctTrainIdentities" >> beam.Distinct()
+                | "KeyTrainIdentities" >> beam.Map(lambda identity: (identity, True))
+            )
+            for split in EVALUATION_SPLITS:
+                seen = (
+                    {
+                        "records": outputs[split]
+                        | f"Key{split}ByIdentity"
+                        >> beam.Map(lambda s: (schema.parse(s).identity, s)),
+                        "train": trained,
+                    }
+                    | f"Join{split}Train" >> beam.CoGroupByKey()
+                    | f"Seen{split}"
+                    >> beam.FlatMap(_seen_in_training, split).with_outputs("dropped", split)
+                )
+                outputs[split] = seen[split]
+                dropped.append(seen["dropped"])
+        counts = [
+            assigned["input"]
+            | "SumInput" >> beam.CombineGlobally(sum)
+            | "KeyInput" >> beam.Map(lambda n: (("input", "records"), n))
+        ]
         for split in config.splits:
-            parsed = assigned[split] | f"Parse{split}" >> beam.Map(schema.parse)
+            parsed = outputs[split] | f"Parse{split}" >> beam.Map(schema.parse)
             counts.append(
-                assigned[split]
+                outputs[split]
                 | f"Count{split}Records" >> beam.combiners.Count.Globally()
                 | f"Key{split}Records" >> beam.Map(lambda n, s=split: ((s, "records"), n))
             )
@@ -175,19 +361,115 @@ class SplitByIdentityAndUser(beam.PTransform):
                     | f"Count{split}{field}" >> beam.combiners.Count.Globally()
                     | f"Key{split}{field}" >> beam.Map(lambda n, s=split, f=field: ((s, f), n))
                 )
-        dropped = (
-            assigned["dropped"]
-            | "DroppedCount" >> beam.Map(lambda item: item[2])
-            | "SumDropped" >> beam.CombineGlobally(sum)
+        dropped_by_reason = (
+            dropped
+            | "AllDropped" >> beam.Flatten()
+            | "SumDroppedPerReason" >> beam.CombinePerKey(sum)
+            | "DroppedDict" >> beam.combiners.ToDict()
         )
         summary = (
             counts
             | "AllCounts" >> beam.Flatten()
             | "CountsDict" >> beam.combiners.ToDict()
             | "Summary"
-            >> beam.Map(_split_summary, dropped=beam.pvalue.AsSingleton(dropped), config=config)
+            >> beam.Map(
+                _split_summary, dropped=beam.pvalue.AsSingleton(dropped_by_reason), config=config
+            )
         )
-        return {**{split: assigned[split] for split in config.splits}, "summary": summary}
+        return {**outputs, "summary": summary}
+
+
+def _shared_identities(records) -> beam.PCollection:
+    """Records -> one dict: identities, and identities held by more than one user."""
+    per_identity = (
+        records
+        | "IdentityUser" >> beam.Map(lambda s: (lambda r: (r.identity, r.user_id))(schema.parse(s)))
+        | "DistinctHoldings" >> beam.Distinct()
+        | "Identities" >> beam.Keys()
+        | "HoldersPerIdentity" >> beam.combiners.Count.PerElement()
+    )
+    return (
+        per_identity
+        | "Holders" >> beam.Values()
+        | "SharedOrNot" >> beam.Map(lambda holders: ("shared" if holders > 1 else "own", 1))
+        | "CountKinds" >> beam.CombinePerKey(sum)
+        | "KindsDict" >> beam.combiners.ToDict()
+    )
+
+
+def resolve_mode(input_dir: str, out_dir: str, config: SplitConfig, beam_args=None) -> str:
+    """The mode auto stands for on the records of INPUT_DIR: identity_and_user when no
+    identity is held by two users; otherwise SplitRefused naming the modes and the
+    records each would keep (counted by a second pass, only then). The counts are left
+    in OUT_DIR/MODE_CHECK_FILE."""
+    options = records_io.pipeline_options(beam_args)
+    check_path = os.path.join(out_dir, MODE_CHECK_FILE)
+    with beam.Pipeline(options=options) as pipeline:
+        records = pipeline | "Read" >> records_io.ReadRecords(input_dir)
+        _ = (
+            _shared_identities(records)
+            | "Check" >> beam.Map(lambda kinds: {"identities": kinds})
+            | "WriteCheck" >> records_io.WriteJson(check_path)
+        )
+    kinds = records_io.read_json(check_path)["identities"]
+    shared = kinds.get("shared", 0)
+    if not shared:
+        return IDENTITY_AND_USER
+    with beam.Pipeline(options=options) as pipeline:
+        records = pipeline | "Read" >> records_io.ReadRecords(input_dir)
+        summaries = [
+            records
+            | f"Split{mode}"
+            >> SplitRecords(dataclasses.replace(config, mode=mode, public_inputs=False))
+            for mode in MODES
+        ]
+        _ = (
+            [split["summary"] for split in summaries]
+            | "Summaries" >> beam.Flatten()
+            | "SummaryList" >> beam.combiners.ToList()
+            | "ByMode"
+            >> beam.Map(
+                lambda ss: {
+                    "identities": kinds,
+                    "kept_records": {
+                        s["mode"]: s["input_records"] - s["dropped_records"] for s in ss
+                    },
+                    "input_records": max(s["input_records"] for s in ss),
+                }
+            )
+            | "WriteCounts" >> records_io.WriteJson(check_path)
+        )
+    check = records_io.read_json(check_path)
+    total = check["input_records"]
+    choices = "; ".join(
+        f"{mode} keeps {check['kept_records'][mode]:,} of {total:,} records "
+        f"({check['kept_records'][mode] / max(total, 1):.0%}), evaluating "
+        f"{PROTOCOLS[mode].evaluation}"
+        for mode in MODES
+    )
+    raise SplitRefused(
+        f"split.mode auto: {shared:,} of {shared + kinds.get('own', 0):,} identities are held "
+        f"by more than one user, so the evaluation protocol is yours to choose: set "
+        f"split.mode (dp-fedemb data split --mode) to one of: {choices}"
+    )
+
+
+def _refuse_drops(summary: dict, config: SplitConfig) -> None:
+    total, dropped = summary["input_records"], summary["dropped_records"]
+    if dropped > config.max_dropped_fraction * total:
+        fraction = dropped / total
+        enough = math.ceil(fraction * 20 + 1e-9) / 20  # the next multiple of 0.05 above it
+        reasons = ", ".join(
+            f"{n:,} {r.replace('_', ' ')}" for r, n in summary["dropped_by_reason"].items()
+        )
+        others = [m for m in MODES if m != config.mode]
+        raise SplitRefused(
+            f"split mode {config.mode} would drop {dropped:,} of {total:,} private records "
+            f"({fraction:.1%}: {reasons}), over split.max_dropped_fraction "
+            f"{config.max_dropped_fraction:g}; if users share identities set split.mode to "
+            f"{' or '.join(others)} (dp-fedemb data split --mode), or accept the loss with "
+            f"split.max_dropped_fraction={enough:g} (--max-dropped-fraction {enough:g})"
+        )
 
 
 def run_split(
@@ -199,10 +481,17 @@ def run_split(
 ) -> dict:
     """Reads IN/records-* (and PUBLIC_IN/records-*), writes OUT/<split>/records-* and
     OUT/split_summary.json. `public_input_dir` is given exactly when
-    `config.public_inputs` is set."""
+    `config.public_inputs` is set. Mode auto is resolved first (`resolve_mode`); a split
+    dropping more than `config.max_dropped_fraction` of the private records raises
+    SplitRefused with its records removed and its summary kept."""
     if config.public_inputs != (public_input_dir is not None):
         raise ValueError(
             "run_split needs public_input_dir exactly when config.public_inputs is set"
+        )
+    requested = config.mode
+    if requested == AUTO:
+        config = dataclasses.replace(
+            config, mode=resolve_mode(input_dir, out_dir, config, beam_args)
         )
     summary_path = os.path.join(out_dir, SUMMARY_FILE)
     with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
@@ -213,8 +502,20 @@ def run_split(
                 "public_records": pipeline
                 | "ReadPublic" >> records_io.ReadRecords(public_input_dir),
             }
-        split = records | "Split" >> SplitByIdentityAndUser(config)
+        split = records | "Split" >> SplitRecords(config)
         for name in config.splits:
             _ = split[name] | f"Write{name}" >> records_io.WriteRecords(os.path.join(out_dir, name))
-        _ = split["summary"] | "WriteSummary" >> records_io.WriteJson(summary_path)
-    return records_io.read_json(summary_path)
+        _ = (
+            split["summary"]
+            | "Requested" >> beam.Map(lambda s: {**s, "requested_mode": requested})
+            | "WriteSummary" >> records_io.WriteJson(summary_path)
+        )
+    summary = records_io.read_json(summary_path)
+    try:
+        _refuse_drops(summary, config)
+    except SplitRefused:
+        # Nothing downstream may train on a split that stopped; the summary stays.
+        for name in config.splits:
+            records_io.remove_records(os.path.join(out_dir, name))
+        raise
+    return summary

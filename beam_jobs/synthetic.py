@@ -7,6 +7,15 @@ occlusion, a clutter part, lighting (gain, bias, gradient, gamma) and pixel nois
 model must learn the structure to tell identities apart. Everything is a pure function of
 (seed, identity index, image index): adding identities never changes existing ones, and
 any slice can be rendered independently (the Beam transform renders slices in parallel).
+
+Users hold identities in one of two ways. By default each user holds identities of their
+own (`identities_per_user` consecutive ones; 1 is faces-like). With
+`users_sharing_identities` N > 0, N users each draw `identities_per_user` distinct
+identities from the one pool of `identities`, popular ones far more often (Zipf-like, as
+photographers meet landmarks and writers meet characters), and every (user, identity)
+holding gets `images_per_identity` images of its own: the data where users share
+identities, which the split modes `identity` and `held_out_images` are for
+(beam_jobs/splits.py).
 """
 
 import dataclasses
@@ -30,6 +39,10 @@ STYLES = (PHOTO, SKETCH)
 # Stream tags keep the structure and per-image random streams independent.
 _STRUCTURE_STREAM = 0
 _IMAGE_STREAM = 1
+_HOLDINGS_STREAM = 2
+# Popularity of the identity of rank r (0 the most popular) is proportional to
+# (r + 1) ** -_ZIPF_EXPONENT when users share identities.
+_ZIPF_EXPONENT = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +54,9 @@ class SyntheticConfig:
     identities_per_user: int = 1  # 1: faces-like; >1: landmarks-like
     seed: int = 0
     style: str = PHOTO
+    # 0: every user holds identities of their own; N > 0: N users draw their identities
+    # from one shared pool (module docstring).
+    users_sharing_identities: int = 0
 
     def __post_init__(self) -> None:
         if self.identities < 1:
@@ -55,18 +71,76 @@ class SyntheticConfig:
             raise ValueError(f"identities per user must be >= 1, got {self.identities_per_user}")
         if self.style not in STYLES:
             raise ValueError(f"style must be one of {STYLES}, got {self.style!r}")
+        if self.users_sharing_identities < 0:
+            raise ValueError(
+                f"users sharing identities must be >= 0, got {self.users_sharing_identities}"
+            )
+        if self.shares_identities and self.identities_per_user > self.identities:
+            raise ValueError(
+                f"identities per user ({self.identities_per_user}) must not exceed the shared "
+                f"pool of identities ({self.identities})"
+            )
+
+    @property
+    def shares_identities(self) -> bool:
+        return self.users_sharing_identities > 0
 
     @property
     def users(self) -> int:
+        if self.shares_identities:
+            return self.users_sharing_identities
         return -(-self.identities // self.identities_per_user)
+
+    @property
+    def images(self) -> int:
+        holdings = (
+            self.users * self.identities_per_user if self.shares_identities else self.identities
+        )
+        return holdings * self.images_per_identity
 
     def identity_name(self, identity_index: int) -> str:
         return f"id{identity_index:0{len(str(self.identities - 1))}d}"
 
     def user_name(self, identity_index: int) -> str:
+        """The user holding an identity when users hold identities of their own."""
         # Consecutive identities share a user; the last user may hold fewer.
-        user_index = identity_index // self.identities_per_user
+        return self.user_index_name(identity_index // self.identities_per_user)
+
+    def user_index_name(self, user_index: int) -> str:
         return f"u{user_index:0{len(str(self.users - 1))}d}"
+
+    @property
+    def units(self) -> int:
+        """What the dataset is rendered by, in slices: users when they share identities
+        (`user_holdings`), identities otherwise."""
+        return self.users if self.shares_identities else self.identities
+
+
+def user_holdings(config: SyntheticConfig, user_index: int) -> list[int]:
+    """Identity indices a user holds when users share identities: `identities_per_user`
+    distinct ones drawn by Zipf-like popularity, fixed by (seed, user)."""
+    rng = np.random.default_rng([config.seed, _HOLDINGS_STREAM, user_index])
+    popularity = np.arange(1, config.identities + 1, dtype=np.float64) ** -_ZIPF_EXPONENT
+    chosen = rng.choice(
+        config.identities,
+        size=config.identities_per_user,
+        replace=False,
+        p=popularity / popularity.sum(),
+    )
+    return sorted(int(i) for i in chosen)
+
+
+def _holdings_of_units(config: SyntheticConfig, start: int, stop: int) -> Iterator[tuple]:
+    """(user index, identity index, first image index) of units [start, stop), in order.
+
+    A shared identity's images are indexed per holding (user index x images per
+    identity), so two users never hold the same image."""
+    for unit in range(start, min(stop, config.units)):
+        if config.shares_identities:
+            for identity_index in user_holdings(config, unit):
+                yield unit, identity_index, unit * config.images_per_identity
+        else:
+            yield unit // config.identities_per_user, unit, 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,25 +282,38 @@ def records_for_identities(
             yield schema.CanonicalRecord(user_id, identity, schema.encode_png(pixels))
 
 
+def records_for_units(
+    config: SyntheticConfig, start: int, stop: int
+) -> Iterator[schema.CanonicalRecord]:
+    """Canonical records of units [start, stop) (`SyntheticConfig.units`), in order; for
+    users with identities of their own, the same as `records_for_identities`."""
+    for user_index, identity_index, first_image in _holdings_of_units(config, start, stop):
+        user_id = config.user_index_name(user_index)
+        identity = config.identity_name(identity_index)
+        for image_index in range(first_image, first_image + config.images_per_identity):
+            pixels = render_image(config, identity_index, image_index)
+            yield schema.CanonicalRecord(user_id, identity, schema.encode_png(pixels))
+
+
 class SyntheticRecords(beam.PTransform):
     """PBegin -> serialized canonical records of the whole synthetic dataset."""
 
-    def __init__(self, config: SyntheticConfig, identities_per_bundle: int = 64):
+    def __init__(self, config: SyntheticConfig, units_per_bundle: int = 64):
         super().__init__()
         self._config = config
-        self._identities_per_bundle = identities_per_bundle
+        self._units_per_bundle = units_per_bundle
 
     def expand(self, pbegin):
-        config, step = self._config, self._identities_per_bundle
+        config, step = self._config, self._units_per_bundle
         return (
             pbegin
-            | "IdentitySlices" >> beam.Create(range(0, config.identities, step))
+            | "UnitSlices" >> beam.Create(range(0, config.units, step))
             # Spread slices over workers before the expensive rendering.
             | "Reshuffle" >> beam.Reshuffle()
             | "Render"
             >> beam.FlatMap(
                 lambda start: (
-                    schema.serialize(r) for r in records_for_identities(config, start, start + step)
+                    schema.serialize(r) for r in records_for_units(config, start, start + step)
                 )
             )
         )
@@ -235,14 +322,14 @@ class SyntheticRecords(beam.PTransform):
 def _planned_images(config: SyntheticConfig) -> Iterator[tuple[str, int, int]]:
     """(path relative to OUT, identity index, image index) of every image, in order."""
     width = len(str(config.images_per_identity - 1))
-    for identity_index in range(config.identities):
+    for user_index, identity_index, first_image in _holdings_of_units(config, 0, config.units):
         # Names become folders only through the one sanitiser (schema.path_component).
         folder = os.path.join(
-            schema.path_component(config.user_name(identity_index)),
+            schema.path_component(config.user_index_name(user_index)),
             schema.path_component(config.identity_name(identity_index)),
         )
-        for image_index in range(config.images_per_identity):
-            yield os.path.join(folder, f"{image_index:0{width}d}.png"), identity_index, image_index
+        for n in range(config.images_per_identity):
+            yield os.path.join(folder, f"{n:0{width}d}.png"), identity_index, first_image + n
 
 
 _TEMPORARY_SUFFIX = ".partial"
@@ -295,6 +382,6 @@ def write_image_folder(out_dir: str, config: SyntheticConfig) -> dict:
     return {
         "out": out_dir,
         "users": config.users,
-        "images": config.identities * config.images_per_identity,
+        "images": config.images,
         **dataclasses.asdict(config),
     }

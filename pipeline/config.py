@@ -62,6 +62,9 @@ class SyntheticSection:
     seed: int = 0
     # photo or sketch (beam_jobs.synthetic.STYLES).
     style: str = "photo"
+    # 0: every user holds identities of their own; N: N users draw identities_per_user
+    # identities each from the one pool of `identities` (beam_jobs.synthetic).
+    users_sharing_identities: int = 0
 
 
 # The public pretraining data of the synthetic default: other identities (another seed),
@@ -97,6 +100,12 @@ class SplitSection:
     # non-private pretraining when no separate public data is given.
     public_fraction: float = 0.0
     seed: int = 0
+    # The evaluation protocol (beam_jobs.splits): identity_and_user (faces), identity
+    # (EMNIST), held_out_images (landmarks, species), or auto: identity_and_user when no
+    # identity is held by two users, otherwise a stop naming the modes.
+    mode: str = "auto"
+    # Stop when the split would drop more than this share of the private records.
+    max_dropped_fraction: float = 0.1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,7 +93,9 @@ def performance_metrics(evaluation: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def privacy_guarantee(
-    ledger: Mapping[str, Any], composition: Mapping[str, Any] | None = None
+    ledger: Mapping[str, Any],
+    composition: Mapping[str, Any] | None = None,
+    split_mode: str | None = None,
 ) -> str:
     """The card's privacy paragraph: the report's statement, then the shared-negatives
     releases the ledger accounted (nothing more for a ledger without them)."""
@@ -101,7 +103,7 @@ def privacy_guarantee(
         f" {label[0].upper()}{label[1:]}: {value}."
         for label, value in privacy_text.shared_negatives_rows(ledger)
     )
-    return privacy_text.privacy_statement(ledger, composition) + releases
+    return privacy_text.privacy_statement(ledger, composition, split_mode) + releases
 
 
 def build_model_card(
@@ -116,7 +118,8 @@ def build_model_card(
     """The card as a dict in the Model Card Toolkit schema's field names; `composition`:
     the model's private runs (its epsilon is theirs composed)."""
     spec = ledger["spec"]
-    statement = privacy_guarantee(ledger, composition)
+    split_mode = evaluation.get("split_mode")
+    statement = privacy_guarantee(ledger, composition, split_mode)
     epsilon = privacy_text.model_epsilon(ledger, composition)
     model = evaluation["model"]
     bootstrap = evaluation.get("bootstrap") or {}
@@ -182,7 +185,12 @@ def build_model_card(
         "considerations": {
             "users": [{"description": text} for text in USERS],
             "use_cases": [{"description": text} for text in INTENDED_USES],
-            "limitations": [{"description": text} for text in LIMITATIONS],
+            "limitations": [{"description": text} for text in LIMITATIONS]
+            + (
+                [{"description": privacy_text.split_protocol_text(split_mode)}]
+                if split_mode
+                else []
+            ),
             "tradeoffs": [
                 {
                     "description": (

@@ -113,10 +113,35 @@ def composition_text(composition: Mapping[str, Any] | None) -> str:
     )
 
 
+def split_protocol_text(split_mode: str) -> str:
+    """What the split mode (beam_jobs.splits) means for the guarantee and the recall."""
+    from beam_jobs import splits
+
+    protocol = splits.PROTOCOLS[split_mode]
+    return (
+        f"Evaluation protocol (split mode {split_mode}): {protocol.evaluation}; "
+        f"{protocol.outside_guarantee}. Recall@FAR measures {protocol.recall_measures}."
+    )
+
+
+def _coverage(split_mode: str | None) -> str:
+    from beam_jobs import splits
+
+    if split_mode in (None, splits.IDENTITY_AND_USER):
+        return "it does not cover the public pretraining data or the held-out evaluation users."
+    return (
+        f"it does not cover the public pretraining data; in split mode {split_mode} "
+        f"{splits.PROTOCOLS[split_mode].outside_guarantee}."
+    )
+
+
 def privacy_statement(
-    ledger: Mapping[str, Any], composition: Mapping[str, Any] | None = None
+    ledger: Mapping[str, Any],
+    composition: Mapping[str, Any] | None = None,
+    split_mode: str | None = None,
 ) -> str:
-    """One paragraph saying what the trained model's (epsilon, delta) guarantee means."""
+    """One paragraph saying what the trained model's (epsilon, delta) guarantee means;
+    `split_mode` (beam_jobs.splits.MODES) says whose records are outside it."""
     spec = ledger["spec"]
     epsilon, delta = model_epsilon(ledger, composition), float(spec["delta"])
     relation = spec["neighboring_relation"]
@@ -139,8 +164,8 @@ def privacy_statement(
         f"the chance of any output of training (this model, and anything computed from it "
         f"alone) by at most a factor e^ε = e^{format_epsilon(epsilon)} ≈ {factor_text}, "
         f"except with probability at most δ = {delta:g}. This covers the "
-        f"{spec['population']:,} training users over all {spec['rounds']:,} rounds; it "
-        f"does not cover the public pretraining data or the held-out evaluation users."
+        f"{spec['population']:,} training users over all {spec['rounds']:,} rounds; "
+        + _coverage(split_mode)
         + composition_text(composition)
         + " "
         + details

@@ -14,7 +14,7 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 from PIL import Image
 
-from beam_jobs import dedup, records_io, schema, synthetic
+from beam_jobs import dedup, records_io, schema, splits, synthetic
 from bench import real_images
 from pipeline import cli
 
@@ -201,6 +201,29 @@ def test_user_overlap_between_splits_is_an_error(tmp_path):
         _write(os.path.join(split_dir, name), records)
     with pytest.raises(ValueError, match=r"user ids appear on both sides \(e.g. user 'eval_u3'\)"):
         dedup.run_dedup(split_dir, str(tmp_path / "out"), dedup.DedupConfig())
+    # Split mode identity puts a user's evaluation identities apart from their training
+    # ones: the same user on both sides is the protocol, a shared identity is not.
+    report = dedup.run_dedup(
+        split_dir, str(tmp_path / "identity_mode"), dedup.DedupConfig(), split_mode=splits.IDENTITY
+    )
+    assert report["train_vs_evaluation"]["kept"] == 1
+    shared_identity = _record(
+        "train_u9",
+        schema.parse(evaluation[0]).identity,
+        schema.encode_png(np.eye(28, dtype=np.uint8)),
+    )
+    _write(os.path.join(split_dir, "train"), [shared_identity])
+    with pytest.raises(ValueError, match=r"identity ids appear on both sides"):
+        dedup.run_dedup(
+            split_dir, str(tmp_path / "again"), dedup.DedupConfig(), split_mode=splits.IDENTITY
+        )
+    report = dedup.run_dedup(
+        split_dir,
+        str(tmp_path / "held_out"),
+        dedup.DedupConfig(),
+        split_mode=splits.HELD_OUT_IMAGES,
+    )
+    assert report["train_vs_evaluation"]["kept"] == 1
 
 
 def test_shifted_copies_are_found_when_the_candidate_side_is_probed():

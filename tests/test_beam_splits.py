@@ -1,4 +1,5 @@
-"""Splits by identity and user: disjointness, determinism, cross-split users."""
+"""Splits by mode: disjointness, determinism, cross-split users, shared identities, and
+the stops of mode auto and of the drop guard."""
 
 import apache_beam as beam
 import numpy as np
@@ -7,7 +8,7 @@ import tensorflow as tf
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from beam_jobs import records_io, schema, splits
+from beam_jobs import records_io, schema, splits, synthetic
 
 _PNG = schema.encode_png(np.zeros((4, 4), dtype=np.uint8))
 
@@ -50,7 +51,7 @@ def _expected_dropped(config: splits.SplitConfig, users: int, identities_per_use
 def test_cross_split_users_keep_only_their_most_protected_split():
     config = splits.SplitConfig(0.2, 0.2, 0.1, seed=1)
     with TestPipeline(options=records_io.pipeline_options()) as pipeline:
-        outputs = pipeline | beam.Create(_records(60, 3)) | splits.SplitByIdentityAndUser(config)
+        outputs = pipeline | beam.Create(_records(60, 3)) | splits.SplitRecords(config)
         assert_that(
             outputs["summary"] | beam.Map(lambda s: s["dropped_cross_split_records"]),
             equal_to([_expected_dropped(config, 60, 3)]),
@@ -58,7 +59,7 @@ def test_cross_split_users_keep_only_their_most_protected_split():
 
 
 def test_splits_are_disjoint_by_user_and_identity(tmp_path):
-    config = splits.SplitConfig(0.2, 0.2, 0.1, seed=1)
+    config = splits.SplitConfig(0.2, 0.2, 0.1, seed=1, max_dropped_fraction=1.0)
     records = _records(users=60, identities_per_user=3)
     source = str(tmp_path / "in")
     with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
@@ -91,7 +92,7 @@ def test_splits_are_disjoint_by_user_and_identity(tmp_path):
 
 
 def test_public_sources_go_whole_to_the_public_split_apart_from_private_users(tmp_path):
-    config = splits.SplitConfig(0.2, 0.2, 0.0, seed=1, public_inputs=True)
+    config = splits.SplitConfig(0.2, 0.2, 0.0, seed=1, public_inputs=True, max_dropped_fraction=1.0)
     assert config.splits == ("test", "validation", "train", "public")
     private = _records(users=40, identities_per_user=2)
     # Public data from elsewhere, with user and identity names that collide with the
@@ -147,3 +148,126 @@ def test_public_inputs_flag_and_public_input_dir_go_together(tmp_path):
             splits.SplitConfig(),
             public_input_dir=str(tmp_path),
         )
+
+
+def _write(records: list[bytes], directory: str) -> str:
+    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
+        _ = pipeline | beam.Create(records) | records_io.WriteRecords(directory)
+    return directory
+
+
+def _read_splits(out_dir, names) -> dict[str, list]:
+    return {
+        name: [
+            schema.parse(r.numpy())
+            for r in tf.data.TFRecordDataset(
+                tf.io.gfile.glob(records_io.records_pattern(str(out_dir / name)))
+            )
+        ]
+        for name in names
+    }
+
+
+# Handwriting-like: every user holds every identity (4 records each), as EMNIST's writers.
+def _shared_records(users: int, identities: int) -> list[bytes]:
+    return [
+        schema.serialize(schema.CanonicalRecord(f"u{u}", f"c{i}", _PNG + bytes([u, i, n])))
+        for u in range(users)
+        for i in range(identities)
+        for n in range(2)
+    ]
+
+
+def test_identity_mode_keeps_every_record_and_keeps_evaluation_identities_out_of_training(
+    tmp_path,
+):
+    config = splits.SplitConfig(0.2, 0.2, 0.2, seed=3, mode=splits.IDENTITY)
+    records = _shared_records(users=30, identities=20)
+    summary = splits.run_split(_write(records, str(tmp_path / "in")), str(tmp_path / "out"), config)
+    out = _read_splits(tmp_path / "out", config.splits)
+    assert summary["dropped_records"] == 0 and summary["mode"] == splits.IDENTITY
+    assert sum(len(v) for v in out.values()) == len(records) == summary["input_records"]
+    identities = {name: {r.identity for r in v} for name, v in out.items()}
+    users = {name: {r.user_id for r in v} for name, v in out.items()}
+    evaluation = identities["test"] | identities["validation"]
+    assert evaluation and not evaluation & (identities["train"] | identities["public"])
+    # Users are shared between training and evaluation, with different identities.
+    assert users["train"] & users["test"]
+    # Public users go whole: none of their training-identity records is private, and no
+    # private user has a public record.
+    assert users["public"] and not users["public"] & users["train"]
+    for r in out["test"] + out["validation"]:
+        assert splits.identity_split(r.identity, config) != splits.TRAIN
+
+
+def test_held_out_images_mode_evaluates_held_out_users_on_training_identities(tmp_path):
+    config = splits.SplitConfig(0.15, 0.2, 0.1, seed=2, mode=splits.HELD_OUT_IMAGES)
+    records = _shared_records(users=40, identities=10)
+    # One identity only a few users hold, none of them in training: not a training
+    # identity, so its evaluation records are dropped and counted.
+    rare_users = [u for u in range(40) if splits.user_split(f"u{u}", config) == splits.TEST][:2]
+    records += [
+        schema.serialize(schema.CanonicalRecord(f"u{u}", "rare", _PNG + bytes([u])))
+        for u in rare_users
+    ]
+    summary = splits.run_split(_write(records, str(tmp_path / "in")), str(tmp_path / "out"), config)
+    out = _read_splits(tmp_path / "out", config.splits)
+    users = {name: {r.user_id for r in v} for name, v in out.items()}
+    for a in config.splits:
+        for b in config.splits:
+            if a < b:
+                assert not users[a] & users[b], (a, b)
+    train_identities = {r.identity for r in out["train"]}
+    assert {r.identity for r in out["test"] + out["validation"]} <= train_identities
+    assert summary["dropped_by_reason"] == {"unseen_identity": 2}
+    assert sum(len(v) for v in out.values()) == len(records) - 2
+    assert users["test"] and users["validation"] and users["public"]
+
+
+@pytest.mark.parametrize("mode", [splits.IDENTITY, splits.HELD_OUT_IMAGES])
+def test_shared_synthetic_identities_keep_at_least_90_percent(tmp_path, mode):
+    synth = synthetic.SyntheticConfig(
+        identities=40,
+        images_per_identity=2,
+        image_size=8,
+        identities_per_user=5,
+        users_sharing_identities=60,
+    )
+    records = [schema.serialize(r) for r in synthetic.records_for_units(synth, 0, synth.units)]
+    config = splits.SplitConfig(0.1, 0.15, mode=mode)
+    summary = splits.run_split(_write(records, str(tmp_path / "in")), str(tmp_path / "out"), config)
+    kept = sum(summary["records"].values())
+    assert kept >= 0.9 * len(records) and summary["records"]["test"] > 0
+
+
+def test_auto_mode_picks_identity_and_user_for_disjoint_identities(tmp_path):
+    records = _records(users=30, identities_per_user=1)
+    config = splits.SplitConfig(0.2, 0.2, mode=splits.AUTO)
+    summary = splits.run_split(_write(records, str(tmp_path / "in")), str(tmp_path / "out"), config)
+    assert summary["mode"] == splits.IDENTITY_AND_USER and summary["requested_mode"] == "auto"
+    assert summary["dropped_records"] == 0
+
+
+def test_auto_mode_stops_on_shared_identities_naming_each_mode_and_what_it_keeps(tmp_path):
+    records = _shared_records(users=20, identities=10)
+    config = splits.SplitConfig(0.2, 0.2, mode=splits.AUTO)
+    with pytest.raises(splits.SplitRefused) as refused:
+        splits.run_split(_write(records, str(tmp_path / "in")), str(tmp_path / "out"), config)
+    message = str(refused.value)
+    assert "\n" not in message and "10 of 10 identities are held by more than one user" in message
+    assert "identity keeps 400 of 400 records (100%)" in message
+    assert all(mode in message for mode in splits.MODES) and "split.mode" in message
+    assert not tf.io.gfile.glob(records_io.records_pattern(str(tmp_path / "out" / "train")))
+
+
+def test_a_split_dropping_more_than_the_limit_stops_naming_the_setting(tmp_path):
+    # Faces' rule on handwriting-like data: a user keeps one split's identities only.
+    records = _shared_records(users=20, identities=10)
+    config = splits.SplitConfig(0.2, 0.2, mode=splits.IDENTITY_AND_USER)
+    with pytest.raises(splits.SplitRefused, match="split.max_dropped_fraction 0.1") as refused:
+        splits.run_split(_write(records, str(tmp_path / "in")), str(tmp_path / "out"), config)
+    assert "set split.mode to identity or held_out_images" in str(refused.value)
+    # The summary stays for the user to read; no split is left to train on.
+    assert (tmp_path / "out" / splits.SUMMARY_FILE).exists()
+    for name in config.splits:
+        assert not tf.io.gfile.glob(records_io.records_pattern(str(tmp_path / "out" / name)))

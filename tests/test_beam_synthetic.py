@@ -61,7 +61,7 @@ def test_beam_transform_equals_the_single_process_generator():
         schema.serialize(r) for r in synthetic.records_for_identities(config, 0, config.identities)
     ]
     with TestPipeline(options=records_io.pipeline_options()) as pipeline:
-        records = pipeline | synthetic.SyntheticRecords(config, identities_per_bundle=3)
+        records = pipeline | synthetic.SyntheticRecords(config, units_per_bundle=3)
         assert_that(records, equal_to(expected))
 
 
@@ -109,3 +109,39 @@ def test_sketch_style_is_a_different_domain_of_the_same_kind_of_identity():
 def test_unknown_style_is_refused():
     with pytest.raises(ValueError, match="style must be one of"):
         synthetic.SyntheticConfig(style="oil")
+
+
+def test_users_sharing_identities_draw_popular_identities_from_one_pool(tmp_path):
+    config = synthetic.SyntheticConfig(
+        identities=30, images_per_identity=2, identities_per_user=4, users_sharing_identities=200
+    )
+    assert config.users == 200 and config.images == 200 * 4 * 2
+    holdings = [synthetic.user_holdings(config, u) for u in range(config.users)]
+    assert all(len(set(h)) == 4 and all(0 <= i < 30 for i in h) for h in holdings)
+    holders = np.bincount([i for h in holdings for i in h], minlength=30)
+    # Zipf-like: the most popular identity is held by far more users than the rarest.
+    assert holders[0] > 100 and holders[0] > 4 * holders[-10:].mean()
+    records = list(synthetic.records_for_units(config, 0, config.units))
+    assert len(records) == config.images
+    # Two users holding one identity hold different images of it.
+    first_holders = [u for u, h in enumerate(holdings) if 0 in h][:2]
+    images = {
+        r.user_id: r.image
+        for r in records
+        if r.identity == config.identity_name(0)
+        and r.user_id in {config.user_index_name(u) for u in first_holders}
+    }
+    assert len(set(images.values())) == 2
+    with TestPipeline(options=records_io.pipeline_options()) as pipeline:
+        rendered = pipeline | synthetic.SyntheticRecords(config, units_per_bundle=7)
+        assert_that(rendered, equal_to([schema.serialize(r) for r in records]))
+    summary = synthetic.write_image_folder(str(tmp_path / "data"), config)
+    assert summary["images"] == config.images and len(os.listdir(tmp_path / "data")) == 200
+    assert sorted(os.listdir(tmp_path / "data" / "u000")) == [
+        config.identity_name(i) for i in holdings[0]
+    ]
+
+
+def test_users_sharing_identities_cannot_hold_more_than_the_pool():
+    with pytest.raises(ValueError, match="must not exceed the shared pool"):
+        synthetic.SyntheticConfig(identities=3, identities_per_user=4, users_sharing_identities=5)

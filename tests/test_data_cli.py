@@ -109,3 +109,37 @@ def test_errors_are_one_line_with_nonzero_exit(tmp_path, capsys):
 def test_synth_rejects_bad_shapes(tmp_path, capsys, flag):
     code, _, err = _run(capsys, "synth", "--out", str(tmp_path / "s"), flag)
     assert code == 1 and err.startswith("dp-fedemb data: error:")
+
+
+def test_users_sharing_identities_from_synth_to_split(tmp_path, capsys):
+    """The issue's new-user path on handwriting-like data: auto stops in one line naming
+    the modes; identity keeps every record instead of sending every user to test."""
+    root = str(tmp_path)
+    shape = ["--identities=12", "--images-per-identity=2", "--image-size=8"]
+    code, synth, _ = _run(
+        capsys,
+        "synth",
+        "--out",
+        f"{root}/raw",
+        *shape,
+        "--identities-per-user=6",
+        "--users-sharing-identities=30",
+    )
+    assert code == 0 and synth["users"] == 30 and synth["images"] == 30 * 6 * 2
+    code, _, _ = _run(capsys, "ingest", "--input", f"{root}/raw", "--out", f"{root}/ingested")
+    assert code == 0
+    code, _, err = _run(capsys, "split", "--input", f"{root}/ingested", "--out", f"{root}/auto")
+    assert code == 1 and err.count("\n") == 1 and "--mode" in err
+    assert "identity keeps 360 of 360 records (100%)" in err
+    code, split, _ = _run(
+        capsys,
+        "split",
+        "--input",
+        f"{root}/ingested",
+        "--out",
+        f"{root}/split",
+        "--mode=identity",
+        "--test-fraction=0.3",
+    )
+    assert code == 0 and split["dropped_records"] == 0 and split["mode"] == "identity"
+    assert split["users"]["train"] == 30 and split["records"]["test"] > 0

@@ -366,3 +366,31 @@ def test_the_model_card_shows_the_shared_negatives_releases_with_their_epsilon(t
     # Without releases the card's paragraph is the statement alone.
     plain = _ledger()
     assert model_card.privacy_guarantee(plain) == privacy_text.privacy_statement(plain)
+
+
+def test_report_and_card_say_what_the_split_mode_means(tmp_path):
+    ledger = _ledger()
+    faces = privacy_text.privacy_statement(ledger, split_mode="identity_and_user")
+    assert faces == privacy_text.privacy_statement(ledger)
+    assert faces.count("held-out evaluation users") == 1
+    inputs = _inputs(ledger)
+    inputs["evaluation"]["split_mode"] = "identity"
+    page = report.render_report(**inputs, pushed_to=None)
+    statement = _statement(page)
+    # Evaluation users may be training users in mode identity: the text must not claim
+    # they are outside the guarantee, and must say whose records are.
+    assert "held-out evaluation users" not in statement
+    assert "records of evaluation identities are never trained on" in statement
+    [protocol] = re.findall(r'<p class="protocol">(.*?)</p>', page)
+    assert "split mode identity" in protocol and "Recall@FAR measures" in protocol
+    inputs["evaluation"]["split_mode"] = "held_out_images"
+    card = model_card.build_model_card(
+        inputs["evaluation"], ledger, inputs["training_metrics"], inputs["schedule"], None
+    )
+    considerations = card["considerations"]
+    privacy = considerations["ethical_considerations"][0]["mitigation_strategy"]
+    assert "identities they show are training identities" in privacy
+    assert any(
+        "genuine pairs: two images of one identity" in item["description"]
+        for item in considerations["limitations"]
+    )

@@ -11,6 +11,7 @@ further standard pipeline options (e.g. "--project=p --region=r").
 """
 
 import json
+import os
 import shlex
 from collections.abc import Sequence
 
@@ -39,6 +40,14 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         1,
         "synth: identities per user (1 faces-like, >1 landmarks-like)",
     )
+    define(
+        "integer",
+        "users-sharing-identities",
+        0,
+        "synth: 0: each user holds identities of their own; N: N users draw "
+        "--identities-per-user identities each from one shared pool of --identities, popular "
+        "ones more often (landmarks-, handwriting-like)",
+    )
     flags.DEFINE_enum(
         "style",
         "photo",
@@ -61,6 +70,22 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("float", "test-fraction", 0.1, "split: share of identities for test")
     define(
         "float", "public-fraction", 0.0, "split: share of identities for a public pretraining split"
+    )
+    flags.DEFINE_enum(
+        "mode",
+        "auto",
+        ["auto", "identity_and_user", "identity", "held_out_images"],
+        "split: evaluation protocol: identity_and_user (faces: held-out identities and their "
+        "users), identity (EMNIST: held-out identities, shared users), held_out_images "
+        "(landmarks: held-out users' images of training identities), auto (identity_and_user "
+        "when users hold disjoint identities, else a stop naming the modes)",
+        flag_values=flag_values,
+    )
+    define(
+        "float",
+        "max-dropped-fraction",
+        0.1,
+        "split: stop when the split would drop more than this share of the records",
     )
     define(
         "string",
@@ -112,6 +137,16 @@ def _single_input(flag_values: flags.FlagValues) -> str:
     return flag_values["input"].value[0]
 
 
+def _split_mode_of(split_dir: str) -> str:
+    """The mode `data split` wrote SPLIT_DIR by (its summary), identity_and_user without one."""
+    from beam_jobs import records_io, splits
+
+    summary = os.path.join(split_dir, splits.SUMMARY_FILE)
+    if not os.path.exists(summary):
+        return splits.IDENTITY_AND_USER
+    return records_io.read_json(summary).get("mode", splits.IDENTITY_AND_USER)
+
+
 _POSITIVE = (
     "identities",
     "images-per-identity",
@@ -141,9 +176,15 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         raise ValueError(f"--channels must be 1 or 3, got {value['channels']}")
     checks.number("image-size", value["image-size"], 1, 4096)
     checks.number("seed", value["seed"], 0)
+    checks.number("users-sharing-identities", value["users-sharing-identities"], 0)
+    if 0 < value["users-sharing-identities"] and value["identities-per-user"] > value["identities"]:
+        raise ValueError(
+            f"--identities-per-user ({value['identities-per-user']}) must not exceed "
+            f"--identities ({value['identities']}), the pool users share"
+        )
     for name in ("max-bad-fraction", "validation-fraction", "test-fraction", "public-fraction"):
         checks.number(name, value[name], 0, 1)
-    for name in ("max-removed-fraction",):
+    for name in ("max-removed-fraction", "max-dropped-fraction"):
         checks.number(name, value[name], 0, 1)
     checks.number("hamming-threshold", value["hamming-threshold"], 0, 63)
     checks.number("max-shift", value["max-shift"], 0, 31)
@@ -187,6 +228,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             identities_per_user=value["identities-per-user"],
             seed=value["seed"],
             style=value["style"],
+            users_sharing_identities=value["users-sharing-identities"],
         )
         result = synthetic.write_image_folder(value["out"], config)
     elif verb == "ingest":
@@ -205,6 +247,8 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             value["public-fraction"],
             value["seed"],
             public_inputs=value["public-input"] is not None,
+            mode=value["mode"],
+            max_dropped_fraction=value["max-dropped-fraction"],
         )
         result = splits.run_split(
             _single_input(flag_values), value["out"], config, beam_args, value["public-input"]
@@ -215,7 +259,10 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             max_shift=value["max-shift"],
             max_removed_fraction=value["max-removed-fraction"],
         )
-        result = dedup.run_dedup(_single_input(flag_values), value["out"], config, beam_args)
+        split_dir = _single_input(flag_values)
+        result = dedup.run_dedup(
+            split_dir, value["out"], config, beam_args, _split_mode_of(split_dir)
+        )
     else:
         spec = partition.ScheduleSpec(
             value["users-per-virtual-client"],

@@ -88,12 +88,22 @@ def CanonicalExampleGen(
         examples.set_int_custom_property("public_bad_inputs", summaries["ingest_public"]["bad"])
     for split in config.splits:
         examples.set_int_custom_property(f"users_{split}", split_summary["users"][split])
+    # The protocol the splits were made by (auto resolved): dedup and evaluation read it.
+    examples.set_string_custom_property(layout.SPLIT_MODE, split_summary["mode"])
     read = [f"{ingest_summary['records']:,} private images"]
     if public_dir is not None:
         read.append(f"{summaries['ingest_public']['records']:,} public")
     bad = ingest_summary["bad"] + summaries.get("ingest_public", {}).get("bad", 0)
     users = ", ".join(f"{split} {split_summary['users'][split]:,}" for split in config.splits)
-    console.note(f"read {' + '.join(read)} ({bad:,} bad inputs skipped); users: {users}")
+    console.note(
+        f"read {' + '.join(read)} ({bad:,} bad inputs skipped); split mode "
+        f"{split_summary['mode']}, users: {users}"
+        + (
+            f"; {split_summary['dropped_records']:,} records dropped"
+            if split_summary["dropped_records"]
+            else ""
+        )
+    )
 
 
 def _anomalies_found(anomalies: standard_artifacts.ExampleAnomalies) -> list[str]:
@@ -139,6 +149,7 @@ def DeduplicateSplits(
             os.path.join(staging, "output"),
             dedup.DedupConfig(**json.loads(dedup_config)),
             json.loads(beam_args),
+            layout.split_mode(examples),
         )
     except dedup.DedupRefused as refused:
         # TFX deletes a failed execution's output directories: the report moves next to
@@ -152,6 +163,7 @@ def DeduplicateSplits(
     layout.publish_splits(
         os.path.join(staging, "output"), layout.split_names(examples), deduplicated_examples
     )
+    deduplicated_examples.set_string_custom_property(layout.SPLIT_MODE, layout.split_mode(examples))
     tf.io.gfile.rename(
         os.path.join(staging, "output", dedup.REPORT_FILE),
         os.path.join(dedup_report.uri, dedup.REPORT_FILE),

@@ -9,7 +9,12 @@ A model is blessed only if
   (tff_algorithms.accounting), is finite and within the configured budget (a model over
   budget is never blessed, whatever its recall), and
 - its recall at the gate FAR is no worse (up to `max_recall_regression`) than that of
-  the last blessed model, which the standard LatestBlessedModelStrategy resolver gives.
+  the last blessed model, which the standard LatestBlessedModelStrategy resolver gives,
+  and
+- its recall at the gate FAR is not significantly below that of the pretrained start it
+  trained from (the paired interval of the difference lies wholly below zero): spending
+  privacy budget for a worse model than the start is never pushed, even as a first
+  model, when no last blessed model guards it.
 The blessing follows the TFX Evaluator contract the standard Pusher checks: custom
 properties `blessed`, `current_model`, `current_model_id`, and a BLESSED or NOT_BLESSED
 file.
@@ -49,6 +54,8 @@ def _blessing_decision(
     candidate_recall: float,
     baseline_recall: float | None,
     max_regression: float,
+    versus_start: dict | None = None,
+    confidence: float = 0.95,
 ) -> list[str]:
     """Reasons not to bless; empty when the model is blessed."""
     reasons = []
@@ -64,6 +71,16 @@ def _blessing_decision(
     if baseline_recall is not None and candidate_recall < baseline_recall - max_regression:
         reasons.append(
             f"recall {candidate_recall:.4f} is below the last blessed model's {baseline_recall:.4f}"
+        )
+    # versus_start: the candidate's paired comparison with its pretrained start at the
+    # gate FAR ({"difference", "interval"}, tff_algorithms.evaluation.compare_saved_models).
+    if versus_start is not None and versus_start["interval"][1] < 0:
+        low, high = versus_start["interval"]
+        reasons.append(
+            f"recall {candidate_recall:.4f} is significantly below its pretrained start's "
+            f"{candidate_recall - versus_start['difference']:.4f} (difference "
+            f"{versus_start['difference']:+.4f}, {confidence:.0%} paired interval "
+            f"[{low:+.4f}, {high:+.4f}]): the privacy budget spent bought a worse model"
         )
     return reasons
 
@@ -84,7 +101,8 @@ def EvaluateAndBless(
     baseline_model: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
     pretrained_backbone: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
 ) -> None:
-    """Evaluates on the test split (identities and users never seen in training)."""
+    """Evaluates on the test split (what it holds depends on the split mode,
+    beam_jobs.splits.PROTOCOLS)."""
     from beam_jobs import splits
 
     del code_fingerprint
@@ -112,6 +130,8 @@ def EvaluateAndBless(
         ),
         "privacy_budget_epsilon": privacy_budget_epsilon,
         "gate_far": gate_far,
+        # The protocol the test split was made by: what the recall measures.
+        "split_mode": layout.split_mode(examples),
         "bootstrap": {"resamples": bootstrap_resamples, "confidence": confidence},
     }
     baseline_recall = None
@@ -128,6 +148,8 @@ def EvaluateAndBless(
         candidate["recall_at_far"][_far_key(gate_far)],
         baseline_recall,
         max_recall_regression,
+        candidate.get("versus", {}).get("pretrained", {}).get(_far_key(gate_far)),
+        confidence,
     )
     report["blessed"] = not reasons
     report["not_blessed_because"] = reasons

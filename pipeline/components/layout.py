@@ -13,6 +13,8 @@ from tfx import types
 from tfx.types import artifact_utils
 
 SERVING_MODEL_DIR = "Format-Serving"  # the directory the standard Pusher pushes
+# Examples' custom property: the split mode (beam_jobs.splits.MODES) the splits were made by.
+SPLIT_MODE = "split_mode"
 
 
 def split_dir(examples: types.Artifact, split: str) -> str:
@@ -21,6 +23,16 @@ def split_dir(examples: types.Artifact, split: str) -> str:
 
 def split_names(examples: types.Artifact) -> list[str]:
     return artifact_utils.decode_split_names(examples.split_names)
+
+
+def split_mode(examples: types.Artifact) -> str:
+    """The split mode of an Examples artifact; identity_and_user for artifacts made before
+    split modes existed (the only rule then)."""
+    from beam_jobs import splits
+
+    if examples.has_custom_property(SPLIT_MODE):
+        return examples.get_string_custom_property(SPLIT_MODE)
+    return splits.IDENTITY_AND_USER
 
 
 def _link_or_copy(source: str, target: str) -> None:
