@@ -25,7 +25,14 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tff_algorithms import bounded_load, client_config, job_config, model_config, recipes
+from tff_algorithms import (
+    bounded_load,
+    client_config,
+    job_config,
+    model_config,
+    owned_files,
+    recipes,
+)
 
 PRETRAIN_SOURCES = ("public", "import", "none", "private_contrastive")
 PRIVATE_CONTRASTIVE = "private_contrastive"
@@ -552,8 +559,16 @@ def validate_light(config: PipelineConfig) -> None:
         raise ValueError("config pipeline.output_dir must not be empty")
     for key in ("inputs", "public_inputs"):
         for source in getattr(config.data, key):
-            if not os.path.exists(source) and "://" not in source:
+            if "://" in source:
+                continue
+            if not os.path.exists(source):
                 raise ValueError(f"config data.{key}: {_shown(source)} does not exist")
+            if owned_files.overlapping(config.pipeline.output_dir, source):
+                raise ValueError(
+                    f"config pipeline.output_dir {_shown(config.pipeline.output_dir)} lies in "
+                    f"data.{key} {_shown(source)}: a later run would read the pipeline's files "
+                    "as inputs; give an output directory outside it"
+                )
     if not 0.0 <= config.data.max_bad_fraction <= 1.0:
         raise ValueError(
             f"config data.max_bad_fraction must be in [0, 1], got {config.data.max_bad_fraction}"

@@ -252,3 +252,13 @@ def test_a_population_too_small_for_the_schedule_stops_right_after_the_split(tmp
     assert (
         definition.DEDUP not in process.stdout and definition.STATISTICS_GEN not in process.stdout
     )
+
+
+def test_an_output_directory_inside_the_inputs_is_refused(tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    for output in (images, images / "runs"):
+        with pytest.raises(ValueError, match="pipeline.output_dir .* lies in data.inputs"):
+            config_lib.load_config(
+                None, [f"data.inputs=[{images}]", f"pipeline.output_dir={output}"]
+            )
