@@ -22,6 +22,7 @@ config), so re-running the job resumes with the same virtual clients.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -187,7 +188,9 @@ def _export(
         owned_files.remove_tree(final, owned_files.SAVED_MODEL)
         tf.io.gfile.rename(temporary, final)
     except BaseException:
-        owned_files.remove_tree(temporary, owned_files.SAVED_MODEL)
+        # The export's error is what the user must see.
+        with contextlib.suppress(OSError, ValueError):
+            owned_files.remove_tree(temporary, owned_files.SAVED_MODEL)
         raise
     return final
 

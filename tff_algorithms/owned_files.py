@@ -191,13 +191,13 @@ class TreeLayout:
 
 
 # A SavedModel, and what TensorFlow's saver leaves of one it was writing when stopped
-# (variables/variables_temp/part-*, `.tempstate<n>` files).
+# (variables/variables_temp/part-*, `.tempstate<n>` and `.tmp<hex>` files).
 _SHARD = r"\d{5}-of-\d{5}"
 _SAVED_MODEL_FILES = (
     r"(saved_model\.pb|fingerprint\.pb|keras_metadata\.pb"
     rf"|variables/variables\.(index|data-{_SHARD})"
     rf"|variables/variables_temp/part-{_SHARD}\.(index|data-{_SHARD}))"
-    r"(\.tempstate\d+)?"
+    r"(\.tempstate\d+|\.tmp[0-9a-f]{32})?"
 )
 SAVED_MODEL = TreeLayout(
     "a SavedModel",

@@ -30,6 +30,7 @@ stored in the history that reports and exports read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -293,8 +294,9 @@ def train(
                 _run(manager.save(_program_state(state, ledger, history), version=done))
             except BaseException:
                 # A save stopped by a full disk: its temporary goes (the round is
-                # trained again on resume).
-                _remove_partial_checkpoints(config.checkpoint_dir)
+                # trained again on resume). The save's error is what the user must see.
+                with contextlib.suppress(OSError, ValueError):
+                    _remove_partial_checkpoints(config.checkpoint_dir)
                 raise
             _remove_old_checkpoints(
                 config.checkpoint_dir, _run(manager.get_versions()) or [], config.keep_checkpoints

@@ -660,6 +660,23 @@ def _check_output(data: str, output: str) -> None:
     )
 
 
+def _keep_log(output: str) -> None:
+    """The full log into OUTPUT/logs; a failure to keep it (a full disk) is a warning and
+    never hides the job's own outcome."""
+    if not os.path.isdir(output):
+        return
+    try:
+        owned_files.create_entry(output, console.LOG_DIR)
+    except OSError as e:
+        print(
+            f"dp-fedemb train: warning: could not keep the full log under {output} "
+            f"({e.strerror or type(e).__name__})",
+            file=sys.stderr,
+        )
+        return
+    console.keep_log_in(output, "train")
+
+
 def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     if args:
         raise ValueError(f"unexpected arguments: {' '.join(args)}")
@@ -690,8 +707,6 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         try:
             summary = _train(value)
         finally:
-            if os.path.isdir(value["output"]):
-                owned_files.create_entry(value["output"], console.LOG_DIR)
-                console.keep_log_in(value["output"], "train")
+            _keep_log(value["output"])
     print(json.dumps(summary, sort_keys=True))
     return 0
