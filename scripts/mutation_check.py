@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -469,8 +470,11 @@ def check(mutants: Sequence[Mutant], fork: bool) -> int:
             print("\n".join(problems))
             return 2
         if fork:
-            for name in PRELOADED:
-                __import__(name)
+            os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for name in PRELOADED:
+                    __import__(name)
         modules = sorted({m.module for m in mutants})
         selection = list(dict.fromkeys(t for m in mutants for t in m.tests))
         print(f"mutation check: {len(mutants)} mutants, {len(selection)} tests, in {copy}")
@@ -546,6 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for mutant in mutants:
             print(f"{mutant.name}: {mutant.path} -> {', '.join(mutant.tests)}")
         return 0
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows as it happens in CI logs
     return check(mutants, fork=not args.no_fork)
 
 
