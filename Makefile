@@ -5,13 +5,18 @@ PYTEST_ARGS ?=
 # group on one worker (tests/conftest.py); TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= 2
 
-.PHONY: setup test bench bench-quick lint lock clean airflow-setup airflow-lock
+.PHONY: setup test mutation-check bench bench-quick lint lock clean airflow-setup airflow-lock
 
 setup:
 	@bash scripts/setup_env.sh
 
 test: setup
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# Each privacy invariant's fault, applied to a copy of the code, must make a test fail
+# (scripts/mutation_check.py; docs/development.md, "Mutation check").
+mutation-check: setup
+	$(PY) scripts/mutation_check.py
 
 # Every bench/bench_*.py; JSON in bench/results/, figures in BENCHMARKS.md.
 bench: setup

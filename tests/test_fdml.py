@@ -325,6 +325,35 @@ def test_noise_is_seeded_by_round_and_clips_hold(tff_runtime):
     assert norm <= 0.05 + 1e-6
 
 
+@pytest.mark.parametrize("strategy", triplet.STRATEGIES)
+def test_every_released_derivative_row_is_clipped_to_row_clip(tff_runtime, strategy):
+    """R1's sensitivity (`fdml_privacy`) rests on every row the real server step releases
+    having norm <= C_r: without noise the release is exactly clip_{C_r}(Alg. 1's row)."""
+    row_clip = 0.01
+    config = fdml.FdmlConfig(
+        samples_per_user=3,
+        users_per_round=5,
+        users_per_group=3,
+        strategy=strategy,
+        margin=1.0,
+        row_clip=row_clip,
+    )
+    process = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, config)
+    embeddings, keys, valid = _random_buffer(6, slots=5, s=3, d=EMBEDDING, identities=2)
+    step = process.server_step(
+        embeddings.astype(np.float32), keys, valid, np.array([0, 0], np.int64), np.int64(0)
+    )
+    released = np.asarray(step["derivatives"], np.float64)
+    assert np.all(np.linalg.norm(released, axis=-1) <= row_clip * (1 + 1e-5))
+    # The clip had work to do: most real rows of Alg. 1 are far above C_r.
+    raw, _ = _reference_buffer(embeddings, keys, valid, 3, strategy, 1.0)
+    raw_norms = np.linalg.norm(raw, axis=-1)
+    assert (raw_norms > 10 * row_clip).sum() >= 5, raw_norms
+    # Clipping scales a row, never turns it: the released row is clip(Alg. 1's row).
+    expected = raw * np.minimum(1.0, row_clip / np.maximum(raw_norms, 1e-30))[..., None]
+    np.testing.assert_allclose(released, expected, rtol=1e-4, atol=1e-7)
+
+
 def test_server_step_drops_embeddings_and_treats_non_finite_uploads_as_padding(tff_runtime):
     config = fdml.FdmlConfig(
         samples_per_user=10, users_per_round=6, margin=1.0, embedding_drop_rate=0.3

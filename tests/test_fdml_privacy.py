@@ -1,21 +1,27 @@
 """FDML's user-level privacy (issue 27, item 2).
 
 The neighbour search re-implements the mechanism in numpy (a linear embedding model, the
-grouped triplet mining, Alg. 1, row clipping, per-participant backpropagation) and imports
+grouped triplet mining, Alg. 1, row clipping, per-participant backpropagation) and uses
 neither `fdml` nor `triplet`, nor `fdml_privacy`'s sensitivity functions: the sensitivity
 it checks is read off the dp_accounting event the accountant composes, divided into the
 noise std the mechanism adds (z * clip; tests/test_fdml.py measures that std on the real
-server step).
+server step). `test_the_numpy_mechanism_is_the_modules` ties the copy to the product: the
+real `fdml.FdmlProcess`, given the same linear model and data without noise, releases the
+same clipped rows and the same clipped gradient sum, so a clip the module loses is a
+failure here too.
 """
 
+import collections
 import itertools
 import math
 
 import dp_accounting
 import numpy as np
 import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
 
-from tff_algorithms import fdml_privacy
+from tff_algorithms import fdml, fdml_privacy
 
 PIXELS, DIM, USERS, SAMPLES = 4, 2, 4, 2
 MARGIN = 0.5
@@ -130,6 +136,66 @@ def _accountant_sensitivities(group, row_clip, gradient_clip, z_d=3.0, z_g=1.5):
     )
     z1, z2 = _event_noise_multipliers(fdml_privacy.round_event(spec))
     return z_d * row_clip / z1, z_g * gradient_clip / z2
+
+
+def _linear_backbone():
+    return tf.keras.Sequential([tf.keras.layers.Dense(DIM, use_bias=False, input_shape=(PIXELS,))])
+
+
+@pytest.mark.parametrize("strategy, group", [("batch_all", 2), ("semi_hard", 4)])
+def test_the_numpy_mechanism_is_the_modules(tff_runtime, strategy, group):
+    """Same weights and data, no noise: the module's released derivatives (R1) and its
+    sum of clipped participant gradients (R2, n x the released mean) are the numpy copy's,
+    with both clips binding, one participant holding fewer rows than s."""
+    row_clip, gradient_clip = 0.05, 0.02
+    rng = np.random.default_rng(3)
+    weights = rng.normal(size=(DIM, PIXELS))
+    x, keys, valid = _dataset(rng, (0, 1, 2, 0))
+    valid[2, 1:] = False  # participant 2 uploads one example: a padded row
+    config = fdml.FdmlConfig(
+        samples_per_user=SAMPLES,
+        users_per_round=USERS,
+        users_per_group=group,
+        strategy=strategy,
+        margin=MARGIN,
+        row_clip=row_clip,
+        gradient_clip=gradient_clip,
+    )
+    process = fdml.FdmlProcess(
+        _linear_backbone,
+        (PIXELS,),
+        config,
+        initial_weights=tff.learning.models.ModelWeights([weights.T], []),
+    )
+    datasets = [
+        tf.data.Dataset.from_tensor_slices(
+            collections.OrderedDict(
+                identity=keys[v][valid[v]], image=x[v][valid[v]].astype(np.float32)
+            )
+        )
+        for v in range(USERS)
+    ]
+    state = process.initialize()
+    uploads = sorted(
+        process.embed(state, datasets, list(range(USERS))), key=lambda u: int(u["position"])
+    )
+    step = process.server_step(
+        np.stack([np.asarray(u["embeddings"]) for u in uploads]),
+        np.stack([np.asarray(u["keys"]) for u in uploads]),
+        valid,
+        np.array([0, 0], np.int64),
+        np.int64(0),
+    )
+    expected = _released_derivatives(weights, (x, keys, valid), group, strategy, row_clip)
+    # Both clips bind, so a lost clip cannot agree by chance.
+    assert np.max(np.linalg.norm(expected, axis=-1)) == pytest.approx(row_clip)
+    np.testing.assert_allclose(step["derivatives"], expected, rtol=1e-4, atol=1e-6)
+
+    output = process.next(state, datasets)
+    expected_sum = _clipped_gradient_sum(expected, (x, keys, valid), gradient_clip)
+    assert np.linalg.norm(expected_sum) > gradient_clip  # participants' gradients clipped
+    # Keras' kernel is [PIXELS, DIM]: the transpose of the numpy weights.
+    np.testing.assert_allclose(output.gradient[0] * USERS, expected_sum.T, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("strategy", ["batch_all", "semi_hard"])

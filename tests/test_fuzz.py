@@ -7,10 +7,15 @@ type, a multi-line message) is a crash the fuzzer found. Examples are derandomiz
 capped, so the run is bounded and the same in CI every time (about 30 s in all).
 """
 
+import contextlib
 import io
+import os
+import sqlite3
 import string
+import tempfile
 import unicodedata
 
+import apache_beam as beam
 import numpy as np
 import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
@@ -157,22 +162,100 @@ def test_canonical_record_parsing_is_a_record_or_a_counted_reason(serialized):
     assert schema.parse(schema.serialize(record)) == record
 
 
+_IDENTITY_FEATURES = ("identity", "label", "class")  # ingest's order of preference
+_SQL_CLIENT_DATA = tempfile.TemporaryDirectory(prefix="fuzz_sql_client_data_")
+
+
+def _one_row_database(client_id: str, serialized: bytes) -> str:
+    """A TFF client-data file holding one row (the tables of TFF's SQLite files)."""
+    path = os.path.join(_SQL_CLIENT_DATA.name, "clients.sqlite")
+    if os.path.exists(path):
+        os.remove(path)
+    with contextlib.closing(sqlite3.connect(path)) as connection, connection:
+        connection.execute(
+            "CREATE TABLE examples (split_name TEXT NOT NULL, client_id TEXT NOT NULL, "
+            "serialized_example_proto BLOB NOT NULL)"
+        )
+        # Undecodable client ids are stored as their raw bytes, as a real file may hold.
+        raw_id = client_id.encode("utf-8", "surrogateescape")
+        connection.execute(
+            "INSERT INTO examples VALUES ('train', CAST(? AS TEXT), ?)", (raw_id, serialized)
+        )
+    return path
+
+
+def _expected_identity(features: dict) -> str | None:
+    """The identity ingest must take: the single value of the first identity feature
+    present, as text (None when that feature is not single-valued)."""
+    present = [name for name in _IDENTITY_FEATURES if name in features]
+    if not present:
+        return None
+    _, values = features[present[0]]
+    if len(values) != 1:
+        return None
+    value = values[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+@st.composite
+def tff_rows(draw) -> dict:
+    """Features of a TFF client-data row: arbitrary ones, or a well-formed row (one
+    identity feature, an encoded image or a square of pixel values) that ingest may keep."""
+    if draw(st.booleans()):
+        keys = st.sampled_from([*_IDENTITY_FEATURES, "pixels", schema.IMAGE_KEY, "x"])
+        return draw(st.dictionaries(keys, feature_values, max_size=4))
+    identity = draw(
+        st.one_of(
+            st.tuples(
+                st.just("bytes_list"), names.map(lambda n: [n.encode("utf-8", "surrogateescape")])
+            ),
+            st.tuples(
+                st.just("int64_list"),
+                st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=1),
+            ),
+        )
+    )
+    if draw(st.booleans()):
+        image_key = schema.IMAGE_KEY
+        image = ("bytes_list", [draw(st.one_of(st.sampled_from(SEED_IMAGES), mutated_images()))])
+    else:
+        image_key = "pixels"
+        size = draw(st.integers(1, 6)) ** 2 * draw(st.sampled_from([1, 3]))
+        pixel = st.floats(0, 1, width=32)
+        image = ("float_list", draw(st.lists(pixel, min_size=size, max_size=size)))
+    return {draw(st.sampled_from(_IDENTITY_FEATURES)): identity, image_key: image}
+
+
 @FUZZ
-@given(
-    names,
-    st.dictionaries(
-        st.sampled_from(["label", "identity", "class", "pixels", schema.IMAGE_KEY, "x"]),
-        feature_values,
-        max_size=4,
-    ),
-)
+@given(names, tff_rows())
 def test_tff_client_data_rows_are_a_record_or_a_counted_reason(client_id, features):
-    # What ingest's ReadSqlClientData does per row.
-    try:
-        record = ingest.tff_example_to_record(client_id, _example(features))
-        schema.validate(record)
-    except schema.RecordError as e:
-        _one_line_record_error(e)
+    """ingest's ReadSqlClientData row reader, on a real one-row SQLite file: every row
+    marks its client as seen and becomes either the record its features describe or a
+    BadInput with a known reason (what the ingest summary counts, per reason)."""
+    database = _one_row_database(client_id, _example(features))
+    reader = ingest._ReadSqlRowsFn(database, None, None, schema.DEFAULT_MAX_IMAGE_PIXELS)
+    seen, *outputs = list(reader.process((1, 1)))
+    assert seen.tag == ingest._ROW_CLIENT_TAG
+    assert seen.value == client_id.encode("utf-8", "surrogateescape")
+    assert len(outputs) == 1, outputs
+    (output,) = outputs
+    if isinstance(output, beam.pvalue.TaggedOutput):
+        assert output.tag == ingest.BAD_TAG
+        bad = output.value
+        assert bad.reason in RECORD_REASONS, bad.reason
+        assert "\n" not in bad.detail and bad.detail, repr(bad.detail)
+        assert bad.source == f"{database}#rowid=1"
+        return
+    # Accepted: the record is the row's client, identity and image, and it validates.
+    record = schema.parse(output)
+    assert record.user_id == client_id
+    assert record.identity == _expected_identity(features)
+    kind, values = features.get(schema.IMAGE_KEY, ("", []))
+    if values:
+        assert kind == "bytes_list" and record.image == values[0]
+    else:  # pixel values, encoded to a PNG of exactly those values' count
+        assert schema.decode_image(record.image).size == len(features["pixels"][1])
+    schema.validate(record)
 
 
 @FUZZ

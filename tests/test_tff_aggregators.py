@@ -155,6 +155,26 @@ def test_tree_restart_starts_a_new_tree_each_epoch(tff_runtime):
         assert low < prefix_sum.std() / (z * clip * np.sqrt(nodes)) < high, (t, nodes)
 
 
+@pytest.mark.parametrize("restart_every_rounds", [None, 2])
+def test_tree_aggregation_clips_each_virtual_client(tff_runtime, restart_every_rounds):
+    clip, planned = 0.5, 2
+    process = _process(
+        aggregators.tree_aggregation(
+            noise_multiplier=0.0,
+            clip_norm=clip,
+            virtual_clients_per_round=planned,
+            record_specs=[tf.TensorSpec([3], tf.float32)],
+            noise_seed=3,
+            restart_every_rounds=restart_every_rounds,
+        ),
+        [(3,)],
+    )
+    big, small = np.array([30.0, -40.0, 0.0], np.float32), np.array([0.1, 0.2, -0.2], np.float32)
+    output = process.next(process.initialize(), [[big], [small]])
+    expected = (big * clip / np.linalg.norm(big) + small) / planned
+    np.testing.assert_allclose(output.result[0], expected, rtol=1e-6)
+
+
 def test_efficient_tree_noise_is_at_most_the_plain_tree_noise(tff_runtime):
     z, clip, rounds = 1.0, 1.0, 7
     factory = aggregators.tree_aggregation(

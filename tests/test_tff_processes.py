@@ -146,12 +146,17 @@ def test_dataset_loaded_inside_tff_from_virtual_client_ids(tff_runtime):
 
 
 def test_dp_ftrl_process_runs_with_tree_noise_and_restarts(tff_runtime):
-    # 8 users, 4 per round: 2 rounds per epoch, the tree restarting after each.
+    """The tree's noise and its restart, seen in the process's own weights: with server
+    SGD at lr 1 and no momentum the backbone after t rounds is the start minus the sum of
+    the t releases, whose noise is the tree's prefix sum: popcount(t) nodes of std z γ / M
+    each. 12 users, 4 per round: 3 rounds per epoch, so at round 4 a restarted tree holds
+    popcount(3) + popcount(1) = 3 nodes where one tree would hold popcount(4) = 1."""
+    z, clip, planned = 1.0, 0.1, 2
     spec = accounting.AccountingSpec(
-        population=8,
+        population=12,
         users_per_round=4,
-        rounds=3,
-        noise_multiplier=0.5,
+        rounds=4,
+        noise_multiplier=z,
         delta=1e-3,
         mechanism=accounting.Mechanism.DPFTRL,
         users_per_virtual_client=2,
@@ -161,15 +166,28 @@ def test_dp_ftrl_process_runs_with_tree_noise_and_restarts(tff_runtime):
         BACKBONE,
         CONFIG,
         mechanisms.aggregator_for_spec(
-            spec, clip_norm=1.0, virtual_clients_per_round=2, noise_seed=4, rounds_per_epoch=2
+            spec,
+            clip_norm=clip,
+            virtual_clients_per_round=planned,
+            noise_seed=4,
+            rounds_per_epoch=3,
+            use_efficient_tree=False,  # the plain tree: node counts give the std exactly
         ),
-        processes.server_sgdm(0.1, 0.9),
+        processes.server_sgdm(1.0, 0.0),
     )
-    state = process.initialize()
-    for seed in range(3):
-        state = process.next(state, [_client_dataset(seed, ["a", "b", "a", "b"])]).state
     assert "float32[8,5]" not in str(process.next.type_signature)
-    assert all(np.all(np.isfinite(w)) for w in _backbone(process, state).trainable)
+    start = process.initialize()
+    state = start
+    ratios = []
+    for seed in range(4):
+        state = process.next(state, [_client_dataset(seed, ["a", "b", "a", "b"])]).state
+        moved = np.concatenate([d.ravel() for d in _delta(process, start, state)])
+        # The clipped updates (norm <= γ / M a round) are negligible beside the noise.
+        ratios.append(moved.std() / (z * clip / planned))
+    # 99.99% bounds of a sample std over ~30k coordinates.
+    half_width = 3.9 * np.sqrt(1.0 / (2.0 * moved.size))
+    for ratio, nodes in zip(ratios, [1, 1, 2, 3]):
+        assert abs(ratio / np.sqrt(nodes) - 1) < half_width + 0.01, ratios
 
 
 def test_dp_fedavg_aggregates_and_noises_the_global_head(tff_runtime):

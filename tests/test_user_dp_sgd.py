@@ -278,6 +278,36 @@ def test_dense_layer_shortcut_equals_one_tape_per_user(clip=0.1):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7)
 
 
+def test_step_noise_std_is_z_times_clip_over_users():
+    """The noise the accountant's multiplier assumes: N(0, (z C)^2) on every coordinate of
+    the clipped sum, divided by n; the clipped signal (norm <= C) is negligible beside it."""
+    users, width, size, rows, z, clip = 4, 100, 40, 7, 1e4, 1e-5
+    inputs = tf.keras.Input([width])
+    model = tf.keras.Model(inputs, tf.keras.layers.Dense(size)(inputs))
+    names = [f"id{i}" for i in range(rows)]
+    vocabulary = np.unique(tf.strings.to_hash_bucket_fast(names, 2**62).numpy())
+    head = tf.Variable(models.initial_head_kernel(tf.constant([0, -1], tf.int64), size, rows))
+    trainer = user_dp_sgd.UserDpSgd(
+        model,
+        head,
+        vocabulary,
+        HeadLossConfig("softmax"),
+        clip_norm=clip,
+        noise_multiplier=z,
+        users_per_step=users,
+        learning_rate=1.0,
+        momentum=0.0,
+    )
+    before = np.concatenate([v.numpy().ravel() for v in trainer.variables])
+    rng = np.random.default_rng(1)
+    x = tf.constant(rng.normal(size=(users, 2, width)).astype(np.float32))
+    identity = tf.constant(rng.choice(names, (users, 2)))
+    trainer.step(x, identity, tf.constant(np.ones((users, 2), bool)), tf.constant([3, 0], tf.int64))
+    step = np.concatenate([v.numpy().ravel() for v in trainer.variables]) - before
+    # 99.99% bounds of a sample std over ~4,300 coordinates: within 4.2%.
+    assert step.std() / (z * clip / users) == pytest.approx(1.0, abs=0.042)
+
+
 def test_the_cli_and_the_pipeline_take_each_baseline_recipe():
     from absl import flags
 

@@ -1,0 +1,558 @@
+"""Mutation check of the privacy invariants: each fault must make a test fail.
+
+Every privacy claim of the product rests on a few lines: a clip, a noise scale, a
+sensitivity, a refusal. For each, `MUTANTS` holds one fault (an exact source snippet and
+its faulty replacement) and the fast tests that must catch it. The check copies the
+repository's files (tracked and untracked-but-not-ignored) into a temporary directory,
+runs every mutant's tests there once on the clean copy (they must pass, none skipped),
+then for each mutant writes the fault into the copy, runs its tests, and restores the
+file. A mutant is caught when pytest reports a failed test; one that survives, a snippet
+that no longer matches exactly once, or a run that errors fails the check with the
+invariant's name.
+
+Each run imports the project from the copy, never from the checkout (the .venv has the
+checkout installed editable): the run prepends the copy to sys.path and fails unless the
+mutated module was imported from the copy. Runs are sequential. By default each is a
+fork of this process, which has imported TensorFlow, TFF and Beam once (no project
+module: the check fails if one is loaded before a fork); `--no-fork` starts a fresh
+interpreter per run instead (slower, nothing shared).
+
+  .venv/bin/python scripts/mutation_check.py            # all mutants (make mutation-check)
+  .venv/bin/python scripts/mutation_check.py --list     # names and tests
+  .venv/bin/python scripts/mutation_check.py --only fdml-row-clip --only budget-refusal
+
+Adding a mutant: docs/development.md, "Mutation check".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Top-level packages of the project: none may be imported before a run starts.
+PROJECT_PACKAGES = ("tff_algorithms", "beam_jobs", "pipeline", "tests", "bench", "tools")
+# Imported once by the forking parent; what the selected tests import anyway.
+PRELOADED = (
+    "numpy",
+    "tensorflow",
+    "tensorflow_federated",
+    "tensorflow_privacy",
+    "dp_accounting",
+    "apache_beam",
+    "PIL.Image",
+    "pytest",
+)
+RUN_TIMEOUT_S = 900
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    """One fault: `original` (exactly once in `path`) replaced by `replacement`.
+
+    Attributes:
+      name: the invariant, as the report names it.
+      path: the file, relative to the repository root.
+      original: the exact source text the fault replaces.
+      replacement: the faulty text.
+      tests: pytest node ids that must catch it, fastest first.
+    """
+
+    name: str
+    path: str
+    original: str
+    replacement: str
+    tests: tuple[str, ...]
+
+    @property
+    def module(self) -> str:
+        return self.path.removesuffix(".py").replace("/", ".")
+
+
+_FDML = "tests/test_fdml.py::"
+_FDML_PRIVACY = "tests/test_fdml_privacy.py::"
+_AGGREGATORS = "tests/test_tff_aggregators.py::"
+_TREES = "tests/test_tree_sensitivity.py::"
+_LOGIT = "tests/test_logit_dp.py::"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # --- clip bounds -----------------------------------------------------------------
+    Mutant(
+        "aggregator-gaussian-clip",
+        "tff_algorithms/aggregators.py",
+        "SeededGaussianSumQuery(clip_norm, clip_norm * noise_multiplier, noise_seed)",
+        "SeededGaussianSumQuery(1e9, clip_norm * noise_multiplier, noise_seed)",
+        (_AGGREGATORS + "test_each_virtual_client_is_clipped_to_the_bound",),
+    ),
+    Mutant(
+        "aggregator-tree-clip",
+        "tff_algorithms/aggregators.py",
+        "build_l2_gaussian_query(\n        clip_norm,\n        noise_multiplier,",
+        "build_l2_gaussian_query(\n        1e9,\n        noise_multiplier * clip_norm / 1e9,",
+        (_AGGREGATORS + "test_tree_aggregation_clips_each_virtual_client[None]",),
+    ),
+    Mutant(
+        "user-dp-sgd-clip-per-user-tape",
+        "tff_algorithms/user_dp_sgd.py",
+        "factor = tf.minimum(1.0, clip_norm / tf.maximum(norm, 1e-30))",
+        "factor = tf.constant(1.0)",
+        ("tests/test_user_dp_sgd.py::test_dense_layer_shortcut_equals_one_tape_per_user",),
+    ),
+    Mutant(
+        "user-dp-sgd-clip-dense-shortcut",
+        "tff_algorithms/user_dp_sgd.py",
+        "scale = tf.where(finite, tf.minimum(1.0, self._clip / tf.maximum(norm, 1e-30)), 0.0)",
+        "scale = tf.where(finite, 1.0, 0.0)",
+        ("tests/test_user_dp_sgd.py::test_dense_layer_shortcut_equals_one_tape_per_user",),
+    ),
+    Mutant(
+        "logit-dp-pair-clip",
+        "tff_algorithms/logit_dp.py",
+        "    b = tf.constant(clip_norm, norms.dtype)\n",
+        "    return tf.ones_like(norms)\n",
+        (_LOGIT + "test_lambda_and_row_routes_equal_explicit_clipping[dtype0-1e-09]",),
+    ),
+    Mutant(
+        "logit-dp-pair-clip-row-route",
+        "tff_algorithms/logit_dp.py",
+        "coefficients = weights[i] * _clip_factors(norms, clip_norm)",
+        "coefficients = weights[i]",
+        (_LOGIT + "test_lambda_and_row_routes_equal_explicit_clipping[dtype0-1e-09]",),
+    ),
+    Mutant(
+        "fdml-row-clip",
+        "tff_algorithms/fdml.py",
+        "    if row_clip is None:\n        return derivatives\n"
+        "    return tf.clip_by_norm(derivatives, row_clip, axes=[-1])",
+        "    return derivatives",
+        (_FDML + "test_every_released_derivative_row_is_clipped_to_row_clip[batch_all]",),
+    ),
+    Mutant(
+        "fdml-gradient-clip",
+        "tff_algorithms/fdml.py",
+        "gradient, _ = tf.clip_by_global_norm(gradient, gradient_clip, use_norm=norm)",
+        "pass",
+        (_FDML_PRIVACY + "test_the_numpy_mechanism_is_the_modules[batch_all-2]",),
+    ),
+    Mutant(
+        "dplc-centers-clip",
+        "tff_algorithms/dplc.py",
+        "    if not np.any(outside):\n        return w",
+        "    if True:\n        return w",
+        ("tests/test_dplc.py::test_public_means_match_reference",),
+    ),
+    # --- noise scale -------------------------------------------------------------------
+    Mutant(
+        "aggregator-gaussian-noise-scale",
+        "tff_algorithms/aggregators.py",
+        "SeededGaussianSumQuery(clip_norm, clip_norm * noise_multiplier, noise_seed)",
+        "SeededGaussianSumQuery(clip_norm, 0.7 * clip_norm * noise_multiplier, noise_seed)",
+        (_AGGREGATORS + "test_gaussian_noise_std_is_z_gamma_over_m",),
+    ),
+    Mutant(
+        "aggregator-tree-noise-scale",
+        "tff_algorithms/aggregators.py",
+        "build_l2_gaussian_query(\n        clip_norm,\n        noise_multiplier,",
+        "build_l2_gaussian_query(\n        clip_norm,\n        0.7 * noise_multiplier,",
+        (_AGGREGATORS + "test_tree_prefix_sum_noise_follows_the_nodes_summed",),
+    ),
+    Mutant(
+        "dp-ftrl-tree-restart",
+        "tff_algorithms/mechanisms.py",
+        "restart_every_rounds = rounds_per_epoch if spec.restart_every_epoch else None",
+        "restart_every_rounds = None",
+        (
+            "tests/test_mechanisms.py::"
+            "test_dpftrl_spec_gives_tree_noise_restarting_as_the_spec_says[True]",
+        ),
+    ),
+    Mutant(
+        "user-dp-sgd-noise-scale",
+        "tff_algorithms/user_dp_sgd.py",
+        "self._stddev = float(noise_multiplier) * float(clip_norm)",
+        "self._stddev = 0.7 * float(noise_multiplier) * float(clip_norm)",
+        ("tests/test_user_dp_sgd.py::test_step_noise_std_is_z_times_clip_over_users",),
+    ),
+    Mutant(
+        "logit-dp-noise-scale",
+        "tff_algorithms/logit_dp.py",
+        "return add_gaussian_noise(clipped_gradient, noise_multiplier * c, seed)",
+        "return add_gaussian_noise(clipped_gradient, 0.7 * noise_multiplier * c, seed)",
+        (_LOGIT + "test_noise_std_is_sigma_times_c_and_seeded",),
+    ),
+    Mutant(
+        "fdml-derivative-noise-scale",
+        "tff_algorithms/fdml.py",
+        "    stddev = noise_multiplier * row_clip",
+        "    stddev = 0.7 * noise_multiplier * row_clip",
+        (_FDML + "test_noise_std_is_z_times_clip",),
+    ),
+    Mutant(
+        "fdml-gradient-noise-scale",
+        "tff_algorithms/fdml.py",
+        "stddev = config.gradient_noise_multiplier * config.gradient_clip",
+        "stddev = 0.7 * config.gradient_noise_multiplier * config.gradient_clip",
+        (_FDML + "test_noise_std_is_z_times_clip",),
+    ),
+    Mutant(
+        "dplc-noise-scale",
+        "tff_algorithms/dplc.py",
+        "return means + noise_multiplier * delta * rng.standard_normal(means.shape)",
+        "return means + 0.7 * noise_multiplier * delta * rng.standard_normal(means.shape)",
+        ("tests/test_dplc.py::test_noise_matches_sigma_times_sensitivity[False]",),
+    ),
+    # --- accounting sensitivity --------------------------------------------------------
+    Mutant(
+        "accounting-substitute-one-sensitivity",
+        "tff_algorithms/accounting.py",
+        "return 1.0 if self.convention is Convention.PAPER else 2.0",
+        "return 1.0",
+        ("tests/test_accounting.py::test_strict_is_the_default_convention",),
+    ),
+    Mutant(
+        "accounting-add-or-remove-virtual-client-sensitivity",
+        "tff_algorithms/accounting.py",
+        "return 2.0 if self.users_per_virtual_client > 1 else 1.0",
+        "return 1.0",
+        (
+            "tests/test_accounting.py::test_virtual_clients_halve_noise_under_add_or_remove_relations",
+        ),
+    ),
+    Mutant(
+        "tree-sensitivity-single-tree",
+        "tff_algorithms/tree_sensitivity.py",
+        "    return 2.0 * float(",
+        "    return 1.0 * float(",
+        (_TREES + "test_single_tree_sensitivity_is_the_brute_force_worst_case[8-3]",),
+    ),
+    Mutant(
+        "tree-sensitivity-restarted-tree-depth",
+        "tff_algorithms/tree_sensitivity.py",
+        "return leaves.bit_length()",
+        "return leaves.bit_length() - 1",
+        (_TREES + "test_restarted_tree_sensitivity_is_the_brute_force_worst_case[2-5]",),
+    ),
+    Mutant(
+        "tree-sensitivity-closed-form-bound",
+        "tff_algorithms/tree_sensitivity.py",
+        "total += full * most**2 + rest**2",
+        "total += full * most + rest",
+        (_TREES + "test_single_tree_sensitivity_is_the_brute_force_worst_case[13-2]",),
+    ),
+    Mutant(
+        "logit-dp-substitute-one-row-term",
+        "tff_algorithms/logit_dp_sensitivity.py",
+        "    rows = {NeighboringRelation.REPLACE_ONE: 4.0, NeighboringRelation.ADD_OR_REMOVE_ONE: 2.0}\n"
+        "    t = math.exp(2.0 * scale)",
+        "    rows = {NeighboringRelation.REPLACE_ONE: 2.0, NeighboringRelation.ADD_OR_REMOVE_ONE: 2.0}\n"
+        "    t = math.exp(2.0 * scale)",
+        (_LOGIT + "test_worst_case_search_reaches_but_never_exceeds_the_bound[2]",),
+    ),
+    Mutant(
+        "fdml-derivative-sensitivity",
+        "tff_algorithms/fdml_privacy.py",
+        "return 2.0 * float(row_clip) * math.sqrt(users_per_group * samples_per_user)",
+        "return float(row_clip) * math.sqrt(users_per_group * samples_per_user)",
+        (
+            _FDML_PRIVACY + "test_no_neighbour_moves_a_release_more_than_the_accountant_assumes"
+            "[2-batch_all]",
+        ),
+    ),
+    Mutant(
+        "fdml-gradient-sensitivity",
+        "tff_algorithms/fdml_privacy.py",
+        "return 2.0 * float(gradient_clip)",
+        "return float(gradient_clip)",
+        (
+            _FDML_PRIVACY + "test_no_neighbour_moves_a_release_more_than_the_accountant_assumes"
+            "[2-batch_all]",
+        ),
+    ),
+    # --- budget refusal and dedup verification -----------------------------------------
+    Mutant(
+        "budget-refusal",
+        "tff_algorithms/budget.py",
+        "over = not spent_after <= policy.total_epsilon",
+        "over = False",
+        (
+            "tests/test_budget_ledger.py::"
+            "test_charging_accumulates_refuses_over_budget_and_records_an_override",
+        ),
+    ),
+    Mutant(
+        "dedup-verification",
+        "beam_jobs/dedup_batches.py",
+        "for i in np.flatnonzero(residual <= allowed):",
+        "for i in range(len(pairs)):",
+        (
+            "tests/test_beam_dedup.py::test_copies_of_evaluation_images_are_removed_and_nothing_else",
+        ),
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    exit_code: int
+    failed: tuple[str, ...]
+    skipped: int
+    imported: dict[str, str | None]
+    log: Path
+    seconds: float
+
+
+# --- one pytest run (in a fork or a fresh interpreter) -----------------------------------
+
+
+def _child(
+    copy: Path, tests: Sequence[str], modules: Sequence[str], stop_first: bool, log: Path
+) -> int:
+    """Runs pytest on `tests` in `copy`; writes {exit_code, imported} next to `log`."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in PROJECT_PACKAGES)
+    if loaded:
+        print(f"mutation_check: project modules loaded before the run: {loaded}", flush=True)
+        return 98
+    # The copy's code, and no bytecode: a rewritten file of the same size within the
+    # same second could otherwise be served from a stale cache.
+    sys.dont_write_bytecode = True
+    os.chdir(copy)
+    sys.path.insert(0, str(copy))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(copy), os.environ.get("PYTHONPATH")])
+    )
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+    import pytest
+
+    args = ["-q", "-rfs", "-p", "no:cacheprovider", *(["-x"] if stop_first else []), *tests]
+    exit_code = int(pytest.main(args))
+    imported = {m: getattr(sys.modules.get(m), "__file__", None) for m in modules}
+    log.with_suffix(".json").write_text(json.dumps({"exit_code": exit_code, "imported": imported}))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return exit_code
+
+
+def _run(
+    copy: Path,
+    tests: Sequence[str],
+    modules: Sequence[str],
+    stop_first: bool,
+    log: Path,
+    fork: bool,
+) -> RunResult:
+    start = time.monotonic()
+    result_file = log.with_suffix(".json")
+    result_file.unlink(missing_ok=True)
+    if fork:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.setpgid(0, 0)  # its own group: a timed-out run is killed with its workers
+            code = 99
+            try:
+                code = _child(copy, tests, modules, stop_first, log)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                exit_code = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                exit_code = -1
+                break
+            time.sleep(0.2)
+    else:
+        request = json.dumps(
+            {
+                "copy": str(copy),
+                "tests": list(tests),
+                "modules": list(modules),
+                "stop_first": stop_first,
+                "log": str(log),
+            }
+        )
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--child", request], start_new_session=True
+        )
+        try:
+            exit_code = child.wait(RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            exit_code = -1
+    text = log.read_text(errors="replace") if log.exists() else ""
+    imported = json.loads(result_file.read_text())["imported"] if result_file.exists() else {}
+    failed = tuple(re.findall(r"^FAILED (\S+)", text, re.MULTILINE))
+    skipped = len(re.findall(r"^SKIPPED ", text, re.MULTILINE))
+    return RunResult(exit_code, failed, skipped, imported, log, time.monotonic() - start)
+
+
+# --- the check ------------------------------------------------------------------------
+
+
+def _copy_repository(target: Path) -> None:
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file() and not source.is_symlink():  # deleted in the work tree: skip
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+
+
+def _drifted(copy: Path, mutants: Sequence[Mutant]) -> list[str]:
+    problems = []
+    for mutant in mutants:
+        path = copy / mutant.path
+        count = path.read_text().count(mutant.original) if path.is_file() else 0
+        if count != 1:
+            problems.append(
+                f"mutant {mutant.name}: its snippet occurs {count} times in {mutant.path} "
+                "(the source drifted: update the mutant in scripts/mutation_check.py)"
+            )
+    return problems
+
+
+def _outside_copy(result: RunResult, copy: Path, modules: Sequence[str]) -> list[str]:
+    return [
+        f"{m} imported from {result.imported.get(m)}, not from the copy"
+        for m in modules
+        if not (result.imported.get(m) or "").startswith(str(copy) + os.sep)
+    ]
+
+
+def _tail(log: Path, lines: int = 30) -> str:
+    text = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+def check(mutants: Sequence[Mutant], fork: bool) -> int:
+    """Runs the check; prints a line per mutant and a verdict; returns the exit status."""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mutation_check_") as tmp:
+        copy, logs = Path(tmp) / "repo", Path(tmp) / "logs"
+        copy.mkdir()
+        logs.mkdir()
+        _copy_repository(copy)
+        problems = _drifted(copy, mutants)
+        if problems:
+            print("\n".join(problems))
+            return 2
+        if fork:
+            os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for name in PRELOADED:
+                    __import__(name)
+        modules = sorted({m.module for m in mutants})
+        selection = list(dict.fromkeys(t for m in mutants for t in m.tests))
+        print(f"mutation check: {len(mutants)} mutants, {len(selection)} tests, in {copy}")
+        clean = _run(copy, selection, modules, False, logs / "clean.log", fork)
+        wrong = _outside_copy(clean, copy, modules)
+        if clean.exit_code != 0 or clean.skipped or wrong:
+            print(
+                f"clean copy: the selected tests must all pass and none be skipped (exit "
+                f"{clean.exit_code}, {clean.skipped} skipped, failed {list(clean.failed)}) "
+                f"{'; '.join(wrong)}\n{_tail(clean.log)}"
+            )
+            return 2
+        print(f"  clean copy: {len(selection)} tests pass ({clean.seconds:.0f} s)")
+        survivors, errors = [], []
+        for mutant in mutants:
+            path = copy / mutant.path
+            original = path.read_text()
+            path.write_text(original.replace(mutant.original, mutant.replacement))
+            try:
+                run = _run(
+                    copy, mutant.tests, [mutant.module], True, logs / f"{mutant.name}.log", fork
+                )
+            finally:
+                path.write_text(original)
+            wrong = _outside_copy(run, copy, [mutant.module])
+            if wrong or run.exit_code not in (0, 1) or (run.exit_code == 1 and not run.failed):
+                errors.append(mutant.name)
+                print(
+                    f"  ERROR    {mutant.name}: exit {run.exit_code} {'; '.join(wrong)} "
+                    f"({run.seconds:.0f} s)\n{_tail(run.log)}"
+                )
+            elif run.exit_code == 0:
+                survivors.append(mutant.name)
+                print(f"  SURVIVED {mutant.name}: {mutant.path} ({run.seconds:.0f} s)")
+            else:
+                print(f"  caught   {mutant.name} by {run.failed[0]} ({run.seconds:.0f} s)")
+    minutes = (time.monotonic() - started) / 60
+    if survivors or errors:
+        print(
+            f"mutation check FAILED ({minutes:.1f} min): no test catches "
+            f"{', '.join(survivors) or 'none'}; runs in error: {', '.join(errors) or 'none'}"
+        )
+        return 1
+    print(f"mutation check passed: all {len(mutants)} mutants caught ({minutes:.1f} min)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", metavar="NAME", help="run this mutant only")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument(
+        "--no-fork", action="store_true", help="a fresh interpreter per run (slower)"
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        request = json.loads(args.child)
+        return _child(
+            Path(request["copy"]),
+            request["tests"],
+            request["modules"],
+            request["stop_first"],
+            Path(request["log"]),
+        )
+    mutants = list(MUTANTS)
+    if args.only:
+        unknown = sorted(set(args.only) - {m.name for m in MUTANTS})
+        if unknown:
+            parser.error(f"unknown mutant(s) {unknown}; --list shows the names")
+        mutants = [m for m in MUTANTS if m.name in args.only]
+    if args.list:
+        for mutant in mutants:
+            print(f"{mutant.name}: {mutant.path} -> {', '.join(mutant.tests)}")
+        return 0
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows as it happens in CI logs
+    return check(mutants, fork=not args.no_fork)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
