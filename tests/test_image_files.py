@@ -168,6 +168,11 @@ def test_evaluate_checks_records_as_ingest_does(grey_model, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "4 images of 2 identities" in done.stdout
     assert "skipped 1 bad images: corrupt_image=1" in done.stdout
+    # A FIFO given as the records file is refused, not read (it would block for ever).
+    fifo = str(tmp_path / "held-out.tfrecord")
+    os.mkfifo(fifo)
+    line, _ = support.run_refused("evaluate", "--model", grey_model, "--data", fifo, timeout=300)
+    assert "held-out.tfrecord is not a regular file" in line
 
 
 # The serving signature decodes every image ingest accepts.

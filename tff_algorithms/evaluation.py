@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import stat
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,15 +60,16 @@ def encoded_images(records: str) -> tf.data.Dataset:
 
 
 def _is_image_folder(records: str) -> bool:
-    return tf.io.gfile.isdir(records) and not any(
-        tf.io.gfile.glob(os.path.join(records, pattern)) for pattern in ("records-*", "*tfrecord*")
-    )
+    return tf.io.gfile.isdir(records) and not tf.io.gfile.glob(os.path.join(records, "*tfrecord*"))
 
 
 def _record_file_images(
     records: str, max_pixels: int
 ) -> Iterator[image_files.CheckedImage | image_files.BadInput]:
     for path in record_files(records):
+        if "://" not in path and not stat.S_ISREG(os.stat(path).st_mode):
+            # A FIFO would block the read for ever, a device never end it.
+            raise ValueError(f"{path} is not a regular file")
         compression = "GZIP" if path.endswith(".gz") else ""
         serialized_records = tf.data.TFRecordDataset(path, compression_type=compression)
         try:
