@@ -1,8 +1,9 @@
 """Ingest raw inputs into canonical records (DESIGN.md section 3).
 
 Three readers, each a composite transform from the pipeline root to
-{"records": serialized canonical examples, "bad": BadInput}:
-- ReadImageFolder: ROOT/<user_id>/<identity>/<file>.{png,jpg,jpeg}
+{"records": serialized canonical examples, "bad": image_files.BadInput}:
+- ReadImageFolder: ROOT/<user_id>/<identity>/<file>.{png,jpg,jpeg}, read by
+  `beam_jobs.image_files` (the reader `dp-fedemb evaluate` uses too)
 - ReadCanonicalTFRecords: TFRecords that already hold canonical examples
 - ReadSqlClientData: the SQLite client-data files of TFF's datasets (tables `examples`
   and `client_metadata`, one serialized tf.train.Example per row keyed by client id)
@@ -12,8 +13,9 @@ reason, bad share, limit); run_ingest writes records and summary and fails with 
 clear line when the bad share is over the limit.
 
 Hostile input is a counted skip (a BadInput with its reason), never a crash: invalid
-names (`schema.check_name`: control characters, undecodable bytes in a file or client
-name, ...), empty files, images over `max_image_pixels` (refused from the file size or
+names (`schema.check_name`: control characters, undecodable bytes in a user, identity,
+file or client name, ...), FIFOs, devices and other files that are not regular files
+(never opened), empty files, images over `max_image_pixels` (refused from the file size or
 the header, before decoding), corrupt or truncated images. Images in other pixel
 formats (alpha, palette, 16-bit) are converted, as `beam_jobs.schema` describes, and
 counted per source mode in the Beam counters `converted_image_<mode>`. Sources in the
@@ -23,185 +25,60 @@ summary are shown with non-printable characters escaped.
 import dataclasses
 import os
 import sqlite3
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import apache_beam as beam
 import numpy as np
 import tensorflow as tf
 from apache_beam.metrics import Metrics
 
-from beam_jobs import records_io, schema
+from beam_jobs import image_files, records_io, schema
 
-T = TypeVar("T")
 BAD_TAG = "bad"
 _ROW_CLIENT_TAG = "row_client"
 METRICS_NAMESPACE = "dp_fedemb.ingest"
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
-
-# Bad-input reasons beyond the schema's own (missing_field, corrupt_image, ...).
-EMPTY_USER = "empty_user"
-UNREADABLE_FILE = "unreadable_file"
-MISPLACED_FILE = "misplaced_file"
-
 # Modes decode without conversion; others are converted and counted (module docstring).
 _NATIVE_IMAGE_MODES = ("L", "RGB")
-# No PNG or JPEG within the pixel limit needs more than this many bytes per pixel
-# (16-bit RGBA, uncompressed); a bigger file is refused before it is read.
-_MAX_ENCODED_BYTES_PER_PIXEL = 8
 
 SUMMARY_FILE = "ingest_summary.json"
 _EXAMPLES_IN_SUMMARY = 10
-
-
-@dataclasses.dataclass(frozen=True)
-class BadInput:
-    reason: str
-    source: str  # file, folder or "database#client" the bad input came from
-    detail: str
 
 
 def _count(name: str) -> None:
     Metrics.counter(METRICS_NAMESPACE, name).inc()
 
 
-def _printable(text: str) -> str:
-    """`text` with control characters and undecodable bytes escaped, for reports and logs."""
-    return "".join(c if c.isprintable() or c == " " else ascii(c)[1:-1] for c in text)
-
-
 def _bad(reason: str, source: str, detail: str) -> beam.pvalue.TaggedOutput:
     _count(reason)
-    return beam.pvalue.TaggedOutput(
-        BAD_TAG, BadInput(reason, _printable(source), _printable(detail))
-    )
+    return beam.pvalue.TaggedOutput(BAD_TAG, image_files.bad_input(reason, source, detail))
+
+
+def _outputs(image: image_files.CheckedImage | image_files.BadInput):
+    """The serialized record of a checked image, else its counted, tagged BadInput."""
+    if isinstance(image, image_files.BadInput):
+        _count(image.reason)
+        yield beam.pvalue.TaggedOutput(BAD_TAG, image)
+        return
+    if image.mode not in _NATIVE_IMAGE_MODES:
+        _count(f"converted_image_{image.mode}")
+    _count("records")
+    yield schema.serialize(image.record)
 
 
 def _checked(record: schema.CanonicalRecord, source: str, max_pixels: int):
     """Yields the serialized record if it validates, else a tagged BadInput."""
-    try:
-        mode = schema.validate(record, max_pixels)
-    except schema.RecordError as e:
-        yield _bad(e.reason, source, str(e))
-        return
-    if mode not in _NATIVE_IMAGE_MODES:
-        _count(f"converted_image_{mode}")
-    _count("records")
-    yield schema.serialize(record)
-
-
-def _on_local_fallback(tf_call: Callable[[str], T], os_call: Callable[[str], T], path: str) -> T:
-    """tf.io.gfile's `tf_call`, or for a local path whose name holds undecodable bytes
-    (which tf.io.gfile cannot encode or decode) the os module's `os_call`: such names
-    come back with lone surrogates (os.listdir's convention) and are counted as bad."""
-    try:
-        return tf_call(path)
-    except UnicodeError:
-        if "://" in path:
-            raise
-        return os_call(path)
-
-
-def _list_dir(path: str) -> list[str]:
-    return _on_local_fallback(tf.io.gfile.listdir, os.listdir, path)
-
-
-def _is_dir(path: str) -> bool:
-    return _on_local_fallback(tf.io.gfile.isdir, os.path.isdir, path)
-
-
-def _file_size(path: str) -> int:
-    return _on_local_fallback(lambda p: tf.io.gfile.stat(p).length, os.path.getsize, path)
-
-
-def _read_file(path: str) -> bytes:
-    def read(opener: Callable) -> Callable[[str], bytes]:
-        def call(p: str) -> bytes:
-            with opener(p, "rb") as f:
-                return f.read()
-
-        return call
-
-    return _on_local_fallback(read(tf.io.gfile.GFile), read(open), path)
-
-
-def _list_user_folders(root: str) -> list[bytes]:
-    # As bytes (os.fsencode): a name with undecodable bytes must survive Beam's UTF-8
-    # string coder to be counted as bad.
-    return sorted(
-        os.fsencode(os.path.join(root, name))
-        for name in _list_dir(root)
-        if not name.startswith(".") and _is_dir(os.path.join(root, name))
-    )
-
-
-def _name_error(name: str, field: str) -> schema.RecordError | None:
-    try:
-        schema.check_name(name, field)
-    except schema.RecordError as e:
-        return e
-    return None
+    yield from _outputs(image_files.check_record(record, source, max_pixels))
 
 
 class _ReadUserFolderFn(beam.DoFn):
-    """One user's folder -> its records; an empty user or stray file is bad input.
-
-    Images under a user or identity folder with an invalid name are each counted as
-    invalid_name without being read; files too large for the pixel limit are not read.
-    """
+    """One user's folder -> its records and bad inputs (`image_files.read_user_folder`)."""
 
     def __init__(self, max_pixels: int):
         self._max_pixels = max_pixels
 
-    def process(self, user_folder_bytes: bytes):
-        user_folder = os.fsdecode(user_folder_bytes)
-        user_id = os.path.basename(user_folder.rstrip("/"))
-        user_error = _name_error(user_id, schema.USER_ID_KEY)
-        max_bytes = self._max_pixels * _MAX_ENCODED_BYTES_PER_PIXEL
-        images = 0
-        for identity in sorted(_list_dir(user_folder)):
-            identity = identity.rstrip("/")
-            path = os.path.join(user_folder, identity)
-            if identity.startswith("."):
-                continue
-            if not _is_dir(path):
-                yield _bad(MISPLACED_FILE, path, "files must sit in ROOT/<user_id>/<identity>/")
-                continue
-            name_error = user_error or _name_error(identity, schema.IDENTITY_KEY)
-            for name in sorted(_list_dir(path)):
-                file_path = os.path.join(path, name)
-                if name.startswith("."):
-                    continue
-                if not name.lower().endswith(IMAGE_EXTENSIONS):
-                    yield _bad(
-                        schema.UNSUPPORTED_IMAGE_FORMAT, file_path, "not a .png/.jpg/.jpeg file"
-                    )
-                    continue
-                images += 1  # an image file, good or bad: the user is not empty
-                if name_error is not None:
-                    yield _bad(name_error.reason, file_path, str(name_error))
-                    continue
-                try:
-                    size = _file_size(file_path)
-                    if size == 0:
-                        yield _bad(schema.EMPTY_IMAGE, file_path, "image file is empty (0 bytes)")
-                        continue
-                    if size > max_bytes:
-                        yield _bad(
-                            schema.IMAGE_TOO_LARGE,
-                            file_path,
-                            f"{size} bytes cannot hold an image within {self._max_pixels} pixels",
-                        )
-                        continue
-                    image = _read_file(file_path)
-                except (OSError, tf.errors.OpError) as e:
-                    yield _bad(UNREADABLE_FILE, file_path, str(e).splitlines()[0])
-                    continue
-                yield from _checked(
-                    schema.CanonicalRecord(user_id, identity, image), file_path, self._max_pixels
-                )
-        if images == 0:
-            yield _bad(EMPTY_USER, user_folder, "user folder holds no images")
+    def process(self, user_folder: bytes):
+        for image in image_files.read_user_folder(user_folder, self._max_pixels):
+            yield from _outputs(image)
 
 
 class ReadImageFolder(beam.PTransform):
@@ -218,7 +95,7 @@ class ReadImageFolder(beam.PTransform):
         outputs = (
             pbegin
             | "Root" >> beam.Create([self._root])
-            | "ListUsers" >> beam.FlatMap(_list_user_folders)
+            | "ListUsers" >> beam.FlatMap(image_files.list_user_folders)
             # Users are listed by one worker; spread them before reading images.
             | "Reshuffle" >> beam.Reshuffle()
             | "ReadUsers"
@@ -424,9 +301,9 @@ def _empty_clients(joined: tuple[str, dict], database: str):
     client_key, groups = joined
     client_id = client_key.decode("utf-8", "surrogateescape")
     if groups["listed"] and not groups["examples"]:
-        _count(EMPTY_USER)
-        yield BadInput(
-            EMPTY_USER, _printable(f"{database}#client={client_id}"), "client has no examples"
+        _count(image_files.EMPTY_USER)
+        yield image_files.bad_input(
+            image_files.EMPTY_USER, f"{database}#client={client_id}", "client has no examples"
         )
 
 
@@ -598,9 +475,8 @@ def run_ingest(
         records_io.remove_records(out_dir)
         if summary["records"] + summary["bad"] == 0:
             raise ValueError(f"ingest found no input records in {', '.join(sources)}")
-        reasons = ", ".join(f"{k}={v}" for k, v in summary["bad_by_reason"].items())
-        raise ValueError(
-            f"ingest: {summary['bad']} of {summary['records'] + summary['bad']} inputs are bad "
-            f"({summary['bad_fraction']:.1%} > limit {max_bad_fraction:.1%}): {reasons}; see {summary_path}"
+        error = image_files.bad_share_error(
+            "ingest", summary["records"], summary["bad_by_reason"], max_bad_fraction, "limit"
         )
+        raise ValueError(f"{error}; see {summary_path}")
     return summary

@@ -45,5 +45,5 @@ def test_a_model_compared_with_itself_differs_by_nothing(trained, data):
 def test_records_that_are_not_there_are_refused(tmp_path):
     with pytest.raises(ValueError, match="no TFRecord files found"):
         evaluation.record_files(str(tmp_path / "missing-*"))
-    with pytest.raises(ValueError, match="neither TFRecords nor"):
-        evaluation.encoded_images(str(tmp_path))
+    with pytest.raises(ValueError, match="neither canonical TFRecords nor"):
+        evaluation.embed_held_out({}, str(tmp_path))

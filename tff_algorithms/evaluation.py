@@ -1,25 +1,34 @@
 """Held-out evaluation: reading canonical records and scoring backbones and SavedModels.
 
-Record reading (`record_files`, `encoded_images`) and exact recall@FAR of backbone
+Record reading (`record_files`, `encoded_images` for ingested records, `held_out_images`
+for any evaluation data, checked as ingest checks it) and exact recall@FAR of backbone
 weights during training (`HeldOutEvaluator`) or of an exported serving SavedModel
-(`evaluate_saved_model`, `compare_saved_models` with bootstrap intervals). The
+(`evaluate_saved_model`, `compare_saved_models` with bootstrap intervals; bad images
+are skipped and counted, and fail the evaluation over a maximum share, as in ingest). The
 pipeline's evaluation component and `dp-fedemb evaluate` import this module without
 importing the training job (`train_job`).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
+import stat
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from beam_jobs import schema
+from beam_jobs import image_files, schema
 from tff_algorithms import export, metrics, model_config, models
 
 _EMBED_BATCH = 256
+# As ingest's default (`data.max_bad_fraction`).
+DEFAULT_MAX_BAD_FRACTION = 0.01
+_BAD_EXAMPLES = 10
 
 
 def record_files(records: str) -> list[str]:
@@ -39,34 +48,53 @@ def record_files(records: str) -> list[str]:
     return sorted(files)
 
 
-def _image_folder_files(root: str) -> list[tuple[str, str]]:
-    """(identity, path) of ROOT/<user>/<identity>/<image> files."""
-    pattern = os.path.join(root, "*", "*", "*")
-    return sorted(
-        (path.split(os.sep)[-2], path)
-        for path in tf.io.gfile.glob(pattern)
-        if path.lower().endswith((".png", ".jpg", ".jpeg"))
-    )
-
-
 def encoded_images(records: str) -> tf.data.Dataset:
-    """(identity, encoded image) pairs from canonical TFRecords or an image folder."""
-    if tf.io.gfile.isdir(records) and not tf.io.gfile.glob(os.path.join(records, "*tfrecord*")):
-        files = _image_folder_files(records)
-        if not files:
-            raise ValueError(
-                f"{records} holds neither TFRecords nor ROOT/user/identity/image files"
-            )
-        identities, paths = zip(*files)
-        return tf.data.Dataset.from_tensor_slices((list(identities), list(paths))).map(
-            lambda identity, path: (identity, tf.io.read_file(path))
-        )
+    """(identity, encoded image) pairs of canonical TFRecords (`record_files`), unchecked:
+    for records ingest wrote. Other data goes through `held_out_images`."""
     files = record_files(records)
     compression = "GZIP" if files[0].endswith(".gz") else ""
     parsed = tf.data.TFRecordDataset(files, compression_type=compression).map(
         lambda s: tf.io.parse_single_example(s, schema.FEATURE_SPEC)
     )
     return parsed.map(lambda f: (f[schema.IDENTITY_KEY], f[schema.IMAGE_KEY]))
+
+
+def _is_image_folder(records: str) -> bool:
+    return tf.io.gfile.isdir(records) and not tf.io.gfile.glob(os.path.join(records, "*tfrecord*"))
+
+
+def _record_file_images(
+    records: str, max_pixels: int
+) -> Iterator[image_files.CheckedImage | image_files.BadInput]:
+    for path in record_files(records):
+        if "://" not in path and not stat.S_ISREG(os.stat(path).st_mode):
+            # A FIFO would block the read for ever, a device never end it.
+            raise ValueError(f"{path} is not a regular file")
+        compression = "GZIP" if path.endswith(".gz") else ""
+        serialized_records = tf.data.TFRecordDataset(path, compression_type=compression)
+        try:
+            for index, serialized in enumerate(serialized_records.as_numpy_iterator()):
+                source = f"{path}#{index}"
+                try:
+                    record = schema.parse(serialized)
+                except schema.RecordError as e:
+                    yield image_files.bad_input(e.reason, source, str(e))
+                    continue
+                yield image_files.check_record(record, source, max_pixels)
+        except tf.errors.OpError as e:
+            message = e.message.split("}}", 1)[-1].strip().splitlines()[0]
+            raise ValueError(f"{path} is not a readable TFRecord file: {message}") from None
+
+
+def held_out_images(
+    records: str, max_pixels: int = schema.DEFAULT_MAX_IMAGE_PIXELS
+) -> Iterator[image_files.CheckedImage | image_files.BadInput]:
+    """Each image of canonical TFRecords or of an image folder ROOT/<user>/<identity>/<image>
+    as a checked record or a counted BadInput, as ingest checks them: folders are read by
+    `beam_jobs.image_files`, records checked by `schema.validate`."""
+    if _is_image_folder(records):
+        return image_files.read_image_folder(records, max_pixels)
+    return _record_file_images(records, max_pixels)
 
 
 def _identities(records: str) -> np.ndarray:
@@ -110,33 +138,104 @@ class HeldOutEvaluator:
         return {"recall_at_far": result.as_json_dict()}
 
 
-def embed_saved_model(model_dir: str, records: str) -> tuple[np.ndarray, np.ndarray]:
-    """(identity labels, embeddings) of every image in `records`, in reading order.
+@dataclasses.dataclass(frozen=True)
+class HeldOutEmbeddings:
+    """Every good image's identity label and embedding by each model, in reading order,
+    and the bad inputs skipped (counted by reason, the first few as examples)."""
 
-    `records`: canonical TFRecords (directory or glob) or an image folder. Images go
-    through the model's own preprocessing (encoded bytes in).
-    """
+    labels: np.ndarray
+    embeddings: dict[str, np.ndarray]
+    bad_by_reason: dict[str, int]
+    bad_examples: list[image_files.BadInput]
+
+
+def _serving_function(model_dir: str) -> Callable[..., dict[str, tf.Tensor]]:
     if not tf.io.gfile.exists(os.path.join(model_dir, "saved_model.pb")):
         raise ValueError(f"{model_dir} is not a SavedModel (no saved_model.pb)")
-    serve = tf.saved_model.load(model_dir).signatures[export.SIGNATURE]
-    pairs = encoded_images(records).batch(_EMBED_BATCH)
-    labels, embeddings = [], []
-    for identity, encoded in pairs:
-        labels.append(identity.numpy())
-        embeddings.append(serve(**{export.INPUT_KEY: encoded})[export.OUTPUT_KEY].numpy())
+    return tf.saved_model.load(model_dir).signatures[export.SIGNATURE]
+
+
+def embed_held_out(
+    model_dirs: dict[str, str],
+    records: str,
+    max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
+    limit_name: str = "max_bad_fraction",
+    max_pixels: int = schema.DEFAULT_MAX_IMAGE_PIXELS,
+) -> HeldOutEmbeddings:
+    """Embeds the images of `records` (`held_out_images`) with each serving SavedModel,
+    reading them once. Images go through the model's own preprocessing (encoded bytes in).
+
+    Bad inputs are skipped and counted; raises ValueError (one line, naming `limit_name`)
+    when their share of all inputs is over `max_bad_fraction`, as ingest does.
+    """
+    serving = {name: _serving_function(path) for name, path in model_dirs.items()}
+    labels: list[bytes] = []
+    embeddings: dict[str, list[np.ndarray]] = {name: [] for name in serving}
+    bad_by_reason: collections.Counter[str] = collections.Counter()
+    bad_examples: list[image_files.BadInput] = []
+    batch: list[bytes] = []
+
+    def embed_batch() -> None:
+        for name, serve in serving.items():
+            served = serve(**{export.INPUT_KEY: tf.constant(batch)})[export.OUTPUT_KEY]
+            embeddings[name].append(served.numpy())
+        batch.clear()
+
+    for image in held_out_images(records, max_pixels):
+        if isinstance(image, image_files.BadInput):
+            bad_by_reason[image.reason] += 1
+            if len(bad_examples) < _BAD_EXAMPLES:
+                bad_examples.append(image)
+            continue
+        labels.append(image.record.identity.encode("utf-8"))
+        batch.append(image.record.image)
+        if len(batch) == _EMBED_BATCH:
+            embed_batch()
+    if batch:
+        embed_batch()
+    error = image_files.bad_share_error(
+        records, len(labels), dict(bad_by_reason), max_bad_fraction, limit_name
+    )
+    if error:
+        raise ValueError(error)
     if not labels:
-        raise ValueError(f"no images in {records}")
-    return np.concatenate(labels), np.concatenate(embeddings)
+        raise ValueError(
+            f"no images in {records}: it holds neither canonical TFRecords nor "
+            "ROOT/user/identity/image files"
+        )
+    return HeldOutEmbeddings(
+        np.array(labels, dtype=object),
+        {name: np.concatenate(parts) for name, parts in embeddings.items()},
+        dict(sorted(bad_by_reason.items())),
+        bad_examples,
+    )
+
+
+def embed_saved_model(
+    model_dir: str, records: str, max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
+) -> tuple[np.ndarray, np.ndarray]:
+    """(identity labels, embeddings) of every good image in `records`, in reading order
+    (`embed_held_out` with one model)."""
+    embedded = embed_held_out({"model": model_dir}, records, max_bad_fraction)
+    return embedded.labels, embedded.embeddings["model"]
 
 
 def _verification(
-    model_dir: str, records: str, labels: np.ndarray, embeddings: np.ndarray
+    model_dir: str, records: str, embedded: HeldOutEmbeddings, embeddings: np.ndarray
 ) -> dict[str, Any]:
+    labels = embedded.labels
+    if len(np.unique(labels)) < 2:
+        raise ValueError(
+            f"evaluation needs at least two identities with images, {records} has fewer"
+        )
     result = metrics.recall_at_far(embeddings, labels)
     far_grid, recall_grid = metrics.roc_curve(embeddings, labels)
     return {
         "model": model_dir,
         "records": records,
+        "bad": sum(embedded.bad_by_reason.values()),
+        "bad_by_reason": embedded.bad_by_reason,
+        "bad_examples": [dataclasses.asdict(b) for b in embedded.bad_examples],
         "images": int(len(labels)),
         "identities": int(len(np.unique(labels))),
         "recall_at_far": result.as_json_dict(),
@@ -147,9 +246,13 @@ def _verification(
     }
 
 
-def evaluate_saved_model(model_dir: str, records: str) -> dict[str, Any]:
-    """Exact all-pairs recall@FAR and ROC points of a serving SavedModel on `records`."""
-    return _verification(model_dir, records, *embed_saved_model(model_dir, records))
+def evaluate_saved_model(
+    model_dir: str, records: str, max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
+) -> dict[str, Any]:
+    """Exact all-pairs recall@FAR and ROC points of a serving SavedModel on `records`,
+    with the bad inputs skipped ("bad", "bad_by_reason", "bad_examples")."""
+    embedded = embed_held_out({"model": model_dir}, records, max_bad_fraction)
+    return _verification(model_dir, records, embedded, embedded.embeddings["model"])
 
 
 def compare_saved_models(
@@ -158,6 +261,8 @@ def compare_saved_models(
     num_resamples: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
+    max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
+    limit_name: str = "max_bad_fraction",
 ) -> dict[str, dict[str, Any]]:
     """`evaluate_saved_model` of each model, with bootstrap intervals, on the same images.
 
@@ -165,29 +270,27 @@ def compare_saved_models(
     interval over identity resamples (metrics.bootstrap_recall_at_far). The first model
     also gains "versus" {other model: {far: {"difference", "interval"}}}: its recall minus
     the other's, with the interval of the PAIRED bootstrap (both scored on each resample),
-    which is much narrower than the two separate intervals suggest.
+    which is much narrower than the two separate intervals suggest. The images are read
+    once for all models (`embed_held_out`: bad ones skipped and counted, at most
+    `max_bad_fraction` of them, the limit called `limit_name` in the error).
     """
-    embedded = {name: embed_saved_model(path, records) for name, path in model_dirs.items()}
-    labels = next(iter(embedded.values()))[0]
-    for name, (other_labels, _) in embedded.items():
-        if not np.array_equal(other_labels, labels):
-            raise ValueError(f"model {name!r} read {records} in another order")
+    embedded = embed_held_out(model_dirs, records, max_bad_fraction, limit_name)
     samples = metrics.bootstrap_recall_at_far(
-        {name: e for name, (_, e) in embedded.items()},
-        labels,
+        embedded.embeddings,
+        embedded.labels,
         metrics.DEFAULT_FARS,
         num_resamples,
         seed,
     )
     keys = [format(far, "g") for far in metrics.DEFAULT_FARS]
     results = {}
-    for name, (_, embeddings) in embedded.items():
-        results[name] = _verification(model_dirs[name], records, labels, embeddings)
+    for name, embeddings in embedded.embeddings.items():
+        results[name] = _verification(model_dirs[name], records, embedded, embeddings)
         results[name]["recall_at_far_interval"] = {
             key: list(metrics.percentile_interval(samples[name][:, f], confidence))
             for f, key in enumerate(keys)
         }
-    first, *others = list(embedded)
+    first, *others = list(embedded.embeddings)
     results[first]["versus"] = {
         other: {
             key: {

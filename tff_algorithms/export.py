@@ -4,7 +4,10 @@ Signature `serving_default`: input `images`, a string tensor [batch] of PNG or J
 bytes; output `embedding`, float32 [batch, embedding_size] with unit L2 norm.
 Preprocessing (`decode_image`) is inside the model, and is the same function the
 training data should be decoded with: decode, convert to float in [0, 1], resize
-to the backbone's input size. Only backbone weights go in; there is no head.
+to the backbone's input size. It decodes every image ingest accepts
+(`beam_jobs.schema.validate`), for one or three channels; bytes that are not a
+decodable PNG or JPEG make the call fail with `tf.errors.InvalidArgumentError`, the
+whole batch. Only backbone weights go in; there is no head.
 """
 
 from __future__ import annotations
@@ -22,10 +25,28 @@ OUTPUT_KEY = "embedding"
 def decode_image(encoded: tf.Tensor, image_shape: tuple[int, int, int]) -> tf.Tensor:
     """PNG/JPEG bytes -> float32 [H, W, C] in [0, 1] at the backbone's input size."""
     height, width, channels = image_shape
-    image = tf.io.decode_image(encoded, channels=channels, expand_animations=False)
+    if channels == 1:
+        image = tf.cond(
+            _is_four_component_jpeg(encoded),
+            # libjpeg converts CMYK and YCCK to colour only; grey is its luma.
+            lambda: tf.image.rgb_to_grayscale(tf.io.decode_jpeg(encoded, channels=3)),
+            lambda: tf.io.decode_image(encoded, channels=1, expand_animations=False),
+        )
+    else:
+        image = tf.io.decode_image(encoded, channels=channels, expand_animations=False)
     image = tf.image.convert_image_dtype(image, tf.float32)
     image = tf.image.resize(image, [height, width])
     return tf.ensure_shape(image, [height, width, channels])
+
+
+def _is_four_component_jpeg(encoded: tf.Tensor) -> tf.Tensor:
+    """Whether `encoded` is a CMYK or YCCK JPEG (from its header), which TensorFlow's JPEG
+    decoder cannot turn into one channel directly."""
+    return tf.cond(
+        tf.io.is_jpeg(encoded),
+        lambda: tf.io.extract_jpeg_shape(encoded)[2] == 4,
+        lambda: tf.constant(False),
+    )
 
 
 class _EmbeddingServer(tf.Module):

@@ -1,9 +1,12 @@
 """Exact all-pairs recall@FAR of a serving SavedModel on held-out data.
 
 `dp-fedemb evaluate --model DIR --data DIR [--compare DIR] [--bootstrap-resamples N]
-[--json]`: DIR of --data holds canonical TFRecords (e.g. OUT/data/split/test of
-`dp-fedemb train`) or is an image folder ROOT/<user_id>/<identity>/<image>. Images go
-through the model's own preprocessing. Every recall comes with a 95% bootstrap interval
+[--max-bad-fraction F] [--json]`: DIR of --data holds canonical TFRecords (e.g.
+OUT/data/split/test of `dp-fedemb train`) or is an image folder
+ROOT/<user_id>/<identity>/<image>. Images are checked as ingest checks them
+(`beam_jobs.image_files`): bad ones are skipped and counted by reason, and more than
+--max-bad-fraction of them is a one-line error. Images go through the model's own
+preprocessing. Every recall comes with a 95% bootstrap interval
 over identities; --compare (e.g. the pretrained backbone) adds the model's gain over that
 one with a paired interval. With --json, one JSON object on stdout: recall_at_far (FAR
 string -> recall), recall_at_far_interval, thresholds, pair counts, ROC points and, with
@@ -30,6 +33,12 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "identity resamples of the intervals, 1 to 1e6",
         flag_values=flag_values,
     )
+    flags.DEFINE_float(
+        "max-bad-fraction",
+        0.01,
+        "fail when the share of bad images (skipped, counted by reason) exceeds this",
+        flag_values=flag_values,
+    )
     flags.DEFINE_boolean("json", False, "print one JSON object", flag_values=flag_values)
 
 
@@ -43,6 +52,7 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     checks.no_arguments(args)
     checks.required(flag_values, "model", "data")
     checks.number("bootstrap-resamples", flag_values["bootstrap-resamples"].value, 1, 10**6)
+    checks.number("max-bad-fraction", flag_values["max-bad-fraction"].value, 0, 1)
     checks.input_path("model", flag_values["model"].value, "dir")
     checks.input_path("data", flag_values["data"].value)
     if flag_values["compare"].value is not None:
@@ -65,7 +75,13 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     models = {"model": flag_values["model"].value}
     if flag_values["compare"].value:
         models["compare"] = flag_values["compare"].value
-    result = evaluation.compare_saved_models(models, flag_values["data"].value, resamples)["model"]
+    result = evaluation.compare_saved_models(
+        models,
+        flag_values["data"].value,
+        resamples,
+        max_bad_fraction=flag_values["max-bad-fraction"].value,
+        limit_name="--max-bad-fraction",
+    )["model"]
     if flag_values["json"].value:
         print(json.dumps(result, sort_keys=True))
         return 0
@@ -73,6 +89,9 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         f"{result['images']} images of {result['identities']} identities, "
         f"{result['genuine_pairs']} genuine / {result['impostor_pairs']} impostor pairs"
     )
+    if result["bad"]:
+        reasons = ", ".join(f"{k}={v}" for k, v in result["bad_by_reason"].items())
+        print(f"skipped {result['bad']} bad images: {reasons}")
     for far, recall in result["recall_at_far"].items():
         low, high = result["recall_at_far_interval"][far]
         line = f"recall@FAR={far}: {recall:.4f} [{low:.4f}, {high:.4f}]"
