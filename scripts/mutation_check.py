@@ -285,11 +285,21 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "budget-refusal",
         "tff_algorithms/budget.py",
-        "over = not spent_after <= policy.total_epsilon",
+        "over = not spent_after <= budget_epsilon",
         "over = False",
         (
             "tests/test_budget_ledger.py::"
             "test_charging_accumulates_refuses_over_budget_and_records_an_override",
+        ),
+    ),
+    Mutant(
+        "budget-fixed-by-first-charge",
+        "tff_algorithms/budget.py",
+        "budget_changed = budget_epsilon != policy.total_epsilon",
+        "budget_changed = False",
+        (
+            "tests/test_budget_ledger.py::"
+            "test_the_budget_is_fixed_by_the_first_charge_and_a_change_is_an_override",
         ),
     ),
     Mutant(
