@@ -77,6 +77,7 @@ class QuietStderr:
         self._lock = threading.Lock()
         self._memory: list[str] = []
         self._log: TextIO | None = None
+        self._log_warning: str | None = None
         self._saved_showwarning = None
         self.log_path: str | None = None
 
@@ -135,12 +136,17 @@ class QuietStderr:
         log, self._log = self._log, None
         with contextlib.suppress(OSError):
             log.close()
-        with contextlib.suppress(OSError, TypeError):  # the console may be gone already
-            os.write(
-                self._saved_fd,
-                f"dp-fedemb: warning: the full log {self.log_path} stops here: "
-                f"{error.strerror or type(error).__name__}\n".encode(),
-            )
+        # Shown by the copying thread, which owns a descriptor of the console.
+        self._log_warning = (
+            f"dp-fedemb: warning: the full log {self.log_path} stops here: "
+            f"{error.strerror or type(error).__name__}\n"
+        )
+
+    def _show_log_warning(self, console_fd: int) -> None:
+        with self._lock:
+            warning, self._log_warning = self._log_warning, None
+        if warning:
+            os.write(console_fd, warning.encode())
 
     def _copy(self, read_fd: int, console_fd: int) -> None:
         with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace", newline="") as pipe:
@@ -148,6 +154,8 @@ class QuietStderr:
                 self._record(line)
                 if not is_noise(line):
                     os.write(console_fd, line.encode("utf-8", "replace"))
+                self._show_log_warning(console_fd)
+        self._show_log_warning(console_fd)
         os.close(console_fd)
 
     def keep_log_in(self, output_dir: str, command: str) -> str:

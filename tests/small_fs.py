@@ -29,7 +29,12 @@ def small_filesystem(path: str, size_kib: int) -> Iterator[str]:
         subprocess.run(["umount", "-l", path], check=False)
 
 
+def remount(path: str, options: str) -> None:
+    """Remounts the tmpfs at `path` with `options` (e.g. "ro", "size=4096k")."""
+    remounted = _mount("-o", f"remount,{options}", path)
+    assert remounted.returncode == 0, remounted.stderr
+
+
 def resize(path: str, size_kib: int) -> None:
     """Gives the mounted tmpfs at `path` a new size (the space a user frees)."""
-    resized = _mount("-o", f"remount,size={size_kib}k", path)
-    assert resized.returncode == 0, resized.stderr
+    remount(path, f"size={size_kib}k")

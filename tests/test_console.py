@@ -95,3 +95,37 @@ def test_round_progress_lines_piped_and_on_a_terminal():
         "\r\x1b[Kround 1/2  1.00s  ε inf (non-private)  1s left"
         "\r\x1b[Kround 2/2  1.00s  ε inf (non-private)  0s left\n"
     )
+
+
+def test_tf_datas_cancelled_optimisation_line_is_noise():
+    """Seen on stderr of a loaded machine only (issue 37, item 9): a console test must
+    not depend on the machine's load."""
+    line = (
+        "2026-11-26 10:01:02.345678: W tensorflow/core/data/root_dataset.cc:297] "
+        "Optimization loop failed: CANCELLED: Operation was cancelled"
+    )
+    assert console.is_noise(line)
+    assert not console.is_noise("tensorflow/core/data/root_dataset.cc:297] something else")
+
+
+def test_a_full_disk_stops_the_log_copy_not_the_command(tmp_path, capfd):
+    from tests import small_fs
+
+    with small_fs.small_filesystem(str(tmp_path / "disk"), 16) as disk:
+        with console.QuietStderr() as quiet:
+            console.keep_log_in(disk, "test")
+            for _ in range(200):  # far more than the disk holds
+                os.write(2, b"x" * 200 + b"\n")
+            os.write(2, f"{UNKNOWN}\n".encode())
+        err = capfd.readouterr().err
+        assert "the full log" in err and "stops here: No space left on device" in err
+        assert f"{UNKNOWN}\n" in err  # the console still shows what the command says
+        assert os.path.getsize(quiet.log_path) > 0
+        # A disk that takes no new folder: one warning, and the command goes on.
+        small_fs.remount(disk, "ro")
+        with console.QuietStderr():
+            console.keep_log_in(os.path.join(disk, "other"), "test2")
+            os.write(2, f"{UNKNOWN}\n".encode())
+        err = capfd.readouterr().err
+        assert "dp-fedemb test2: warning: could not keep the full log" in err
+        assert f"{UNKNOWN}\n" in err
