@@ -25,7 +25,9 @@ batch, so no worker holds a whole side.
 
 Only the candidate side (train, public) ever loses records; reference records (the
 evaluation splits, the private data) pass through untouched. Users or identities on both
-sides are an error: splits must be disjoint by user and identity. A dedup that would
+sides are an error: splits must be disjoint by user, and by identity unless the split
+mode shares identities between users (`shared_identities`: then an evaluation image's
+look-alike of the same identity, another user's image, stays; its copy does not). A dedup that would
 remove more than `max_removed_fraction` of a candidate split stops the job after writing
 its report (`run_dedup`): that many near duplicates is more often a threshold wrong for
 the data than real copies, and training on what is left would be training on little.
@@ -131,13 +133,16 @@ class Fingerprint(beam.PTransform):
         return {"fingerprints": out.fingerprints, "records": out[batches.RECORDS]}
 
 
-def _overlap_error(overlaps: list[tuple[str, str]], name: str) -> None:
+def _overlap_error(overlaps: list[tuple[str, str]], name: str, shared_identities: bool) -> None:
+    if shared_identities:
+        overlaps = [(kind, value) for kind, value in overlaps if kind != "identity"]
     if overlaps:
         overlaps = sorted(overlaps)
         kinds = sorted({kind for kind, _ in overlaps})
         raise ValueError(
             f"dedup {name}: {len(overlaps)} {'/'.join(kinds)} ids appear on both sides "
-            f"(e.g. {overlaps[0][0]} {overlaps[0][1]!r}); splits must be disjoint by user and identity"
+            f"(e.g. {overlaps[0][0]} {overlaps[0][1]!r}); splits must be disjoint by user"
+            + ("" if shared_identities else " and identity")
         )
 
 
@@ -168,13 +173,21 @@ class FindDuplicates(beam.PTransform):
 
     `sizes`: the number of images per side when the caller knows it (`run_dedup` counts
     the record files): "sizes" is then that dict, and the job spends no stages counting.
+    `shared_identities`: an identity may be on both sides (by other users), a user not.
     """
 
-    def __init__(self, config: DedupConfig, name: str, sizes: dict[str, int] | None = None):
+    def __init__(
+        self,
+        config: DedupConfig,
+        name: str,
+        sizes: dict[str, int] | None = None,
+        shared_identities: bool = False,
+    ):
         super().__init__()
         self._config = config
         self._name = name
         self._sizes = sizes
+        self._shared_identities = shared_identities
 
     def expand(self, inputs):
         config = self._config
@@ -218,7 +231,7 @@ class FindDuplicates(beam.PTransform):
         overlap_check = (
             joined[batches.SHARED_IDS]
             | "AllShared" >> beam.combiners.ToList()
-            | "FailOnOverlap" >> beam.Map(_overlap_error, self._name)
+            | "FailOnOverlap" >> beam.Map(_overlap_error, self._name, self._shared_identities)
         )
         requests = (
             joined.close
@@ -290,7 +303,7 @@ def _report(
 class Deduplicate(beam.PTransform):
     """{"candidates", "reference": Fingerprints, "records": the candidates' batches of
     (record ids, records) from Fingerprint} -> {"kept", "removed", "report"}, as
-    RemoveNearDuplicates; `sizes` as FindDuplicates."""
+    RemoveNearDuplicates; `sizes` and `shared_identities` as FindDuplicates."""
 
     def __init__(
         self,
@@ -298,10 +311,12 @@ class Deduplicate(beam.PTransform):
         name: str,
         splits_compared: tuple[str, str],
         sizes: dict[str, int] | None = None,
+        shared_identities: bool = False,
     ):
         super().__init__()
         self._config = config
         self._sizes = sizes
+        self._shared_identities = shared_identities
         self._names = {
             "name": name,
             "candidate_split": splits_compared[0] or "candidate",
@@ -313,7 +328,9 @@ class Deduplicate(beam.PTransform):
         found = {
             "candidates": inputs["candidates"],
             "reference": inputs["reference"],
-        } | "FindDuplicates" >> FindDuplicates(config, names["name"], self._sizes)
+        } | "FindDuplicates" >> FindDuplicates(
+            config, names["name"], self._sizes, self._shared_identities
+        )
         removed_ids = found["removed"] | "RemovedIds" >> beam.combiners.ToDict()
         kept = inputs["records"] | "Kept" >> beam.FlatMap(
             batches.kept_records, beam.pvalue.AsSingleton(removed_ids)
@@ -338,14 +355,22 @@ class RemoveNearDuplicates(beam.PTransform):
 
     "kept" is the candidates minus those equal or near a reference image; "removed" the
     matched pairs (one per removed candidate); "report" one dict. The reference side is
-    never filtered. A user or identity on both sides fails the pipeline.
+    never filtered. A user on both sides fails the pipeline, and an identity unless
+    `shared_identities`.
     """
 
-    def __init__(self, config: DedupConfig, name: str, splits_compared: tuple[str, str] = ("", "")):
+    def __init__(
+        self,
+        config: DedupConfig,
+        name: str,
+        splits_compared: tuple[str, str] = ("", ""),
+        shared_identities: bool = False,
+    ):
         super().__init__()
         self._config = config
         self._name = name
         self._splits = splits_compared
+        self._shared_identities = shared_identities
 
     def expand(self, inputs):
         fps = {
@@ -356,17 +381,26 @@ class RemoveNearDuplicates(beam.PTransform):
             "candidates": fps["candidates"]["fingerprints"],
             "reference": fps["reference"]["fingerprints"],
             "records": fps["candidates"]["records"],
-        } | Deduplicate(self._config, self._name, self._splits)
+        } | Deduplicate(
+            self._config, self._name, self._splits, shared_identities=self._shared_identities
+        )
 
 
-def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None) -> dict:
+def run_dedup(
+    split_dir: str,
+    out_dir: str,
+    config: DedupConfig,
+    beam_args=None,
+    shared_identities: bool = False,
+) -> dict:
     """Dedups SPLIT_DIR/<split>/records-* into OUT_DIR/<split>/records-*.
 
     train loses records equal or near validation/test ones; public (when present) loses
     records equal or near any private (train/validation/test) one; validation and test are
     copied unchanged. Writes OUT_DIR/dedup_report.json and returns it; raises DedupRefused
     (its record shards removed, the report kept) when a split would lose more than
-    `config.max_removed_fraction`.
+    `config.max_removed_fraction`. `shared_identities`: the splits share identities
+    (other users of them), so only a user on both sides is an error.
     """
     present = [
         s
@@ -399,6 +433,7 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
             "train_vs_evaluation",
             (splits.TRAIN, "/".join(splits.EVALUATION_SPLITS)),
             {_CANDIDATE: sizes[splits.TRAIN], _REFERENCE: evaluation_size},
+            shared_identities,
         )
         reports = [train["report"]]
         outputs = {splits.TRAIN: train["kept"]}
@@ -416,6 +451,7 @@ def run_dedup(split_dir: str, out_dir: str, config: DedupConfig, beam_args=None)
                     _CANDIDATE: sizes[splits.PUBLIC],
                     _REFERENCE: evaluation_size + sizes[splits.TRAIN],
                 },
+                shared_identities,
             )
             reports.append(public["report"])
             outputs[splits.PUBLIC] = public["kept"]

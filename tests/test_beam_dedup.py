@@ -203,6 +203,27 @@ def test_user_overlap_between_splits_is_an_error(tmp_path):
         dedup.run_dedup(split_dir, str(tmp_path / "out"), dedup.DedupConfig())
 
 
+def test_an_identity_on_both_sides_is_an_error_unless_the_split_mode_shares_identities(tmp_path):
+    evaluation = _evaluation_records()
+    # Another user's image of evaluation identity 3 (a distinct image: identity 40's).
+    other_user = _record(
+        "train_u_new", "eval_id3", schema.encode_png(synthetic.render_image(_CONFIG, 40, 0))
+    )
+    split_dir = str(tmp_path / "split")
+    for name, records in (
+        ("train", [other_user]),
+        ("validation", evaluation[:2]),
+        ("test", evaluation[2:5]),
+    ):
+        _write(os.path.join(split_dir, name), records)
+    with pytest.raises(ValueError, match=r"identity ids appear on both sides"):
+        dedup.run_dedup(split_dir, str(tmp_path / "out"), dedup.DedupConfig())
+    report = dedup.run_dedup(
+        split_dir, str(tmp_path / "shared"), dedup.DedupConfig(), shared_identities=True
+    )
+    assert report["train_vs_evaluation"]["kept"] == 1
+
+
 def test_shifted_copies_are_found_when_the_candidate_side_is_probed():
     # Fewer candidates than references: the candidates are hashed at every offset instead,
     # and a copy shifted by d must still meet its original (probing it at -d).
