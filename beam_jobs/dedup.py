@@ -18,7 +18,7 @@ of digit scans: another writer's same digit) while missing 2-11% of copies; with
 verification it removes 0.7% (three pairs of nearly identical 8x8 scans) and finds 99.6-
 99.8% of copies at 28x28 and 112x112 (BENCHMARKS.md, "Dedup on real images"). Not yet on
 low-detail images: of rendered characters and icons (random pose, blur and noise per
-render) it removes 30-44% of other renders of a shape as copies (BENCHMARKS.md, "Dedup:
+render) it removes a third to a half of other renders of a shape as copies (BENCHMARKS.md, "Dedup:
 copies vs look-alikes"); at such shares `max_removed_fraction` stops the run.
 
 The Beam job moves numpy arrays per batch of images and key bucket
