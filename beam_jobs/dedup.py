@@ -16,7 +16,10 @@ removed 89% of the training images as near duplicates of other identities' evalu
 images. On bench/bench_dedup.py's real images it removed 25-31% of distinct images (34-42%
 of digit scans: another writer's same digit) while missing 2-11% of copies; with the
 verification it removes 0.7% (three pairs of nearly identical 8x8 scans) and finds 99.6-
-99.8% of copies at 28x28 and 112x112 (BENCHMARKS.md, "Dedup on real images").
+99.8% of copies at 28x28 and 112x112 (BENCHMARKS.md, "Dedup on real images"). Not yet on
+low-detail images: of rendered characters and icons (random pose, blur and noise per
+render) it removes a third to a half of other renders of a shape as copies (BENCHMARKS.md,
+"Dedup: copies vs look-alikes"); at such shares `max_removed_fraction` stops the run.
 
 The Beam job moves numpy arrays per batch of images and key bucket
 (beam_jobs/dedup_batches.py), not one element per image and hash band: its cost is the

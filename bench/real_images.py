@@ -69,7 +69,7 @@ def _scale(image: Image.Image, size: int) -> np.ndarray:
     return np.asarray(image.resize((size, size), Image.BICUBIC))
 
 
-def _margin(size: int) -> int:
+def margin_for(size: int) -> int:
     return round(_MARGIN_28 * size / 28)
 
 
@@ -77,7 +77,7 @@ def _digits(size: int, per_class: int) -> list[Original]:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    margin = _margin(size)
+    margin = margin_for(size)
     originals = []
     for label in range(10):
         indices = np.flatnonzero(digits.target == label)[: 2 * per_class]
@@ -138,7 +138,7 @@ def _grey(pixels: np.ndarray) -> np.ndarray:
 
 
 def _tiles(size: int) -> list[Original]:
-    margin = _margin(size)
+    margin = margin_for(size)
     # Source pixels of the margin: a shift of d output pixels re-crops d * tile/size.
     source_margin = -(-margin * _TILE // size)
     stride = _TILE + 2 * source_margin
