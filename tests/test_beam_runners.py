@@ -223,8 +223,8 @@ def test_unknown_runner_is_one_error_line(tmp_path, capsys):
     with tf.io.TFRecordWriter(str(tmp_path / "in" / "records-00000-of-00001.tfrecord")) as w:
         w.write(schema.serialize(next(synthetic.records_for_identities(SYNTH, 0, 1))))
     code = cli.main(
-        ["dp-fedemb", "data", "split", "--input", str(tmp_path / "in"), "--out", str(tmp_path)]
-        + ["--runner", "NoSuchRunner"]
+        ["dp-fedemb", "data", "split", "--input", str(tmp_path / "in")]
+        + ["--out", str(tmp_path / "out"), "--runner", "NoSuchRunner"]
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and "NoSuchRunner" in err[-1], err

@@ -161,3 +161,25 @@ def test_claim_records_what_it_creates_and_adopts_legacy_outputs(tmp_path):
     )
     record = json.loads((legacy / owned_files.OWNED_FILE).read_text())
     assert record["created"] == sorted([job_files.JOB_FILE, "checkpoints", "data"])
+
+
+def test_data_jobs_write_only_into_an_empty_folder_or_their_own(tmp_path):
+    images = tmp_path / "images"
+    synthetic.write_image_folder(str(images), IMAGES)
+    before = _images(images)
+    line, _ = support.run_refused(
+        "data", "ingest", "--input", str(images), "--out", str(images), timeout=120
+    )
+    assert "lies in --input" in line
+    line, _ = support.run_refused(
+        "data", "ingest", "--input", str(images), "--out", str(tmp_path), timeout=120
+    )
+    assert "already holds images" in line and "did not write" in line
+    assert _images(images) == before
+    # Its own output again (a re-run) is accepted; another verb's is not.
+    out = str(tmp_path / "ingested")
+    owned_files.claim_whole(out, "data ingest")
+    open(os.path.join(out, "records-00000-of-00001.tfrecord"), "wb").close()
+    owned_files.claim_whole(out, "data ingest")
+    with pytest.raises(owned_files.ForeignEntryError, match="data split did not write"):
+        owned_files.claim_whole(out, "data split")

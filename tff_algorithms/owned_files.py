@@ -125,6 +125,37 @@ def claim(
         )
 
 
+def claim_whole(directory: str, command: str) -> None:
+    """Claims `directory` for a job whose writer names its own files and removes none
+    (a Beam job's `--out`): it must be new, empty, or one the same command wrote before
+    (re-running it writes the same names again). Else refused in one line naming an
+    entry, before anything is written."""
+    if not is_local(directory):
+        return
+    if os.path.islink(directory):
+        raise ForeignEntryError(
+            f"output {_shown(directory)} is a symbolic link; give the directory it points "
+            "to, or a new one"
+        )
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, OWNED_FILE)
+    entries = sorted(n for n in os.listdir(directory) if n != OWNED_FILE)
+    try:
+        text = secret_files.read_text(path)
+        owner = json.loads(text).get("command") if text else None
+    except (ValueError, AttributeError):
+        owner = None
+    if entries and owner != command:
+        raise ForeignEntryError(
+            f"output {_shown(directory)} already holds {_shown(entries[0])}, which "
+            f"dp-fedemb {command} did not write; give an empty or new directory"
+        )
+    if owner is None:
+        secret_files.write_text(
+            path, json.dumps({"format": OWNED_FORMAT, "created": [], "command": command})
+        )
+
+
 def created_entries(directory: str) -> list[str]:
     """The top-level entries recorded as the product's in claimed `directory`."""
     if not is_local(directory):

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from pipeline.commands import checks
+from tff_algorithms import owned_files
 
 VERBS = ("synth", "ingest", "split", "dedup", "partition")
 
@@ -204,7 +205,18 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
             checks.input_path("input", path, _INPUTS[verb])
     if verb == "split" and value["public-input"] is not None:
         checks.input_path("public-input", value["public-input"])
-    checks.output_dir("out", value["out"])
+    out = value["out"]
+    if "://" not in out and os.path.islink(out):
+        raise ValueError(f"--out {checks.shown(out)} is a symbolic link; give a directory")
+    for path in value["input"] or ():
+        if "://" not in path and owned_files.overlapping(out, path):
+            raise ValueError(
+                f"--out {checks.shown(out)} lies in --input {checks.shown(path)}: a later run "
+                "would read the job's files as inputs; give an --out outside it"
+            )
+    checks.output_dir("out", out)
+    if verb != "synth":  # synth checks its folder itself (it continues an interrupted run)
+        owned_files.claim_whole(out, f"data {verb}")
 
 
 def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
