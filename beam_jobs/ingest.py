@@ -1,4 +1,4 @@
-"""Ingest raw inputs into canonical records (DESIGN.md section 3).
+"""Ingest raw inputs into canonical records (docs/design.md section 3).
 
 Three readers, each a composite transform from the pipeline root to
 {"records": serialized canonical examples, "bad": image_files.BadInput}:

@@ -1,4 +1,4 @@
-"""The one canonical record schema (DESIGN.md section 3); every reader and writer uses it.
+"""The one canonical record schema (docs/design.md section 3); every reader and writer uses it.
 
 A canonical record is a `tf.train.Example` with three single-valued bytes features:
 `user_id`, `identity` and `image/encoded` (PNG or JPEG bytes). Pipelines pass records

@@ -1,5 +1,5 @@
 """Splits of the private records into train, validation, test (and public), streamed and
-deterministic: the split protocol every job, component and text imports (DESIGN.md section 3).
+deterministic: the split protocol every job, component and text imports (docs/design.md section 3).
 
 Each identity or user goes to a split by a keyed hash of (seed, name), so the assignment
 needs no global state and is the same on every worker and run. Which is hashed depends on

@@ -1,4 +1,4 @@
-"""Synthetic identity dataset: the project's embedded default (DESIGN.md section 3).
+"""Synthetic identity dataset: the project's embedded default (docs/design.md section 3).
 
 Each identity is a random composition of parts (filled ellipses, rings, strokes,
 rectangles) in a canonical frame, so identities differ in structure. Each image renders

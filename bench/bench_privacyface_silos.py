@@ -47,7 +47,7 @@ multiplier σ chosen as the paper's ε = 1 per release at δ = 1e-5 by the class
 formula, σ = √(2 ln(1.25/δ)). An identity's center enters its own silo's releases only
 (parallel composition across silos), so its cost is M·Q Gaussian releases, composed by
 `dplc_releases.releases_epsilon` (RDP, no amplification). It is NOT the product's
-user-level guarantee (DESIGN.md §5): the backbone updates here are not private at all.
+user-level guarantee (docs/design.md section 5): the backbone updates here are not private at all.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The `dp-fedemb` command line (DESIGN.md section 6).
+"""The `dp-fedemb` command line (docs/design.md section 6).
 
 Each subcommand lives in `pipeline.commands.<module>` and provides
 `define_flags(flag_values)` and `run(flag_values, args) -> int`. Flags are parsed

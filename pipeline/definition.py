@@ -1,4 +1,4 @@
-"""The dp-fedemb TFX pipeline (DESIGN.md section 7), built from a validated PipelineConfig.
+"""The dp-fedemb TFX pipeline (docs/design.md section 7), built from a validated PipelineConfig.
 
 CanonicalExampleGen -> CheckTrainingSchedule -> StatisticsGen -> SchemaGen -> ExampleValidator -> DeduplicateSplits
 -> PartitionVirtualClients -> [PretrainBackbone | PrivatePretrain | backbone Importer]

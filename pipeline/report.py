@@ -6,7 +6,7 @@ the ledger over rounds, epsilon vs users per round for larger populations), util
 (recall with intervals and ROC of the candidate, the last blessed model and the
 pretrained start on held-out identities, recall during training on validation
 identities), data (dedup and schedule statistics, with units). Metrics on training users
-are never shown (DESIGN.md section 5).
+are never shown (docs/design.md section 5).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-resolves requirements/lock.txt from the .in files and the overrides (DESIGN.md section 1).
+# Re-resolves requirements/lock.txt from the .in files and the overrides (docs/design.md section 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 UV="$(command -v uv || echo .cache/uv-bootstrap/bin/uv)"

@@ -1,4 +1,4 @@
-"""Independent numerical check of the privacy accountant (DESIGN.md section 5).
+"""Independent numerical check of the privacy accountant (docs/design.md section 5).
 
 The accountant under test (`tff_algorithms.accounting`, which composes dp_accounting
 events) gives an upper bound on epsilon. Here we compute, with numpy/scipy only, the exact

@@ -7,7 +7,7 @@ from pipeline import cli, definition
 from pipeline import config as config_lib
 
 IMAGE = "registry.example/dp-fedemb:1.2"
-# (task, tasks it must depend on): the DAG edges of DESIGN.md section 7.
+# (task, tasks it must depend on): the DAG edges of docs/design.md section 7.
 EDGES = {
     definition.STATISTICS_GEN: {definition.EXAMPLE_GEN},
     definition.SCHEMA_GEN: {definition.STATISTICS_GEN},

@@ -1,4 +1,4 @@
-"""Tests of `dp-fedemb privacy` through the installed console script (DESIGN.md section 6)."""
+"""Tests of `dp-fedemb privacy` through the installed console script (docs/design.md section 6)."""
 
 import json
 import subprocess

@@ -1,4 +1,4 @@
-"""Fails loudly when the validated stack (DESIGN.md section 1) drifts or breaks."""
+"""Fails loudly when the validated stack (docs/design.md section 1) drifts or breaks."""
 
 import os
 import re

@@ -1,4 +1,4 @@
 """TFF side of dp-fedemb: models, client work, DP aggregation, accounting, runtime.
 
-Never imports `pipeline` (DESIGN.md section 2).
+Never imports `pipeline` (docs/design.md section 2).
 """

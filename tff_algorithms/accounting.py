@@ -1,4 +1,4 @@
-"""User-level privacy accounting for DP-FedEmb and DP-FTRL-FedEmb (DESIGN.md section 5).
+"""User-level privacy accounting for DP-FedEmb and DP-FTRL-FedEmb (docs/design.md section 5).
 
 This is the one module that holds the accounting conventions. As in TF Privacy, the
 mechanism is described separately from its accounting: an `AccountingSpec` describes a

@@ -15,7 +15,7 @@ checkpoints as private as the raw data: whoever holds the seed can subtract the
 noise.
 
 `noise_multiplier` and `clip_norm` go into TF Privacy queries as Python floats
-(DESIGN.md section 1).
+(docs/design.md section 1).
 """
 
 from __future__ import annotations

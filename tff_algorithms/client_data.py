@@ -1,4 +1,4 @@
-"""Virtual-client data loaded inside TFF from the virtual client's id (DESIGN.md section 9).
+"""Virtual-client data loaded inside TFF from the virtual client's id (docs/design.md section 3).
 
 The training loop never holds users' examples in Python. For each round it turns the
 schedule's virtual clients into string ids, and a TFF dataset computation

@@ -53,7 +53,7 @@ Sensitivity (derived here, privacy unit = a user)
 -------------------------------------------------
 One user's data shapes the class centers of the identities that user holds: at most m
 rows of W (m = 1 when each user is one identity, as in DP-FedEmb's virtual clients;
-``max_centers_per_user`` otherwise). *Substitute-one* (DESIGN.md §5, strict): D' equals
+``max_centers_per_user`` otherwise). *Substitute-one* (docs/design.md section 5, strict): D' equals
 D except that those ≤ m rows are replaced by arbitrary unit vectors (same positions, so n
 is the same). *Add-or-remove*: D' adds or removes ≤ m rows. Δ = sup ‖p(D) − p(D')‖₂.
 

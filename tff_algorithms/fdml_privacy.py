@@ -35,7 +35,7 @@ So a round is the adaptive composition of two Gaussian mechanisms, R1 then R2 gi
 
 Neighbouring relation and sensitivities (user level, substitute-one)
 --------------------------------------------------------------------
-Datasets D, D' differ in one user u, replaced by u' (DESIGN.md section 5, strict). The
+Datasets D, D' differ in one user u, replaced by u' (docs/design.md section 5, strict). The
 schedule (who is selected, in which slot, who fails) is independent of the data, so in a
 round where u is selected u' takes u's slot, with the same s sample positions; every other
 slot holds the same rows.

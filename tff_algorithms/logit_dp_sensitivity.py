@@ -14,7 +14,7 @@ Write t = e^{2s}. Two facts:
 
 g is invariant under reordering the pairs, so let the changed pair be the last one, n.
 
-*Substitute-one* (the relation of DESIGN.md §5, fixed n: D' replaces (x_n, y_n) by
+*Substitute-one* (the relation of docs/design.md section 5, fixed n: D' replaces (x_n, y_n) by
 (x'_n, y'_n); primes denote D'). c_ij with i, j < n is the same in D and D'. Split
 g(D) − g(D') into
 

@@ -12,7 +12,7 @@ that carries backbone weights can carry it by accident.
 
 Randomness is explicit: `build_backbone(config, seed)` seeds every random
 initialiser (seeded Keras initialisers are stateless) (unseeded Keras initialisers inside a TFF
-computation return the same values on every call, DESIGN.md section 1).
+computation return the same values on every call, docs/design.md section 1).
 """
 
 from __future__ import annotations

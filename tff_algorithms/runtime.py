@@ -2,7 +2,7 @@
 
 TFF's default context starts a `worker_binary` whose cleanup lives in a `__del__`
 that fails at interpreter shutdown, so the worker outlives Python and keeps the
-parent's stdout/stderr open (DESIGN.md section 1). `TffRuntime` replaces that:
+parent's stdout/stderr open (docs/design.md section 1). `TffRuntime` replaces that:
 
 * local workers are started here, with output to a log file (never our pipes);
 * each local worker dies with the process that started it, even on SIGKILL
@@ -10,7 +10,7 @@ parent's stdout/stderr open (DESIGN.md section 1). `TffRuntime` replaces that:
   (context manager / `atexit`) and on SIGTERM/SIGINT;
 * local workers listen on 127.0.0.1 only: no other host can reach them (see below);
 * remote workers (addresses such as "10.0.0.5:8000", started by a cluster
-  scheduler) are only connected to, never started or stopped (DESIGN.md section 8),
+  scheduler) are only connected to, never started or stopped (docs/design.md section 8),
   over mutual TLS: the runtime verifies the worker against a CA and presents a client
   certificate, which a TLS-terminating proxy in front of the worker checks
   (docs/scaling.md). A remote address that is not loopback is refused without TLS

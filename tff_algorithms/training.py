@@ -23,7 +23,7 @@ ledger and the evaluation history. Version v is the state after v rounds, saved
 together with its ledger, so a round is never counted twice or missed.
 
 Metrics the process computes on training users are not covered by the privacy
-guarantee (DESIGN.md section 5); they are logged for debugging only and never
+guarantee (docs/design.md section 5); they are logged for debugging only and never
 stored in the history that reports and exports read.
 """
 

@@ -1,4 +1,4 @@
-"""Print the versions of the validated stack (DESIGN.md section 1) this install runs."""
+"""Print the versions of the validated stack (docs/design.md section 1) this install runs."""
 
 from collections.abc import Sequence
 from importlib import metadata

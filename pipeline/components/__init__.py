@@ -1,4 +1,4 @@
-"""TFX components of the dp-fedemb pipeline (DESIGN.md section 7).
+"""TFX components of the dp-fedemb pipeline (docs/design.md section 7).
 
 Each module holds thin Python function components over `beam_jobs` and
 `tff_algorithms`; they live in importable modules so that compiled pipelines

@@ -80,7 +80,7 @@ def _run_job(
             **{**fields, "worker_addresses": tuple(fields["worker_addresses"])}
         )
     # The job starts and stops its local TFF workers, or connects to the configured
-    # remote ones (DESIGN.md sections 1 and 8).
+    # remote ones (docs/design.md sections 1 and 8).
     return train_job.run_train_job(
         config,
         partition_dir,
