@@ -42,6 +42,9 @@ KNOWN_NOISE: tuple[re.Pattern[str], ...] = tuple(
         # tf.data's background optimisation, cancelled when a dataset is dropped before
         # it finishes (seen on a loaded machine only).
         r"tensorflow/core/data/root_dataset\.cc:\d+\] Optimization loop failed: CANCELLED",
+        # libjpeg, asked for a conversion it lacks (a CMYK JPEG to one channel): the
+        # decoder's own error says so, and the command's error line names the image.
+        r"^Unsupported color conversion request$",
         # absl and gRPC in forked children (Beam, TFF workers).
         r"^WARNING: All log messages before absl::InitializeLog\(\) is called",
         r"^I0000 00:00:.*fork_posix\.cc",

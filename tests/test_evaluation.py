@@ -47,3 +47,40 @@ def test_records_that_are_not_there_are_refused(tmp_path):
         evaluation.record_files(str(tmp_path / "missing-*"))
     with pytest.raises(ValueError, match="neither canonical TFRecords nor"):
         evaluation.embed_held_out({}, str(tmp_path))
+
+
+def test_a_model_that_cannot_decode_an_accepted_image_is_one_line_naming_it(tmp_path):
+    """A SavedModel from elsewhere (or an older export) whose signature decodes to one
+    channel without converting CMYK fails on a CMYK JPEG that the input checks accept."""
+    import io
+    import os
+
+    import tensorflow as tf
+    from PIL import Image
+
+    from tff_algorithms import export
+
+    class OneChannel(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name=export.INPUT_KEY)])
+        def serve(self, images):
+            def one(image):
+                pixels = tf.io.decode_jpeg(image, channels=1)
+                return tf.reduce_mean(tf.cast(pixels, tf.float32), axis=[0, 1])
+
+            return {export.OUTPUT_KEY: tf.map_fn(one, images, fn_output_signature=tf.float32)}
+
+    model = OneChannel()
+    model_dir = str(tmp_path / "model")
+    tf.saved_model.save(model, model_dir, signatures={export.SIGNATURE: model.serve})
+    for user, mode in (("u0", "RGB"), ("u1", "RGB"), ("u2", "CMYK")):
+        folder = tmp_path / "data" / user / f"id_{user}"
+        folder.mkdir(parents=True)
+        for n in range(2):
+            image = Image.new("RGB", (16, 16), (40 * n, 90, 200)).convert(mode)
+            encoded = io.BytesIO()
+            image.save(encoded, format="JPEG")
+            (folder / f"{n}.jpg").write_bytes(encoded.getvalue())
+    with pytest.raises(ValueError, match="cannot embed an image that passed the input") as e:
+        evaluation.embed_held_out({"model": model_dir}, str(tmp_path / "data"))
+    assert "user 'u2'" in str(e.value) and "\n" not in str(e.value)
+    assert os.path.isdir(model_dir)

@@ -155,6 +155,33 @@ def _serving_function(model_dir: str) -> Callable[..., dict[str, tf.Tensor]]:
     return tf.saved_model.load(model_dir).signatures[export.SIGNATURE]
 
 
+def _unservable(
+    name: str,
+    model_dir: str,
+    serve: Callable[..., dict[str, tf.Tensor]],
+    records: list[schema.CanonicalRecord],
+    error: tf.errors.InvalidArgumentError,
+) -> str:
+    """One line: which image (of those that passed the input checks) the model refused."""
+    for record in records:
+        try:
+            serve(**{export.INPUT_KEY: tf.constant([record.image])})
+        except tf.errors.InvalidArgumentError:
+            where = f"user {record.user_id!r}, identity {record.identity!r}"
+            break
+    else:
+        where = "a batch"
+    # TF's message: a header, where the op was defined, the reason, the node.
+    lines = [line.strip() for line in (error.message or str(error)).splitlines()]
+    noise = ("Graph execution error", "Detected at node", "<stack traces", "[[")
+    reason = next((line for line in lines if line and not line.startswith(noise)), "")[:200]
+    return (
+        f"{name} {model_dir} cannot embed an image that passed the input checks "
+        f"({where}: {reason}); a model exported by an older version may not decode CMYK "
+        "JPEGs: re-export it with this version, or remove the image"
+    )
+
+
 def embed_held_out(
     model_dirs: dict[str, str],
     records: str,
@@ -174,12 +201,18 @@ def embed_held_out(
     bad_by_reason: collections.Counter[str] = collections.Counter()
     bad_examples: list[image_files.BadInput] = []
     batch: list[bytes] = []
+    batch_records: list[schema.CanonicalRecord] = []
 
     def embed_batch() -> None:
         for name, serve in serving.items():
-            served = serve(**{export.INPUT_KEY: tf.constant(batch)})[export.OUTPUT_KEY]
+            try:
+                served = serve(**{export.INPUT_KEY: tf.constant(batch)})[export.OUTPUT_KEY]
+            except tf.errors.InvalidArgumentError as e:
+                message = _unservable(name, model_dirs[name], serve, batch_records, e)
+                raise ValueError(message) from None
             embeddings[name].append(served.numpy())
         batch.clear()
+        batch_records.clear()
 
     for image in held_out_images(records, max_pixels):
         if isinstance(image, image_files.BadInput):
@@ -189,6 +222,7 @@ def embed_held_out(
             continue
         labels.append(image.record.identity.encode("utf-8"))
         batch.append(image.record.image)
+        batch_records.append(image.record)
         if len(batch) == _EMBED_BATCH:
             embed_batch()
     if batch:
