@@ -17,7 +17,9 @@ identity (EMNIST: every writer writes every character): each identity goes to a 
 held_out_images (landmarks, species: photographers share them): each user goes to a split
   with all their records, so evaluation users never appear in training; evaluation is
   on their images of identities the training users hold too (records of identities no
-  training user holds are dropped and counted).
+  training user holds are dropped and counted). Its evaluation counts a pair of images of
+  one identity as genuine only when two different users took them
+  (tff_algorithms.metrics, genuine pairs across users).
 auto: identity_and_user when no identity is held by two users; otherwise `run_split`
   stops with one line naming the modes and the records each would keep.
 
@@ -118,7 +120,8 @@ PROTOCOLS = {
         ),
         recall_measures=(
             "how well the model recognises training identities in images of users it never "
-            "saw (genuine pairs: two images of one identity, of one evaluation user or two)"
+            "saw (genuine pairs: two images of one identity by two different evaluation users; "
+            "impostor pairs: any two images of different identities)"
         ),
         shared_across_splits=("identity",),
         shared_with_public=("identity",),
@@ -467,7 +470,8 @@ def _refuse_drops(summary: dict, config: SplitConfig) -> None:
             f"split mode {config.mode} would drop {dropped:,} of {total:,} private records "
             f"({fraction:.1%}: {reasons}), over split.max_dropped_fraction "
             f"{config.max_dropped_fraction:g}; if users share identities set split.mode to "
-            f"{' or '.join(others)} (dp-fedemb data split --mode), or accept the loss with "
+            f"{' or '.join(others)} (dp-fedemb data split --mode, dp-fedemb train "
+            f"--split-mode), or accept the loss with "
             f"split.max_dropped_fraction={enough:g} (--max-dropped-fraction {enough:g})"
         )
 

@@ -123,6 +123,20 @@ def test_bad_hyperparameters_give_one_error_line(trained, capsys, extra, message
     assert len(lines) == 1 and message in lines[0], lines
 
 
+def test_an_unknown_split_mode_gives_one_error_line(tmp_path, capsys):
+    code, lines = _error_line(
+        capsys,
+        "train",
+        "--data",
+        str(tmp_path),
+        "--output",
+        str(tmp_path / "o"),
+        "--split-mode=held_out_image",
+    )
+    assert code != 0 and len(lines) == 1, lines
+    assert "--split-mode must be one of" in lines[0] and "held_out_images" in lines[0], lines
+
+
 def test_missing_inputs_give_one_error_line(tmp_path, capsys):
     code, lines = _error_line(
         capsys, "train", "--data", str(tmp_path / "missing"), "--output", str(tmp_path / "o")

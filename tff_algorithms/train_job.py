@@ -64,7 +64,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from beam_jobs import partition, schedule
+from beam_jobs import partition, schedule, splits
 from tff_algorithms import (
     accounting,
     aggregators,
@@ -447,6 +447,7 @@ def run_train_job(
     tensorboard_dir: str | None = None,
     run_id: str | None = None,
     feature_cache_dir: str | None = None,
+    split_mode: str = splits.IDENTITY_AND_USER,
 ) -> TrainJobResult:
     """Trains (or resumes) one job and writes its outputs (module docstring).
 
@@ -471,6 +472,8 @@ def run_train_job(
       feature_cache_dir: where a job that trains a suffix of the backbone keeps the
         frozen prefix's features (`feature_cache`; keyed, so jobs may share it);
         None: OUTPUT/feature_cache.
+      split_mode: the protocol `eval_records` were split by (`beam_jobs.splits.MODES`):
+        in held_out_images the evaluation's genuine pairs join two users (`evaluation`).
 
     Raises:
       ValueError: bad input (not a partition, no evaluation records, too few users for a
@@ -489,7 +492,7 @@ def run_train_job(
     # epsilon is used: the budget checks, the ledger, metrics.json.
     planned = dplc_releases.composed_privacy(spec, releases)
     _check_budget(config, planned)
-    evaluator = HeldOutEvaluator(config.backbone_config, eval_records)
+    evaluator = HeldOutEvaluator(config.backbone_config, eval_records, split_mode)
     pretrained = (
         models.backbone_weights(
             models.load_pretrained_backbone(config.backbone_config, pretrained_backbone)
