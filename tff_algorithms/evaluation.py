@@ -114,8 +114,9 @@ class HeldOutEvaluator:
     ) -> None:
         self.records = records
         users, self.labels = _users_and_identities(records)
-        # Genuine pairs across users only in mode held_out_images (module docstring).
-        self._users = users if genuine_across_users(split_mode) else None
+        # Each image's user where genuine pairs must join two users (mode held_out_images,
+        # module docstring), else None: `metrics.recall_at_far`'s `users`.
+        self.pair_users = users if genuine_across_users(split_mode) else None
         self._backbone_config = backbone_config
         self._images = encoded_images(records).map(
             lambda _, encoded: export.decode_image(encoded, backbone_config.image_shape)
@@ -129,7 +130,7 @@ class HeldOutEvaluator:
         )
 
     def __call__(self, weights: tff.learning.models.ModelWeights) -> dict[str, Any]:
-        result = metrics.recall_at_far(self.embeddings(weights), self.labels, users=self._users)
+        result = metrics.recall_at_far(self.embeddings(weights), self.labels, users=self.pair_users)
         return {"recall_at_far": result.as_json_dict()}
 
 
