@@ -141,6 +141,8 @@ def EvaluateAndBless(
         "gate_far": gate_far,
         # The protocol the test split was made by: what the recall measures.
         "split_mode": layout.split_mode(examples),
+        # Whether the test split came from data.evaluation_inputs (whose records they are).
+        "evaluation_inputs": layout.has_evaluation_inputs(examples),
         "bootstrap": {"resamples": bootstrap_resamples, "confidence": confidence},
     }
     baseline_recall = None
