@@ -10,7 +10,8 @@ Layout under PARTITION_DIR:
   part file past `max_part_bytes`, never splitting a user.
 - index/shard-SSSSS.jsonl: one line per user of the shard, sorted:
   [user_id, part file, byte offset, byte length, record count].
-- manifest.json: shard count, users/records per shard, the hash that maps users to shards.
+- manifest.json: shard count, users/records per shard, the hash that maps users to shards,
+  and how many users hold how many distinct identities (`IDENTITIES_PER_USER`).
 - participation.json: ParticipationStats of the virtual-client schedule over this
   population (beam_jobs.schedule), for the privacy accountant.
 
@@ -20,6 +21,7 @@ costs O(its data), and 10^6 users need only num_shards index files and a few par
 per shard, never a file per user.
 """
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -36,6 +38,9 @@ from beam_jobs import schedule, schema
 MANIFEST_FILE = "manifest.json"
 PARTICIPATION_FILE = "participation.json"
 INDEX_DIR = "index"
+# Manifest key: {distinct identities a user holds: users holding that many}, what a local
+# head must have room for (`most_identities_of_users`).
+IDENTITIES_PER_USER = "identities_per_user"
 SHARD_HASH = "blake2b-64 of UTF-8 user id, big endian, mod num_shards"
 
 
@@ -166,8 +171,15 @@ class ScheduleSpec:
 
 
 def build_manifest(shard_counts: list[dict], num_shards: int, max_part_bytes: int) -> dict:
-    """manifest.json's content from every written shard's counts (`write_shard`)."""
+    """manifest.json's content from every written shard's counts (`write_shard`), with
+    the users' identity counts summed when the shards carry them (`IDENTITIES_PER_USER`)."""
     by_shard = {c["shard"]: c for c in shard_counts}
+    extra = {}
+    if shard_counts and all(IDENTITIES_PER_USER in c for c in shard_counts):
+        histogram = collections.Counter()
+        for c in shard_counts:
+            histogram.update({int(n): users for n, users in c[IDENTITIES_PER_USER].items()})
+        extra[IDENTITIES_PER_USER] = {str(n): histogram[n] for n in sorted(histogram)}
     return {
         "num_shards": num_shards,
         "shard_hash": SHARD_HASH,
@@ -178,7 +190,24 @@ def build_manifest(shard_counts: list[dict], num_shards: int, max_part_bytes: in
             by_shard.get(s, {"shard": s, "users": 0, "records": 0, "parts": 0})
             for s in range(num_shards)
         ],
+        **extra,
     }
+
+
+def most_identities_of_users(manifest: dict, num_users: int) -> int | None:
+    """The most distinct identities any `num_users` users of the partition hold together
+    (the sum of the largest per-user counts), or None for a manifest written without
+    `IDENTITIES_PER_USER` (older partitions)."""
+    histogram = manifest.get(IDENTITIES_PER_USER)
+    if histogram is None:
+        return None
+    total, left = 0, num_users
+    for n in sorted((int(k) for k in histogram), reverse=True):
+        taken = min(left, histogram[str(n)])
+        total, left = total + n * taken, left - taken
+        if not left:
+            break
+    return total
 
 
 def read_manifest(partition_dir: str) -> dict:

@@ -1,6 +1,7 @@
 """The Beam job that partitions canonical records by user (beam_jobs/partition.py holds
 the layout, its writer per shard and the reader)."""
 
+import collections
 import os
 from collections.abc import Iterable, Sequence
 
@@ -9,6 +10,7 @@ import tensorflow as tf
 
 from beam_jobs import records_io, schema
 from beam_jobs.partition import (
+    IDENTITIES_PER_USER,
     INDEX_DIR,
     MANIFEST_FILE,
     ScheduleSpec,
@@ -20,17 +22,35 @@ from beam_jobs.partition import (
 )
 
 
+def identities_per_user_histogram(records: Iterable[tuple[str, str]]) -> dict[str, int]:
+    """{distinct identities a user holds: users holding that many} of (user, identity)
+    pairs; keys are strings (JSON)."""
+    held = collections.defaultdict(set)
+    for user_id, identity in records:
+        held[user_id].add(identity)
+    counts = collections.Counter(len(identities) for identities in held.values())
+    return {str(n): users for n, users in sorted(counts.items())}
+
+
 class _WriteShardFn(beam.DoFn):
     """(shard, records) -> part files and the shard index (`write_shard`); yields the
-    shard's counts."""
+    shard's counts, with its users' identity counts (`partition.IDENTITIES_PER_USER`)."""
 
     def __init__(self, partition_dir: str, max_part_bytes: int):
         self._partition_dir = partition_dir
         self._max_part_bytes = max_part_bytes
 
-    def process(self, shard_records: tuple[int, Iterable[tuple[str, bytes]]]):
+    def process(self, shard_records: tuple[int, Iterable[tuple[str, str, bytes]]]):
         shard, records = shard_records
-        yield write_shard(self._partition_dir, shard, records, self._max_part_bytes)
+        records = list(records)
+        counts = write_shard(
+            self._partition_dir,
+            shard,
+            ((user_id, serialized) for user_id, _, serialized in records),
+            self._max_part_bytes,
+        )
+        histogram = identities_per_user_histogram((u, identity) for u, identity, _ in records)
+        yield {**counts, IDENTITIES_PER_USER: histogram}
 
 
 class PartitionByUser(beam.PTransform):
@@ -49,8 +69,9 @@ class PartitionByUser(beam.PTransform):
         tf.io.gfile.makedirs(os.path.join(partition_dir, INDEX_DIR))
 
         def key_by_shard(serialized: bytes):
-            user_id = schema.parse(serialized).user_id
-            return shard_of_user(user_id, num_shards), (user_id, serialized)
+            record = schema.parse(serialized)
+            shard = shard_of_user(record.user_id, num_shards)
+            return shard, (record.user_id, record.identity, serialized)
 
         manifest = (
             records

@@ -17,7 +17,9 @@ identity (EMNIST: every writer writes every character): each identity goes to a 
 held_out_images (landmarks, species: photographers share them): each user goes to a split
   with all their records, so evaluation users never appear in training; evaluation is
   on their images of identities the training users hold too (records of identities no
-  training user holds are dropped and counted).
+  training user holds are dropped and counted). Its evaluation counts a pair of images of
+  one identity as genuine only when two different users took them
+  (tff_algorithms.metrics, genuine pairs across users).
 auto: identity_and_user when no identity is held by two users; otherwise `run_split`
   stops with one line naming the modes and the records each would keep.
 
@@ -38,6 +40,14 @@ never moves a private user and a private record never becomes public. Their user
 identity names get the prefix `PUBLIC_SOURCE_PREFIX`: names from separate sources are
 unrelated, and unprefixed they could collide with private ones (which dedup, rightly,
 refuses as a split that is not disjoint).
+
+Evaluation data may come from elsewhere too (mode held_out_images only, where a data set
+such as TFF's Landmarks ships its own test split): with `evaluation_inputs` the records
+of separate evaluation sources go to the test split and nowhere else (the private users
+then fill train and validation: `test_fraction` must be 0). Their user names get the
+prefix `EVALUATION_SOURCE_PREFIX`, their identities stay as they are (the protocol
+evaluates training identities), and those of identities no training user holds are
+dropped and counted apart (`evaluation_unseen_identity`), outside the private drop guard.
 """
 
 import dataclasses
@@ -60,6 +70,10 @@ SPLIT_PRIORITY = (TEST, VALIDATION, TRAIN, PUBLIC)
 EVALUATION_SPLITS = (VALIDATION, TEST)
 # Names of records from separate public sources, in the public split.
 PUBLIC_SOURCE_PREFIX = "public:"
+# User names of records from separate evaluation sources, in the test split.
+EVALUATION_SOURCE_PREFIX = "evaluation:"
+# Where a record comes from: the private users, a public or an evaluation source.
+_PRIVATE_SOURCE, _PUBLIC_SOURCE, _EVALUATION_SOURCE = "private", "public", "evaluation"
 
 IDENTITY_AND_USER = "identity_and_user"
 IDENTITY = "identity"
@@ -118,7 +132,8 @@ PROTOCOLS = {
         ),
         recall_measures=(
             "how well the model recognises training identities in images of users it never "
-            "saw (genuine pairs: two images of one identity, of one evaluation user or two)"
+            "saw (genuine pairs: two images of one identity by two different evaluation users; "
+            "impostor pairs: any two images of different identities)"
         ),
         shared_across_splits=("identity",),
         shared_with_public=("identity",),
@@ -146,6 +161,7 @@ class SplitConfig:
     public_inputs: bool = False
     mode: str = IDENTITY_AND_USER
     max_dropped_fraction: float = 0.1
+    evaluation_inputs: bool = False
 
     def __post_init__(self) -> None:
         fractions = (self.validation_fraction, self.test_fraction, self.public_fraction)
@@ -161,6 +177,16 @@ class SplitConfig:
             raise ValueError(
                 f"max dropped fraction must be in [0, 1], got {self.max_dropped_fraction}"
             )
+        if self.evaluation_inputs and self.mode != HELD_OUT_IMAGES:
+            raise ValueError(
+                f"evaluation inputs need split mode {HELD_OUT_IMAGES} (their images are of "
+                f"training identities), got {self.mode!r}"
+            )
+        if self.evaluation_inputs and self.test_fraction:
+            raise ValueError(
+                "with evaluation inputs the test split is theirs: the test fraction of the "
+                f"private users must be 0, got {self.test_fraction}"
+            )
 
     @property
     def splits(self) -> tuple[str, ...]:
@@ -170,6 +196,8 @@ class SplitConfig:
 
 
 MODE_CHECK_FILE = "split_mode_check.json"
+# Drop reason of evaluation sources' records of identities no training user holds.
+EVALUATION_UNSEEN_IDENTITY = "evaluation_unseen_identity"
 
 
 class SplitRefused(ValueError):
@@ -223,17 +251,19 @@ def _record_splits(user_id: str, serialized_records: Iterable[bytes], config: Sp
     return assigned
 
 
-def _assign_user(user_records: tuple[tuple[bool, str], Iterable[bytes]], config: SplitConfig):
-    (from_public_source, user_id), serialized_records = user_records
-    if from_public_source:
+def _assign_user(user_records: tuple[tuple[str, str], Iterable[bytes]], config: SplitConfig):
+    (source, user_id), serialized_records = user_records
+    if source != _PRIVATE_SOURCE:
+        public = source == _PUBLIC_SOURCE
         for serialized in serialized_records:
             record = schema.parse(serialized)
             renamed = dataclasses.replace(
                 record,
-                user_id=PUBLIC_SOURCE_PREFIX + record.user_id,
-                identity=PUBLIC_SOURCE_PREFIX + record.identity,
+                user_id=(PUBLIC_SOURCE_PREFIX if public else EVALUATION_SOURCE_PREFIX)
+                + record.user_id,
+                identity=PUBLIC_SOURCE_PREFIX + record.identity if public else record.identity,
             )
-            yield beam.pvalue.TaggedOutput(PUBLIC, schema.serialize(renamed))
+            yield beam.pvalue.TaggedOutput(PUBLIC if public else TEST, schema.serialize(renamed))
         return
     assigned = _record_splits(user_id, serialized_records, config)
     yield beam.pvalue.TaggedOutput("input", len(assigned))
@@ -259,14 +289,22 @@ def _seen_in_training(item, split: str):
     if grouped["train"]:
         for serialized in records:
             yield beam.pvalue.TaggedOutput(split, serialized)
-    elif records:
-        Metrics.counter(METRICS_NAMESPACE, "dropped_unseen_identity").inc(len(records))
-        yield beam.pvalue.TaggedOutput("dropped", ("unseen_identity", len(records)))
+        return
+    # Counted apart: evaluation sources' records are no private records to guard.
+    evaluation = sum(schema.parse(s).user_id.startswith(EVALUATION_SOURCE_PREFIX) for s in records)
+    for reason, count in (
+        ("unseen_identity", len(records) - evaluation),
+        (EVALUATION_UNSEEN_IDENTITY, evaluation),
+    ):
+        if count:
+            Metrics.counter(METRICS_NAMESPACE, f"dropped_{reason}").inc(count)
+            yield beam.pvalue.TaggedOutput("dropped", (reason, count))
 
 
 def _split_summary(
     counts: dict[tuple[str, str], int], dropped: dict[str, int], config: SplitConfig
 ) -> dict:
+    private_dropped = {r: n for r, n in dropped.items() if r != EVALUATION_UNSEEN_IDENTITY}
     return {
         "config": dataclasses.asdict(config),
         "mode": config.mode,
@@ -274,7 +312,8 @@ def _split_summary(
         "records": {s: counts.get((s, "records"), 0) for s in config.splits},
         "users": {s: counts.get((s, "users"), 0) for s in config.splits},
         "identities": {s: counts.get((s, "identities"), 0) for s in config.splits},
-        "dropped_records": sum(dropped.values()),
+        # Private records only: what the drop guard compares with input_records.
+        "dropped_records": sum(private_dropped.values()),
         "dropped_by_reason": dropped,
         "dropped_cross_split_records": dropped.get("cross_split", 0),
     }
@@ -284,8 +323,10 @@ class SplitRecords(beam.PTransform):
     """Serialized canonical records -> {split name: records, "summary": one dict}, by
     `config.mode` (not auto: `run_split` resolves it first).
 
-    The input is the private sources' records, or with `config.public_inputs` a dict
-    {"records": private sources' records, "public_records": public sources' records}.
+    The input is the private sources' records, or with `config.public_inputs` or
+    `config.evaluation_inputs` a dict {"records": private sources' records,
+    "public_records": public sources' records, "evaluation_records": evaluation sources'},
+    holding the keys the config names.
     """
 
     def __init__(self, config: SplitConfig):
@@ -296,19 +337,25 @@ class SplitRecords(beam.PTransform):
 
     def expand(self, inputs):
         config = self._config
-        if config.public_inputs != isinstance(inputs, dict):
+        expected = {"records"}
+        expected |= {"public_records"} if config.public_inputs else set()
+        expected |= {"evaluation_records"} if config.evaluation_inputs else set()
+        given = set(inputs) if isinstance(inputs, dict) else {"records"}
+        if given != expected or (len(expected) > 1) != isinstance(inputs, dict):
             raise ValueError(
-                "SplitRecords takes {'records', 'public_records'} exactly when "
-                "config.public_inputs is set"
+                f"SplitRecords takes {sorted(expected)} for this config (public_inputs, "
+                "evaluation_inputs), as a dict when more than the records"
             )
-        sources = [(False, inputs["records"] if config.public_inputs else inputs)]
+        sources = [(_PRIVATE_SOURCE, inputs["records"] if isinstance(inputs, dict) else inputs)]
         if config.public_inputs:
-            sources.append((True, inputs["public_records"]))
+            sources.append((_PUBLIC_SOURCE, inputs["public_records"]))
+        if config.evaluation_inputs:
+            sources.append((_EVALUATION_SOURCE, inputs["evaluation_records"]))
         keyed = [
             records
-            | f"KeyByUser{'Public' if public else ''}"
-            >> beam.Map(lambda s, p=public: ((p, schema.parse(s).user_id), s))
-            for public, records in sources
+            | f"KeyByUser{'' if source == _PRIVATE_SOURCE else source.title()}"
+            >> beam.Map(lambda s, source=source: ((source, schema.parse(s).user_id), s))
+            for source, records in sources
         ]
         assigned = (
             keyed
@@ -467,7 +514,8 @@ def _refuse_drops(summary: dict, config: SplitConfig) -> None:
             f"split mode {config.mode} would drop {dropped:,} of {total:,} private records "
             f"({fraction:.1%}: {reasons}), over split.max_dropped_fraction "
             f"{config.max_dropped_fraction:g}; if users share identities set split.mode to "
-            f"{' or '.join(others)} (dp-fedemb data split --mode), or accept the loss with "
+            f"{' or '.join(others)} (dp-fedemb data split --mode, dp-fedemb train "
+            f"--split-mode), or accept the loss with "
             f"split.max_dropped_fraction={enough:g} (--max-dropped-fraction {enough:g})"
         )
 
@@ -478,15 +526,21 @@ def run_split(
     config: SplitConfig,
     beam_args=None,
     public_input_dir: str | None = None,
+    evaluation_input_dir: str | None = None,
 ) -> dict:
-    """Reads IN/records-* (and PUBLIC_IN/records-*), writes OUT/<split>/records-* and
-    OUT/split_summary.json. `public_input_dir` is given exactly when
-    `config.public_inputs` is set. Mode auto is resolved first (`resolve_mode`); a split
+    """Reads IN/records-* (and PUBLIC_IN/records-*, EVALUATION_IN/records-*), writes
+    OUT/<split>/records-* and OUT/split_summary.json. `public_input_dir` is given exactly
+    when `config.public_inputs` is set, `evaluation_input_dir` when
+    `config.evaluation_inputs` is. Mode auto is resolved first (`resolve_mode`); a split
     dropping more than `config.max_dropped_fraction` of the private records raises
     SplitRefused with its records removed and its summary kept."""
     if config.public_inputs != (public_input_dir is not None):
         raise ValueError(
             "run_split needs public_input_dir exactly when config.public_inputs is set"
+        )
+    if config.evaluation_inputs != (evaluation_input_dir is not None):
+        raise ValueError(
+            "run_split needs evaluation_input_dir exactly when config.evaluation_inputs is set"
         )
     requested = config.mode
     if requested == AUTO:
@@ -496,11 +550,12 @@ def run_split(
     summary_path = os.path.join(out_dir, SUMMARY_FILE)
     with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
         records = pipeline | "Read" >> records_io.ReadRecords(input_dir)
-        if public_input_dir is not None:
-            records = {
-                "records": records,
-                "public_records": pipeline
-                | "ReadPublic" >> records_io.ReadRecords(public_input_dir),
+        others = {"public_records": public_input_dir, "evaluation_records": evaluation_input_dir}
+        if any(others.values()):
+            records = {"records": records} | {
+                name: pipeline | f"Read{name}" >> records_io.ReadRecords(directory)
+                for name, directory in others.items()
+                if directory is not None
             }
         split = records | "Split" >> SplitRecords(config)
         for name in config.splits:

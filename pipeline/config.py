@@ -88,6 +88,10 @@ class DataSection:
     # Public data for pretraining from separate sources (same formats): every record goes
     # to the public split, none is trained on privately or evaluated on.
     public_inputs: tuple[str, ...] = ()
+    # Evaluation data from separate sources (same formats; split.mode held_out_images,
+    # e.g. TFF Landmarks' own test split): every record goes to the test split, none is
+    # trained on; the private users then fill train and validation (split.test_fraction 0).
+    evaluation_inputs: tuple[str, ...] = ()
     max_bad_fraction: float = 0.01
     identity_feature: str | None = None
     # Images with more pixels are refused (counted bad) before decoding; None: the
@@ -238,7 +242,11 @@ class PipelineConfig:
 
     def split_config_dict(self) -> dict[str, Any]:
         """beam_jobs.splits.SplitConfig fields."""
-        return {**dataclasses.asdict(self.split), "public_inputs": self.has_public_inputs}
+        return {
+            **dataclasses.asdict(self.split),
+            "public_inputs": self.has_public_inputs,
+            "evaluation_inputs": bool(self.data.evaluation_inputs),
+        }
 
     @property
     def serving_dir(self) -> str:
@@ -557,7 +565,7 @@ def validate_light(config: PipelineConfig) -> None:
         )
     if not config.pipeline.output_dir:
         raise ValueError("config pipeline.output_dir must not be empty")
-    for key in ("inputs", "public_inputs"):
+    for key in ("inputs", "public_inputs", "evaluation_inputs"):
         for source in getattr(config.data, key):
             if "://" in source:
                 continue
@@ -569,6 +577,16 @@ def validate_light(config: PipelineConfig) -> None:
                     f"data.{key} {_shown(source)}: a later run would read the pipeline's files "
                     "as inputs; give an output directory outside it"
                 )
+    if config.data.evaluation_inputs and config.split.mode != "held_out_images":
+        raise ValueError(
+            "config data.evaluation_inputs needs split.mode held_out_images (their images "
+            f"are evaluated on training identities), got {bounded_load.shown(config.split.mode)}"
+        )
+    if config.data.evaluation_inputs and config.split.test_fraction:
+        raise ValueError(
+            "config data.evaluation_inputs is the test split: set split.test_fraction to 0 "
+            f"(got {config.split.test_fraction}; no private user is held out for test)"
+        )
     if not 0.0 <= config.data.max_bad_fraction <= 1.0:
         raise ValueError(
             f"config data.max_bad_fraction must be in [0, 1], got {config.data.max_bad_fraction}"

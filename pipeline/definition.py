@@ -66,6 +66,9 @@ def build_components(config: config_lib.PipelineConfig) -> list:
     example_gen = data.CanonicalExampleGen(
         input_sources=json.dumps([os.path.abspath(s) for s in config.data.inputs]),
         public_input_sources=json.dumps([os.path.abspath(s) for s in config.data.public_inputs]),
+        evaluation_input_sources=json.dumps(
+            [os.path.abspath(s) for s in config.data.evaluation_inputs]
+        ),
         synthetic_config=json.dumps(dataclasses.asdict(config.data.synthetic), sort_keys=True),
         synthetic_public_config=json.dumps(
             config.synthetic_public and dataclasses.asdict(config.synthetic_public),

@@ -96,6 +96,7 @@ def privacy_guarantee(
     ledger: Mapping[str, Any],
     composition: Mapping[str, Any] | None = None,
     split_mode: str | None = None,
+    evaluation_inputs: bool = False,
 ) -> str:
     """The card's privacy paragraph: the report's statement, then the shared-negatives
     releases the ledger accounted (nothing more for a ledger without them)."""
@@ -103,7 +104,8 @@ def privacy_guarantee(
         f" {label[0].upper()}{label[1:]}: {value}."
         for label, value in privacy_text.shared_negatives_rows(ledger)
     )
-    return privacy_text.privacy_statement(ledger, composition, split_mode) + releases
+    statement = privacy_text.privacy_statement(ledger, composition, split_mode, evaluation_inputs)
+    return statement + releases
 
 
 def build_model_card(
@@ -119,7 +121,8 @@ def build_model_card(
     the model's private runs (its epsilon is theirs composed)."""
     spec = ledger["spec"]
     split_mode = evaluation.get("split_mode")
-    statement = privacy_guarantee(ledger, composition, split_mode)
+    evaluation_inputs = bool(evaluation.get("evaluation_inputs"))
+    statement = privacy_guarantee(ledger, composition, split_mode, evaluation_inputs)
     epsilon = privacy_text.model_epsilon(ledger, composition)
     model = evaluation["model"]
     bootstrap = evaluation.get("bootstrap") or {}
@@ -187,7 +190,7 @@ def build_model_card(
             "use_cases": [{"description": text} for text in INTENDED_USES],
             "limitations": [{"description": text} for text in LIMITATIONS]
             + (
-                [{"description": privacy_text.split_protocol_text(split_mode)}]
+                [{"description": privacy_text.split_protocol_text(split_mode, evaluation_inputs)}]
                 if split_mode
                 else []
             ),

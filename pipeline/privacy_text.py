@@ -113,25 +113,38 @@ def composition_text(composition: Mapping[str, Any] | None) -> str:
     )
 
 
-def split_protocol_text(split_mode: str) -> str:
-    """What the split mode (beam_jobs.splits) means for the guarantee and the recall."""
+# Whose the test records are when they come from data.evaluation_inputs (mode
+# held_out_images; beam_jobs.splits, evaluation sources).
+EVALUATION_INPUTS_TEXT = (
+    "the test records come from data.evaluation_inputs, a source apart from the private "
+    "users: images of training identities by users who are not training users, none of "
+    "them trained on and none covered by the guarantee, which is the training users'; "
+    "the private users held out fill the validation split only"
+)
+
+
+def split_protocol_text(split_mode: str, evaluation_inputs: bool = False) -> str:
+    """What the split mode (beam_jobs.splits) means for the guarantee and the recall;
+    `evaluation_inputs`: the test split came from data.evaluation_inputs."""
     from beam_jobs import splits
 
     protocol = splits.PROTOCOLS[split_mode]
+    evaluated = EVALUATION_INPUTS_TEXT if evaluation_inputs else protocol.evaluation
     return (
-        f"Evaluation protocol (split mode {split_mode}): {protocol.evaluation}; "
+        f"Evaluation protocol (split mode {split_mode}): {evaluated}; "
         f"{protocol.outside_guarantee}. Recall@FAR measures {protocol.recall_measures}."
     )
 
 
-def _coverage(split_mode: str | None) -> str:
+def _coverage(split_mode: str | None, evaluation_inputs: bool) -> str:
     from beam_jobs import splits
 
     if split_mode in (None, splits.IDENTITY_AND_USER):
         return "it does not cover the public pretraining data or the held-out evaluation users."
+    source = f"; {EVALUATION_INPUTS_TEXT}" if evaluation_inputs else ""
     return (
         f"it does not cover the public pretraining data; in split mode {split_mode} "
-        f"{splits.PROTOCOLS[split_mode].outside_guarantee}."
+        f"{splits.PROTOCOLS[split_mode].outside_guarantee}{source}."
     )
 
 
@@ -139,9 +152,11 @@ def privacy_statement(
     ledger: Mapping[str, Any],
     composition: Mapping[str, Any] | None = None,
     split_mode: str | None = None,
+    evaluation_inputs: bool = False,
 ) -> str:
     """One paragraph saying what the trained model's (epsilon, delta) guarantee means;
-    `split_mode` (beam_jobs.splits.MODES) says whose records are outside it."""
+    `split_mode` (beam_jobs.splits.MODES) and `evaluation_inputs` (the test split came
+    from data.evaluation_inputs) say whose records are outside it."""
     spec = ledger["spec"]
     epsilon, delta = model_epsilon(ledger, composition), float(spec["delta"])
     relation = spec["neighboring_relation"]
@@ -165,7 +180,7 @@ def privacy_statement(
         f"alone) by at most a factor e^ε = e^{format_epsilon(epsilon)} ≈ {factor_text}, "
         f"except with probability at most δ = {delta:g}. This covers the "
         f"{spec['population']:,} training users over all {spec['rounds']:,} rounds; "
-        + _coverage(split_mode)
+        + _coverage(split_mode, evaluation_inputs)
         + composition_text(composition)
         + " "
         + details

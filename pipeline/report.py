@@ -342,15 +342,13 @@ def render_report(
     )
     history, history_note = training_history(training_metrics)
     split_mode = evaluation.get("split_mode")
-    protocol = (
-        f'<p class="protocol">{html.escape(privacy_text.split_protocol_text(split_mode))}</p>'
-        if split_mode
-        else ""
-    )
+    evaluation_inputs = bool(evaluation.get("evaluation_inputs"))
+    protocol_text = split_mode and privacy_text.split_protocol_text(split_mode, evaluation_inputs)
+    protocol = f'<p class="protocol">{html.escape(protocol_text)}</p>' if split_mode else ""
     sections = [
         "<h1>dp-fedemb run report</h1>",
         _section("guarantee", "What the privacy guarantee means"),
-        f'<p class="statement">{html.escape(privacy_text.privacy_statement(ledger, composition, split_mode))}</p>',
+        f'<p class="statement">{html.escape(privacy_text.privacy_statement(ledger, composition, split_mode, evaluation_inputs))}</p>',
         protocol,
         _section("outcome", "Outcome"),
         f'<p class="outcome">{html.escape(outcome)}</p>',

@@ -107,3 +107,20 @@ def test_partitioning_is_deterministic(partition_dir, tmp_path):
         for a, b in zip(first, second):
             with open(a, "rb") as fa, open(b, "rb") as fb:
                 assert fa.read() == fb.read(), a
+
+
+def test_manifest_counts_the_identities_each_user_holds(partition_dir):
+    manifest = partition.read_manifest(partition_dir)
+    # Independently: user u holds 1 + u % 4 records of identities id{u}_0, id{u}_1, ...
+    held = collections.defaultdict(set)
+    for serialized in _records():
+        record = schema.parse(serialized)
+        held[record.user_id].add(record.identity)
+    expected = collections.Counter(len(identities) for identities in held.values())
+    assert manifest[partition.IDENTITIES_PER_USER] == {str(n): c for n, c in expected.items()}
+    assert expected == {1: 10, 2: 30}
+    # The most identities k users hold together: the 2-identity users first.
+    assert partition.most_identities_of_users(manifest, 2) == 4
+    assert partition.most_identities_of_users(manifest, 35) == 30 * 2 + 5
+    assert partition.most_identities_of_users(manifest, 100) == 70
+    assert partition.most_identities_of_users({"users": 3}, 2) is None  # an older manifest

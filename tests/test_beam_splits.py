@@ -271,3 +271,53 @@ def test_a_split_dropping_more_than_the_limit_stops_naming_the_setting(tmp_path)
     assert (tmp_path / "out" / splits.SUMMARY_FILE).exists()
     for name in config.splits:
         assert not tf.io.gfile.glob(records_io.records_pattern(str(tmp_path / "out" / name)))
+
+
+def test_evaluation_sources_go_whole_to_test_of_training_identities(tmp_path):
+    # Landmarks with a test split of their own: the private users fill train and
+    # validation; the evaluation source's users (one named as a private user) fill test.
+    config = splits.SplitConfig(
+        0.2, 0.0, 0.0, seed=2, mode=splits.HELD_OUT_IMAGES, evaluation_inputs=True
+    )
+    private = _shared_records(users=20, identities=5)
+    evaluation = [
+        schema.serialize(schema.CanonicalRecord(user, identity, _PNG + bytes([k, 9])))
+        for k, (user, identity) in enumerate(
+            [("u0", "c1"), ("t1", "c1"), ("t1", "c2"), ("t2", "c3"), ("t2", "unseen")]
+        )
+    ]
+    summary = splits.run_split(
+        _write(private, str(tmp_path / "in")),
+        str(tmp_path / "out"),
+        config,
+        evaluation_input_dir=_write(evaluation, str(tmp_path / "evaluation")),
+    )
+    out = _read_splits(tmp_path / "out", config.splits)
+    assert config.splits == ("test", "validation", "train")
+    # Every test record is an evaluation source's, renamed apart from private users, of
+    # a training identity; the one of an identity no training user holds is dropped and
+    # counted apart from the private records the drop guard compares.
+    assert sorted((r.user_id, r.identity) for r in out["test"]) == [
+        ("evaluation:t1", "c1"),
+        ("evaluation:t1", "c2"),
+        ("evaluation:t2", "c3"),
+        ("evaluation:u0", "c1"),
+    ]
+    assert summary["dropped_by_reason"] == {splits.EVALUATION_UNSEEN_IDENTITY: 1}
+    assert summary["dropped_records"] == 0 and summary["input_records"] == len(private)
+    assert len(out["train"]) + len(out["validation"]) == len(private)
+    assert out["validation"] and not {r.user_id for r in out["validation"]} & {
+        r.user_id for r in out["train"]
+    }
+
+
+def test_evaluation_inputs_need_held_out_images_and_no_private_test_users(tmp_path):
+    with pytest.raises(ValueError, match="evaluation inputs need split mode held_out_images"):
+        splits.SplitConfig(test_fraction=0.0, mode=splits.IDENTITY, evaluation_inputs=True)
+    with pytest.raises(ValueError, match="test fraction of the private users must be 0"):
+        splits.SplitConfig(mode=splits.HELD_OUT_IMAGES, evaluation_inputs=True)
+    config = splits.SplitConfig(
+        test_fraction=0.0, mode=splits.HELD_OUT_IMAGES, evaluation_inputs=True
+    )
+    with pytest.raises(ValueError, match="evaluation_input_dir exactly when"):
+        splits.run_split(str(tmp_path), str(tmp_path / "out"), config)

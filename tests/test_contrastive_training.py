@@ -143,10 +143,26 @@ def test_each_step_takes_one_pair_from_each_of_n_distinct_users(data):
             ]
             for image in (x[k].numpy(), y[k].numpy()):
                 assert any(np.array_equal(image, o) for o in own)
-    pairs = contrastive_training._pair_indices([1, 2, 6, 6], schedule_seed=3, step=0)
+    held = [["a"], ["b"] * 2, ["c"] * 6, ["d"] * 6]
+    pairs = contrastive_training._pair_indices(held, schedule_seed=3, step=0)
     assert pairs[0] == (0, 0)  # one image: used twice
     assert all(a != b and 0 <= a < n and 0 <= b < n for (a, b), n in zip(pairs[1:], [2, 6, 6]))
-    assert pairs == contrastive_training._pair_indices([1, 2, 6, 6], schedule_seed=3, step=0)
+    assert pairs == contrastive_training._pair_indices(held, schedule_seed=3, step=0)
+
+
+def test_a_user_of_many_identities_pairs_two_images_of_one():
+    # Landmarks: a photographer's images of several landmarks; only "x" and "z" are held
+    # twice, so every pair is two distinct images of x or of z, never of two landmarks.
+    held = ["x", "y", "z", "x", "w", "z", "v"]
+    drawn = set()
+    for step in range(40):
+        ((first, second),) = contrastive_training._pair_indices([held], schedule_seed=1, step=step)
+        assert first != second and held[first] == held[second], (first, second)
+        drawn.add(held[first])
+    assert drawn == {"x", "z"}
+    # No identity held twice: one image twice, as for a user of one image.
+    ((first, second),) = contrastive_training._pair_indices([["p", "q"]], schedule_seed=1, step=0)
+    assert first == second
 
 
 @pytest.mark.parametrize(

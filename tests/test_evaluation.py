@@ -1,11 +1,15 @@
-"""Held-out evaluation: record reading, and a SavedModel scored as training scored it."""
+"""Held-out evaluation: record reading, a SavedModel scored as training scored it, and
+genuine pairs across users in split mode held_out_images."""
 
 import dataclasses
+import os
 
 import pytest
+import tensorflow as tf
 
+from beam_jobs import schema, splits, synthetic
 from tests import support
-from tff_algorithms import evaluation, train_job
+from tff_algorithms import evaluation, metrics, models, train_job
 
 SYNTH = support.TRAIN_CLI_DATA
 HELD_OUT_IDENTITIES = SYNTH.identities - support.SMALL_JOB_TRAIN_IDENTITIES
@@ -53,9 +57,7 @@ def test_a_model_that_cannot_decode_an_accepted_image_is_one_line_naming_it(tmp_
     """A SavedModel from elsewhere (or an older export) whose signature decodes to one
     channel without converting CMYK fails on a CMYK JPEG that the input checks accept."""
     import io
-    import os
 
-    import tensorflow as tf
     from PIL import Image
 
     from tff_algorithms import export
@@ -84,3 +86,53 @@ def test_a_model_that_cannot_decode_an_accepted_image_is_one_line_naming_it(tmp_
         evaluation.embed_held_out({"model": model_dir}, str(tmp_path / "data"))
     assert "user 'u2'" in str(e.value) and "\n" not in str(e.value)
     assert os.path.isdir(model_dir)
+
+
+def _held_out_shared_by_three_users(directory) -> str:
+    """The held-out records with each identity's six images taken by three users (two
+    each): 8 identities x (15 pairs - 3 one-user pairs) = 96 genuine pairs across users."""
+    records = synthetic.records_for_identities(
+        SYNTH, support.SMALL_JOB_TRAIN_IDENTITIES, SYNTH.identities
+    )
+    path = os.path.join(directory, "shared.tfrecord")
+    with tf.io.TFRecordWriter(path) as writer:
+        for index, record in enumerate(records):
+            user = f"photographer-{index % SYNTH.images_per_identity // 2}"
+            writer.write(schema.serialize(dataclasses.replace(record, user_id=user)))
+    return str(directory)
+
+
+def test_held_out_images_counts_genuine_pairs_across_users_only(trained, tmp_path):
+    records = _held_out_shared_by_three_users(tmp_path)
+    labels, embeddings = evaluation.embed_saved_model(trained.saved_model_dir, records)
+    users = [f"photographer-{i % SYNTH.images_per_identity // 2}" for i in range(len(labels))]
+    expected = metrics.recall_at_far(embeddings, labels, users=users)
+    every_pair = evaluation.evaluate_saved_model(trained.saved_model_dir, records)
+    assert every_pair["genuine_pairs"] == HELD_OUT_IDENTITIES * 15
+    results = evaluation.compare_saved_models(
+        {"a": trained.saved_model_dir},
+        records,
+        num_resamples=20,
+        split_mode=splits.HELD_OUT_IMAGES,
+    )
+    across = results["a"]
+    assert across["genuine_pairs_across_users_only"]
+    assert across["genuine_pairs"] == HELD_OUT_IDENTITIES * 12 == expected.num_genuine_pairs
+    assert across["impostor_pairs"] == every_pair["impostor_pairs"]
+    assert across["recall_at_far"] == pytest.approx(expected.as_json_dict())
+    # Training's evaluator on the same records and mode scores what serving scores.
+    evaluator = evaluation.HeldOutEvaluator(
+        support.SMALL_JOB.backbone_config, records, splits.HELD_OUT_IMAGES
+    )
+    weights = models.backbone_weights(
+        models.load_pretrained_backbone(support.SMALL_JOB.backbone_config, trained.saved_model_dir)
+    )
+    assert evaluator(weights)["recall_at_far"] == pytest.approx(expected.as_json_dict(), abs=1e-6)
+
+
+def test_held_out_images_without_two_users_of_an_identity_says_so(trained, data):
+    # The synthetic held-out records have one user per identity: no pair across users.
+    with pytest.raises(ValueError, match="no genuine pairs across users"):
+        evaluation.evaluate_saved_model(
+            trained.saved_model_dir, data[1], split_mode=splits.HELD_OUT_IMAGES
+        )

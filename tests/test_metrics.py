@@ -8,11 +8,12 @@ from hypothesis import strategies as st
 from tff_algorithms import metrics
 
 
-def _weighted_brute_force(embeddings, labels, weights, fars):
+def _weighted_brute_force(embeddings, labels, weights, fars, users=None):
     """Recall@FAR with explicit pair weights: w_a (genuine), w_a*w_b (impostor).
 
     Accept s > threshold, where the threshold is the impostor score at which the
-    cumulative impostor weight first exceeds floor(FAR * total impostor weight).
+    cumulative impostor weight first exceeds floor(FAR * total impostor weight). With
+    `users`, a genuine pair must join two users; impostors are every cross-identity pair.
     """
     e = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
     similarity = e @ e.T
@@ -20,7 +21,8 @@ def _weighted_brute_force(embeddings, labels, weights, fars):
     i, j = np.triu_indices(len(e), k=1)
     a, b = codes[i], codes[j]
     same = a == b
-    genuine, genuine_w = similarity[i, j][same], weights[a][same]
+    is_genuine = same if users is None else same & (np.asarray(users)[i] != np.asarray(users)[j])
+    genuine, genuine_w = similarity[i, j][is_genuine], weights[a][is_genuine]
     impostors, impostor_w = similarity[i, j][~same], (weights[a] * weights[b])[~same]
     order = np.argsort(-impostors, kind="stable")
     impostors, impostor_w = impostors[order], impostor_w[order]
@@ -171,3 +173,58 @@ def test_bootstrap_over_few_identities_keeps_every_impostor_it_needs():
     weights = metrics.identity_resample_weights(5, 300, seed=2)
     for row, w in zip(samples, weights):
         np.testing.assert_allclose(row, _weighted_brute_force(embeddings, labels, w, fars))
+
+
+def _unit(degrees):
+    radians = np.deg2rad(np.asarray(degrees, float))
+    return np.stack([np.cos(radians), np.sin(radians)], axis=1)
+
+
+def test_genuine_pairs_across_users_exclude_one_users_near_copies():
+    # Landmark A: user u1's two near-identical photos (0 and 1 degree) and u2's at 40;
+    # landmark B: u1 at 90, u2 at 91, u3 at 180. Impostors (9 pairs, one user's
+    # included) have similarities cos 50, cos 51, cos 89, ...: at FAR 1/9 one may be
+    # accepted, so the threshold is cos 51. Across users the genuine pairs are A: 0-40,
+    # 1-40 (accepted) and B: 90-91 (accepted), 90-180, 91-180 (rejected): recall 3/5.
+    # All pairs add u1's 0-1 pair of A (accepted): 4/6.
+    embeddings = _unit([0, 1, 40, 90, 91, 180])
+    labels = ["A", "A", "A", "B", "B", "B"]
+    users = ["u1", "u1", "u2", "u1", "u2", "u3"]
+    across = metrics.recall_at_far(embeddings, labels, [1 / 9], users=users)
+    assert across.num_genuine_pairs == 5 and across.num_impostor_pairs == 9
+    assert across.threshold[1 / 9] == pytest.approx(np.cos(np.deg2rad(51)))
+    assert across.recall[1 / 9] == pytest.approx(3 / 5)
+    every = metrics.recall_at_far(embeddings, labels, [1 / 9])
+    assert every.num_genuine_pairs == 6 and every.recall[1 / 9] == pytest.approx(4 / 6)
+
+
+def test_across_users_equals_brute_force_exact_approximate_and_bootstrap():
+    rng = np.random.default_rng(5)
+    embeddings, labels = _clustered(rng, identities=12, per_identity=6, dim=6, spread=0.8)
+    users = rng.integers(0, 5, size=len(labels))
+    # One user's images of an identity lie closer together than other users' images.
+    embeddings = embeddings + 0.6 * rng.normal(size=(5, 6))[users]
+    fars = (0.2, 0.05, 0.01)
+    ones = np.ones(12)
+    expected = _weighted_brute_force(embeddings, labels, ones, fars, users)
+    assert not np.allclose(expected, _weighted_brute_force(embeddings, labels, ones, fars))
+    for block_size in (5, 1000):
+        result = metrics.recall_at_far(embeddings, labels, fars, block_size, users=users)
+        np.testing.assert_allclose([result.recall[f] for f in fars], expected)
+    whole = metrics.approximate_recall_at_far(
+        embeddings, labels, fars, minibatch_size=len(labels), users=users
+    )
+    np.testing.assert_allclose([whole.recall[f] for f in fars], expected)
+    grid, recalls = metrics.roc_curve(embeddings, labels, fars, users=users)
+    np.testing.assert_allclose(recalls, expected)
+    samples = metrics.bootstrap_recall_at_far(
+        {"m": embeddings}, labels, fars, num_resamples=20, seed=1, block_size=7, users=users
+    )["m"]
+    weights = metrics.identity_resample_weights(12, 20, seed=1)
+    for row, w in zip(samples, weights):
+        np.testing.assert_allclose(row, _weighted_brute_force(embeddings, labels, w, fars, users))
+
+
+def test_no_genuine_pair_across_users_says_so():
+    with pytest.raises(ValueError, match="no genuine pairs across users"):
+        metrics.recall_at_far(_unit([0, 1, 90]), ["A", "A", "B"], users=["u1", "u1", "u2"])

@@ -133,6 +133,11 @@ def test_yaml_file_and_overrides(tmp_path):
         ("data.inputs=[/does/not/exist]", "does not exist"),
         ("data.public_inputs=[/does/not/exist]", "data.public_inputs: /does/not/exist does not"),
         ("data.synthetic_public.style=oil", "config data.synthetic_public: style must be one of"),
+        ("data.evaluation_inputs=[/does/not/exist]", "data.evaluation_inputs: /does/not/exist"),
+        (
+            "data.evaluation_inputs=[/tmp]",
+            "data.evaluation_inputs needs split.mode held_out_images",
+        ),
         ("data.synthetic_public=null", "pretrain.source is public but there is no public data"),
         ("train", "section.key=value"),
     ],
@@ -141,6 +146,16 @@ def test_bad_values_are_one_line_errors(override, message):
     with pytest.raises(ValueError, match=message) as raised:
         config_lib.load_config(None, [override])
     assert "\n" not in str(raised.value)
+
+
+def test_evaluation_inputs_take_the_test_split_of_held_out_images(tmp_path):
+    base = ["split.mode=held_out_images", f"data.evaluation_inputs=[{tmp_path}]"]
+    with pytest.raises(ValueError, match="set split.test_fraction to 0") as raised:
+        config_lib.load_config(None, base)
+    assert "\n" not in str(raised.value)
+    config = config_lib.load_config(None, [*base, "split.test_fraction=0"])
+    assert config.split_config_dict()["evaluation_inputs"] is True
+    assert config_lib.load_config().split_config_dict()["evaluation_inputs"] is False
 
 
 def test_public_data_comes_from_its_own_sources_unless_a_fraction_is_split_off(tmp_path):

@@ -394,3 +394,23 @@ def test_report_and_card_say_what_the_split_mode_means(tmp_path):
         "genuine pairs: two images of one identity" in item["description"]
         for item in considerations["limitations"]
     )
+
+
+def test_report_and_card_say_whose_the_evaluation_inputs_records_are():
+    ledger = _ledger()
+    inputs = _inputs(ledger)
+    inputs["evaluation"].update(split_mode="held_out_images", evaluation_inputs=True)
+    page = report.render_report(**inputs, pushed_to=None)
+    statement = _statement(page)
+    assert "data.evaluation_inputs" in statement and "none covered by the guarantee" in statement
+    [protocol] = re.findall(r'<p class="protocol">(.*?)</p>', page)
+    assert "data.evaluation_inputs" in protocol
+    assert "held-out users&#x27; images" not in protocol  # not the held-out users' text
+    card = model_card.build_model_card(
+        inputs["evaluation"], ledger, inputs["training_metrics"], inputs["schedule"], None
+    )
+    privacy = card["considerations"]["ethical_considerations"][0]["mitigation_strategy"]
+    assert "data.evaluation_inputs" in privacy
+    # Without evaluation inputs neither text mentions them.
+    inputs["evaluation"]["evaluation_inputs"] = False
+    assert "evaluation_inputs" not in report.render_report(**inputs, pushed_to=None)

@@ -87,12 +87,54 @@ def test_evaluate_loads_the_trained_model(trained):
     evaluation = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(evaluation["recall_at_far"]) == {"0.1", "0.01", "0.001"}
     assert evaluation["images"] > 0 and evaluation["genuine_pairs"] > 0
+    # The split summary beside --data gives the mode (the library default here).
+    assert evaluation["split_mode"] == summary["split_mode"] == "identity_and_user"
     for far in evaluation["recall_at_far"]:
         low, high = evaluation["recall_at_far_interval"][far]
         assert 0 <= low <= high <= 1
         # A model compared with itself: every paired resample differs by exactly zero.
         assert evaluation["versus"]["compare"][far] == {"difference": 0.0, "interval": [0.0, 0.0]}
     assert "Exception ignored" not in result.stderr
+
+
+def test_train_and_evaluate_on_shared_landmarks_in_held_out_images_mode(tmp_path):
+    # 40 photographers each holding 3 of 10 landmarks (Zipf-like): identity_and_user
+    # would drop most records; held_out_images keeps each photographer whole.
+    data, output = str(tmp_path / "raw"), str(tmp_path / "out")
+    shared = synthetic.SyntheticConfig(
+        identities=10, images_per_identity=2, identities_per_user=3, users_sharing_identities=40
+    )
+    synthetic.write_image_folder(data, shared)
+    flags = [f for f in support.train_cli_flags(rounds=2) if not f.startswith("--rounds")]
+    command = [support.CONSOLE_SCRIPT, "train", "--data", data, "--output", output, *flags]
+    # Two photographers hold up to 6 landmarks: the local head needs that many rows.
+    trained = subprocess.run(
+        [*command, "--rounds=2", "--split-mode=held_out_images", "--head-capacity=6"],
+        capture_output=True,
+        text=True,
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    summary = json.loads(trained.stdout.strip().splitlines()[-1])
+    assert summary["split_mode"] == "held_out_images"
+    evaluated = subprocess.run(
+        [
+            support.CONSOLE_SCRIPT,
+            "evaluate",
+            "--model",
+            summary["saved_model"],
+            "--data",
+            summary["test_data"],
+            "--bootstrap-resamples",
+            "50",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    result = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert result["split_mode"] == "held_out_images"
+    assert result["genuine_pairs_across_users_only"] and result["genuine_pairs"] > 0
 
 
 def _error_line(capsys, *args: str) -> tuple[int, str]:
@@ -121,6 +163,20 @@ def test_bad_hyperparameters_give_one_error_line(trained, capsys, extra, message
     )
     assert code != 0
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_an_unknown_split_mode_gives_one_error_line(tmp_path, capsys):
+    code, lines = _error_line(
+        capsys,
+        "train",
+        "--data",
+        str(tmp_path),
+        "--output",
+        str(tmp_path / "o"),
+        "--split-mode=held_out_image",
+    )
+    assert code != 0 and len(lines) == 1, lines
+    assert "--split-mode must be one of" in lines[0] and "held_out_images" in lines[0], lines
 
 
 def test_missing_inputs_give_one_error_line(tmp_path, capsys):

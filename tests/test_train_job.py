@@ -261,3 +261,30 @@ def test_config_round_trips_and_keeps_paper_momentum():
 def test_config_rejects_nonsense(changes, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(CONFIG, **changes)
+
+
+def test_local_heads_too_small_for_shared_identities_are_refused_before_training(tmp_path):
+    from beam_jobs import partition_job, synthetic
+
+    # 20 users each holding 3 of 15 shared identities: two users may hold 6 together.
+    shared = synthetic.SyntheticConfig(
+        identities=15, images_per_identity=2, identities_per_user=3, users_sharing_identities=20
+    )
+    inputs = partition_job.write_training_inputs(
+        str(tmp_path / "data"),
+        synthetic.records_for_units(shared, 0, shared.units),
+        synthetic.records_for_identities(SYNTH, TRAIN_IDENTITIES, SYNTH.identities),
+        num_shards=2,
+    )
+    for capacity in (None, 5):
+        config = dataclasses.replace(CONFIG, head_capacity=capacity)
+        output_dir = str(tmp_path / f"refused-{capacity}")
+        with pytest.raises(ValueError, match="set head_capacity .* to at least 6$"):
+            train_job.run_train_job(config, *inputs, output_dir)
+        assert not os.path.exists(output_dir)  # nothing claimed, no budget charged
+    # Faces-like data (one identity a user) fits the default, users_per_virtual_client.
+    faces = {"users": 32, "identities_per_user": {"1": 32}}
+    train_job.check_local_heads_fit(dataclasses.replace(CONFIG, head_capacity=None), faces)
+    # DP-FedAvg's head is global: no local head to fit.
+    fedavg = dataclasses.replace(CONFIG, algorithm=job_config.DP_FEDAVG, head_capacity=None)
+    train_job.check_local_heads_fit(fedavg, {"identities_per_user": {"3": 20}})

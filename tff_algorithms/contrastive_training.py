@@ -2,7 +2,9 @@
 
 `train_job.run_train_job` calls `train_logit_dp` for `algorithm="logit-dp"`; everything
 around the loop (budget charge, evaluation, export, metrics.json, ledger.json) is the
-job's, as for the other algorithms. Labels are not used.
+job's, as for the other algorithms. Labels are used only to draw each user's pair from
+one identity (step 2): two users of one identity in a step remain each other's negatives,
+as in any contrastive batch.
 
 The privacy unit is the user. Each step t:
 
@@ -10,8 +12,10 @@ The privacy unit is the user. Each step t:
    client) draws n = `virtual_clients_per_round` users uniformly without replacement:
    the sampling DP-FedEmb's rounds use, and the one the accountant analyses
    (`accounting.Mechanism.LOGIT_DP`: sampled Gaussian, substitute-one).
-2. Each sampled user gives one positive pair, two of its images drawn at random (two
-   distinct records when it holds at least two, its one image twice otherwise). No user
+2. Each sampled user gives one positive pair, two of its images of one identity drawn
+   at random (two distinct records when it holds two of an identity, one image twice
+   otherwise; a user holding several identities, a photographer of many landmarks,
+   never pairs two of them, which would teach that two landmarks match). No user
    appears twice in a step and a user's whole part in it is one pair, so the
    substitute-one neighbour of a step's batch replaces one pair: the relation
    `logit_dp_sensitivity.logit_dp_sensitivity` bounds.
@@ -35,6 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import tensorflow as tf
 
+from beam_jobs import schema
 from tff_algorithms import client_data, logit_dp, models, private_steps
 from tff_algorithms.job_config import schedule_for
 from tff_algorithms.job_outputs import JobOutcome
@@ -46,16 +51,29 @@ if TYPE_CHECKING:
 _PAIR_STREAM = 0x10617
 
 
-def _pair_indices(records: list[int], schedule_seed: int, step: int) -> list[tuple[int, int]]:
-    """Two record indices per user: distinct when it holds two or more."""
+def _pair_indices(
+    identities: list[list[str]], schedule_seed: int, step: int
+) -> list[tuple[int, int]]:
+    """Two record indices of one identity per user, from each user's records' identities:
+    distinct when the user holds two records of an identity."""
     rng = np.random.default_rng([schedule_seed, _PAIR_STREAM, step])
     pairs = []
-    for count in records:
-        if count >= 2:
+    for held in identities:
+        count = len(held)
+        if len(set(held)) == 1 and count >= 2:
+            # One identity (faces): any two records.
             first, second = rng.choice(count, size=2, replace=False)
             pairs.append((int(first), int(second)))
-        else:
-            pairs.append((0, 0))
+            continue
+        paired = [i for i in range(count) if held.count(held[i]) >= 2]
+        if not paired:
+            # No identity held twice: one image twice (the first when there is only one).
+            index = int(rng.integers(count)) if count > 1 else 0
+            pairs.append((index, index))
+            continue
+        first = int(rng.choice(paired))
+        second = int(rng.choice([i for i in paired if i != first and held[i] == held[first]]))
+        pairs.append((first, second))
     return pairs
 
 
@@ -90,7 +108,8 @@ class PairSource:
     def pairs(self, step: int) -> tuple[tf.Tensor, tf.Tensor]:
         """(x, y), each [n, H, W, C]: row k is the k-th sampled user's two images."""
         examples = [self._reader.user_examples(user) for user in self.users(step)]
-        indices = _pair_indices([len(e) for e in examples], self._seed, step)
+        identities = [[schema.parse(r).identity for r in e] for e in examples]
+        indices = _pair_indices(identities, self._seed, step)
         first = [e[i] for e, (i, _) in zip(examples, indices, strict=True)]
         second = [e[j] for e, (_, j) in zip(examples, indices, strict=True)]
         images = _decode(tf.constant(first + second), self._shape)

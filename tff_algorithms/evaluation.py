@@ -7,6 +7,10 @@ weights during training (`HeldOutEvaluator`) or of an exported serving SavedMode
 are skipped and counted, and fail the evaluation over a maximum share, as in ingest). The
 pipeline's evaluation component and `dp-fedemb evaluate` import this module without
 importing the training job (`train_job`).
+
+`split_mode` (beam_jobs.splits.MODES) is the protocol the records were split by: in mode
+held_out_images a genuine pair joins images of two different users (`metrics`, genuine
+pairs across users); in the other modes every same-identity pair is genuine.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from beam_jobs import image_files, schema
+from beam_jobs import image_files, schema, splits
 from tff_algorithms import export, metrics, model_config, models
 
 _EMBED_BATCH = 256
@@ -48,15 +52,29 @@ def record_files(records: str) -> list[str]:
     return sorted(files)
 
 
-def encoded_images(records: str) -> tf.data.Dataset:
-    """(identity, encoded image) pairs of canonical TFRecords (`record_files`), unchecked:
+def user_encoded_images(records: str) -> tf.data.Dataset:
+    """(user, identity, encoded image) of canonical TFRecords (`record_files`), unchecked:
     for records ingest wrote. Other data goes through `held_out_images`."""
     files = record_files(records)
     compression = "GZIP" if files[0].endswith(".gz") else ""
     parsed = tf.data.TFRecordDataset(files, compression_type=compression).map(
         lambda s: tf.io.parse_single_example(s, schema.FEATURE_SPEC)
     )
-    return parsed.map(lambda f: (f[schema.IDENTITY_KEY], f[schema.IMAGE_KEY]))
+    return parsed.map(
+        lambda f: (f[schema.USER_ID_KEY], f[schema.IDENTITY_KEY], f[schema.IMAGE_KEY])
+    )
+
+
+def encoded_images(records: str) -> tf.data.Dataset:
+    """(identity, encoded image) pairs of canonical TFRecords (`user_encoded_images`)."""
+    return user_encoded_images(records).map(lambda _, identity, image: (identity, image))
+
+
+def genuine_across_users(split_mode: str) -> bool:
+    """Whether genuine pairs must join two users under `split_mode` (module docstring)."""
+    if split_mode not in splits.MODES:
+        raise ValueError(f"split mode must be one of {splits.MODES}, got {split_mode!r}")
+    return split_mode == splits.HELD_OUT_IMAGES
 
 
 def _is_image_folder(records: str) -> bool:
@@ -97,18 +115,16 @@ def held_out_images(
     return _record_file_images(records, max_pixels)
 
 
-def _identities(records: str) -> np.ndarray:
-    labels = np.array(
-        [
-            identity
-            for identity, _ in encoded_images(records).map(lambda i, _: (i, 0)).as_numpy_iterator()
-        ]
-    )
+def _users_and_identities(records: str) -> tuple[np.ndarray, np.ndarray]:
+    names = user_encoded_images(records).map(lambda user, identity, _: (user, identity))
+    pairs = list(names.as_numpy_iterator())
+    users = np.array([user for user, _ in pairs])
+    labels = np.array([identity for _, identity in pairs])
     if len(labels) < 2 or len(np.unique(labels)) < 2:
         raise ValueError(
             f"evaluation needs at least two identities with images, {records} has fewer"
         )
-    return labels
+    return users, labels
 
 
 class HeldOutEvaluator:
@@ -118,9 +134,17 @@ class HeldOutEvaluator:
     models in graph mode, which invalidates eager Keras models made before them.
     """
 
-    def __init__(self, backbone_config: model_config.BackboneConfig, records: str) -> None:
+    def __init__(
+        self,
+        backbone_config: model_config.BackboneConfig,
+        records: str,
+        split_mode: str = splits.IDENTITY_AND_USER,
+    ) -> None:
         self.records = records
-        self.labels = _identities(records)
+        users, self.labels = _users_and_identities(records)
+        # Each image's user where genuine pairs must join two users (mode held_out_images,
+        # module docstring), else None: `metrics.recall_at_far`'s `users`.
+        self.pair_users = users if genuine_across_users(split_mode) else None
         self._backbone_config = backbone_config
         self._images = encoded_images(records).map(
             lambda _, encoded: export.decode_image(encoded, backbone_config.image_shape)
@@ -134,15 +158,16 @@ class HeldOutEvaluator:
         )
 
     def __call__(self, weights: tff.learning.models.ModelWeights) -> dict[str, Any]:
-        result = metrics.recall_at_far(self.embeddings(weights), self.labels)
+        result = metrics.recall_at_far(self.embeddings(weights), self.labels, users=self.pair_users)
         return {"recall_at_far": result.as_json_dict()}
 
 
 @dataclasses.dataclass(frozen=True)
 class HeldOutEmbeddings:
-    """Every good image's identity label and embedding by each model, in reading order,
-    and the bad inputs skipped (counted by reason, the first few as examples)."""
+    """Every good image's user, identity label and embedding by each model, in reading
+    order, and the bad inputs skipped (counted by reason, the first few as examples)."""
 
+    users: np.ndarray
     labels: np.ndarray
     embeddings: dict[str, np.ndarray]
     bad_by_reason: dict[str, int]
@@ -196,6 +221,7 @@ def embed_held_out(
     when their share of all inputs is over `max_bad_fraction`, as ingest does.
     """
     serving = {name: _serving_function(path) for name, path in model_dirs.items()}
+    users: list[bytes] = []
     labels: list[bytes] = []
     embeddings: dict[str, list[np.ndarray]] = {name: [] for name in serving}
     bad_by_reason: collections.Counter[str] = collections.Counter()
@@ -220,6 +246,7 @@ def embed_held_out(
             if len(bad_examples) < _BAD_EXAMPLES:
                 bad_examples.append(image)
             continue
+        users.append(image.record.user_id.encode("utf-8"))
         labels.append(image.record.identity.encode("utf-8"))
         batch.append(image.record.image)
         batch_records.append(image.record)
@@ -238,6 +265,7 @@ def embed_held_out(
             "ROOT/user/identity/image files"
         )
     return HeldOutEmbeddings(
+        np.array(users, dtype=object),
         np.array(labels, dtype=object),
         {name: np.concatenate(parts) for name, parts in embeddings.items()},
         dict(sorted(bad_by_reason.items())),
@@ -255,15 +283,19 @@ def embed_saved_model(
 
 
 def _verification(
-    model_dir: str, records: str, embedded: HeldOutEmbeddings, embeddings: np.ndarray
+    model_dir: str,
+    records: str,
+    embedded: HeldOutEmbeddings,
+    embeddings: np.ndarray,
+    users: np.ndarray | None,
 ) -> dict[str, Any]:
     labels = embedded.labels
     if len(np.unique(labels)) < 2:
         raise ValueError(
             f"evaluation needs at least two identities with images, {records} has fewer"
         )
-    result = metrics.recall_at_far(embeddings, labels)
-    far_grid, recall_grid = metrics.roc_curve(embeddings, labels)
+    result = metrics.recall_at_far(embeddings, labels, users=users)
+    far_grid, recall_grid = metrics.roc_curve(embeddings, labels, users=users)
     return {
         "model": model_dir,
         "records": records,
@@ -272,6 +304,7 @@ def _verification(
         "bad_examples": [dataclasses.asdict(b) for b in embedded.bad_examples],
         "images": int(len(labels)),
         "identities": int(len(np.unique(labels))),
+        "genuine_pairs_across_users_only": users is not None,
         "recall_at_far": result.as_json_dict(),
         "thresholds": {format(k, "g"): v for k, v in result.threshold.items()},
         "genuine_pairs": result.num_genuine_pairs,
@@ -281,12 +314,17 @@ def _verification(
 
 
 def evaluate_saved_model(
-    model_dir: str, records: str, max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
+    model_dir: str,
+    records: str,
+    max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
+    split_mode: str = splits.IDENTITY_AND_USER,
 ) -> dict[str, Any]:
     """Exact all-pairs recall@FAR and ROC points of a serving SavedModel on `records`,
     with the bad inputs skipped ("bad", "bad_by_reason", "bad_examples")."""
+    across_users = genuine_across_users(split_mode)
     embedded = embed_held_out({"model": model_dir}, records, max_bad_fraction)
-    return _verification(model_dir, records, embedded, embedded.embeddings["model"])
+    users = embedded.users if across_users else None
+    return _verification(model_dir, records, embedded, embedded.embeddings["model"], users)
 
 
 def compare_saved_models(
@@ -297,6 +335,7 @@ def compare_saved_models(
     seed: int = 0,
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
     limit_name: str = "max_bad_fraction",
+    split_mode: str = splits.IDENTITY_AND_USER,
 ) -> dict[str, dict[str, Any]]:
     """`evaluate_saved_model` of each model, with bootstrap intervals, on the same images.
 
@@ -308,18 +347,21 @@ def compare_saved_models(
     once for all models (`embed_held_out`: bad ones skipped and counted, at most
     `max_bad_fraction` of them, the limit called `limit_name` in the error).
     """
+    across_users = genuine_across_users(split_mode)
     embedded = embed_held_out(model_dirs, records, max_bad_fraction, limit_name)
+    pair_users = embedded.users if across_users else None
     samples = metrics.bootstrap_recall_at_far(
         embedded.embeddings,
         embedded.labels,
         metrics.DEFAULT_FARS,
         num_resamples,
         seed,
+        users=pair_users,
     )
     keys = [format(far, "g") for far in metrics.DEFAULT_FARS]
     results = {}
     for name, embeddings in embedded.embeddings.items():
-        results[name] = _verification(model_dirs[name], records, embedded, embeddings)
+        results[name] = _verification(model_dirs[name], records, embedded, embeddings, pair_users)
         results[name]["recall_at_far_interval"] = {
             key: list(metrics.percentile_interval(samples[name][:, f], confidence))
             for f, key in enumerate(keys)

@@ -202,7 +202,9 @@ def _evaluate(inputs: JobInputs, weights: Any) -> dict[str, Any]:
     embeddings = inputs.evaluator.embeddings(weights)
     labels = inputs.evaluator.labels
     return {
-        "recall_at_far": metrics.recall_at_far(embeddings, labels).as_json_dict(),
+        "recall_at_far": metrics.recall_at_far(
+            embeddings, labels, users=inputs.evaluator.pair_users
+        ).as_json_dict(),
         "eer_accuracy": eer_summary(embeddings, labels, inputs.config.seed),
     }
 

@@ -4,6 +4,14 @@ Pairs are all unordered pairs {i, j}, i != j, of the evaluation images. A pair i
 genuine when both images have the same identity, impostor otherwise. Its score is
 the cosine similarity of the two embeddings.
 
+Genuine pairs across users (`users` given; split mode held_out_images, where many users
+photograph one landmark): a genuine pair must also join images of two different users.
+Two photos of one landmark by one photographer are often near-copies (same visit, same
+camera), which would inflate recall; the question is whether the model recognises the
+identity in another user's image. Impostor pairs stay all pairs of different identities,
+those of one user included: one photographer's two landmarks are true non-matches, and
+sharing a camera makes them harder, so the threshold (the FAR) stays conservative.
+
 Tie rule (stated once, used everywhere): a pair is ACCEPTED when its similarity is
 STRICTLY GREATER than the threshold. For a target FAR with n impostor pairs, at most
 a = floor(FAR·n) impostors may be accepted; the threshold is the (a+1)-th largest
@@ -60,9 +68,14 @@ def _label_codes(labels: Sequence | np.ndarray, n: int) -> np.ndarray:
 
 
 def _pair_block_masks(
-    embeddings: np.ndarray, codes: np.ndarray, block_size: int
+    embeddings: np.ndarray,
+    codes: np.ndarray,
+    block_size: int,
+    user_codes: np.ndarray | None = None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, slice, slice]]:
-    """(similarity, genuine mask, impostor mask, rows, columns) over the pairs i < j."""
+    """(similarity, genuine mask, impostor mask, rows, columns) over the pairs i < j.
+
+    With `user_codes`, genuine pairs are those of two different users only."""
     n = len(embeddings)
     for r0 in range(0, n, block_size):
         r1 = min(n, r0 + block_size)
@@ -70,18 +83,26 @@ def _pair_block_masks(
             c1 = min(n, c0 + block_size)
             similarity = embeddings[r0:r1] @ embeddings[c0:c1].T
             same = codes[r0:r1, None] == codes[None, c0:c1]
+            impostor = ~same
+            genuine = same
+            if user_codes is not None:
+                genuine = same & (user_codes[r0:r1, None] != user_codes[None, c0:c1])
             if c0 == r0:
                 upper = np.triu(np.ones(similarity.shape, bool), k=1)
-                yield similarity, upper & same, upper & ~same, slice(r0, r1), slice(c0, c1)
-            else:
-                yield similarity, same, ~same, slice(r0, r1), slice(c0, c1)
+                genuine, impostor = upper & genuine, upper & impostor
+            yield similarity, genuine, impostor, slice(r0, r1), slice(c0, c1)
 
 
 def _pair_blocks(
-    embeddings: np.ndarray, codes: np.ndarray, block_size: int
+    embeddings: np.ndarray,
+    codes: np.ndarray,
+    block_size: int,
+    user_codes: np.ndarray | None = None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(genuine, impostor) similarities of the pairs i < j, one block at a time."""
-    for similarity, genuine, impostor, _, _ in _pair_block_masks(embeddings, codes, block_size):
+    for similarity, genuine, impostor, _, _ in _pair_block_masks(
+        embeddings, codes, block_size, user_codes
+    ):
         yield similarity[genuine], similarity[impostor]
 
 
@@ -123,7 +144,16 @@ def _result(genuine: np.ndarray, thresholds: dict[float, float], num_impostors: 
     )
 
 
-def _check_counts(num_genuine: int, num_impostors: int) -> None:
+def _user_codes(users: Sequence | np.ndarray | None, n: int) -> np.ndarray | None:
+    return None if users is None else _label_codes(users, n)
+
+
+def _check_counts(num_genuine: int, num_impostors: int, across_users: bool = False) -> None:
+    if num_genuine == 0 and across_users:
+        raise ValueError(
+            "no genuine pairs across users: recall needs at least one identity with images "
+            "of two users"
+        )
     if num_genuine == 0:
         raise ValueError("no genuine pairs: recall needs at least one identity with two images")
     if num_impostors == 0:
@@ -135,23 +165,27 @@ def recall_at_far(
     labels: Sequence | np.ndarray,
     fars: Sequence[float] = DEFAULT_FARS,
     block_size: int = 2048,
+    users: Sequence | np.ndarray | None = None,
 ) -> RecallAtFar:
     """Exact all-pairs recall@FAR (tie rule in the module docstring), blockwise.
 
-    Memory is O(block_size² + genuine pairs + impostors near the thresholds).
+    `users`: each image's user; given, genuine pairs are those across users only
+    (module docstring). Memory is O(block_size² + genuine pairs + impostors near the
+    thresholds).
     """
     fars = _check_fars(fars)
     embeddings = _normalized(embeddings)
     codes = _label_codes(labels, len(embeddings))
+    user_codes = _user_codes(users, len(embeddings))
 
     genuine_parts = []
     impostor_histogram = np.zeros(_NUM_BINS, np.int64)
-    for genuine, impostors in _pair_blocks(embeddings, codes, block_size):
+    for genuine, impostors in _pair_blocks(embeddings, codes, block_size, user_codes):
         genuine_parts.append(genuine)
         impostor_histogram += np.bincount(_bin_index(impostors), minlength=_NUM_BINS)
     genuine = np.concatenate(genuine_parts) if genuine_parts else np.zeros(0)
     num_impostors = int(impostor_histogram.sum())
-    _check_counts(len(genuine), num_impostors)
+    _check_counts(len(genuine), num_impostors, user_codes is not None)
 
     # Per FAR: the rank (from the top) of the threshold and the bin holding it.
     count_from_top = np.cumsum(impostor_histogram[::-1])
@@ -187,11 +221,13 @@ def roc_curve(
     labels: Sequence | np.ndarray,
     fars: Sequence[float] | None = None,
     block_size: int = 2048,
+    users: Sequence | np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(FARs, exact recalls) on a log grid of FARs (default 1e-6 .. 1, 10 per decade)."""
+    """(FARs, exact recalls) on a log grid of FARs (default 1e-6 .. 1, 10 per decade);
+    `users` as in `recall_at_far`."""
     if fars is None:
         fars = np.logspace(-6, 0, 61)
-    result = recall_at_far(embeddings, labels, fars, block_size)
+    result = recall_at_far(embeddings, labels, fars, block_size, users)
     grid = np.asarray(list(result.recall.keys()))
     return grid, np.asarray([result.recall[f] for f in grid])
 
@@ -202,25 +238,31 @@ def approximate_recall_at_far(
     fars: Sequence[float] = DEFAULT_FARS,
     minibatch_size: int = 512,
     seed: int = 0,
+    users: Sequence | np.ndarray | None = None,
 ) -> RecallAtFar:
     """recall@FAR from pairs within random minibatches only (paper's "approx").
 
     Images are shuffled with `seed` and split into minibatches; only pairs inside a
-    minibatch are scored, then pooled and thresholded with the same tie rule.
+    minibatch are scored, then pooled and thresholded with the same tie rule. `users`
+    as in `recall_at_far`.
     """
     fars = _check_fars(fars)
     embeddings = _normalized(embeddings)
     codes = _label_codes(labels, len(embeddings))
+    user_codes = _user_codes(users, len(embeddings))
     order = np.random.default_rng(seed).permutation(len(embeddings))
     genuine_parts, impostor_parts = [], []
     for start in range(0, len(order), minibatch_size):
         batch = order[start : start + minibatch_size]
-        for genuine, impostors in _pair_blocks(embeddings[batch], codes[batch], minibatch_size):
+        batch_users = None if user_codes is None else user_codes[batch]
+        for genuine, impostors in _pair_blocks(
+            embeddings[batch], codes[batch], minibatch_size, batch_users
+        ):
             genuine_parts.append(genuine)
             impostor_parts.append(impostors)
     genuine = np.concatenate(genuine_parts)
     impostors = np.sort(np.concatenate(impostor_parts))[::-1]
-    _check_counts(len(genuine), len(impostors))
+    _check_counts(len(genuine), len(impostors), user_codes is not None)
     thresholds = {far: _threshold_from_sorted(impostors, far) for far in fars}
     return _result(genuine, thresholds, len(impostors))
 
@@ -232,6 +274,7 @@ def bootstrap_recall_at_far(
     num_resamples: int = 1000,
     seed: int = 0,
     block_size: int = 2048,
+    users: Sequence | np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """recall@FAR of each model on `num_resamples` bootstrap resamples of the identities.
 
@@ -245,6 +288,8 @@ def bootstrap_recall_at_far(
     pairs at all. The threshold and recall follow the exact tie rule on those weights (with
     every weight 1 they equal `recall_at_far`). Only impostors above the exact threshold at
     FAR min(1, 4*max(fars)) are kept, so memory stays near that fraction of all pairs.
+    With `users` (as in `recall_at_far`) the genuine pairs are those across users; the
+    resampled unit stays the identity.
     """
     fars = _check_fars(fars)
     if num_resamples < 1:
@@ -253,6 +298,7 @@ def bootstrap_recall_at_far(
         raise ValueError("no models to score")
     n = len(next(iter(embeddings.values())))
     codes = _label_codes(labels, n)
+    user_codes = _user_codes(users, n)
     num_identities = int(codes.max()) + 1
     images_per_identity = np.bincount(codes, minlength=num_identities)
     weights = identity_resample_weights(num_identities, num_resamples, seed)
@@ -265,13 +311,13 @@ def bootstrap_recall_at_far(
         normalized = _normalized(values)
         try:
             results[name] = _bootstrap_one(
-                normalized, codes, weights, total_impostor, fars, keep_far, block_size
+                normalized, codes, user_codes, weights, total_impostor, fars, keep_far, block_size
             )
         except _KeptTooFewImpostors:
             # Few identities: a resample that weighs a handful of them heavily can put
             # its threshold below the kept impostors. Keep them all (small sets only).
             results[name] = _bootstrap_one(
-                normalized, codes, weights, total_impostor, fars, 1.0, block_size
+                normalized, codes, user_codes, weights, total_impostor, fars, 1.0, block_size
             )
     return results
 
@@ -290,6 +336,7 @@ def identity_resample_weights(num_identities: int, num_resamples: int, seed: int
 def _bootstrap_one(
     embeddings: np.ndarray,
     codes: np.ndarray,
+    user_codes: np.ndarray | None,
     weights: np.ndarray,
     total_impostor: np.ndarray,
     fars: tuple[float, ...],
@@ -299,7 +346,7 @@ def _bootstrap_one(
     floor = recall_at_far(embeddings, codes, (keep_far,), block_size).threshold[keep_far]
     genuine, genuine_codes, impostors, impostor_codes = [], [], [], []
     for similarity, is_genuine, is_impostor, rows, cols in _pair_block_masks(
-        embeddings, codes, block_size
+        embeddings, codes, block_size, user_codes
     ):
         row_codes = np.broadcast_to(codes[rows, None], similarity.shape)
         col_codes = np.broadcast_to(codes[None, cols], similarity.shape)
@@ -309,7 +356,7 @@ def _bootstrap_one(
         impostors.append(similarity[kept])
         impostor_codes.append(np.stack([row_codes[kept], col_codes[kept]], axis=1))
     genuine, genuine_codes = np.concatenate(genuine), np.concatenate(genuine_codes)
-    _check_counts(len(genuine), int(np.count_nonzero(total_impostor)))
+    _check_counts(len(genuine), int(np.count_nonzero(total_impostor)), user_codes is not None)
     order = np.argsort(genuine, kind="stable")
     genuine, genuine_codes = genuine[order], genuine_codes[order]
     impostors, impostor_codes = np.concatenate(impostors), np.concatenate(impostor_codes)

@@ -64,7 +64,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from beam_jobs import partition, schedule
+from beam_jobs import partition, schedule, splits
 from tff_algorithms import (
     accounting,
     aggregators,
@@ -89,6 +89,8 @@ from tff_algorithms.evaluation import HeldOutEvaluator
 from tff_algorithms.job_config import (
     CENTRALIZED,
     DP_FEDAVG,
+    DP_FEDEMB,
+    DP_FTRL_FEDEMB,
     FDML,
     LOGIT_DP,
     TrainJobConfig,
@@ -252,6 +254,29 @@ def _with_backbone(
     else:
         weights = backbone
     return process.set_model_weights(state, weights)
+
+
+def check_local_heads_fit(config: TrainJobConfig, manifest: Mapping[str, Any]) -> None:
+    """Refuses, before any budget is charged, a DP-FedEmb job whose local head has fewer
+    rows than the identities a virtual client may hold: when users share identities a
+    user holds many, and a round drawing the users holding the most would stop the job
+    midway (`_head_capacity_check`), its budget spent. The bound is the sum of the
+    largest per-user identity counts (`partition.most_identities_of_users`), at most
+    `max_examples_per_client` (one identity per example)."""
+    if config.algorithm not in (DP_FEDEMB, DP_FTRL_FEDEMB):
+        return  # DP-FedAvg's head is global; the others have no federated head
+    most = partition.most_identities_of_users(manifest, config.users_per_virtual_client)
+    if most is None:
+        return  # a partition written before identity counts were kept: checked per round
+    needed = min(most, config.max_examples_per_client)
+    capacity = config.client_config().head_capacity
+    if needed > capacity:
+        raise ValueError(
+            f"a virtual client of {config.users_per_virtual_client} training users may hold "
+            f"{needed} identities (users hold several), more than the local head capacity "
+            f"{capacity}: set head_capacity (--head-capacity, train.head_capacity) to at "
+            f"least {needed}"
+        )
 
 
 def _head_capacity_check(config: TrainJobConfig) -> Callable[[Mapping[str, Any], Any], None]:
@@ -447,6 +472,7 @@ def run_train_job(
     tensorboard_dir: str | None = None,
     run_id: str | None = None,
     feature_cache_dir: str | None = None,
+    split_mode: str = splits.IDENTITY_AND_USER,
 ) -> TrainJobResult:
     """Trains (or resumes) one job and writes its outputs (module docstring).
 
@@ -471,6 +497,8 @@ def run_train_job(
       feature_cache_dir: where a job that trains a suffix of the backbone keeps the
         frozen prefix's features (`feature_cache`; keyed, so jobs may share it);
         None: OUTPUT/feature_cache.
+      split_mode: the protocol `eval_records` were split by (`beam_jobs.splits.MODES`):
+        in held_out_images the evaluation's genuine pairs join two users (`evaluation`).
 
     Raises:
       ValueError: bad input (not a partition, no evaluation records, too few users for a
@@ -489,7 +517,8 @@ def run_train_job(
     # epsilon is used: the budget checks, the ledger, metrics.json.
     planned = dplc_releases.composed_privacy(spec, releases)
     _check_budget(config, planned)
-    evaluator = HeldOutEvaluator(config.backbone_config, eval_records)
+    check_local_heads_fit(config, reader.manifest)
+    evaluator = HeldOutEvaluator(config.backbone_config, eval_records, split_mode)
     pretrained = (
         models.backbone_weights(
             models.load_pretrained_backbone(config.backbone_config, pretrained_backbone)

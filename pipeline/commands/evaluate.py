@@ -10,10 +10,14 @@ preprocessing. Every recall comes with a 95% bootstrap interval
 over identities; --compare (e.g. the pretrained backbone) adds the model's gain over that
 one with a paired interval. With --json, one JSON object on stdout: recall_at_far (FAR
 string -> recall), recall_at_far_interval, thresholds, pair counts, ROC points and, with
---compare, versus.
+--compare, versus. --split-mode says which pairs are genuine (held_out_images: two
+users' images only); auto, the default, takes the mode `dp-fedemb train` or `dp-fedemb
+data split` wrote beside --data (split_summary.json in its parent), else
+identity_and_user.
 """
 
 import json
+import os
 from collections.abc import Sequence
 
 from absl import flags
@@ -40,6 +44,29 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         flag_values=flag_values,
     )
     flags.DEFINE_boolean("json", False, "print one JSON object", flag_values=flag_values)
+    flags.DEFINE_string(
+        "split-mode",
+        "auto",
+        "the split's protocol: identity_and_user, identity, held_out_images (genuine pairs "
+        "across users only), or auto: the mode recorded beside --data, else identity_and_user",
+        flag_values=flag_values,
+    )
+
+
+# beam_jobs.splits.MODES, spelled out: check() runs before Beam is imported.
+_MODES = ("identity_and_user", "identity", "held_out_images")
+
+
+def _split_mode(requested: str, data: str) -> str:
+    """`requested`, or for auto the mode of the split summary beside `data`."""
+    if requested != "auto":
+        return requested
+    from beam_jobs import records_io, splits
+
+    summary = os.path.join(os.path.dirname(os.path.normpath(data)), splits.SUMMARY_FILE)
+    if os.path.isfile(summary):
+        return records_io.read_json(summary).get("mode", splits.IDENTITY_AND_USER)
+    return splits.IDENTITY_AND_USER
 
 
 def help_defaults() -> dict[str, str]:
@@ -55,6 +82,13 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     checks.number("max-bad-fraction", flag_values["max-bad-fraction"].value, 0, 1)
     checks.input_path("model", flag_values["model"].value, "dir")
     checks.input_path("data", flag_values["data"].value)
+    modes = ("auto", *_MODES)
+    mode = flag_values["split-mode"].value
+    if mode not in modes:
+        raise ValueError(
+            f"--split-mode must be one of {', '.join(modes)}, got {checks.shown(repr(mode))}"
+            f"{checks.did_you_mean(mode, modes)}"
+        )
     if flag_values["compare"].value is not None:
         checks.input_path("compare", flag_values["compare"].value, "dir")
 
@@ -75,19 +109,27 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     models = {"model": flag_values["model"].value}
     if flag_values["compare"].value:
         models["compare"] = flag_values["compare"].value
+    data = flag_values["data"].value
+    split_mode = _split_mode(flag_values["split-mode"].value, data)
     result = evaluation.compare_saved_models(
         models,
-        flag_values["data"].value,
+        data,
         resamples,
         max_bad_fraction=flag_values["max-bad-fraction"].value,
         limit_name="--max-bad-fraction",
+        split_mode=split_mode,
     )["model"]
+    result["split_mode"] = split_mode
     if flag_values["json"].value:
         print(json.dumps(result, sort_keys=True))
         return 0
+    across = (
+        " (genuine pairs across users only)" if result["genuine_pairs_across_users_only"] else ""
+    )
     print(
-        f"{result['images']} images of {result['identities']} identities, "
-        f"{result['genuine_pairs']} genuine / {result['impostor_pairs']} impostor pairs"
+        f"{result['images']} images of {result['identities']} identities, split mode "
+        f"{split_mode}: {result['genuine_pairs']} genuine{across} / "
+        f"{result['impostor_pairs']} impostor pairs"
     )
     if result["bad"]:
         reasons = ", ".join(f"{k}={v}" for k, v in result["bad_by_reason"].items())

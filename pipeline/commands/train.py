@@ -280,6 +280,15 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("float", "validation-fraction", "share of identities held out for validation", 0.1)
     define("float", "test-fraction", "share of identities held out for test", 0.1)
     define("integer", "split-seed", "seed of the identity split", 0)
+    define(
+        "string",
+        "split-mode",
+        "evaluation protocol of the split: identity_and_user (faces: held-out identities and "
+        "their users), identity (EMNIST: held-out identities, shared users), held_out_images "
+        "(landmarks: held-out users' images of training identities, genuine pairs across "
+        "users), auto (identity_and_user when users hold disjoint identities, else a stop "
+        "naming the modes) (default: identity_and_user)",
+    )
     define("integer", "num-shards", "user shards of the training partition", 16)
     define("list", "workers", "host:port of remote TFF workers (default: local workers)", [])
     define("integer", "local-workers", "local TFF workers splitting each round's clients", 1)
@@ -434,6 +443,9 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         "public_fraction": 0.0,
         "seed": value["split-seed"],
     }
+    if value["split-mode"] is not None:
+        # Only when given: data prepared before the flag existed stays reusable.
+        split["mode"] = value["split-mode"]
     beam_args = [f"--runner={value['runner']}", *shlex.split(value["beam-args"])]
     output = value["output"]
     prepared = prepare_data(
@@ -443,6 +455,11 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         value["num-shards"],
         beam_args,
     )
+    from beam_jobs import records_io, splits
+
+    # The mode the split was made by (auto resolved): which evaluation pairs are genuine.
+    split_summary = os.path.join(os.path.dirname(prepared.validation_dir), splits.SUMMARY_FILE)
+    split_mode = records_io.read_json(split_summary).get("mode", splits.IDENTITY_AND_USER)
     result = train_job.run_train_job(
         config,
         prepared.partition_dir,
@@ -452,6 +469,7 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         progress=console.RoundProgress(config.rounds, stream=sys.stderr),
         budget=budget_policy,
         tensorboard_dir=owned_files.create_entry(output, "tensorboard"),
+        split_mode=split_mode,
     )
     summary = {
         key: result.metrics[key]
@@ -462,6 +480,7 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         saved_model=result.saved_model_dir,
         ledger=result.ledger_path,
         test_data=prepared.test_dir,
+        split_mode=split_mode,
         resumed_from_round=result.metrics["resumed_from_round"],
         dataset_budget=result.metrics["dataset_budget"],
     )
@@ -525,6 +544,8 @@ _CHOICES = {
     "head-loss": client_config.HEAD_LOSSES,
     "architecture": model_config.ARCHITECTURES,
     "cache-features": ("auto", "true", "false"),
+    # beam_jobs.splits.AUTO and MODES, spelled out: check() runs before Beam is imported.
+    "split-mode": ("auto", "identity_and_user", "identity", "held_out_images"),
 }
 _POSITIVE_INTS = (
     "rounds",

@@ -24,6 +24,7 @@ def CanonicalExampleGen(
     examples: tfx.dsl.components.OutputArtifact[standard_artifacts.Examples],
     input_sources: tfx.dsl.components.Parameter[str],
     public_input_sources: tfx.dsl.components.Parameter[str],
+    evaluation_input_sources: tfx.dsl.components.Parameter[str],
     synthetic_config: tfx.dsl.components.Parameter[str],
     synthetic_public_config: tfx.dsl.components.Parameter[str],
     split_config: tfx.dsl.components.Parameter[str],
@@ -38,7 +39,8 @@ def CanonicalExampleGen(
     With no input sources the embedded synthetic dataset is rendered first (an image
     folder, read by the same loader a user's folder would be), and so is its public
     counterpart when `synthetic_public_config` is not null. Public sources are ingested
-    apart and go whole to the public split. Parameters holding lists or mappings are
+    apart and go whole to the public split, evaluation sources to the test split (their
+    count is the custom property `evaluation_input_records`). Parameters holding lists or mappings are
     JSON; max_image_pixels 0 means the library default.
     """
     from beam_jobs import ingest, schema, splits, synthetic
@@ -74,8 +76,13 @@ def CanonicalExampleGen(
         public_dir, summaries["ingest_public"] = ingested(
             json.loads(public_input_sources), synthetic_public_config, "ingested_public"
         )
+    evaluation_dir = None
+    if config.evaluation_inputs:
+        evaluation_dir, summaries["ingest_evaluation"] = ingested(
+            json.loads(evaluation_input_sources), "null", "ingested_evaluation"
+        )
     summaries["split"] = split_summary = splits.run_split(
-        private_dir, os.path.join(staging, "split"), config, arguments, public_dir
+        private_dir, os.path.join(staging, "split"), config, arguments, public_dir, evaluation_dir
     )
     layout.publish_splits(os.path.join(staging, "split"), list(config.splits), examples)
     with tf.io.gfile.GFile(os.path.join(examples.uri, "summary.json"), "w") as f:
@@ -86,6 +93,10 @@ def CanonicalExampleGen(
     if public_dir is not None:
         examples.set_int_custom_property("public_records", summaries["ingest_public"]["records"])
         examples.set_int_custom_property("public_bad_inputs", summaries["ingest_public"]["bad"])
+    if evaluation_dir is not None:
+        examples.set_int_custom_property(
+            layout.EVALUATION_INPUT_RECORDS, summaries["ingest_evaluation"]["records"]
+        )
     for split in config.splits:
         examples.set_int_custom_property(f"users_{split}", split_summary["users"][split])
     # The protocol the splits were made by (auto resolved): dedup and evaluation read it.
@@ -93,7 +104,9 @@ def CanonicalExampleGen(
     read = [f"{ingest_summary['records']:,} private images"]
     if public_dir is not None:
         read.append(f"{summaries['ingest_public']['records']:,} public")
-    bad = ingest_summary["bad"] + summaries.get("ingest_public", {}).get("bad", 0)
+    if evaluation_dir is not None:
+        read.append(f"{summaries['ingest_evaluation']['records']:,} evaluation-only")
+    bad = sum(summary["bad"] for name, summary in summaries.items() if name.startswith("ingest"))
     users = ", ".join(f"{split} {split_summary['users'][split]:,}" for split in config.splits)
     console.note(
         f"read {' + '.join(read)} ({bad:,} bad inputs skipped); split mode "
@@ -164,6 +177,12 @@ def DeduplicateSplits(
         os.path.join(staging, "output"), layout.split_names(examples), deduplicated_examples
     )
     deduplicated_examples.set_string_custom_property(layout.SPLIT_MODE, layout.split_mode(examples))
+    if examples.has_custom_property(layout.EVALUATION_INPUT_RECORDS):
+        # Where the test split came from: the evaluation and its texts read it.
+        deduplicated_examples.set_int_custom_property(
+            layout.EVALUATION_INPUT_RECORDS,
+            examples.get_int_custom_property(layout.EVALUATION_INPUT_RECORDS),
+        )
     tf.io.gfile.rename(
         os.path.join(staging, "output", dedup.REPORT_FILE),
         os.path.join(dedup_report.uri, dedup.REPORT_FILE),

@@ -36,11 +36,17 @@ EVALUATION_FILE = "evaluation.json"
 
 
 def _comparison(
-    model_dirs: dict[str, str], records_dir: str, num_resamples: int, confidence: float
+    model_dirs: dict[str, str],
+    records_dir: str,
+    num_resamples: int,
+    confidence: float,
+    split_mode: str,
 ) -> dict[str, dict]:
     from tff_algorithms import evaluation
 
-    return evaluation.compare_saved_models(model_dirs, records_dir, num_resamples, confidence)
+    return evaluation.compare_saved_models(
+        model_dirs, records_dir, num_resamples, confidence, split_mode=split_mode
+    )
 
 
 def _far_key(far: float) -> str:
@@ -117,7 +123,10 @@ def EvaluateAndBless(
         model_dirs["pretrained"] = layout.serving_model_dir(pretrained_backbone)
     if baseline_model is not None and baseline_model.id != model.id:
         model_dirs["baseline"] = layout.serving_model_dir(baseline_model)
-    results = _comparison(model_dirs, test_dir, bootstrap_resamples, confidence)
+    # The split mode says which pairs are genuine (held_out_images: across users only).
+    results = _comparison(
+        model_dirs, test_dir, bootstrap_resamples, confidence, layout.split_mode(examples)
+    )
     candidate = results["candidate"]
     convention = privacy_ledger.get_string_custom_property(artifacts.ACCOUNTING_CONVENTION)
     report = {
@@ -132,6 +141,8 @@ def EvaluateAndBless(
         "gate_far": gate_far,
         # The protocol the test split was made by: what the recall measures.
         "split_mode": layout.split_mode(examples),
+        # Whether the test split came from data.evaluation_inputs (whose records they are).
+        "evaluation_inputs": layout.has_evaluation_inputs(examples),
         "bootstrap": {"resamples": bootstrap_resamples, "confidence": confidence},
     }
     baseline_recall = None

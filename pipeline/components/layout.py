@@ -15,6 +15,9 @@ from tfx.types import artifact_utils
 SERVING_MODEL_DIR = "Format-Serving"  # the directory the standard Pusher pushes
 # Examples' custom property: the split mode (beam_jobs.splits.MODES) the splits were made by.
 SPLIT_MODE = "split_mode"
+# Records ingested from data.evaluation_inputs (the test split's source); absent when
+# the test split holds held-out private users.
+EVALUATION_INPUT_RECORDS = "evaluation_input_records"
 
 
 def split_dir(examples: types.Artifact, split: str) -> str:
@@ -33,6 +36,11 @@ def split_mode(examples: types.Artifact) -> str:
     if examples.has_custom_property(SPLIT_MODE):
         return examples.get_string_custom_property(SPLIT_MODE)
     return splits.IDENTITY_AND_USER
+
+
+def has_evaluation_inputs(examples: types.Artifact) -> bool:
+    """Whether the test split came from data.evaluation_inputs, not private users."""
+    return examples.has_custom_property(EVALUATION_INPUT_RECORDS)
 
 
 def _link_or_copy(source: str, target: str) -> None:

@@ -68,6 +68,8 @@ def _run_job(
     runtime_config: str | None = None,
     budget_policy: str | None = None,
     run_id: str | None = None,
+    *,
+    split_mode: str,
 ) -> "job_outputs.TrainJobResult":
     from tff_algorithms import budget, runtime, train_job
 
@@ -96,6 +98,8 @@ def _run_job(
         # Beside the work directories, not in them: a retry or another run whose job
         # differs but whose frozen prefix and partition are the same reuses the features.
         feature_cache_dir=os.path.join(os.path.dirname(work_dir), "feature_cache"),
+        # The validation split's protocol: which pairs the evaluation counts as genuine.
+        split_mode=split_mode,
     )
 
 
@@ -168,6 +172,7 @@ def PretrainBackbone(
         work_dir,
         pretrained_backbone=None,
         tensorboard_dir=_tensorboard_run(tensorboard_dir, "PretrainBackbone", backbone),
+        split_mode=layout.split_mode(examples),
     )
     _publish_model(result, backbone, backbone_metrics)
     layout.remove_tree(work_dir)
@@ -249,6 +254,7 @@ def PrivatePretrain(
         tensorboard_dir=_tensorboard_run(tensorboard_dir, "PrivatePretrain", backbone),
         budget_policy=budget_policy,
         run_id=pretrain_run_id,
+        split_mode=layout.split_mode(examples),
     )
     tf.io.gfile.copy(
         result.ledger_path, os.path.join(backbone.uri, job_files.LEDGER_FILE), overwrite=True
@@ -388,6 +394,7 @@ def PrivateTrain(
         runtime_config,
         budget_policy,
         run_id=private_start.train_run_id if private_start else None,
+        split_mode=layout.split_mode(examples),
     )
     with tf.io.gfile.GFile(result.ledger_path) as f:
         ledger_json = f.read()
