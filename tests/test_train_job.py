@@ -54,6 +54,11 @@ def test_metrics_ledger_and_saved_model_are_written(straight_run):
     # The schedule and noise seeds are never published.
     assert not {"schedule_seed", "noise_seed"} & set(summary["config"])
     assert summary["schedule_seed_source"] == "os-entropy"
+    # What the held-out records are, by the split mode they were made by (the default).
+    assert summary["evaluation"]["split_mode"] == "identity_and_user"
+    assert summary["evaluation"]["held_out"] == (
+        "held-out identities and their users, none of them in training"
+    )
     ledger = json.loads(open(straight_run.ledger_path).read())
     assert [e["round"] for e in ledger["history"]] == [1, 2, 3]
     assert ledger["history"][-1]["epsilon"] == pytest.approx(summary["epsilon"])

@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from beam_jobs import partition
+from beam_jobs import partition, splits
 from tff_algorithms import (
     accounting,
     dplc_releases,
@@ -107,6 +107,7 @@ class JobFacts:
     eval_records / eval_labels: the held-out records and their identity labels.
     training_users: how many users trained.
     budget_charge: the cross-run budget's charge (`budget.charge_run`), or None.
+    split_mode: the protocol the held-out records were split by (`splits.MODES`).
     """
 
     noise_source: dict[str, Any]
@@ -115,6 +116,7 @@ class JobFacts:
     eval_labels: np.ndarray
     training_users: int
     budget_charge: budget_lib.BudgetCharge | None = None
+    split_mode: str = splits.IDENTITY_AND_USER
 
 
 def _json_ready(value: Any) -> Any:
@@ -375,7 +377,9 @@ def write_outputs(
             "records": facts.eval_records,
             "images": int(len(facts.eval_labels)),
             "identities": int(len(np.unique(facts.eval_labels))),
-            "held_out": "identities and users never in training",
+            # What is held out depends on the split mode (beam_jobs.splits.PROTOCOLS).
+            "held_out": splits.PROTOCOLS[facts.split_mode].evaluation,
+            "split_mode": facts.split_mode,
         },
         "training_users": facts.training_users,
         # d in the noise norm z*clip*sqrt(d)/M of the averaged update.

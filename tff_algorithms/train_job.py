@@ -581,6 +581,6 @@ def run_train_job(
     if board is not None:
         board.close()
     facts = job_outputs.JobFacts(
-        noise_source, planned, eval_records, evaluator.labels, len(user_ids), charge
+        noise_source, planned, eval_records, evaluator.labels, len(user_ids), charge, split_mode
     )
     return job_outputs.write_outputs(output_dir, config, outcome, facts, started)
