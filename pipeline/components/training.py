@@ -22,7 +22,7 @@ from tfx.types import standard_artifacts
 
 from pipeline import console
 from pipeline.components import artifacts, layout
-from tff_algorithms import job_files
+from tff_algorithms import job_files, owned_files
 from tff_algorithms.job_config import (
     TrainJobConfig,
     accounting_spec_for,
@@ -39,6 +39,9 @@ if TYPE_CHECKING:  # imported lazily at run time: TFF is slow to import
 PRIVATE_CONTRASTIVE = "private_contrastive"
 # The budget run id the private training after a private pretraining was charged under.
 RESERVED_TRAIN_RUN_ID = "reserved_train_run_id"
+
+
+_PUBLIC_PARTITION = "public_partition"
 
 
 def _work_dir(output: types.Artifact, *keys: str) -> str:
@@ -156,7 +159,16 @@ def PretrainBackbone(
 
     del code_fingerprint
     work_dir = _work_dir(backbone, train_job_config, examples.uri)
-    public_partition = os.path.join(work_dir, "public_partition")
+    # The job claims its directory (tff_algorithms/owned_files.py): what the component
+    # writes there first is recorded as the product's too (a directory from before the
+    # record, holding the partition, is adopted).
+    owned_files.claim(
+        work_dir,
+        "PretrainBackbone",
+        legacy_marker=_PUBLIC_PARTITION,
+        legacy_names={_PUBLIC_PARTITION, *job_files.TRAIN_OUTPUT_NAMES},
+    )
+    public_partition = owned_files.create_entry(work_dir, _PUBLIC_PARTITION)
     if not tf.io.gfile.exists(os.path.join(public_partition, partition.MANIFEST_FILE)):
         partition_job.run_partition(
             layout.split_dir(examples, splits.PUBLIC),
