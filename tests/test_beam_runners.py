@@ -210,9 +210,10 @@ def test_documented_runner_options_reach_the_jobs_options(runner):
     ],
 )
 def test_bad_beam_options_are_one_error_line(tmp_path, capsys, beam_args, message):
+    (tmp_path / "in").mkdir()
     code = cli.main(
-        ["dp-fedemb", "data", "split", "--input", str(tmp_path), "--out", str(tmp_path / "o")]
-        + ["--beam-args", beam_args]
+        ["dp-fedemb", "data", "split", "--input", str(tmp_path / "in")]
+        + ["--out", str(tmp_path / "o"), "--beam-args", beam_args]
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and message in err[0], err
