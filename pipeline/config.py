@@ -462,18 +462,20 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def read_config_file(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path} does not exist")
+        raise FileNotFoundError(f"config file {bounded_load.shown_path(path)} does not exist")
     try:
         with open(path, encoding="utf-8") as f:
             # One character over the limit is enough for the loader to refuse the length.
             text = f.read(bounded_load.MAX_TEXT_CHARS + 1)
     except UnicodeDecodeError as e:
-        raise ValueError(f"config file {_shown(path)} is not UTF-8 text: {e.reason}") from None
-    values = bounded_load.loader_for(path)(text, f"config file {_shown(path)}")
+        raise ValueError(f"config file {bounded_load.shown_path(path)} is not UTF-8 text: {e.reason}") from None
+    values = bounded_load.loader_for(path)(text, f"config file {bounded_load.shown_path(path)}")
     if values is None:
         return {}
     if not isinstance(values, dict):
-        raise ValueError(f"config file {path} must hold a mapping of sections")
+        raise ValueError(
+            f"config file {bounded_load.shown_path(path)} must hold a mapping of sections"
+        )
     return values
 
 

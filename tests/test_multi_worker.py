@@ -165,12 +165,13 @@ def test_runtime_config_rejects_impossible_worker_settings(fields, message):
 
 
 def test_train_command_rejects_workers_and_local_workers_together(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
     code = cli.main(
         [
             "dp-fedemb",
             "train",
             "--data",
-            str(tmp_path),
+            str(tmp_path / "data"),
             "--output",
             str(tmp_path / "out"),
             "--workers",

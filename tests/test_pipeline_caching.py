@@ -34,6 +34,7 @@ def _run_example_gen(tmp_path, code: str) -> list[int]:
     example_gen = data.CanonicalExampleGen(
         input_sources="[]",
         public_input_sources="[]",
+        evaluation_input_sources="[]",
         synthetic_config=json.dumps(dataclasses.asdict(synthetic)),
         synthetic_public_config="null",
         split_config=json.dumps(dataclasses.asdict(config_lib.SplitSection(public_fraction=0.0))),

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import datetime
 import ipaddress
+import os
 import ssl
 import threading
 from pathlib import Path
@@ -369,7 +370,9 @@ def test_unusable_tls_file_is_one_line_naming_its_setting(pki, tmp_path, setting
 def test_pipeline_config_and_train_command_refuse_plaintext_to_a_remote_worker(tmp_path, capsys):
     with pytest.raises(ValueError, match="^config runtime: refusing plaintext"):
         config_lib.load_config(overrides=["runtime.worker_addresses=[10.0.0.5:8000]"])
-    flags = ["dp-fedemb", "train", "--data", str(tmp_path), "--output", str(tmp_path / "out")]
+    data, out = str(tmp_path / "data"), str(tmp_path / "out")
+    os.mkdir(data)
+    flags = ["dp-fedemb", "train", "--data", data, "--output", out]
     code = cli.main([*flags, "--workers", "10.0.0.5:8000"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and "--allow-insecure-workers" in err[0], err

@@ -63,6 +63,12 @@ def shown_name(name: str) -> str:
     return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
+def shown_path(path: str) -> str:
+    """A file path for one error line: whole (the user must find the file; the OS bounds
+    its length), escaped where not printable."""
+    return path if path.isprintable() else ascii(path)
+
+
 def _where(source: str, path: str) -> str:
     return f"{source}: {shown_name(path)}" if path else source
 
@@ -173,8 +179,10 @@ def load_yaml(text: str, source: str, depth: int = 0) -> Any:
     ("config file my.yaml", "override train.rounds"); `depth`: the mappings the text is
     nested in (2 for the value of `train.rounds`), counted towards MAX_DEPTH."""
     _check_length(text, source)
-    loader = _BoundedLoader(text, source, depth)
+    loader = None
     try:
+        # The reader refuses control characters while it is constructed.
+        loader = _BoundedLoader(text, source, depth)
         return loader.get_single_data()
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
@@ -184,7 +192,8 @@ def load_yaml(text: str, source: str, depth: int = 0) -> Any:
     except yaml.YAMLError as e:
         raise ValueError(f"{source} is not valid YAML: {' '.join(str(e).split())}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 # JSON tokens that matter for nesting: strings (skipped whole, so brackets inside them do
