@@ -74,6 +74,8 @@ class TrainJobResult:
     metrics_path: str
     ledger_path: str
     metrics: dict[str, Any]
+    # True when OUTPUT already held this job, finished: nothing was trained or written.
+    already_finished: bool = False
 
     @property
     def epsilon(self) -> float:
@@ -267,8 +269,35 @@ def claim_output_dir(
         schedule_seed = fresh_schedule_seed()
     _make_dir(output_dir)
     record = {**job, "run_id": run_id, "schedule_seed": schedule_seed}
-    _write_text(path, json.dumps(record, indent=1, sort_keys=True))
+    text = json.dumps(record, indent=1, sort_keys=True)
+    if text != previous_text:  # a re-run of the same job rewrites nothing
+        _write_text(path, text)
     return ClaimedJob(run_id, schedule_seed)
+
+
+def finished_result(output_dir: str, config: TrainJobConfig) -> TrainJobResult | None:
+    """The outputs of this job when OUTPUT holds it finished, else None.
+
+    metrics.json is written last (`write_outputs`), so its presence with this job's
+    config (all of it, `rounds` included) and the export beside it mean the job is done;
+    a re-run then rewrites nothing.
+    """
+    metrics_path = os.path.join(output_dir, job_files.METRICS_FILE)
+    saved_model_dir = os.path.join(output_dir, job_files.SAVED_MODEL_DIR)
+    ledger_path = os.path.join(output_dir, job_files.LEDGER_FILE)
+    text = _read_text(metrics_path)
+    if text is None or not tf.io.gfile.exists(os.path.join(saved_model_dir, "saved_model.pb")):
+        return None
+    try:
+        metrics = json.loads(text)
+    except json.JSONDecodeError:
+        return None  # torn by a crash while written: the job writes its outputs again
+    config_now = json.loads(json.dumps(_json_ready(config.public_dict())))
+    if not isinstance(metrics, dict) or metrics.get("config") != config_now:
+        return None
+    return TrainJobResult(
+        output_dir, saved_model_dir, metrics_path, ledger_path, metrics, already_finished=True
+    )
 
 
 def _privacy_summary(

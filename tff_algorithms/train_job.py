@@ -540,6 +540,9 @@ def run_train_job(
             spec,
             releases,
         )
+    finished = job_outputs.finished_result(output_dir, config)
+    if finished is not None:
+        return finished
     board = None
     if tensorboard_dir is not None:
         # The calibrated noise multiplier: the mechanism as trained.

@@ -483,7 +483,13 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         split_mode=split_mode,
         resumed_from_round=result.metrics["resumed_from_round"],
         dataset_budget=result.metrics["dataset_budget"],
+        already_finished=result.already_finished,
     )
+    if result.already_finished:
+        print(
+            f"dp-fedemb train: {output} holds this job, finished: nothing trained or written",
+            file=sys.stderr,
+        )
     return summary
 
 
@@ -724,10 +730,13 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         raise
     # Under a caller's runtime (a test calling main in-process) no workers are started
     # unless flags ask for some; an unreadable TLS file fails before any is reached.
+    summary = None
     with runtime.session(runtime_config):
         try:
             summary = _train(value)
         finally:
-            _keep_log(value["output"])
+            # A finished job re-run wrote nothing, and keeps no log of doing nothing.
+            if summary is None or not summary["already_finished"]:
+                _keep_log(value["output"])
     print(json.dumps(summary, sort_keys=True))
     return 0
