@@ -5,13 +5,18 @@ PYTEST_ARGS ?=
 # group on one worker (tests/conftest.py); TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= 2
 
-.PHONY: setup test mutation-check bench bench-quick lint lock clean airflow-setup airflow-lock
+.PHONY: setup test test-slow mutation-check bench bench-quick lint lock clean airflow-setup airflow-lock
 
 setup:
 	@bash scripts/setup_env.sh
 
+# The default suite leaves out the tests marked slow (end to end, multi-minute); CI runs
+# them after it with test-slow (.ci/run). Together they are every test.
 test: setup
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup -m slow $(PYTEST_ARGS)
 
 # Each privacy invariant's fault, applied to a copy of the code, must make a test fail
 # (scripts/mutation_check.py; docs/development.md, "Mutation check").

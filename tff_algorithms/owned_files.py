@@ -83,6 +83,15 @@ def _is_ours(name: str, created: set[str]) -> bool:
     return bool(temporary and temporary.group("name") in created)
 
 
+def refuse_symlink(directory: str, setting: str) -> None:
+    """An output that is a symbolic link is refused: what it points to may be anyone's."""
+    if os.path.islink(directory):
+        raise ForeignEntryError(
+            f"{setting} {_shown(directory)} is a symbolic link; give the directory it points "
+            "to, or a new one"
+        )
+
+
 def claim(
     directory: str, command: str, legacy_marker: str = "", legacy_names: Iterable[str] = ()
 ) -> None:
@@ -95,11 +104,7 @@ def claim(
     """
     if not is_local(directory):
         return
-    if os.path.islink(directory):
-        raise ForeignEntryError(
-            f"output {_shown(directory)} is a symbolic link; give the directory it points "
-            "to, or a new one"
-        )
+    refuse_symlink(directory, "output")
     if os.path.lexists(directory) and not os.path.isdir(directory):
         raise ForeignEntryError(f"output {_shown(directory)} is not a directory")
     entries = os.listdir(directory) if os.path.isdir(directory) else []
@@ -132,11 +137,7 @@ def claim_whole(directory: str, command: str) -> None:
     entry, before anything is written."""
     if not is_local(directory):
         return
-    if os.path.islink(directory):
-        raise ForeignEntryError(
-            f"output {_shown(directory)} is a symbolic link; give the directory it points "
-            "to, or a new one"
-        )
+    refuse_symlink(directory, "output")
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, OWNED_FILE)
     entries = sorted(n for n in os.listdir(directory) if n != OWNED_FILE)

@@ -662,11 +662,7 @@ def _check_output(data: str, output: str) -> None:
     """--output is a directory the product owns (or a new one), apart from --data;
     claimed before anything is written."""
     if owned_files.is_local(output):
-        if os.path.islink(output):
-            raise ValueError(
-                f"--output {checks.shown(output)} is a symbolic link; give the directory it "
-                "points to, or a new one"
-            )
+        owned_files.refuse_symlink(output, "--output")
         if owned_files.overlapping(data, output):
             raise ValueError(
                 f"--data {checks.shown(data)} lies inside --output {checks.shown(output)}: "
