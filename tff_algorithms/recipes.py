@@ -1,8 +1,10 @@
 """Training recipes: named sets of TrainJobConfig values, and how settings layer on them.
 
 The one source of the defaults every entry point trains with: the pipeline's `train`
-and `pretrain.job` sections and `dp-fedemb train --recipe` all start here. No TensorFlow
-import, so configuration and `--help` stay fast.
+and `pretrain.job` sections and `dp-fedemb train --recipe` all start here; an algorithm
+with a recipe of its own declares it in its `Algorithm` (`tff_algorithms/algorithms/`),
+layered by `own_recipe_values`. No TensorFlow import, so configuration and `--help` stay
+fast.
 
 Layering (the same rule everywhere): a recipe is overlaid key by key by what the user
 sets; a key set to None (YAML null) is dropped, so the library default of
