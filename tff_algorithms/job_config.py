@@ -228,12 +228,12 @@ class TrainJobConfig:
     cache_features: bool | None = None
 
     def __post_init__(self) -> None:
-        spec = algorithms.get(self.algorithm)
+        algorithm = algorithms.get(self.algorithm)
         object.__setattr__(
             self, "shared_negatives", SharedNegativesConfig.from_value(self.shared_negatives)
         )
-        if self.shared_negatives is not None and not spec.local_heads:
-            local_heads = algorithms.names(lambda algorithm: algorithm.local_heads)
+        if self.shared_negatives is not None and not algorithm.local_heads:
+            local_heads = algorithms.names(lambda other: other.local_heads)
             raise ValueError(
                 f"shared_negatives applies to {' and '.join(local_heads)} "
                 f"(local heads), not {self.algorithm}"
@@ -323,11 +323,11 @@ class TrainJobConfig:
             check_fields = algorithms.get(name).check_fields
             if check_fields is not None:
                 check_fields(self)
-        if spec.check_job is not None:
-            spec.check_job(self)
-        if self.restart_every_epoch and spec.mechanism is not accounting.Mechanism.DPFTRL:
+        if algorithm.check_job is not None:
+            algorithm.check_job(self)
+        if self.restart_every_epoch and algorithm.mechanism is not accounting.Mechanism.DPFTRL:
             tree_noise = algorithms.names(
-                lambda algorithm: algorithm.mechanism is accounting.Mechanism.DPFTRL
+                lambda other: other.mechanism is accounting.Mechanism.DPFTRL
             )
             raise ValueError(f"restart_every_epoch applies only to {' and '.join(tree_noise)}")
         if isinstance(self.trainable_layers, str) or not all(
@@ -402,9 +402,10 @@ class TrainJobConfig:
             resolved = dataclasses.replace(self, virtual_clients_per_round=largest)
             config, source = resolved.calibrated_for(num_users)
             return config, {**source, "virtual_clients_per_round": AUTO}
-        spec = algorithms.get(self.algorithm)
-        if spec.check_round_fill is not None:
-            spec.check_round_fill(self, num_users)  # one line when the users cannot fill a round
+        algorithm = algorithms.get(self.algorithm)
+        if algorithm.check_round_fill is not None:
+            # One line when the users cannot fill a round.
+            algorithm.check_round_fill(self, num_users)
         if self.shared_negatives is not None:
             self.shared_negatives.check_population(num_users)
         if self.target_epsilon is None:
@@ -420,7 +421,7 @@ class TrainJobConfig:
         # Beyond z = M the noise on every coordinate of the averaged update exceeds the
         # norm of the largest update a client may send: nothing would be learnt.
         if noise > self.virtual_clients_per_round:
-            bound = f"the {self.virtual_clients_per_round} {spec.round_groups}"
+            bound = f"the {self.virtual_clients_per_round} {algorithm.round_groups}"
             raise ValueError(
                 f"target_epsilon {self.target_epsilon:g} is out of reach for this schedule "
                 f"({num_users} training users, {spec.users_per_round} per round, "
