@@ -229,3 +229,21 @@ def test_an_algorithm_registered_by_a_test_trains_through_the_train_command(
     assert metrics["rounds_are"] == "test-only epochs"
     assert set(metrics["recall_at_far"]) == {"0.1", "0.01", "0.001"}
     assert os.path.exists(os.path.join(output, "saved_model", "saved_model.pb"))
+
+
+def test_the_canary_audit_refuses_an_algorithm_it_cannot_audit(tmp_path):
+    from tff_algorithms import audit
+
+    config = job_config.TrainJobConfig(algorithm=job_config.DP_FEDAVG)
+    with pytest.raises(ValueError, match=r"^the canary audit runs dp-fedemb, got dp-fedavg$"):
+        audit.run_canary_audit(None, config, str(tmp_path), guesses_per_side=1)
+
+
+def test_the_train_command_offers_what_is_registered_when_it_checks(test_algorithm, capsys):
+    code = cli.main(["dp-fedemb", "train", "--data=x", "--output=y", "--algorithm=test-orcle"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(lines) == 1, lines
+    assert "--algorithm must be one of dp-fedemb, " in lines[0]
+    assert lines[0].endswith(
+        f"dp-last-layer, {TEST_ALGORITHM}, got 'test-orcle'; did you mean {TEST_ALGORITHM}?"
+    ), lines[0]
