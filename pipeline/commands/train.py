@@ -133,7 +133,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "string",
         "algorithm",
         # The registered algorithms (tff_algorithms/algorithms/), each with its summary.
-        " | ".join(f"{name} ({algorithms.get(name).summary})" for name in algorithms.names()),
+        " | ".join(f"{name}: {algorithms.get(name).summary}" for name in algorithms.names()),
     )
     define(
         "integer",
