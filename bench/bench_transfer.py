@@ -18,7 +18,7 @@ schedule, and each row records the ε its metrics.json reports. Rows:
 
 The federated rows share `bench_training`'s schedule (8 users per virtual client, the
 bench's virtual clients per round, fixed schedule and noise seeds) with fewer rounds
-(`rounds`); the DP-SGD rows take their algorithm's recipe (`recipes.for_algorithm`) with
+(`rounds`); the DP-SGD rows take their algorithm's recipe (`Algorithm.recipe`) with
 the users per step scaled to this population and the steps given here.
 
 Reported per row: recall@FAR 1e-3 / 1e-2 / 1e-1 on the held-out identities with 95%
@@ -48,14 +48,14 @@ from collections.abc import Mapping
 
 from bench import bench_contrastive, bench_speed, bench_training
 from tff_algorithms import (
+    algorithms,
     evaluation,
     feature_cache,
     job_config,
     job_outputs,
     models,
-    recipes,
 )
-from tff_algorithms.user_dp_sgd_config import DP_LAST_LAYER, DP_SGD_CENTRALIZED
+from tff_algorithms.job_config import DP_LAST_LAYER, DP_SGD_CENTRALIZED
 
 EPSILON = 8.0
 DELTA = 1e-5
@@ -121,7 +121,7 @@ def configs(sizes: Mapping) -> tuple[dict[str, job_config.TrainJobConfig], dict[
             rows[algorithm] = dataclasses.replace(
                 base,
                 **{
-                    **recipes.ALGORITHM_RECIPES[algorithm],
+                    **algorithms.get(algorithm).recipe,
                     "over_selection": 0.0,
                     "rounds": steps,
                     "virtual_clients_per_round": users,

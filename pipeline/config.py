@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tff_algorithms import (
+    algorithms,
     bounded_load,
     client_config,
     job_config,
@@ -381,9 +382,12 @@ def _overlay_default(field: dataclasses.Field, value: Any) -> Any:
         return {**dataclasses.asdict(default), **value}
     if not isinstance(default, Mapping):
         return value
-    # An algorithm with a recipe of its own (dp-sgd-centralized, dp-last-layer) takes it
-    # between the section's default and what the user set.
-    return recipes.overlay(recipes.for_algorithm(default, value.get("algorithm")), value)
+    # An algorithm with a recipe of its own (`Algorithm.recipe`: dp-sgd-centralized,
+    # dp-last-layer) takes it between the section's default and what the user set.
+    algorithm = algorithms.find(value.get("algorithm"))
+    if algorithm is not None and algorithm.recipe is not None:
+        default = recipes.own_recipe_values(default, algorithm.recipe)
+    return recipes.overlay(default, value)
 
 
 def _closest(name: str, known: Sequence[str]) -> str:
@@ -468,7 +472,9 @@ def read_config_file(path: str) -> dict[str, Any]:
             # One character over the limit is enough for the loader to refuse the length.
             text = f.read(bounded_load.MAX_TEXT_CHARS + 1)
     except UnicodeDecodeError as e:
-        raise ValueError(f"config file {bounded_load.shown_path(path)} is not UTF-8 text: {e.reason}") from None
+        raise ValueError(
+            f"config file {bounded_load.shown_path(path)} is not UTF-8 text: {e.reason}"
+        ) from None
     values = bounded_load.loader_for(path)(text, f"config file {bounded_load.shown_path(path)}")
     if values is None:
         return {}
@@ -603,7 +609,9 @@ def validate_light(config: PipelineConfig) -> None:
         )
     # Before the job config is built: its own errors would hide that this is the wrong step.
     algorithm = config.train.get("algorithm")
-    private = job_config.PRIVATE_ALGORITHMS
+    # Private training of the final model (pretraining-only algorithms run as a
+    # pretrain.source).
+    private = algorithms.names(lambda spec: spec.pipeline_trains)
     if algorithm not in private:
         raise ValueError(
             f"config train.algorithm must be one of {', '.join(private)} (private training), "

@@ -43,7 +43,7 @@ import tensorflow_federated as tff
 from scipy import stats
 
 from beam_jobs import canaries
-from tff_algorithms import export, job_config, model_config, models, train_job
+from tff_algorithms import algorithms, export, job_config, model_config, models, train_job
 
 
 def randomized_response_accuracy(epsilon: float) -> float:
@@ -281,8 +281,9 @@ def run_canary_audit(
     lowest, and converts the right guesses with `epsilon_lower_bound` at the ledger's δ.
     Needs a running TFF runtime or starts one (as `train_job.run_train_job`).
     """
-    if config.algorithm != job_config.DP_FEDEMB:
-        raise ValueError(f"the canary audit runs dp-fedemb, got {config.algorithm}")
+    if not algorithms.get(config.algorithm).canary_audit:
+        audited = " and ".join(algorithms.names(lambda algorithm: algorithm.canary_audit))
+        raise ValueError(f"the canary audit runs {audited}, got {config.algorithm}")
     files = canaries.write_population(population, os.path.join(work_dir, "data"))
     result = train_job.run_train_job(
         config, files.partition_dir, files.eval_dir, os.path.join(work_dir, "train")

@@ -1,10 +1,11 @@
 """The training-job fields only `fdml` reads (issue 27, item 3), and their checks.
 
 `job_config.TrainJobConfig` holds the fields (their public names and defaults are
-its own); this module names them (`FDML_FIELDS`, which `TrainJobConfig.to_dict` leaves
-out of other algorithms' records at their defaults), validates them
-(`check_fields`, for every job; `check_fdml_job`, for an fdml job) and gives the
-users an fdml round selects (`fdml_selected_per_round`). No TensorFlow.
+its own); this module names them (`FDML_FIELDS`, fdml's `Algorithm.fields` in
+`tff_algorithms/algorithms/fdml.py`: `TrainJobConfig.to_dict` leaves them out of other
+algorithms' records at their defaults), validates them (`check_fields`, for every job;
+`check_fdml_job`, for an fdml job) and gives the users an fdml round selects
+(`fdml_selected_per_round`). No TensorFlow.
 """
 
 from __future__ import annotations

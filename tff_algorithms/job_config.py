@@ -3,10 +3,11 @@
 `TrainJobConfig` holds a job's hyperparameters and validates each of them;
 `schedule_shape_for` / `schedule_for` give the virtual-client schedule a federated job
 trains with, and `accounting_spec_for` the accounting spec of that schedule. The job
-(`train_job.run_train_job`) takes its schedule and its accounting spec from here. Two
-algorithms' own fields are configured and checked in their modules:
-`shared_negatives_config.SharedNegativesConfig` (`shared_negatives`) and `fdml_fields`
-(fdml's `FDML_FIELDS`, and the users an fdml round selects).
+(`train_job.run_train_job`) takes its schedule and its accounting spec from here.
+What differs between algorithms (their own fields and checks, their accounting and
+schedule rules, which settings apply to them) is read from each one's
+`algorithms.Algorithm` (`tff_algorithms/algorithms/`), never by comparing names;
+shared negatives are configured and checked in `shared_negatives_config`.
 
 delta: `TrainJobConfig.delta=None` resolves to N^-1.1 for N training users, which is
 below 1/N as (epsilon, delta)-DP needs (N=6800 gives 6.1e-5, N=10M gives 2e-8).
@@ -30,6 +31,7 @@ from typing import Any
 from beam_jobs import schedule
 from tff_algorithms import (
     accounting,
+    algorithms,
     calibration,
     client_config,
     dplc_releases,
@@ -38,57 +40,25 @@ from tff_algorithms import (
     report_policy,
     validation,
 )
-from tff_algorithms.logit_dp_sensitivity import MAX_SCALE, check_logit_dp_config
+from tff_algorithms.algorithms import rules
 from tff_algorithms.shared_negatives_config import SharedNegativesConfig
-from tff_algorithms.user_dp_sgd_config import (
-    DP_LAST_LAYER,
-    DP_SGD_CENTRALIZED,
-    check_user_dp_sgd_job,
-)
 
-DP_FEDEMB = "dp-fedemb"
-DP_FEDAVG = "dp-fedavg"
-DP_FTRL_FEDEMB = "dp-ftrl-fedemb"
-CENTRALIZED = "centralized"
-# Centralized contrastive training of the backbone under user-level DP (issue 26): each
-# step samples users, one positive pair (two images) per user, per-pair clipping.
-LOGIT_DP = "logit-dp"
-# Federated metric learning (issue 27, `fdml`, `fdml_training`): participants upload
-# embeddings, the trusted server's triplet loss sends noised derivatives back.
-FDML = "fdml"
+# The algorithms' names, for code that configures a job of one (tests, benchmarks);
+# what each is and does is its `algorithms.Algorithm`.
+DP_FEDEMB = algorithms.dp_fedemb.DP_FEDEMB.name
+DP_FEDAVG = algorithms.dp_fedemb.DP_FEDAVG.name
+DP_FTRL_FEDEMB = algorithms.dp_fedemb.DP_FTRL_FEDEMB.name
+CENTRALIZED = algorithms.centralized.CENTRALIZED.name
+LOGIT_DP = algorithms.logit_dp.LOGIT_DP.name
+FDML = algorithms.fdml.FDML.name
+DP_SGD_CENTRALIZED = algorithms.user_dp_sgd.DP_SGD_CENTRALIZED.name
+DP_LAST_LAYER = algorithms.user_dp_sgd.DP_LAST_LAYER.name
 # The paper's EMNIST noise multiplier (appendix D), when neither it nor a target is given.
 DEFAULT_NOISE_MULTIPLIER = 0.62
 AUTO = schedule.AUTO
-ALGORITHMS = (
-    DP_FEDEMB,
-    DP_FEDAVG,
-    DP_FTRL_FEDEMB,
-    CENTRALIZED,
-    LOGIT_DP,
-    FDML,
-    DP_SGD_CENTRALIZED,
-    DP_LAST_LAYER,
-)
-# The algorithms with a privacy guarantee: the only ones a pipeline run may train.
-PRIVATE_ALGORITHMS = (
-    DP_FEDEMB,
-    DP_FEDAVG,
-    DP_FTRL_FEDEMB,
-    FDML,
-    DP_SGD_CENTRALIZED,
-    DP_LAST_LAYER,
-)
 
 # Never published (module docstring).
 _SECRET_FIELDS = ("schedule_seed", "noise_seed")
-# The algorithms whose virtual clients train a local head that shared negatives extend.
-SHARED_NEGATIVES_ALGORITHMS = (DP_FEDEMB, DP_FTRL_FEDEMB)
-# The federated algorithms whose client work can train a suffix on cached features.
-CACHEABLE_ALGORITHMS = (DP_FEDEMB, DP_FEDAVG, DP_FTRL_FEDEMB)
-
-
-# Fields only one algorithm reads, added after jobs of the others were recorded.
-_ALGORITHM_FIELDS = {LOGIT_DP: ("logit_scale",), FDML: fdml_fields.FDML_FIELDS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +66,7 @@ class TrainJobConfig:
     """Hyperparameters of one training job (defaults: paper, EMNIST small CNN, appendix D).
 
     Attributes:
-      algorithm: one of `ALGORITHMS`.
+      algorithm: a registered algorithm's name (`tff_algorithms.algorithms`).
       rounds: training rounds (epochs for `centralized`).
       noise_multiplier: z, noise std over the clip norm of one virtual client's update.
         None: `DEFAULT_NOISE_MULTIPLIER` (the paper's EMNIST value), unless target_epsilon
@@ -258,14 +228,14 @@ class TrainJobConfig:
     cache_features: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        algorithm = algorithms.get(self.algorithm)
         object.__setattr__(
             self, "shared_negatives", SharedNegativesConfig.from_value(self.shared_negatives)
         )
-        if self.shared_negatives is not None and self.algorithm not in SHARED_NEGATIVES_ALGORITHMS:
+        if self.shared_negatives is not None and not algorithm.local_heads:
+            local_heads = algorithms.names(lambda other: other.local_heads)
             raise ValueError(
-                f"shared_negatives applies to {' and '.join(SHARED_NEGATIVES_ALGORITHMS)} "
+                f"shared_negatives applies to {' and '.join(local_heads)} "
                 f"(local heads), not {self.algorithm}"
             )
         for name in (
@@ -347,16 +317,19 @@ class TrainJobConfig:
         if self.max_epsilon is not None:
             validation.check_number("max_epsilon", self.max_epsilon, 0, low_open=True)
         validation.check_bool("restart_every_epoch", self.restart_every_epoch)
-        validation.check_number("logit_scale", self.logit_scale, 0, MAX_SCALE, low_open=True)
-        if self.algorithm == LOGIT_DP:
-            self._check_logit_dp()
-        # dp-sgd-centralized, dp-last-layer (`user_dp_sgd_config`).
-        check_user_dp_sgd_job(self)
-        fdml_fields.check_fields(self)
-        if self.algorithm == FDML:
-            fdml_fields.check_fdml_job(self)
-        if self.restart_every_epoch and self.algorithm != DP_FTRL_FEDEMB:
-            raise ValueError("restart_every_epoch applies only to dp-ftrl-fedemb")
+        # Every algorithm's own fields (every job has them, at their defaults), then
+        # this algorithm's own checks of the job.
+        for name in algorithms.names():
+            check_fields = algorithms.get(name).check_fields
+            if check_fields is not None:
+                check_fields(self)
+        if algorithm.check_job is not None:
+            algorithm.check_job(self)
+        if self.restart_every_epoch and algorithm.mechanism is not accounting.Mechanism.DPFTRL:
+            tree_noise = algorithms.names(
+                lambda other: other.mechanism is accounting.Mechanism.DPFTRL
+            )
+            raise ValueError(f"restart_every_epoch applies only to {' and '.join(tree_noise)}")
         if isinstance(self.trainable_layers, str) or not all(
             isinstance(p, str) for p in self.trainable_layers
         ):
@@ -373,8 +346,7 @@ class TrainJobConfig:
 
     def _check_cache_features(self) -> None:
         reason = None
-        # dp-last-layer always trains on the cache (`user_dp_sgd`).
-        if self.algorithm not in (*CACHEABLE_ALGORITHMS, DP_LAST_LAYER):
+        if not algorithms.get(self.algorithm).cacheable:
             reason = f"{self.algorithm} does not train on client batches of images"
         elif self.shared_negatives is not None:
             reason = "shared negatives embed images with the whole backbone each release"
@@ -391,28 +363,6 @@ class TrainJobConfig:
                 '["embedding"])'
             )
 
-    def _check_logit_dp(self) -> None:
-        if self.users_per_virtual_client != 1:
-            raise ValueError(
-                "logit-dp samples single users, one positive pair each: set "
-                f"users_per_virtual_client to 1 (got {self.users_per_virtual_client})"
-            )
-        for name in ("over_selection", "failure_injection_rate"):
-            if getattr(self, name):
-                raise ValueError(
-                    f"{name} applies to federated rounds, not to logit-dp: set it to 0"
-                )
-        if self.virtual_clients_per_round != AUTO:
-            try:
-                check_logit_dp_config(
-                    self.virtual_clients_per_round, float(self.logit_scale), float(self.clip_norm)
-                )
-            except ValueError as e:
-                raise ValueError(
-                    f"logit-dp with {self.virtual_clients_per_round} users a step "
-                    f"(virtual_clients_per_round): {str(e).rstrip('.')}"
-                ) from None
-
     def _resolve_noise(self) -> None:
         if self.target_epsilon is None:
             if self.noise_multiplier is None:
@@ -425,9 +375,9 @@ class TrainJobConfig:
                 "give noise_multiplier or target_epsilon, not both: the noise multiplier is "
                 "calibrated for the target (set noise_multiplier to null)"
             )
-        if self.algorithm == CENTRALIZED:
+        if not algorithms.get(self.algorithm).private:
             raise ValueError(
-                "target_epsilon applies to the private algorithms; centralized has no noise"
+                f"target_epsilon applies to the private algorithms; {self.algorithm} has no noise"
             )
         if self.max_epsilon is not None and self.target_epsilon > self.max_epsilon:
             raise ValueError(
@@ -452,11 +402,10 @@ class TrainJobConfig:
             resolved = dataclasses.replace(self, virtual_clients_per_round=largest)
             config, source = resolved.calibrated_for(num_users)
             return config, {**source, "virtual_clients_per_round": AUTO}
-        if self.algorithm == FDML:
-            # One line when a round cannot fill.
-            fdml_fields.fdml_selected_per_round(self, num_users)
-        elif self.algorithm != CENTRALIZED:
-            schedule_shape_for(self, num_users)  # one line when the users cannot fill a round
+        algorithm = algorithms.get(self.algorithm)
+        if algorithm.check_round_fill is not None:
+            # One line when the users cannot fill a round.
+            algorithm.check_round_fill(self, num_users)
         if self.shared_negatives is not None:
             self.shared_negatives.check_population(num_users)
         if self.target_epsilon is None:
@@ -472,13 +421,7 @@ class TrainJobConfig:
         # Beyond z = M the noise on every coordinate of the averaged update exceeds the
         # norm of the largest update a client may send: nothing would be learnt.
         if noise > self.virtual_clients_per_round:
-            # fdml's virtual_clients_per_round counts its triplet groups.
-            bound = (
-                f"the {self.virtual_clients_per_round} triplet groups per round"
-                if self.algorithm == FDML
-                else f"the {self.virtual_clients_per_round} virtual clients per round that "
-                "average it"
-            )
+            bound = f"the {self.virtual_clients_per_round} {algorithm.round_groups}"
             raise ValueError(
                 f"target_epsilon {self.target_epsilon:g} is out of reach for this schedule "
                 f"({num_users} training users, {spec.users_per_round} per round, "
@@ -507,8 +450,9 @@ class TrainJobConfig:
     def resolved_head_lr_scale(self) -> float:
         if self.head_lr_scale is not None:
             return float(self.head_lr_scale)
-        if self.algorithm == DP_FEDAVG:
-            return 1.0
+        default = algorithms.get(self.algorithm).default_head_lr_scale
+        if default is not None:
+            return default
         return client_config.ClientConfig.head_learning_rate_scale
 
     @property
@@ -523,7 +467,7 @@ class TrainJobConfig:
 
     @property
     def private(self) -> bool:
-        if self.algorithm == CENTRALIZED:
+        if not algorithms.get(self.algorithm).private:
             return False
         return self.target_epsilon is not None or self.noise_multiplier > 0
 
@@ -569,11 +513,11 @@ class TrainJobConfig:
                 del values[name]
         # The same for one algorithm's own fields, at their defaults in the jobs of others.
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for algorithm, names in _ALGORITHM_FIELDS.items():
-            if self.algorithm != algorithm:
-                for name in names:
-                    if values[name] == defaults[name]:
-                        del values[name]
+        own = algorithms.get(self.algorithm).fields
+        for algorithm in algorithms.names():
+            for name in algorithms.get(algorithm).fields:
+                if name not in own and values[name] == defaults[name]:
+                    del values[name]
         return values
 
     def public_dict(self) -> dict[str, Any]:
@@ -594,24 +538,15 @@ def fresh_schedule_seed() -> int:
 
 
 def schedule_mode(algorithm: str) -> str:
-    """How a federated algorithm samples users: DP-FTRL in epochs, the others by round."""
-    return schedule.EPOCH if algorithm == DP_FTRL_FEDEMB else schedule.SAMPLED
+    """How `algorithm` samples users (its `Algorithm.schedule_mode`): DP-FTRL in epochs,
+    the others by round."""
+    return algorithms.get(algorithm).schedule_mode
 
 
 def schedule_shape_for(config: TrainJobConfig, num_users: int) -> schedule.ScheduleShape:
-    """The counts of a federated job's schedule over `num_users` users (no seed needed).
-
-    It selects `report_policy().selected_per_round` virtual clients per round (more
-    than planned when over-selecting), so the accounting spec built from its
-    participation statistics uses the selected set's sampling.
-    """
-    return schedule.trained_shape(
-        num_users,
-        config.users_per_virtual_client,
-        config.virtual_clients_per_round,
-        schedule_mode(config.algorithm),
-        float(config.over_selection),
-    )
+    """The counts of a federated job's schedule over `num_users` users (no seed needed;
+    `rules.schedule_shape`)."""
+    return rules.schedule_shape(config, num_users)
 
 
 def schedule_for(
@@ -637,38 +572,12 @@ def schedule_for(
 
 
 def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.AccountingSpec:
-    """The accounting spec of the planned job (centralized: every user every epoch, no noise)."""
+    """The accounting spec of the planned job, by its algorithm's rule
+    (`Algorithm.accounting_rule`; centralized: every user every epoch, no noise)."""
     if config.target_epsilon is not None:
         raise ValueError("the noise multiplier is not calibrated yet: use config.calibrated_for")
     delta = config.resolved_delta(num_users)
-    if config.algorithm == CENTRALIZED:
-        return accounting.AccountingSpec(num_users, num_users, config.rounds, 0.0, delta)
-    if config.algorithm == FDML:
-        return accounting.AccountingSpec(
-            population=num_users,
-            users_per_round=fdml_fields.fdml_selected_per_round(config, num_users),
-            rounds=config.rounds,
-            noise_multiplier=config.noise_multiplier,
-            delta=delta,
-            mechanism=accounting.Mechanism.FDML,
-        )
-    stats = schedule_shape_for(config, num_users).participation_stats(config.rounds)
-    is_tree = config.algorithm == DP_FTRL_FEDEMB
-    if config.algorithm == LOGIT_DP:
-        mechanism = accounting.Mechanism.LOGIT_DP
-    else:
-        mechanism = accounting.Mechanism.DPFTRL if is_tree else accounting.Mechanism.DPSGD
-    return accounting.AccountingSpec(
-        population=stats.sampling_units,
-        users_per_round=stats.units_per_round,
-        rounds=stats.rounds,
-        noise_multiplier=config.noise_multiplier,
-        delta=delta,
-        mechanism=mechanism,
-        users_per_virtual_client=config.users_per_virtual_client,
-        restart_every_epoch=config.restart_every_epoch,
-        min_separation=stats.min_separation if is_tree and not config.restart_every_epoch else None,
-    )
+    return algorithms.get(config.algorithm).accounting_rule(config, num_users, delta)
 
 
 def release_plan_for(config: TrainJobConfig) -> dplc_releases.ReleasePlan | None:

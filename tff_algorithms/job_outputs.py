@@ -39,6 +39,7 @@ import tensorflow_federated as tff
 from beam_jobs import partition, splits
 from tff_algorithms import (
     accounting,
+    algorithms,
     dplc_releases,
     dropouts,
     export,
@@ -47,15 +48,8 @@ from tff_algorithms import (
     secret_files,
 )
 from tff_algorithms import budget as budget_lib
-from tff_algorithms.job_config import (
-    CENTRALIZED,
-    FDML,
-    LOGIT_DP,
-    TrainJobConfig,
-    fresh_schedule_seed,
-)
+from tff_algorithms.job_config import TrainJobConfig, fresh_schedule_seed
 from tff_algorithms.ledger import PrivacyLedger
-from tff_algorithms.user_dp_sgd_config import DP_LAST_LAYER, DP_SGD_CENTRALIZED
 
 JOB_FORMAT = "dp-fedemb-train-job/1"
 
@@ -306,8 +300,9 @@ def _privacy_summary(
     analysis = planned.analysis
     epsilon = ledger.epsilon
     private = config.private and math.isfinite(epsilon)
-    if config.algorithm == CENTRALIZED:
-        guarantee = "non-private: centralized oracle (no clipping, no noise)"
+    algorithm = algorithms.get(config.algorithm)
+    if not algorithm.private:
+        guarantee = f"non-private: {algorithm.summary}"
     elif not private:
         guarantee = "non-private: noise multiplier 0 (no DP guarantee)"
     else:
@@ -367,15 +362,6 @@ def _client_failures(history: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
-_ROUNDS_ARE = {
-    CENTRALIZED: "epochs over all training users",
-    LOGIT_DP: "Logit-DP steps (one positive pair per sampled user)",
-    FDML: "FDML rounds (embeddings up, noised triplet derivatives down, noised gradients up)",
-    DP_SGD_CENTRALIZED: "user-level DP-SGD steps (one clipped gradient per sampled user)",
-    DP_LAST_LAYER: "user-level DP-SGD steps of the embedding layer on cached features",
-}
-
-
 def write_outputs(
     output_dir: str,
     config: TrainJobConfig,
@@ -399,7 +385,7 @@ def write_outputs(
         **_privacy_summary(config, outcome.ledger, facts.planned),
         "noise_multiplier_source": facts.noise_source,
         "rounds": outcome.ledger.rounds_recorded,
-        "rounds_are": _ROUNDS_ARE.get(config.algorithm, "federated rounds"),
+        "rounds_are": algorithms.get(config.algorithm).rounds_are,
         "resumed_from_round": outcome.resumed_from_round,
         "wall_seconds": time.perf_counter() - started,
         "evaluation": {

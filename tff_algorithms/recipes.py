@@ -1,8 +1,10 @@
 """Training recipes: named sets of TrainJobConfig values, and how settings layer on them.
 
 The one source of the defaults every entry point trains with: the pipeline's `train`
-and `pretrain.job` sections and `dp-fedemb train --recipe` all start here. No TensorFlow
-import, so configuration and `--help` stay fast.
+and `pretrain.job` sections and `dp-fedemb train --recipe` all start here; an algorithm
+with a recipe of its own declares it in its `Algorithm` (`tff_algorithms/algorithms/`),
+layered by `own_recipe_values`. No TensorFlow import, so configuration and `--help` stay
+fast.
 
 Layering (the same rule everywhere): a recipe is overlaid key by key by what the user
 sets; a key set to None (YAML null) is dropped, so the library default of
@@ -84,46 +86,6 @@ PRIVATE_CONTRASTIVE: Mapping[str, Any] = {
     "evaluate_every": 10,
 }
 
-# The user-level DP-SGD baselines (issue 21 item 2, `user_dp_sgd`), layered over the
-# private recipe when the algorithm is chosen (`for_algorithm`): one user per "virtual
-# client", so a step's users are `virtual_clients_per_round`; the rest of the private
-# recipe (target epsilon 8 at delta 1e-4, the model) stays. First values, not yet tuned
-# on the default data (the bench rows of issue 21 item 3 compare them).
-# dp-sgd-centralized: the private recipe's trained layers (conv and GroupNorm) and head
-# loss (CosFace, on a global head), 256 users a step (~1,000 images on the default
-# data) for 100 steps, and DP-FedEmb's server step (lr 0.3, no momentum): lr 0.5 with
-# momentum 0.9 (an effective step of 5) lost 0.11 recall@FAR 1e-2 against it on real
-# photos from the pipeline's pretrained start (BENCHMARKS.md, "The feature cache on
-# real images").
-DP_SGD_CENTRALIZED: Mapping[str, Any] = {
-    "algorithm": "dp-sgd-centralized",
-    "rounds": 100,
-    "users_per_virtual_client": 1,
-    "virtual_clients_per_round": 256,
-    "server_learning_rate": 0.3,
-    "server_momentum": 0.0,
-    "evaluate_every": 25,
-}
-# dp-last-layer (the seed's recipe: zero last layer, large batches, many steps): the
-# embedding layer alone on cached features, a third of the default data's ~3,000
-# training users a step, 300 steps; softmax because a zero embedding has no direction
-# for the cosine losses (`user_dp_sgd`).
-DP_LAST_LAYER: Mapping[str, Any] = {
-    "algorithm": "dp-last-layer",
-    "rounds": 300,
-    "users_per_virtual_client": 1,
-    "virtual_clients_per_round": 1024,
-    "trainable_layers": ["embedding"],
-    "head_loss": "softmax",
-    "server_learning_rate": 1.0,
-    "server_momentum": 0.9,
-    "evaluate_every": 100,
-}
-ALGORITHM_RECIPES: Mapping[str, Mapping[str, Any]] = {
-    "dp-sgd-centralized": DP_SGD_CENTRALIZED,
-    "dp-last-layer": DP_LAST_LAYER,
-}
-
 NOISE_CHOICES = ("noise_multiplier", "target_epsilon")
 EVERY_LAYER = ["*"]
 
@@ -178,13 +140,10 @@ def private_contrastive_values(train: Mapping[str, Any], job: Mapping[str, Any])
     return values
 
 
-def for_algorithm(values: Mapping[str, Any], algorithm: Any) -> dict[str, Any]:
-    """`values` with `algorithm`'s own recipe over them (`ALGORITHM_RECIPES`; others
-    unchanged), and without what the federated rounds alone use."""
-    values = dict(values)
-    if not isinstance(algorithm, str) or algorithm not in ALGORITHM_RECIPES:
-        return values
-    values = overlay(values, ALGORITHM_RECIPES[algorithm])
+def own_recipe_values(values: Mapping[str, Any], own_recipe: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` with an algorithm's own recipe over them (`registry.Algorithm.recipe`:
+    dp-sgd-centralized, dp-last-layer), and without what the federated rounds alone use."""
+    values = overlay(values, own_recipe)
     values.update(over_selection=0.0)
     values.pop("shared_negatives", None)
     return values

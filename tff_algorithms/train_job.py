@@ -16,6 +16,9 @@ train` and the TFX trainer component call. It
    OUTPUT/metrics.json (`job_outputs`, which also says what is published and what is
    kept private).
 
+The training step is the algorithm's trainer, named by its `algorithms.Algorithm`
+(`tff_algorithms/algorithms/`) and imported when the job trains; the registered ones:
+
 `algorithm="logit-dp"` is private contrastive training of the backbone
 (`contrastive_training`): users sampled by the same schedule, one positive pair each,
 per-pair clipping and noise; a "round" is one step.
@@ -34,7 +37,7 @@ pretraining on public data): SGD with momentum over all training examples, one "
 per epoch, learning rate and momentum from `server_learning_rate` / `server_momentum`
 (the paper lists the centralized learning rate in its server column); the DP fields
 are ignored. Its outputs have the same layout, with epsilon null and `private: false`.
-It keeps its own epoch loop and `tf.train.Checkpoint` (`_train_centralized`) rather than
+It keeps its own epoch loop and `tf.train.Checkpoint` (`train_centralized`) rather than
 `training.train`'s: it is not a TFF process but one Keras model and optimizer
 (`processes.CentralizedTrainer`), with no virtual clients to schedule or retry and no
 noise; its checkpoint holds the model, the Keras optimizer, the epoch, and the ledger
@@ -68,10 +71,9 @@ from beam_jobs import partition, schedule, splits
 from tff_algorithms import (
     accounting,
     aggregators,
+    algorithms,
     client_data,
-    contrastive_training,
     dplc_releases,
-    fdml_training,
     feature_cache,
     job_files,
     job_outputs,
@@ -87,12 +89,6 @@ from tff_algorithms import (
 from tff_algorithms import budget as budget_lib
 from tff_algorithms.evaluation import HeldOutEvaluator
 from tff_algorithms.job_config import (
-    CENTRALIZED,
-    DP_FEDAVG,
-    DP_FEDEMB,
-    DP_FTRL_FEDEMB,
-    FDML,
-    LOGIT_DP,
     TrainJobConfig,
     accounting_spec_for,
     release_plan_for,
@@ -100,7 +96,6 @@ from tff_algorithms.job_config import (
 )
 from tff_algorithms.job_outputs import JobOutcome, TrainJobResult
 from tff_algorithms.ledger import PrivacyLedger
-from tff_algorithms.user_dp_sgd_config import DP_LAST_LAYER, USER_DP_SGD_ALGORITHMS
 
 # Under OUTPUT unless the caller names a shared place (the pipeline does).
 
@@ -194,8 +189,9 @@ def _build_process(
     plan: schedule.VirtualClientSchedule,
     cached: feature_cache.CachedFeatures | None,
     cut: feature_cache.FeatureCut | None,
+    global_head: bool,
 ) -> tff.learning.templates.LearningProcess:
-    # The process shape comes from the algorithm; the mechanism (Gaussian or tree noise,
+    # The process shape comes from the algorithm (DP-FedAvg's global head or local heads); the mechanism (Gaussian or tree noise,
     # its noise multiplier and restarts) only from the spec the ledger accounts with.
     config = inputs.config
     client_config = config.client_config()
@@ -214,7 +210,7 @@ def _build_process(
         max_reports=config.report_policy().max_reports,
         feature_cut=cut,
     )
-    if config.algorithm == DP_FEDAVG:
+    if global_head:
         vocabulary = _training_identity_vocabulary(inputs.reader, inputs.user_ids)
         base = processes.build_fedavg_process(
             config.backbone_config,
@@ -263,7 +259,7 @@ def check_local_heads_fit(config: TrainJobConfig, manifest: Mapping[str, Any]) -
     midway (`_head_capacity_check`), its budget spent. The bound is the sum of the
     largest per-user identity counts (`partition.most_identities_of_users`), at most
     `max_examples_per_client` (one identity per example)."""
-    if config.algorithm not in (DP_FEDEMB, DP_FTRL_FEDEMB):
+    if not algorithms.get(config.algorithm).local_heads:
         return  # DP-FedAvg's head is global; the others have no federated head
     most = partition.most_identities_of_users(manifest, config.users_per_virtual_client)
     if most is None:
@@ -279,7 +275,9 @@ def check_local_heads_fit(config: TrainJobConfig, manifest: Mapping[str, Any]) -
         )
 
 
-def _head_capacity_check(config: TrainJobConfig) -> Callable[[Mapping[str, Any], Any], None]:
+def _head_capacity_check(
+    config: TrainJobConfig, global_head: bool
+) -> Callable[[Mapping[str, Any], Any], None]:
     capacity = config.client_config().head_capacity
 
     def check(record: Mapping[str, Any], training_metrics: Any) -> None:
@@ -287,7 +285,7 @@ def _head_capacity_check(config: TrainJobConfig) -> Callable[[Mapping[str, Any],
         if dropped:
             cause = (
                 f"exceed the local head capacity {capacity}; raise head_capacity"
-                if config.algorithm != DP_FEDAVG
+                if not global_head
                 else "have identities outside the training vocabulary"
             )
             raise ValueError(f"round {record['round']}: {dropped} training examples {cause}")
@@ -335,7 +333,18 @@ class _SuffixTraining:
         return models.backbone_weights(self._backbone)
 
 
-def _train_federated(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
+def train_dp_fedemb(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
+    """DP-FedEmb's and DP-FTRL-FedEmb's trainer (`tff_algorithms/algorithms/dp_fedemb.py`):
+    local heads; the spec's mechanism and schedule come with `inputs`."""
+    return _train_federated(inputs, schedule_seed, global_head=False)
+
+
+def train_dp_fedavg(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
+    """DP-FedAvg's trainer: the backbone and a global head over the training identities."""
+    return _train_federated(inputs, schedule_seed, global_head=True)
+
+
+def _train_federated(inputs: JobInputs, schedule_seed: int, *, global_head: bool) -> JobOutcome:
     config, user_ids, spec = inputs.config, inputs.user_ids, inputs.spec
     plan = schedule_for(config, len(user_ids), schedule_seed)
     decision = feature_cache_decision(config)
@@ -345,7 +354,9 @@ def _train_federated(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     cache_facts = feature_cache.cache_facts(
         decision, None if suffix is None else suffix.cached, time.perf_counter() - began
     )
-    process = _build_process(inputs, plan, None if suffix is None else suffix.cached, cut)
+    process = _build_process(
+        inputs, plan, None if suffix is None else suffix.cached, cut, global_head
+    )
     ids = client_data.VirtualClientIds(
         inputs.partition_dir if suffix is None else suffix.cached.partition_dir, plan, user_ids
     )
@@ -358,7 +369,7 @@ def _train_federated(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
         trained = processes.backbone_model_weights(process.get_model_weights(state))
         return trained if suffix is None else suffix.backbone(trained)
 
-    check_head = _head_capacity_check(config)
+    check_head = _head_capacity_check(config, global_head)
 
     def on_round(record: dict[str, Any], training_metrics: Any) -> None:
         check_head(record, training_metrics)
@@ -397,7 +408,10 @@ def _all_training_examples(
     return tf.data.TFRecordDataset(files).map(lambda s: client_data.parse_example(s, image_shape))
 
 
-def _train_centralized(inputs: JobInputs) -> JobOutcome:
+def train_centralized(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
+    """The centralized oracle's trainer (module docstring). `schedule_seed` is not used:
+    the oracle samples no users, and `config.seed` seeds its shuffling."""
+    del schedule_seed
     config, spec, evaluator = inputs.config, inputs.spec, inputs.evaluator
     trainer = processes.CentralizedTrainer(
         config.backbone_config,
@@ -507,9 +521,10 @@ def run_train_job(
     started = time.perf_counter()
     reader = partition.PartitionReader(partition_dir)
     user_ids = all_user_ids = reader.user_ids()
-    if config.algorithm == FDML:
-        # Its population: the users that can fill s rows (`fdml_training`).
-        user_ids = fdml_training.eligible_users(reader, user_ids, config.samples_per_user)
+    algorithm = algorithms.get(config.algorithm)
+    if algorithm.eligible_users is not None:
+        # Its population (fdml: the users that can fill s rows).
+        user_ids = algorithm.eligible_users(reader, user_ids, config)
     config, noise_source = config.calibrated_for(len(user_ids))
     spec = accounting_spec_for(config, len(user_ids))
     releases = release_plan_for(config)
@@ -563,24 +578,14 @@ def run_train_job(
         _each_round(progress, board),
         feature_cache_dir or owned_files.create_entry(output_dir, job_files.FEATURE_CACHE_DIR),
     )
-    if config.algorithm == CENTRALIZED:
-        outcome = _train_centralized(inputs)
-    elif config.algorithm == LOGIT_DP:
-        outcome = contrastive_training.train_logit_dp(inputs, claimed.schedule_seed)
-    elif config.algorithm in USER_DP_SGD_ALGORITHMS:
-        from tff_algorithms import user_dp_sgd
-
-        outcome = user_dp_sgd.train_user_dp_sgd(
-            inputs, claimed.schedule_seed, last_layer=config.algorithm == DP_LAST_LAYER
-        )
-    elif config.algorithm == FDML:
-        with runtime.session(runtime_config, handle_signals=False):
-            outcome = fdml_training.train_fdml(inputs, claimed.schedule_seed)
-    else:
+    trainer = algorithm.load_trainer()
+    if algorithm.tff_runtime:
         # The caller's runtime, else one for this job; workers that `runtime_config` names
         # run nested over the caller's (stopping them reinstates it).
         with runtime.session(runtime_config, handle_signals=False):
-            outcome = _train_federated(inputs, claimed.schedule_seed)
+            outcome = trainer(inputs, claimed.schedule_seed)
+    else:
+        outcome = trainer(inputs, claimed.schedule_seed)
     if board is not None:
         board.close()
     facts = job_outputs.JobFacts(

@@ -4,7 +4,7 @@ One loop serves every federated algorithm (DP-FedEmb, DP-FTRL-FedEmb, DP-FedAvg)
 takes a `tff.learning.templates.LearningProcess` whose client argument is a list of
 virtual-client ids (data is loaded inside TFF from the id), a function giving the ids
 of round r (the schedule), and a privacy ledger. The centralized oracle keeps its own
-epoch loop and `tf.train.Checkpoint` (`train_job._train_centralized`): it is not a TFF
+epoch loop and `tf.train.Checkpoint` (`train_job.train_centralized`): it is not a TFF
 process but one Keras model and optimizer, with no virtual clients, no noise and no
 process state to save.
 

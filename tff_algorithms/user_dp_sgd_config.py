@@ -1,7 +1,8 @@
-"""The two user-level DP-SGD baselines' names and job checks (issue 21, item 2).
+"""The two user-level DP-SGD baselines' job checks (issue 21, item 2).
 
-TensorFlow-free, so `job_config` can check a job before anything is built; the
-training is `user_dp_sgd`. Both read the federated fields as one step's shape:
+TensorFlow-free, so `job_config` can check a job before anything is built (their
+`registry.Algorithm`s: `tff_algorithms/algorithms/user_dp_sgd.py`); the training is
+`user_dp_sgd`. Both read the federated fields as one step's shape:
 `rounds` steps, each sampling `virtual_clients_per_round` users (n) without
 replacement by DP-FedEmb's schedule with one user per virtual client, each user's
 clipped gradient (`clip_norm`), noise `noise_multiplier`·clip_norm on the sum, momentum
@@ -13,11 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-# User-level DP-SGD over the backbone's trainable layers and a global head.
-DP_SGD_CENTRALIZED = "dp-sgd-centralized"
-# The embedding layer alone, zero-initialised, on cached features of the frozen prefix.
-DP_LAST_LAYER = "dp-last-layer"
-USER_DP_SGD_ALGORITHMS = (DP_SGD_CENTRALIZED, DP_LAST_LAYER)
 # The layer dp-last-layer trains (both backbone families end in it; `models`).
 EMBEDDING_LAYER = "embedding"
 # The head loss defined at a zero embedding (`user_dp_sgd`, module docstring).
@@ -25,11 +21,9 @@ ZERO_INIT_HEAD_LOSS = "softmax"
 
 
 def check_user_dp_sgd_job(config: Any) -> None:
-    """One-line ValueError for a dp-sgd-centralized or dp-last-layer job that its
-    algorithm cannot train (other algorithms pass)."""
+    """One-line ValueError for a dp-sgd-centralized or dp-last-layer job that user-level
+    DP-SGD cannot train (`tff_algorithms/algorithms/user_dp_sgd.py` runs it on theirs)."""
     name = config.algorithm
-    if name not in USER_DP_SGD_ALGORITHMS:
-        return
     if config.users_per_virtual_client != 1:
         raise ValueError(
             f"{name} clips each sampled user's own gradient (no virtual clients): set "
@@ -38,8 +32,13 @@ def check_user_dp_sgd_job(config: Any) -> None:
     for field in ("over_selection", "failure_injection_rate"):
         if getattr(config, field):
             raise ValueError(f"{field} applies to federated rounds, not to {name}: set it to 0")
-    if name != DP_LAST_LAYER:
-        return
+
+
+def check_last_layer_job(config: Any) -> None:
+    """`check_user_dp_sgd_job`, then what training the zero-initialised embedding layer
+    alone on cached features needs (a dp-last-layer job)."""
+    check_user_dp_sgd_job(config)
+    name = config.algorithm
     if tuple(config.trainable_layers) != (EMBEDDING_LAYER,):
         raise ValueError(
             f"{name} trains the {EMBEDDING_LAYER} layer alone on cached features: set "

@@ -26,6 +26,7 @@ from pipeline import console
 from pipeline.commands import checks
 from tff_algorithms import (
     accounting,
+    algorithms,
     client_config,
     fdml_fields,
     job_files,
@@ -131,15 +132,8 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define(
         "string",
         "algorithm",
-        "dp-fedemb | dp-fedavg | dp-ftrl-fedemb | centralized | logit-dp (private "
-        "contrastive training: --virtual-clients-per-round users a step, one positive pair "
-        "each; takes the private contrastive recipe over --recipe) | fdml (federated metric "
-        "learning: --virtual-clients-per-round groups of --users-per-virtual-client users a "
-        "round, server-side triplet loss, noised derivatives and gradients) | "
-        "dp-sgd-centralized (user-level DP-SGD: --virtual-clients-per-round users a step, "
-        "each user's gradient clipped) | dp-last-layer (the same on the zero-initialised "
-        "embedding layer alone, on cached features of the frozen prefix); both take their "
-        "recipe over --recipe",
+        # The registered algorithms (tff_algorithms/algorithms/), each with its summary.
+        " | ".join(f"{name}: {algorithms.get(name).summary}" for name in algorithms.names()),
     )
     define(
         "integer",
@@ -408,22 +402,17 @@ def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazil
 
 # The module tff_algorithms.job_config is imported as job_config_lib: this name is public.
 def job_config(value: Mapping[str, Any]) -> job_config_lib.TrainJobConfig:
-    """The TrainJobConfig of parsed flags: the flags given over --recipe (for a
-    centralized run, over the pretraining recipe over it; for logit-dp, over the private
-    contrastive recipe over it; for dp-sgd-centralized and dp-last-layer, over their own
-    recipe over it), by recipes' layering rule."""
+    """The TrainJobConfig of parsed flags: the flags given over --recipe, over what the
+    algorithm starts from (`Algorithm.starting_values`: centralized, the pretraining
+    recipe; logit-dp, the private contrastive recipe; dp-sgd-centralized and
+    dp-last-layer, their own recipe; over --recipe), by recipes' layering rule."""
     values, given = recipes.recipe(value["recipe"]), _config_values(value)
-    algorithm = given.get("algorithm", values.get("algorithm"))
-    if algorithm == job_config_lib.CENTRALIZED:
-        values = recipes.pretrain_values(values, {})
-    elif algorithm == job_config_lib.LOGIT_DP:
-        values = recipes.private_contrastive_values(values, {})
-    elif algorithm in recipes.ALGORITHM_RECIPES:
-        values = recipes.for_algorithm(values, algorithm)
-        # dp-last-layer trains the embedding layer alone whatever the prefix holds.
-        if value["pretrained"] is None and algorithm != job_config_lib.DP_LAST_LAYER:
-            values["trainable_layers"] = list(recipes.EVERY_LAYER)
-    elif value["pretrained"] is None:
+    # No algorithm in the recipe or the flags: TrainJobConfig's default.
+    algorithm = algorithms.get(
+        given.get("algorithm", values.get("algorithm", job_config_lib.TrainJobConfig.algorithm))
+    )
+    values = algorithm.starting_values(values)
+    if value["pretrained"] is None and not algorithm.keeps_recipe_layers:
         # The recipe's layers fine-tune a pretrained backbone (recipes.check_start): from
         # a random one, every layer trains.
         values["trainable_layers"] = list(recipes.EVERY_LAYER)
@@ -544,8 +533,8 @@ def help_defaults() -> dict[str, str]:
 
 
 # Flags whose value must be one of a tff_algorithms module's names.
+# --algorithm's: `algorithms.names()` when checked (an algorithm may register later).
 _CHOICES = {
-    "algorithm": job_config_lib.ALGORITHMS,
     "head-init": client_config.HEAD_INITS,
     "head-loss": client_config.HEAD_LOSSES,
     "architecture": model_config.ARCHITECTURES,
@@ -594,7 +583,7 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
             f"--trainable-layers {','.join(layers)} would keep the other layers at their "
             "random initial values: give --pretrained, or drop --trainable-layers"
         )
-    for name, choices in _CHOICES.items():
+    for name, choices in {"algorithm": algorithms.names(), **_CHOICES}.items():
         if value[name] is not None and value[name] not in choices:
             raise ValueError(
                 f"--{name} must be one of {', '.join(choices)}, got "
