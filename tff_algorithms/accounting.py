@@ -9,8 +9,9 @@ Schedules (paper appendix C):
 
 - ``dpsgd`` (DP-FedEmb, DP-FedAvg): independent Gaussian noise each round.
   * ``uniform`` sampling (a fixed number of users drawn without replacement each round)
-    under the substitute-one relation, RDP only: dp_accounting has no PLD analysis of
-    sampling without replacement. What training does.
+    under the substitute-one relation, RDP (dp_accounting's generic bound) or PLD
+    (`tff_algorithms.wor_pld`: the tight dominating pair, proven in docs/privacy.md,
+    "Tight accounting of fixed-size sampling"). What training does.
   * ``poisson`` sampling under add-or-remove-one, RDP or PLD. Training does not enforce
     Poisson sampling; this option exists to compare with work that reports it.
 - ``dpftrl`` (DP-FTRL-FedEmb): tree-aggregated noise, users assigned epoch-wise (each
@@ -107,7 +108,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tff_algorithms import validation
+from tff_algorithms import validation, wor_pld
 from tff_algorithms.tree_sensitivity import (
     single_tree_squared_sensitivity,
     tree_depth,
@@ -170,7 +171,10 @@ def _dp_accounting_relation(relation: NeighboringRelation) -> dp_accounting.Neig
 
 # (mechanism, sampling, relation) -> accountants with a valid analysis.
 _SUPPORTED = {
-    (Mechanism.DPSGD, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (Accountant.RDP,),
+    (Mechanism.DPSGD, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (
+        Accountant.RDP,
+        Accountant.PLD,
+    ),
     (Mechanism.DPSGD, Sampling.POISSON, NeighboringRelation.ADD_OR_REMOVE_ONE): (
         Accountant.RDP,
         Accountant.PLD,
@@ -179,8 +183,14 @@ _SUPPORTED = {
         Accountant.RDP,
         Accountant.PLD,
     ),
-    (Mechanism.LOGIT_DP, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (Accountant.RDP,),
-    (Mechanism.FDML, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (Accountant.RDP,),
+    (Mechanism.LOGIT_DP, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (
+        Accountant.RDP,
+        Accountant.PLD,
+    ),
+    (Mechanism.FDML, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (
+        Accountant.RDP,
+        Accountant.PLD,
+    ),
 }
 
 _DEFAULT_SAMPLING = {
@@ -569,6 +579,8 @@ def _analysis_name(spec: AccountingSpec) -> str:
             else "Poisson sampling"
         )
         what = f"sampled Gaussian ({sampling})"
+        if spec.sampling is Sampling.UNIFORM and spec.accountant is Accountant.PLD:
+            what += ", symmetric dominating pair (tight)"
         if spec.mechanism is Mechanism.LOGIT_DP:
             what += ", Logit-DP per-pair clipping"
         if spec.mechanism is Mechanism.FDML:
@@ -626,6 +638,29 @@ def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
         )
         rdp_order: float | None = float(order)
     else:
+        if spec.sampling is Sampling.UNIFORM and z < MIN_PLD_EVENT_NOISE_MULTIPLIER:
+            raise ValueError(
+                f"the PLD accountant needs an effective noise multiplier of at least "
+                f"{MIN_PLD_EVENT_NOISE_MULTIPLIER:g}, this schedule has {z:.3g}; "
+                "use the RDP accountant"
+            )
+        if spec.sampling is Sampling.UNIFORM:
+            return PrivacyResult(
+                epsilon=wor_pld.epsilon(
+                    spec.users_per_round / spec.population,
+                    z,
+                    spec.rounds,
+                    spec.delta,
+                    PLD_DISCRETIZATION,
+                ),
+                delta=spec.delta,
+                zcdp_rho=None,
+                accountant=spec.accountant,
+                rdp_order=None,
+                effective_noise_multiplier=z,
+                analysis=_analysis_name(spec),
+                **_convention_fields(spec),
+            )
         pld_accountant = pld_privacy_accountant.PLDAccountant(
             neighboring_relation=_dp_accounting_relation(spec.neighboring_relation),
             value_discretization_interval=PLD_DISCRETIZATION,
