@@ -268,7 +268,7 @@ class AccountingSpec:
     restart_every_epoch: bool = False
     sampling: Sampling | None = None
     neighboring_relation: NeighboringRelation | None = None
-    accountant: Accountant = Accountant.RDP
+    accountant: Accountant | None = None  # None: `default_accountant`
     min_separation: int | None = None
     convention: Convention = Convention.STRICT
 
@@ -286,8 +286,12 @@ class AccountingSpec:
             if self.neighboring_relation is None
             else _enum_value(NeighboringRelation, self.neighboring_relation, "relation")
         )
-        accountant = _enum_value(Accountant, self.accountant, "accountant")
         convention = _enum_value(Convention, self.convention, "accounting convention")
+        accountant = (
+            default_accountant(mechanism, sampling, relation, convention)
+            if self.accountant is None
+            else _enum_value(Accountant, self.accountant, "accountant")
+        )
         object.__setattr__(self, "convention", convention)
         object.__setattr__(self, "mechanism", mechanism)
         object.__setattr__(self, "sampling", sampling)
@@ -441,6 +445,25 @@ class AccountingSpec:
             raise ValueError(f"incomplete accounting spec: {e}") from None
 
 
+def default_accountant(
+    mechanism: Mechanism,
+    sampling: Sampling,
+    relation: NeighboringRelation,
+    convention: Convention,
+) -> Accountant:
+    """PLD where the tight analysis of fixed-size sampling applies (`wor_pld`: sampled
+    Gaussians, uniform sampling, substitute-one, strict convention); RDP elsewhere (the
+    paper convention reproduces published RDP numbers; trees and Poisson as before)."""
+    if (
+        mechanism in _SAMPLED_GAUSSIAN
+        and sampling is Sampling.UNIFORM
+        and relation is NeighboringRelation.REPLACE_ONE
+        and convention is Convention.STRICT
+    ):
+        return Accountant.PLD
+    return Accountant.RDP
+
+
 def _supported_summary() -> str:
     return "; ".join(
         f"{m.value}+{s.value}+{r.value} ({'/'.join(a.value for a in accountants)})"
@@ -462,6 +485,9 @@ class PrivacyResult:
     convention: Convention
     neighboring_relation: NeighboringRelation
     sensitivity_in_clips: float
+    # RDP's epsilon of the same schedule beside a PLD epsilon, a labelled cross-check
+    # (`compute_privacy(..., rdp_cross_check=True)`); None when not asked or RDP already.
+    epsilon_rdp: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: infinite values (no noise) become None."""
@@ -480,6 +506,7 @@ class PrivacyResult:
             "convention": self.convention.value,
             "neighboring_relation": self.neighboring_relation.value,
             "sensitivity_in_clips": self.sensitivity_in_clips,
+            "epsilon_rdp": finite_or_none(self.epsilon_rdp),
         }
 
 
@@ -605,8 +632,45 @@ def _analysis_name(spec: AccountingSpec) -> str:
     return f"{spec.accountant.value.upper()}, {what}, {relation}, {convention}"
 
 
-def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
-    """(epsilon, delta) of `spec`; for dpftrl also its zCDP rho."""
+def compute_privacy(spec: AccountingSpec, *, rdp_cross_check: bool = False) -> PrivacyResult:
+    """(epsilon, delta) of `spec`; for dpftrl also its zCDP rho.
+
+    `rdp_cross_check`: with the PLD accountant, also the RDP accountant's epsilon of the same
+    schedule (`epsilon_rdp`), for reports; it costs an RDP computation (cached per round).
+    """
+    result = _compute_privacy(spec)
+    if rdp_cross_check and spec.accountant is Accountant.PLD:
+        rdp = _compute_privacy(dataclasses.replace(spec, accountant=Accountant.RDP))
+        return dataclasses.replace(result, epsilon_rdp=rdp.epsilon)
+    return result
+
+
+def uniform_pld(
+    spec: AccountingSpec,
+) -> dp_accounting.pld.privacy_loss_distribution.PrivacyLossDistribution:
+    """The PLD (dp_accounting `PrivacyLossDistribution`) of a uniform-sampling PLD spec
+    with noise, for composing with other events (`dplc_releases`, `budget`)."""
+    if not (spec.accountant is Accountant.PLD and spec.sampling is Sampling.UNIFORM):
+        raise ValueError("uniform_pld needs a uniform-sampling spec under the PLD accountant")
+    _check_pld_noise(spec.effective_noise_multiplier)
+    return wor_pld.composed(
+        spec.users_per_round / spec.population,
+        spec.effective_noise_multiplier,
+        spec.rounds,
+        PLD_DISCRETIZATION,
+    )
+
+
+def _check_pld_noise(event_noise: float) -> None:
+    if event_noise < MIN_PLD_EVENT_NOISE_MULTIPLIER:
+        raise ValueError(
+            f"the PLD accountant needs an effective noise multiplier of at least "
+            f"{MIN_PLD_EVENT_NOISE_MULTIPLIER:g}, this schedule has {event_noise:.3g}; "
+            "use the RDP accountant"
+        )
+
+
+def _compute_privacy(spec: AccountingSpec) -> PrivacyResult:
     import dp_accounting
     from dp_accounting.pld import pld_privacy_accountant
     from dp_accounting.rdp import rdp_privacy_accountant
@@ -638,21 +702,9 @@ def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
         )
         rdp_order: float | None = float(order)
     else:
-        if spec.sampling is Sampling.UNIFORM and z < MIN_PLD_EVENT_NOISE_MULTIPLIER:
-            raise ValueError(
-                f"the PLD accountant needs an effective noise multiplier of at least "
-                f"{MIN_PLD_EVENT_NOISE_MULTIPLIER:g}, this schedule has {z:.3g}; "
-                "use the RDP accountant"
-            )
         if spec.sampling is Sampling.UNIFORM:
             return PrivacyResult(
-                epsilon=wor_pld.epsilon(
-                    spec.users_per_round / spec.population,
-                    z,
-                    spec.rounds,
-                    spec.delta,
-                    PLD_DISCRETIZATION,
-                ),
+                epsilon=float(uniform_pld(spec).get_epsilon_for_delta(spec.delta)),
                 delta=spec.delta,
                 zcdp_rho=None,
                 accountant=spec.accountant,
@@ -669,13 +721,7 @@ def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
         if is_tree:
             # PLD has no tree event; the whole release is Gaussian with sensitivity sqrt(S).
             event = dp_accounting.GaussianDpEvent(1 / math.sqrt(2 * zcdp_rho))
-        event_noise = event.noise_multiplier if is_tree else z
-        if event_noise < MIN_PLD_EVENT_NOISE_MULTIPLIER:
-            raise ValueError(
-                f"the PLD accountant needs an effective noise multiplier of at least "
-                f"{MIN_PLD_EVENT_NOISE_MULTIPLIER:g}, this schedule has {event_noise:.3g}; "
-                "use the RDP accountant"
-            )
+        _check_pld_noise(event.noise_multiplier if is_tree else z)
         pld_accountant.compose(event)
         epsilon, rdp_order = pld_accountant.get_epsilon(spec.delta), None
     return PrivacyResult(

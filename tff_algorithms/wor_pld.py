@@ -28,17 +28,22 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:  # imported where used: dp_accounting and scipy take ~1 s to import
+    from dp_accounting.pld import pld_pmf, privacy_loss_distribution
+
 
 @functools.lru_cache(maxsize=256)
-def one_round_pmf(sampling_probability: float, noise_multiplier: float, discretization: float):
+def one_round_pmf(
+    sampling_probability: float, noise_multiplier: float, discretization: float
+) -> pld_pmf.PLDPmf:
     """The pessimistic PLD pmf of one round's symmetric dominating pair (module docstring).
 
     Cached: a schedule of T rounds self-composes this one pmf, and calibration, the ledger
-    and reports ask for the same (q, z) many times. Returns a `dp_accounting.pld.pld_pmf`
-    PLDPmf.
+    and reports ask for the same (q, z) many times.
     """
     from dp_accounting.pld import pld_pmf, privacy_loss_mechanism
 
@@ -57,23 +62,20 @@ def one_round_pmf(sampling_probability: float, noise_multiplier: float, discreti
     # The symmetric pair's curve below zero: delta(-e) = 1 - e^-e + e^-e delta_R(e).
     negative = -grid[1:][::-1] * discretization
     curve_at_negative = -np.expm1(negative) + np.exp(negative) * curve_at_positive[1:][::-1]
+    curve = np.concatenate([curve_at_negative, curve_at_positive])
+    # Rounding can leave the curve a few ulps above 1 or rising where it is flat; raising
+    # each value to the largest at or after it restores the shape, and is pessimistic.
+    curve = np.minimum(np.maximum.accumulate(curve[::-1])[::-1], 1.0)
     return pld_pmf.create_pmf_pessimistic_connect_dots(
-        discretization,
-        np.concatenate([-grid[1:][::-1], grid]),
-        np.concatenate([curve_at_negative, curve_at_positive]),
+        discretization, np.concatenate([-grid[1:][::-1], grid]), curve
     )
 
 
-def epsilon(
-    sampling_probability: float,
-    noise_multiplier: float,
-    rounds: int,
-    delta: float,
-    discretization: float,
-) -> float:
-    """Epsilon at `delta` of `rounds` rounds (fresh samples each), an upper bound."""
+def composed(
+    sampling_probability: float, noise_multiplier: float, rounds: int, discretization: float
+) -> privacy_loss_distribution.PrivacyLossDistribution:
+    """The PLD of `rounds` rounds (fresh samples each) of the symmetric pair."""
     from dp_accounting.pld import privacy_loss_distribution
 
     pmf = one_round_pmf(sampling_probability, noise_multiplier, discretization)
-    composed = privacy_loss_distribution.PrivacyLossDistribution(pmf).self_compose(rounds)
-    return float(composed.get_epsilon_for_delta(delta))
+    return privacy_loss_distribution.PrivacyLossDistribution(pmf).self_compose(rounds)
