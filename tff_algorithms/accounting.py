@@ -255,7 +255,8 @@ class AccountingSpec:
 
     `sampling` and `neighboring_relation` default to the paper's convention for the
     mechanism (see the module docstring); explicit values are checked against the
-    combinations that have an analysis.
+    combinations that have an analysis. `accountant` defaults to `default_accountant`:
+    the tight PLD for uniform sampling under the strict convention, RDP otherwise.
     """
 
     population: int
