@@ -253,3 +253,22 @@ def test_product_epsilon_matches_independent_composition(
     # Each round's loss moves by at most one step either way: the bracket is that narrow,
     # narrow enough to refuse the per-direction Poisson value (4.60 at the default schedule).
     assert upper - lower <= 2 * rounds * 1e-3 + 1e-6
+
+
+def test_the_tight_pld_is_the_default_for_uniform_sampling_under_strict_only():
+    def spec(**options):
+        return accounting.AccountingSpec(2994, 384, 20, 1.773, 1e-4, **options)
+
+    assert spec().accountant is accounting.Accountant.PLD
+    for options in (
+        dict(convention="paper"),  # published numbers are RDP's
+        dict(sampling="poisson"),
+        dict(mechanism="dpftrl", users_per_virtual_client=8),
+    ):
+        assert spec(**options).accountant is accounting.Accountant.RDP, options
+    assert spec(mechanism="logit_dp").accountant is accounting.Accountant.PLD
+    assert spec(mechanism="fdml").accountant is accounting.Accountant.PLD
+    result = accounting.compute_privacy(spec(), rdp_cross_check=True)
+    assert result.epsilon == pytest.approx(4.844, abs=1e-3)
+    assert result.epsilon_rdp == pytest.approx(7.996, abs=1e-3)
+    assert accounting.compute_privacy(spec(accountant="rdp")).epsilon == result.epsilon_rdp
