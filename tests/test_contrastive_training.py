@@ -51,7 +51,7 @@ def test_metrics_epsilon_equals_the_privacy_command(straight_run):
     summary = straight_run.metrics
     delta = TRAIN_IDENTITIES**-1.1
     assert summary["private"] is True and summary["rounds"] == 4
-    assert summary["accounting"]["analysis"].startswith("RDP, sampled Gaussian")
+    assert summary["accounting"]["analysis"].startswith("PLD, sampled Gaussian")
     assert "Logit-DP" in summary["privacy"]
     out = subprocess.run(
         [
