@@ -35,7 +35,10 @@ RELATION_LABELS = {
 }
 ACCOUNTANT_LABELS = {
     accounting.Accountant.RDP.value: "RDP (Rényi differential privacy, dp_accounting)",
-    accounting.Accountant.PLD.value: "PLD (privacy loss distributions, dp_accounting)",
+    accounting.Accountant.PLD.value: (
+        "PLD (privacy loss distributions, dp_accounting; for fixed-size sampling the tight "
+        "dominating pair of docs/privacy.md)"
+    ),
 }
 MECHANISM_LABELS = {
     accounting.Mechanism.DPSGD.value: "Gaussian noise added independently every round",
@@ -207,6 +210,11 @@ def accounting_rows(
         (
             "ε after the last round" + (" of the training" if composed else ""),
             format_epsilon(final_epsilon(ledger)),
+        ),
+        *(
+            [("ε by the RDP accountant (cross-check)", format_epsilon(ledger["epsilon_rdp"]))]
+            if ledger.get("epsilon_rdp") is not None and not composed
+            else []
         ),
         ("δ", f"{float(spec['delta']):g}"),
         ("training users (population N)", f"{int(spec['population']):,} users"),

@@ -86,6 +86,7 @@ _FDML = "tests/test_fdml.py::"
 _FDML_PRIVACY = "tests/test_fdml_privacy.py::"
 _AGGREGATORS = "tests/test_tff_aggregators.py::"
 _TREES = "tests/test_tree_sensitivity.py::"
+_TIGHT = "tests/test_accounting_tight.py::"
 _LOGIT = "tests/test_logit_dp.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -229,6 +230,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "return 1.0",
         (
             "tests/test_accounting.py::test_virtual_clients_halve_noise_under_add_or_remove_relations",
+        ),
+    ),
+    # --- the tight PLD of fixed-size sampling (docs/privacy.md) --------------------------
+    Mutant(
+        "wor-pld-sampling-rate",
+        "tff_algorithms/accounting.py",
+        "        spec.users_per_round / spec.population,\n        spec.effective_noise_multiplier,",
+        "        0.5 * spec.users_per_round / spec.population,\n        spec.effective_noise_multiplier,",
+        (
+            _TIGHT
+            + "test_product_epsilon_matches_independent_composition[2994-384-20-1.773-0.0001]",
+        ),
+    ),
+    Mutant(
+        "wor-pld-noise-scale",
+        "tff_algorithms/accounting.py",
+        "        spec.effective_noise_multiplier,\n        spec.rounds,\n        PLD_DISCRETIZATION,",
+        "        1.3 * spec.effective_noise_multiplier,\n        spec.rounds,\n        PLD_DISCRETIZATION,",
+        (
+            _TIGHT
+            + "test_product_epsilon_matches_independent_composition[2994-384-20-1.773-0.0001]",
         ),
     ),
     Mutant(

@@ -398,7 +398,6 @@ def test_calibration_rejects_nonsense_targets(target):
         (dict(sampling="epoch"), "no privacy analysis"),
         (dict(sampling="uniform", neighboring_relation="add_or_remove_one"), "no privacy analysis"),
         (dict(mechanism="dpftrl", sampling="uniform"), "no privacy analysis"),
-        (dict(accountant="pld"), "pld accountant has no analysis"),
         (dict(convention="loose"), "unknown accounting convention"),
     ],
 )

@@ -35,16 +35,39 @@ def _dp_accounting_epsilon(specs, relation, delta: float) -> float:
     return rdp.get_epsilon(delta)
 
 
-def test_runs_compose_as_dp_accountings_rdp_accountant_and_tighter_than_summed_epsilon():
-    second = dataclasses.replace(DPSGD, rounds=25, noise_multiplier=0.9)
-    composed = budget.composed_epsilon([DPSGD, second], DPSGD.delta)
+def test_rdp_runs_compose_as_dp_accountings_rdp_accountant_and_tighter_than_summed_epsilon():
+    """Runs accounted with RDP (ledgers written before PLD was the default, or a mixed
+    ledger) compose by summed RDP curves."""
+    first = dataclasses.replace(DPSGD, accountant="rdp")
+    second = dataclasses.replace(first, rounds=25, noise_multiplier=0.9)
+    composed = budget.composed_epsilon([first, second], DPSGD.delta)
     expected = _dp_accounting_epsilon(
-        [DPSGD, second], dp_accounting.NeighboringRelation.REPLACE_ONE, DPSGD.delta
+        [first, second], dp_accounting.NeighboringRelation.REPLACE_ONE, DPSGD.delta
     )
     assert composed == pytest.approx(expected, rel=1e-9)
-    alone = [accounting.compute_privacy(s).epsilon for s in (DPSGD, second)]
+    alone = [accounting.compute_privacy(s).epsilon for s in (first, second)]
     assert max(alone) < composed < sum(alone)
     # One run composes to its own ledger epsilon.
+    assert budget.composed_epsilon([first], DPSGD.delta) == pytest.approx(alone[0], rel=1e-12)
+    # One RDP run among PLD runs: all compose by RDP, the same number.
+    mixed = budget.composed_epsilon([DPSGD, second], DPSGD.delta)
+    assert mixed == pytest.approx(expected, rel=1e-9)
+
+
+def test_pld_runs_compose_as_one_longer_run():
+    """Runs accounted with the (default) PLD compose their PLDs: two runs of the same
+    schedule cost what one run of their rounds together costs, less than RDP says."""
+    assert DPSGD.accountant is accounting.Accountant.PLD
+    second = dataclasses.replace(DPSGD, rounds=25)
+    composed = budget.composed_epsilon([DPSGD, second], DPSGD.delta)
+    together = accounting.compute_privacy(DPSGD.with_rounds(65)).epsilon
+    assert composed == pytest.approx(together, rel=1e-6)
+    alone = [accounting.compute_privacy(s).epsilon for s in (DPSGD, second)]
+    assert max(alone) < composed < sum(alone)
+    rdp = _dp_accounting_epsilon(
+        [DPSGD, second], dp_accounting.NeighboringRelation.REPLACE_ONE, DPSGD.delta
+    )
+    assert composed < rdp
     assert budget.composed_epsilon([DPSGD], DPSGD.delta) == pytest.approx(alone[0], rel=1e-12)
 
 
@@ -131,12 +154,15 @@ def test_runs_planned_together_are_charged_together_or_not_at_all(tmp_path):
     path = str(tmp_path / "ledger.json")
     fingerprint = budget.dataset_fingerprint(["a", "b"])
     both = budget.composed_epsilon([LOGIT_DP, DPSGD], DPSGD.delta)
-    # Independently: dp_accounting composing the two runs' own events.
-    assert both == pytest.approx(
-        _dp_accounting_epsilon(
+    # Both runs count (more than either alone), and the PLD composition is at most
+    # dp_accounting's RDP composition of the two runs' own events.
+    alone = [accounting.compute_privacy(s).epsilon for s in (LOGIT_DP, DPSGD)]
+    assert (
+        max(alone)
+        < both
+        <= _dp_accounting_epsilon(
             [LOGIT_DP, DPSGD], dp_accounting.NeighboringRelation.REPLACE_ONE, DPSGD.delta
-        ),
-        rel=1e-9,
+        )
     )
     runs = [("pre", LOGIT_DP, None), ("train", DPSGD, None)]
     # A budget that fits the training alone refuses both, and writes nothing.

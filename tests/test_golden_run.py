@@ -12,6 +12,11 @@ federated run drifts little across CPUs (on the 2026-11-26 machine, at most 5e-7
 relative); the centralized oracle takes many more steps on one model and drifts more
 (variable sums 2e-4 relative, embedding components 2.3e-3 absolute), so its tolerance
 is wider: still far below what a change of the recipe, the loss or the data moves.
+
+The privacy fields (epsilon, the history's epsilons, the analysis and the privacy
+sentence) were updated by hand on 2026-11-27 when the default accountant for uniform
+sampling became the tight PLD analysis (docs/privacy.md, "Tight accounting of fixed-size
+sampling"): 42.46 (RDP) became 16.54 for the same run; nothing else in the record changed.
 """
 
 import dataclasses

@@ -30,10 +30,15 @@ def test_json_reproduces_table1_dp_fedemb_only_under_the_paper_convention():
     assert output["zcdp_rho"] is None
     assert output["sampling"] == "uniform" and output["neighboring_relation"] == "replace_one"
     assert output["convention"] == "paper" and output["sensitivity_in_clips"] == 1.0
-    # The default is strict: the same schedule under the 2 x clip sensitivity.
+    # The default is strict: the same schedule under the 2 x clip sensitivity, accounted
+    # with the tight PLD of fixed-size sampling, RDP's value beside it as a cross-check.
     strict = json.loads(privacy(*table1).stdout)
     assert strict["convention"] == "strict" and strict["sensitivity_in_clips"] == 2.0
-    assert round(strict["epsilon"], 2) == 14.50
+    assert strict["accountant"] == "pld" and round(strict["epsilon"], 2) == 10.40
+    assert round(strict["epsilon_rdp"], 2) == 14.50
+    rdp = json.loads(privacy(*table1, "--accountant", "rdp").stdout)
+    assert rdp["accountant"] == "rdp" and round(rdp["epsilon"], 2) == 14.50
+    assert rdp["epsilon_rdp"] is None
 
 
 def test_human_summary():
@@ -97,7 +102,7 @@ def test_dpftrl_without_restart_in_process(capsys):
         ({}, ["--noise-multiplier", "nan"], "finite"),
         ({}, ["--noise-multiplier", "1", "--target-epsilon", "2"], "exactly one of"),
         ({}, [], "exactly one of"),
-        ({}, ["--noise-multiplier", "1", "--accountant", "pld"], "pld accountant has no analysis"),
+        ({}, ["--noise-multiplier", "0.01", "--accountant", "pld"], "use the RDP accountant"),
         ({}, ["--noise-multiplier", "1", "--restart-every-epoch"], "only to the dpftrl"),
         ({}, ["--noise-multiplier", "1", "--mechanism", "sgd"], "--mechanism"),
         ({"--delta": None}, ["--noise-multiplier", "1"], "--delta"),

@@ -71,9 +71,9 @@ def test_the_pushed_model_carries_the_composed_epsilon_everywhere(run):
     assert (train_run["stage"], train_run["mechanism"]) == ("PrivateTrain", "dpsgd")
     assert pretrain_run["rounds"] == 3 and train_run["rounds"] == 2
     composed = composition["epsilon"]
-    assert composed == pytest.approx(
-        _independent_composed_epsilon(pretrain_run["spec"], train_run["spec"], 1e-3), rel=1e-9
-    )
+    # Both runs are accounted with the (default) tight PLD and composed as PLDs: at most
+    # dp_accounting's RDP composition of the same events.
+    assert composed <= _independent_composed_epsilon(pretrain_run["spec"], train_run["spec"], 1e-3)
     assert composed > max(pretrain_run["epsilon"], train_run["epsilon"])
     # Lineage of the pushed model, the gate and the budget all see the composed value.
     [pushed] = lineage.pushed_models(store)

@@ -152,7 +152,7 @@ def test_statement_numbers_are_the_ledgers(page):
         "Unit: user",
         "replacing all of any one user&#x27;s images",
         privacy_text.RELATION_LABELS["replace_one"],
-        "Accountant: RDP",
+        "Accountant: PLD",
         "Convention: strict (L2 sensitivity 2 × clip norm)",
     ):
         assert phrase in statement, phrase

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from dp_accounting.rdp import rdp_privacy_accountant
+from scipy import special
 
 from tests import support
 from tff_algorithms import (
@@ -57,6 +58,8 @@ PLAN = dplc_releases.ReleasePlan(
     sensitivity=2 * math.sin(1.0) / 16,
 )
 SGD = accounting.AccountingSpec(2000, 64, 10, 1.2, 1e-5, users_per_virtual_client=8)
+# The RDP path, checked against dp_accounting's RDP accountant on events written out here.
+SGD_RDP = dataclasses.replace(SGD, accountant="rdp")
 TREE = accounting.AccountingSpec(
     1000, 100, 25, 3.0, 1e-6, mechanism="dpftrl", users_per_virtual_client=4,
     restart_every_epoch=True,
@@ -64,8 +67,8 @@ TREE = accounting.AccountingSpec(
 
 
 def test_ledger_composes_dpsgd_training_with_each_release():
-    ledger = PrivacyLedger(SGD, PLAN)
-    plain = PrivacyLedger(SGD)
+    ledger = PrivacyLedger(SGD_RDP, PLAN)
+    plain = PrivacyLedger(SGD_RDP)
     for r in range(1, SGD.rounds + 1):
         ledger.record_round(r)
         plain.record_round(r)
@@ -83,6 +86,24 @@ def test_ledger_composes_dpsgd_training_with_each_release():
         assert ledger.epsilon == pytest.approx(expected, rel=1e-9)
         assert ledger.epsilon > plain.epsilon
     assert PLAN.releases_after(10) == 4
+
+
+def test_pld_ledger_composes_each_release():
+    """Under the default PLD the releases count too, and the composition is at most RDP's
+    and at least the releases' own exact Gaussian epsilon."""
+    assert SGD.accountant is accounting.Accountant.PLD
+    ledger, plain, rdp = PrivacyLedger(SGD, PLAN), PrivacyLedger(SGD), PrivacyLedger(SGD_RDP, PLAN)
+    for r in range(1, SGD.rounds + 1):
+        for each in (ledger, plain, rdp):
+            each.record_round(r)
+        assert plain.epsilon < ledger.epsilon <= rdp.epsilon
+        assert ledger.epsilon_rdp == rdp.epsilon
+    # 4 releases of 2 centers at sigma 4: one Gaussian of multiplier 4 / sqrt(8), whose
+    # exact (analytic) delta at the ledger's epsilon must be below the ledger's delta.
+    mu = math.sqrt(8) / 4.0
+    eps = ledger.epsilon
+    exact = special.ndtr(-eps / mu + mu / 2) - math.exp(eps) * special.ndtr(-eps / mu - mu / 2)
+    assert exact <= SGD.delta
 
 
 def test_ledger_composes_dpftrl_training_and_adds_zcdp():
@@ -121,7 +142,7 @@ def test_ledger_round_trips_and_refuses_other_releases():
 
 def test_budget_counts_the_releases(tmp_path):
     policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), 100.0)
-    charge = budget.charge_run(policy, "f" * 64, 2000, "run-1", SGD, PLAN)
+    charge = budget.charge_run(policy, "f" * 64, 2000, "run-1", SGD_RDP, PLAN)
     training = dp_accounting.SelfComposedDpEvent(
         dp_accounting.SampledWithoutReplacementDpEvent(
             2000, 64, dp_accounting.GaussianDpEvent(0.6)
@@ -132,16 +153,16 @@ def test_budget_counts_the_releases(tmp_path):
         training, dp_accounting.NeighboringRelation.REPLACE_ONE, 4.0, 2, 4, 1e-5
     )
     assert charge.run_epsilon == pytest.approx(expected, rel=1e-9)
-    assert charge.run_epsilon > budget.composed_epsilon([SGD], 1e-5)
+    assert charge.run_epsilon > budget.composed_epsilon([SGD_RDP], 1e-5)
     # A second run on the same users composes with the first's releases too.
-    second = budget.charge_run(policy, "f" * 64, 2000, "run-2", SGD)
+    second = budget.charge_run(policy, "f" * 64, 2000, "run-2", SGD_RDP)
     assert second.spent_before == pytest.approx(expected, rel=1e-9)
     assert budget.dataset_spent(policy.ledger_path, "f" * 64, 1e-5) == pytest.approx(
         second.spent_after
     )
     # Resuming with other releases is refused (it would be charged twice).
     with pytest.raises(ValueError, match="another accounting spec"):
-        budget.charge_run(policy, "f" * 64, 2000, "run-1", SGD)
+        budget.charge_run(policy, "f" * 64, 2000, "run-1", SGD_RDP)
 
 
 def test_calibration_targets_the_composed_epsilon():
@@ -292,17 +313,21 @@ def test_job_trains_and_its_ledger_composes_the_releases(run):
     )
     relation = dp_accounting.NeighboringRelation.REPLACE_ONE
     expected = independent_epsilon(training, relation, 3.0, 2, 2, delta)
-    assert metrics["epsilon"] == pytest.approx(expected, rel=1e-9)
-    without = rdp_privacy_accountant.RdpAccountant(orders=ORDERS, neighboring_relation=relation)
-    without.compose(training)
-    assert metrics["epsilon"] > without.get_epsilon(delta)
+    # The RDP cross-check is dp_accounting's RDP; the (default) PLD epsilon is at most it
+    # and above the training's PLD alone.
+    assert metrics["epsilon_rdp"] == pytest.approx(expected, rel=1e-9)
     ledger = json.loads(open(run.ledger_path).read())
-    assert ledger["history"][-1]["epsilon"] == pytest.approx(expected, rel=1e-9)
+    spec = accounting.AccountingSpec.from_dict(ledger["spec"])
+    assert spec.accountant is accounting.Accountant.PLD
+    assert accounting.compute_privacy(spec).epsilon < metrics["epsilon"] <= expected
+    assert ledger["epsilon_rdp"] == pytest.approx(expected, rel=1e-9)
+    assert ledger["history"][-1]["epsilon"] == metrics["epsilon"]
     # Round 1 already carries the first release, round 2 the same one, round 3 the second.
-    first = independent_epsilon(
-        dp_accounting.SelfComposedDpEvent(training.event, 1), relation, 3.0, 2, 1, delta
-    )
+    first = dplc_releases.composed_privacy(
+        spec, dplc_releases.ReleasePlan.from_dict(ledger["shared_negatives"]), 1
+    ).epsilon
     assert ledger["history"][0]["epsilon"] == pytest.approx(first, rel=1e-9)
+    assert first > accounting.compute_privacy(spec.with_rounds(1)).epsilon
     assert "DPLC release" in metrics["privacy"]
 
 

@@ -9,8 +9,9 @@ Schedules (paper appendix C):
 
 - ``dpsgd`` (DP-FedEmb, DP-FedAvg): independent Gaussian noise each round.
   * ``uniform`` sampling (a fixed number of users drawn without replacement each round)
-    under the substitute-one relation, RDP only: dp_accounting has no PLD analysis of
-    sampling without replacement. What training does.
+    under the substitute-one relation, RDP (dp_accounting's generic bound) or PLD
+    (`tff_algorithms.wor_pld`: the tight dominating pair, proven in docs/privacy.md,
+    "Tight accounting of fixed-size sampling"). What training does.
   * ``poisson`` sampling under add-or-remove-one, RDP or PLD. Training does not enforce
     Poisson sampling; this option exists to compare with work that reports it.
 - ``dpftrl`` (DP-FTRL-FedEmb): tree-aggregated noise, users assigned epoch-wise (each
@@ -107,7 +108,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tff_algorithms import validation
+from tff_algorithms import validation, wor_pld
 from tff_algorithms.tree_sensitivity import (
     single_tree_squared_sensitivity,
     tree_depth,
@@ -170,7 +171,10 @@ def _dp_accounting_relation(relation: NeighboringRelation) -> dp_accounting.Neig
 
 # (mechanism, sampling, relation) -> accountants with a valid analysis.
 _SUPPORTED = {
-    (Mechanism.DPSGD, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (Accountant.RDP,),
+    (Mechanism.DPSGD, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (
+        Accountant.RDP,
+        Accountant.PLD,
+    ),
     (Mechanism.DPSGD, Sampling.POISSON, NeighboringRelation.ADD_OR_REMOVE_ONE): (
         Accountant.RDP,
         Accountant.PLD,
@@ -179,8 +183,14 @@ _SUPPORTED = {
         Accountant.RDP,
         Accountant.PLD,
     ),
-    (Mechanism.LOGIT_DP, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (Accountant.RDP,),
-    (Mechanism.FDML, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (Accountant.RDP,),
+    (Mechanism.LOGIT_DP, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (
+        Accountant.RDP,
+        Accountant.PLD,
+    ),
+    (Mechanism.FDML, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (
+        Accountant.RDP,
+        Accountant.PLD,
+    ),
 }
 
 _DEFAULT_SAMPLING = {
@@ -245,7 +255,8 @@ class AccountingSpec:
 
     `sampling` and `neighboring_relation` default to the paper's convention for the
     mechanism (see the module docstring); explicit values are checked against the
-    combinations that have an analysis.
+    combinations that have an analysis. `accountant` defaults to `default_accountant`:
+    the tight PLD for uniform sampling under the strict convention, RDP otherwise.
     """
 
     population: int
@@ -258,7 +269,7 @@ class AccountingSpec:
     restart_every_epoch: bool = False
     sampling: Sampling | None = None
     neighboring_relation: NeighboringRelation | None = None
-    accountant: Accountant = Accountant.RDP
+    accountant: Accountant | None = None  # None: `default_accountant`
     min_separation: int | None = None
     convention: Convention = Convention.STRICT
 
@@ -276,8 +287,12 @@ class AccountingSpec:
             if self.neighboring_relation is None
             else _enum_value(NeighboringRelation, self.neighboring_relation, "relation")
         )
-        accountant = _enum_value(Accountant, self.accountant, "accountant")
         convention = _enum_value(Convention, self.convention, "accounting convention")
+        accountant = (
+            default_accountant(mechanism, sampling, relation, convention)
+            if self.accountant is None
+            else _enum_value(Accountant, self.accountant, "accountant")
+        )
         object.__setattr__(self, "convention", convention)
         object.__setattr__(self, "mechanism", mechanism)
         object.__setattr__(self, "sampling", sampling)
@@ -431,6 +446,25 @@ class AccountingSpec:
             raise ValueError(f"incomplete accounting spec: {e}") from None
 
 
+def default_accountant(
+    mechanism: Mechanism,
+    sampling: Sampling,
+    relation: NeighboringRelation,
+    convention: Convention,
+) -> Accountant:
+    """PLD where the tight analysis of fixed-size sampling applies (`wor_pld`: sampled
+    Gaussians, uniform sampling, substitute-one, strict convention); RDP elsewhere (the
+    paper convention reproduces published RDP numbers; trees and Poisson as before)."""
+    if (
+        mechanism in _SAMPLED_GAUSSIAN
+        and sampling is Sampling.UNIFORM
+        and relation is NeighboringRelation.REPLACE_ONE
+        and convention is Convention.STRICT
+    ):
+        return Accountant.PLD
+    return Accountant.RDP
+
+
 def _supported_summary() -> str:
     return "; ".join(
         f"{m.value}+{s.value}+{r.value} ({'/'.join(a.value for a in accountants)})"
@@ -452,6 +486,9 @@ class PrivacyResult:
     convention: Convention
     neighboring_relation: NeighboringRelation
     sensitivity_in_clips: float
+    # RDP's epsilon of the same schedule beside a PLD epsilon, a labelled cross-check
+    # (`compute_privacy(..., rdp_cross_check=True)`); None when not asked or RDP already.
+    epsilon_rdp: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: infinite values (no noise) become None."""
@@ -470,6 +507,7 @@ class PrivacyResult:
             "convention": self.convention.value,
             "neighboring_relation": self.neighboring_relation.value,
             "sensitivity_in_clips": self.sensitivity_in_clips,
+            "epsilon_rdp": finite_or_none(self.epsilon_rdp),
         }
 
 
@@ -569,6 +607,8 @@ def _analysis_name(spec: AccountingSpec) -> str:
             else "Poisson sampling"
         )
         what = f"sampled Gaussian ({sampling})"
+        if spec.sampling is Sampling.UNIFORM and spec.accountant is Accountant.PLD:
+            what += ", symmetric dominating pair (tight)"
         if spec.mechanism is Mechanism.LOGIT_DP:
             what += ", Logit-DP per-pair clipping"
         if spec.mechanism is Mechanism.FDML:
@@ -593,8 +633,45 @@ def _analysis_name(spec: AccountingSpec) -> str:
     return f"{spec.accountant.value.upper()}, {what}, {relation}, {convention}"
 
 
-def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
-    """(epsilon, delta) of `spec`; for dpftrl also its zCDP rho."""
+def compute_privacy(spec: AccountingSpec, *, rdp_cross_check: bool = False) -> PrivacyResult:
+    """(epsilon, delta) of `spec`; for dpftrl also its zCDP rho.
+
+    `rdp_cross_check`: with the PLD accountant, also the RDP accountant's epsilon of the same
+    schedule (`epsilon_rdp`), for reports; it costs an RDP computation (cached per round).
+    """
+    result = _compute_privacy(spec)
+    if rdp_cross_check and spec.accountant is Accountant.PLD:
+        rdp = _compute_privacy(dataclasses.replace(spec, accountant=Accountant.RDP))
+        return dataclasses.replace(result, epsilon_rdp=rdp.epsilon)
+    return result
+
+
+def uniform_pld(
+    spec: AccountingSpec,
+) -> dp_accounting.pld.privacy_loss_distribution.PrivacyLossDistribution:
+    """The PLD (dp_accounting `PrivacyLossDistribution`) of a uniform-sampling PLD spec
+    with noise, for composing with other events (`dplc_releases`, `budget`)."""
+    if not (spec.accountant is Accountant.PLD and spec.sampling is Sampling.UNIFORM):
+        raise ValueError("uniform_pld needs a uniform-sampling spec under the PLD accountant")
+    _check_pld_noise(spec.effective_noise_multiplier)
+    return wor_pld.composed(
+        spec.users_per_round / spec.population,
+        spec.effective_noise_multiplier,
+        spec.rounds,
+        PLD_DISCRETIZATION,
+    )
+
+
+def _check_pld_noise(event_noise: float) -> None:
+    if event_noise < MIN_PLD_EVENT_NOISE_MULTIPLIER:
+        raise ValueError(
+            f"the PLD accountant needs an effective noise multiplier of at least "
+            f"{MIN_PLD_EVENT_NOISE_MULTIPLIER:g}, this schedule has {event_noise:.3g}; "
+            "use the RDP accountant"
+        )
+
+
+def _compute_privacy(spec: AccountingSpec) -> PrivacyResult:
     import dp_accounting
     from dp_accounting.pld import pld_privacy_accountant
     from dp_accounting.rdp import rdp_privacy_accountant
@@ -626,6 +703,17 @@ def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
         )
         rdp_order: float | None = float(order)
     else:
+        if spec.sampling is Sampling.UNIFORM:
+            return PrivacyResult(
+                epsilon=float(uniform_pld(spec).get_epsilon_for_delta(spec.delta)),
+                delta=spec.delta,
+                zcdp_rho=None,
+                accountant=spec.accountant,
+                rdp_order=None,
+                effective_noise_multiplier=z,
+                analysis=_analysis_name(spec),
+                **_convention_fields(spec),
+            )
         pld_accountant = pld_privacy_accountant.PLDAccountant(
             neighboring_relation=_dp_accounting_relation(spec.neighboring_relation),
             value_discretization_interval=PLD_DISCRETIZATION,
@@ -634,13 +722,7 @@ def compute_privacy(spec: AccountingSpec) -> PrivacyResult:
         if is_tree:
             # PLD has no tree event; the whole release is Gaussian with sensitivity sqrt(S).
             event = dp_accounting.GaussianDpEvent(1 / math.sqrt(2 * zcdp_rho))
-        event_noise = event.noise_multiplier if is_tree else z
-        if event_noise < MIN_PLD_EVENT_NOISE_MULTIPLIER:
-            raise ValueError(
-                f"the PLD accountant needs an effective noise multiplier of at least "
-                f"{MIN_PLD_EVENT_NOISE_MULTIPLIER:g}, this schedule has {event_noise:.3g}; "
-                "use the RDP accountant"
-            )
+        _check_pld_noise(event.noise_multiplier if is_tree else z)
         pld_accountant.compose(event)
         epsilon, rdp_order = pld_accountant.get_epsilon(spec.delta), None
     return PrivacyResult(

@@ -15,7 +15,12 @@ would give a new fingerprint, and so a fresh budget, to the same people whenever
 image changed (a dedup setting, a re-ingest). Different datasets that reuse user ids are
 counted together, which overstates their spending: the safe direction.
 
-Composition (`composed_epsilon`): RDP composes additively, so the RDP curves of all runs
+Composition (`composed_epsilon`). When every run is accounted with PLD for uniform
+sampling (`accounting.default_accountant`), their PLDs (`accounting.uniform_pld`, each
+with its releases' Gaussian PLD) are composed, the same pessimistic PLD composition each
+run's own epsilon uses: runs on the same users compose adaptively like rounds, each
+dominated by its own pair. Otherwise (a ledger holding runs accounted with RDP, a
+DP-FTRL run): RDP composes additively, so the RDP curves of all runs
 (`accounting.rdp_curve`, the dp_accounting RDP accountant's curve of each run's DpEvent)
 are summed order by order and converted to (epsilon, delta) once. This equals
 dp_accounting's RDP accountant composing all runs' events in one `ComposedDpEvent`, and
@@ -117,7 +122,8 @@ def composed_epsilon(
     delta: float,
     releases: Sequence[dplc_releases.ReleasePlan | None] | None = None,
 ) -> float:
-    """Epsilon at `delta` of all runs together: their RDP curves summed, then converted.
+    """Epsilon at `delta` of all runs together: their PLDs composed, or their RDP curves
+    summed and converted (module docstring).
 
     `releases`: each run's shared-negatives release plan (None: none), in `specs` order;
     a run's releases over its whole schedule add to its curve.
@@ -130,6 +136,20 @@ def composed_epsilon(
         raise ValueError("composed_epsilon needs one release plan (or None) per run")
     if any(spec.effective_noise_multiplier == 0 for spec in specs):
         return math.inf  # a run without noise has no guarantee, nor has the whole
+    if all(
+        spec.accountant is accounting.Accountant.PLD
+        and spec.sampling is accounting.Sampling.UNIFORM
+        for spec in specs
+    ):
+        composed = None
+        for spec, plan in zip(specs, releases):
+            pld = accounting.uniform_pld(spec)
+            if plan is not None and plan.releases_after(spec.rounds):
+                if plan.noise_multiplier == 0:
+                    return math.inf
+                pld = pld.compose(dplc_releases.release_pld(plan, plan.releases_after(spec.rounds)))
+            composed = pld if composed is None else composed.compose(pld)
+        return float(composed.get_epsilon_for_delta(delta))
     curves = [accounting.rdp_curve(spec) for spec in specs]
     for i, (spec, plan) in enumerate(zip(specs, releases)):
         if plan is not None:

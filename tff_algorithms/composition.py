@@ -8,9 +8,9 @@ ledger, `job_files.COMPOSITION_FILE`); the gate, the report, the model card and 
 lineage read the model's epsilon from it. A model from one private run has a
 composition of one run, so every reader takes the same path.
 
-Composition is the budget's (`budget.composed_epsilon`): each run's RDP curve over the
-rounds it recorded, its shared-negatives releases included, summed, converted once at
-the training's delta; runs under the strict convention only. One run's epsilon is its
+Composition is the budget's (`budget.composed_epsilon`): each run over the rounds it
+recorded, its shared-negatives releases included, their PLDs composed (or, when a run is
+accounted with RDP, their RDP curves summed), converted once at the training's delta; runs under the strict convention only. One run's epsilon is its
 ledger's.
 """
 

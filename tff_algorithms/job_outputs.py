@@ -318,6 +318,8 @@ def _privacy_summary(
         "noise_seed_source": "os-entropy" if config.noise_seed is None else "fixed (testing)",
         "schedule_seed_source": "os-entropy" if config.schedule_seed is None else "fixed (testing)",
         "epsilon": epsilon,
+        # The RDP accountant's epsilon beside the (default) PLD one, a labelled cross-check.
+        "epsilon_rdp": ledger.epsilon_rdp if private else None,
         "delta": ledger.delta,
         "zcdp_rho": ledger.history[-1].zcdp_rho if ledger.history else None,
         "accounting": {

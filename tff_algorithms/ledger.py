@@ -91,6 +91,19 @@ class PrivacyLedger:
     def delta(self) -> float:
         return self._spec.delta
 
+    @property
+    def epsilon_rdp(self) -> float | None:
+        """The RDP accountant's epsilon for the rounds recorded, a labelled cross-check
+        beside a PLD epsilon; None when the spec is already accounted with RDP."""
+        if self._spec.accountant is not accounting.Accountant.PLD:
+            return None
+        if self.rounds_recorded == 0:
+            return 0.0
+        rdp_spec = dataclasses.replace(self._spec, accountant=accounting.Accountant.RDP)
+        return dplc_releases.composed_privacy(
+            rdp_spec, self._releases, self.rounds_recorded
+        ).epsilon
+
     def epsilon_at(self, round_number: int) -> float:
         if not 0 <= round_number <= self.rounds_recorded:
             raise ValueError(
@@ -128,6 +141,8 @@ class PrivacyLedger:
             "format": LEDGER_FORMAT,
             "spec": self._spec.to_dict(),
             **releases,
+            # Written for readers, never read back: a function of the spec and the rounds.
+            "epsilon_rdp": _to_json_number(self.epsilon_rdp),
             "history": [
                 {
                     "round": entry.round,

@@ -113,9 +113,10 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     )
     flags.DEFINE_enum(
         "accountant",
-        "rdp",
+        None,
         _values(accounting.Accountant),
-        "rdp (the paper's) or pld (poisson sampling and dpftrl only).",
+        "Default: pld for uniform sampling under the strict convention (the tight analysis, "
+        "docs/privacy.md), rdp otherwise; rdp gives dp_accounting's generic bound.",
         flag_values=flag_values,
     )
     flags.DEFINE_enum(
@@ -288,7 +289,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             spec, target_epsilon, flag_values["calibration-tolerance"].value
         )
         spec = spec.with_noise_multiplier(noise)
-    result = accounting.compute_privacy(spec)
+    result = accounting.compute_privacy(spec, rdp_cross_check=True)
 
     if flag_values["json"].value:
         output = {**spec.to_dict(), **result.to_dict()}
@@ -302,6 +303,8 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         f"epsilon = {_format_number(result.epsilon)} at delta = {spec.delta:g}  "
         f"({result.analysis}{order})"
     )
+    if result.epsilon_rdp is not None:
+        print(f"RDP cross-check: epsilon = {_format_number(result.epsilon_rdp)} (--accountant rdp)")
     if result.zcdp_rho is not None:
         print(f"zCDP rho = {_format_number(result.zcdp_rho)}")
     calibrated = f" (calibrated for epsilon {target_epsilon:g})" if target_epsilon else ""
