@@ -44,9 +44,9 @@ import os
 import apache_beam as beam
 import tensorflow as tf
 
+from beam_jobs import copy_evidence, records_io, splits
 from beam_jobs import dedup_batches as batches
 from beam_jobs import near_duplicates as nd
-from beam_jobs import records_io, splits
 from beam_jobs.dedup_batches import EXACT, NEAR
 
 REPORT_FILE = "dedup_report.json"
@@ -70,6 +70,16 @@ class DedupConfig:
     # (near_duplicates.py); chosen on half of bench/bench_dedup.py's real images.
     max_residual: float = 0.2
     residual_per_detail: float = 2.5
+    # A pair that passes is a copy only with evidence that the candidate carries the
+    # reference's own fine detail (beam_jobs/copy_evidence.py): shared noise correlating
+    # >= min_shared_noise, or a JPEG candidate that re-encoding the reference reproduces
+    # within jpeg_tolerance grey levels. Not testable (the shape decides alone): a
+    # reference whose band-pass level is under min_reference_noise grey levels, or fewer
+    # than min_noise_pixels flat unclipped thumbnail pixels. Chosen on bench_dedup.py.
+    min_shared_noise: float = copy_evidence.MIN_SHARED_NOISE
+    min_reference_noise: float = copy_evidence.MIN_REFERENCE_NOISE
+    min_noise_pixels: int = copy_evidence.MIN_NOISE_PIXELS
+    jpeg_tolerance: float = copy_evidence.JPEG_TOLERANCE
     # A dedup removing more of a candidate split than this stops (module docstring).
     max_removed_fraction: float = 0.1
     examples_in_report: int = 20
@@ -91,6 +101,14 @@ class DedupConfig:
             raise ValueError(f"references verified must be >= 1, got {self.references_verified}")
         if self.max_residual < 0 or self.residual_per_detail < 0:
             raise ValueError("max residual and residual per detail must be >= 0")
+        if not -1.0 <= self.min_shared_noise <= 1.0:
+            raise ValueError(
+                f"min shared noise is a correlation in [-1, 1], got {self.min_shared_noise}"
+            )
+        if self.min_reference_noise < 0 or self.min_noise_pixels < 0 or self.jpeg_tolerance < 0:
+            raise ValueError(
+                "min reference noise, min noise pixels and jpeg tolerance must be >= 0"
+            )
         if not 0.0 <= self.max_removed_fraction <= 1.0:
             raise ValueError(
                 f"max removed fraction must be in [0, 1], got {self.max_removed_fraction}"
@@ -251,13 +269,7 @@ class FindDuplicates(beam.PTransform):
         near = (
             {"fp": by_key[_CANDIDATE], "references": attached}
             | "JoinCandidates" >> beam.CoGroupByKey()
-            | "Verify"
-            >> beam.FlatMap(
-                batches.verified_pairs,
-                config.max_residual,
-                config.residual_per_detail,
-                config.max_shift + 1,
-            )
+            | "Verify" >> beam.FlatMap(batches.verified_pairs, config)
         )
         removed = (
             (joined[batches.EXACT_PAIRS], near)
