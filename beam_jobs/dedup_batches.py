@@ -322,16 +322,21 @@ def attach_references(joined: tuple[Any, Any]) -> Iterator[Any]:
         yield candidate_key, (references, request)
 
 
-def _shares_noise(
+_UNTESTABLE, _SHARED, _NOT_SHARED = "untestable", "shared", "not shared"
+
+
+def _noise_test(
     measured: dict[str, np.ndarray],
     i: int,
     candidate: np.ndarray | None,
     reference: np.ndarray | None,
     config: "DedupConfig",
-) -> bool:
+) -> str:
     """Pair i's shared-noise test: at the images' own resolution when both carry their
-    pixels (the thumbnail averages a large image's noise away), else on the thumbnails.
-    Writes what it measured back into `measured` (the pair's report)."""
+    pixels (a thumbnail averages a large image's noise away), else on the thumbnails.
+    Writes the correlation it used back into `measured` (the pair's report)."""
+    correlation = measured["shared_noise"][i]
+    level, pixels = measured["reference_noise"][i], measured["noise_pixels"][i]
     if candidate is not None and reference is not None:
         correlation, level, pixels = copy_evidence.native_shared_noise(
             candidate,
@@ -341,9 +346,9 @@ def _shares_noise(
             float(measured["scale"][i]),
         )
         measured["shared_noise"][i] = correlation
-        if level < config.min_reference_noise or pixels < config.min_noise_pixels:
-            return True  # not testable at this resolution: the shape decides
-    return bool(measured["shared_noise"][i] >= config.min_shared_noise)
+    if level < config.min_reference_noise or pixels < config.min_noise_pixels:
+        return _UNTESTABLE
+    return _SHARED if correlation >= config.min_shared_noise else _NOT_SHARED
 
 
 def _copy_evidence(
@@ -354,28 +359,30 @@ def _copy_evidence(
     pairs: np.ndarray,
     config: "DedupConfig",
 ) -> list[str | None]:
-    """Per pair that passed the shape test (others None): why it is a copy (the
-    copy_evidence module's names), or None when the candidate carries none of the
-    reference's own detail: a look-alike, kept."""
+    """Per pair: why it is a copy (the copy_evidence module's names), or None. A pair
+    aligned (past the coarse gate) whose candidate shares the reference's noise is a copy
+    even if resampling changed its shape more than the shape test allows; otherwise the
+    shape test must pass, and then an exact JPEG re-encoding, or a reference with no
+    testable noise (the shape alone), makes it a copy. Else it is a look-alike, kept."""
     shape = (
         measured["residual"]
         <= config.max_residual + config.residual_per_detail * (measured["detail"])
     )
-    testable = (measured["reference_noise"] >= config.min_reference_noise) & (
-        measured["noise_pixels"] >= config.min_noise_pixels
-    )
     evidence = []
     for i in range(len(pairs)):
-        if not shape[i]:
+        candidate, reference = candidate_native[pairs[i, 0]], reference_native[pairs[i, 1]]
+        if not np.isfinite(measured["residual"][i]):
             evidence.append(None)
-        elif not testable[i]:
-            evidence.append("shape_only")
-        elif _shares_noise(
-            measured, i, candidate_native[pairs[i, 0]], reference_native[pairs[i, 1]], config
-        ):
+            continue
+        noise = _noise_test(measured, i, candidate, reference, config)
+        if noise == _SHARED:
             evidence.append("shared_noise")
+        elif not shape[i]:
+            evidence.append(None)
+        elif noise == _UNTESTABLE:
+            evidence.append("shape_only")
         else:
-            form, reference = candidate_jpeg[pairs[i, 0]], reference_native[pairs[i, 1]]
+            form = candidate_jpeg[pairs[i, 0]]
             difference = (
                 copy_evidence.reencode_difference(
                     reference,
