@@ -48,11 +48,9 @@ MAX_NATIVE_PIXELS = 160 * 160
 _BAND = (0.7, 2.0)
 _EDGE_BLUR = 1.0
 _EDGE_REACH = 2  # thumbnail pixels around an edge that are not flat
-# Flat: no (blurred) grey gradient within _EDGE_REACH over this many times the image's
-# fine noise level, nor over _MAX_FLAT_GRADIENT grey levels per thumbnail pixel: an
-# icon's or photo's busy or softly shaded parts are structure, not noise.
-_FLAT_GRADIENT = 1.0
-_MAX_FLAT_GRADIENT = 8.0
+# Flat: no (blurred) grey gradient over this many grey levels per thumbnail pixel within
+# _EDGE_REACH: an icon's or photo's busy parts are structure, not noise.
+_FLAT_GRADIENT = 8.0
 _BORDER = 2  # thumbnail pixels off each side: resampling edges
 # Native pixels searched around the shift the thumbnails were aligned at.
 _JPEG_SEARCH = 2
@@ -104,13 +102,6 @@ def _gradient_size(images: np.ndarray, factor: float) -> np.ndarray:
     return np.hypot(gx, gy)
 
 
-def _noise_scale(images: np.ndarray, factor: float) -> np.ndarray:
-    """[P] robust level of each image's finest residual (median absolute deviation)."""
-    fine = images - _blur(images, _BAND[0] * factor)
-    flat = fine.reshape(len(images), -1)
-    return 1.4826 * np.median(np.abs(flat - np.median(flat, axis=1, keepdims=True)), axis=1)
-
-
 def _spread(values: np.ndarray, reach: int) -> np.ndarray:
     """Max over a (2 reach + 1)^2 window, edges repeated: [P, T, T]."""
     padded = np.pad(values, ((0, 0), (reach, reach), (reach, reach)), mode="edge")
@@ -127,8 +118,8 @@ def shared_noise(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(correlation, reference noise level, pixels tested) [P] of candidate thumbnails
     [P, T, T] and references sampled at their alignment (`aligned`, where `valid`): the
-    band-pass residuals correlated over the flat part of the overlap, away
-    from edges of either image and from clipped pixels of either. `factor`: image pixels
+    band-pass residuals correlated over the flat part of the overlap, away from edges
+    of either image and from clipped pixels of either. `factor`: image pixels
     per thumbnail pixel (the band-pass stays a band of the image's own noise)."""
     x = candidates.astype(np.float32)
     y = aligned.astype(np.float32)
@@ -141,14 +132,7 @@ def shared_noise(
         np.maximum(_gradient_size(x, factor), _gradient_size(y, factor)),
         max(1, round(_EDGE_REACH * factor)),
     )
-    # Flat: gradients within what the noise itself makes (its level from the median
-    # absolute fine residual of each image), so soft structure is left out too.
-    limit = np.minimum(_noise_scale(x, factor), _noise_scale(y, factor)) * _FLAT_GRADIENT
-    edges = np.where(
-        edges <= np.minimum(limit, _MAX_FLAT_GRADIENT / factor)[:, None, None], edges, np.inf
-    )
-    # The flattest share of each pair's overlap: a per-pair threshold.
-    flat = inner & np.isfinite(edges)
+    flat = inner & (edges <= _FLAT_GRADIENT / factor)
     band_x = _blur(x, _BAND[0] * factor) - _blur(x, _BAND[1] * factor)
     band_y = _blur(y, _BAND[0] * factor) - _blur(y, _BAND[1] * factor)
     weights = flat.astype(np.float32)

@@ -7,19 +7,21 @@ banded locality-sensitive hashing (each band, a fixed subset of hash bits, is a 
 the smaller side hashed at every small shift) propose pairs, and each candidate image's
 `references_verified` closest references by hash distance are verified pixel by pixel:
 aligned in shift and scale, grey levels rank-matched, the blurred residual compared with
-what re-encoding can leave of the reference's detail.
+what re-encoding can leave of the reference's detail. A pair alike in shape is then a
+copy only with evidence that the candidate carries the reference's own fine detail
+(beam_jobs/copy_evidence.py): its noise, correlated at the images' own resolution, or an
+exact JPEG re-encoding of the reference; where the reference has no such detail to test,
+the shape decides alone.
 
-Why the verification: a hash alone cannot tell a re-encoded copy from another image of
-the same kind. On a user's real small grayscale images of distinct identities (glyph-like)
+Why the verification: a hash cannot tell a re-encoded copy from another image of the
+same kind. On a user's real small grayscale images of distinct identities (glyph-like)
 the previous default (64-bit pHash within Hamming distance 8 at shifts up to 2 pixels)
 removed 89% of the training images as near duplicates of other identities' evaluation
-images. On bench/bench_dedup.py's real images it removed 25-31% of distinct images (34-42%
-of digit scans: another writer's same digit) while missing 2-11% of copies; with the
-verification it removes 0.7% (three pairs of nearly identical 8x8 scans) and finds 99.6-
-99.8% of copies at 28x28 and 112x112 (BENCHMARKS.md, "Dedup on real images"). Not yet on
-low-detail images: of rendered characters and icons (random pose, blur and noise per
-render) it removes a third to a half of other renders of a shape as copies (BENCHMARKS.md,
-"Dedup: copies vs look-alikes"); at such shares `max_removed_fraction` stops the run.
+images. On bench/bench_dedup.py's real photos and digit scans the pixel verification
+removes 0.7% of distinct images (three pairs of nearly identical 8x8 scans) and finds
+99.6-99.8% of copies. Why the copy evidence: on low-detail images (characters and icons
+rendered with their own pose, blur and noise) shape alone took a third to a half of the
+other renders of a shape for copies (BENCHMARKS.md, "Dedup: copies vs look-alikes").
 
 The Beam job moves numpy arrays per batch of images and key bucket
 (beam_jobs/dedup_batches.py), not one element per image and hash band: its cost is the

@@ -29,6 +29,9 @@ copy may leave a residual that grows with the reference's own detail (mean |refe
 blurred reference|, same units): near duplicates have residual <= max_residual +
 residual_per_detail * detail (beam_jobs/dedup.py). bench/bench_dedup.py measures this on
 real images; the thresholds were chosen on one half of them and checked on the other.
+The shape is not the whole decision: two renders of one glyph can pass it, and
+beam_jobs/copy_evidence.py (whose thumbnail test `verify` runs on each aligned pair)
+asks whether the candidate carries the reference's own noise.
 """
 
 import concurrent.futures

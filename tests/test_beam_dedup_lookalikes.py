@@ -60,10 +60,24 @@ def test_other_renders_of_a_glyph_are_kept_and_copies_removed(mode):
         } | dedup.RemoveNearDuplicates(dedup.DedupConfig(max_removed_fraction=1.0), mode)
         kept = result["kept"] | "KeptUsers" >> beam.Map(lambda s: schema.parse(s).user_id)
         assert_that(kept, equal_to(distinct), label="EveryOtherRenderKept")
-        removed = result["removed"] | "Pairs" >> beam.Map(
-            lambda p: (p["candidate"]["user_id"], p["reference"]["user_id"])
+        removed = (
+            result["removed"]
+            | "Pairs" >> beam.Map(lambda p: (p["candidate"]["user_id"], p["reference"]["user_id"]))
+            | "AllPairs" >> beam.combiners.ToList()
+            | "Recall" >> beam.Map(_recall_and_wrong_matches, copies)
         )
-        assert_that(removed, equal_to(sorted(copies.items())), label="CopiesOfTheirOriginal")
+        # Copies go against their own original; a few half-size copies of a 28x28 render
+        # keep too little of it to tell (BENCHMARKS.md, "Dedup: copies vs look-alikes").
+        assert_that(
+            removed | beam.Map(lambda r: (r[0] >= 0.95, r[1])),
+            equal_to([(True, [])]),
+            label="CopiesOfTheirOriginal",
+        )
+
+
+def _recall_and_wrong_matches(pairs: list[tuple[str, str]], copies: dict[str, str]) -> tuple:
+    wrong = sorted((c, r) for c, r in pairs if copies.get(c) != r)
+    return sum(copies.get(c) == r for c, r in pairs) / len(copies), wrong
 
 
 def _noisy_square(seed: int) -> np.ndarray:
