@@ -44,7 +44,7 @@ JPEG_TOLERANCE = 1.0
 # Images up to this many pixels carry their own pixels to the verification (the JPEG
 # test needs them); larger ones rely on the thumbnail's tests: bounded memory per batch.
 MAX_NATIVE_PIXELS = 160 * 160
-# Band-pass of the residual: thumbnail pixels (1 is 0.9 pixels of a 28x28 image).
+# Band-pass of the residual, in the compared images' own pixels.
 _BAND = (0.7, 2.0)
 _EDGE_BLUR = 1.0
 _EDGE_REACH = 2  # thumbnail pixels around an edge that are not flat
@@ -133,8 +133,9 @@ def shared_noise(
         max(1, round(_EDGE_REACH * factor)),
     )
     flat = inner & (edges <= _FLAT_GRADIENT / factor)
-    band_x = _blur(x, _BAND[0] * factor) - _blur(x, _BAND[1] * factor)
-    band_y = _blur(y, _BAND[0] * factor) - _blur(y, _BAND[1] * factor)
+    # The band in the image's own pixels: noise is per pixel, whatever the image size.
+    band_x = _blur(x, _BAND[0]) - _blur(x, _BAND[1])
+    band_y = _blur(y, _BAND[0]) - _blur(y, _BAND[1])
     weights = flat.astype(np.float32)
     pixels = weights.sum(axis=(1, 2))
     n = np.maximum(pixels, 1.0)
