@@ -119,8 +119,8 @@ def shared_noise(
     """(correlation, reference noise level, pixels tested) [P] of candidate thumbnails
     [P, T, T] and references sampled at their alignment (`aligned`, where `valid`): the
     band-pass residuals correlated over the flat part of the overlap, away from edges
-    of either image and from clipped pixels of either. `factor`: image pixels
-    per thumbnail pixel (the band-pass stays a band of the image's own noise)."""
+    of either image and from clipped pixels of either. `factor`: image pixels per
+    thumbnail pixel (edges and borders are judged at the thumbnail's scale)."""
     x = candidates.astype(np.float32)
     y = aligned.astype(np.float32)
     border = max(_BORDER, round(_BORDER * factor))
