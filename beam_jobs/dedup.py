@@ -7,19 +7,21 @@ banded locality-sensitive hashing (each band, a fixed subset of hash bits, is a 
 the smaller side hashed at every small shift) propose pairs, and each candidate image's
 `references_verified` closest references by hash distance are verified pixel by pixel:
 aligned in shift and scale, grey levels rank-matched, the blurred residual compared with
-what re-encoding can leave of the reference's detail.
+what re-encoding can leave of the reference's detail. A pair alike in shape is then a
+copy only with evidence that the candidate carries the reference's own fine detail
+(beam_jobs/copy_evidence.py): its noise, correlated at the images' own resolution, or an
+exact JPEG re-encoding of the reference; where the reference has no such detail to test,
+the shape decides alone.
 
-Why the verification: a hash alone cannot tell a re-encoded copy from another image of
-the same kind. On a user's real small grayscale images of distinct identities (glyph-like)
+Why the verification: a hash cannot tell a re-encoded copy from another image of the
+same kind. On a user's real small grayscale images of distinct identities (glyph-like)
 the previous default (64-bit pHash within Hamming distance 8 at shifts up to 2 pixels)
 removed 89% of the training images as near duplicates of other identities' evaluation
-images. On bench/bench_dedup.py's real images it removed 25-31% of distinct images (34-42%
-of digit scans: another writer's same digit) while missing 2-11% of copies; with the
-verification it removes 0.7% (three pairs of nearly identical 8x8 scans) and finds 99.6-
-99.8% of copies at 28x28 and 112x112 (BENCHMARKS.md, "Dedup on real images"). Not yet on
-low-detail images: of rendered characters and icons (random pose, blur and noise per
-render) it removes a third to a half of other renders of a shape as copies (BENCHMARKS.md,
-"Dedup: copies vs look-alikes"); at such shares `max_removed_fraction` stops the run.
+images. On bench/bench_dedup.py's real photos and digit scans the pixel verification
+removes 0.7% of distinct images (three pairs of nearly identical 8x8 scans) and finds
+99.6-99.8% of copies. Why the copy evidence: on low-detail images (characters and icons
+rendered with their own pose, blur and noise) shape alone took a third to a half of the
+other renders of a shape for copies (BENCHMARKS.md, "Dedup: copies vs look-alikes").
 
 The Beam job moves numpy arrays per batch of images and key bucket
 (beam_jobs/dedup_batches.py), not one element per image and hash band: its cost is the
@@ -44,9 +46,9 @@ import os
 import apache_beam as beam
 import tensorflow as tf
 
+from beam_jobs import copy_evidence, records_io, splits
 from beam_jobs import dedup_batches as batches
 from beam_jobs import near_duplicates as nd
-from beam_jobs import records_io, splits
 from beam_jobs.dedup_batches import EXACT, NEAR
 
 REPORT_FILE = "dedup_report.json"
@@ -70,6 +72,16 @@ class DedupConfig:
     # (near_duplicates.py); chosen on half of bench/bench_dedup.py's real images.
     max_residual: float = 0.2
     residual_per_detail: float = 2.5
+    # A pair that passes is a copy only with evidence that the candidate carries the
+    # reference's own fine detail (beam_jobs/copy_evidence.py): shared noise correlating
+    # >= min_shared_noise, or a JPEG candidate that re-encoding the reference reproduces
+    # within jpeg_tolerance grey levels. Not testable (the shape decides alone): a
+    # reference whose band-pass level is under min_reference_noise grey levels, or fewer
+    # than min_noise_pixels flat unclipped thumbnail pixels. Chosen on bench_dedup.py.
+    min_shared_noise: float = copy_evidence.MIN_SHARED_NOISE
+    min_reference_noise: float = copy_evidence.MIN_REFERENCE_NOISE
+    min_noise_pixels: int = copy_evidence.MIN_NOISE_PIXELS
+    jpeg_tolerance: float = copy_evidence.JPEG_TOLERANCE
     # A dedup removing more of a candidate split than this stops (module docstring).
     max_removed_fraction: float = 0.1
     examples_in_report: int = 20
@@ -91,6 +103,14 @@ class DedupConfig:
             raise ValueError(f"references verified must be >= 1, got {self.references_verified}")
         if self.max_residual < 0 or self.residual_per_detail < 0:
             raise ValueError("max residual and residual per detail must be >= 0")
+        if not -1.0 <= self.min_shared_noise <= 1.0:
+            raise ValueError(
+                f"min shared noise is a correlation in [-1, 1], got {self.min_shared_noise}"
+            )
+        if self.min_reference_noise < 0 or self.min_noise_pixels < 0 or self.jpeg_tolerance < 0:
+            raise ValueError(
+                "min reference noise, min noise pixels and jpeg tolerance must be >= 0"
+            )
         if not 0.0 <= self.max_removed_fraction <= 1.0:
             raise ValueError(
                 f"max removed fraction must be in [0, 1], got {self.max_removed_fraction}"
@@ -251,13 +271,7 @@ class FindDuplicates(beam.PTransform):
         near = (
             {"fp": by_key[_CANDIDATE], "references": attached}
             | "JoinCandidates" >> beam.CoGroupByKey()
-            | "Verify"
-            >> beam.FlatMap(
-                batches.verified_pairs,
-                config.max_residual,
-                config.residual_per_detail,
-                config.max_shift + 1,
-            )
+            | "Verify" >> beam.FlatMap(batches.verified_pairs, config)
         )
         removed = (
             (joined[batches.EXACT_PAIRS], near)

@@ -23,14 +23,17 @@ import dataclasses
 import hashlib
 import zlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from apache_beam import pvalue
 from apache_beam.metrics import Metrics
 
+from beam_jobs import copy_evidence, schema
 from beam_jobs import near_duplicates as nd
-from beam_jobs import schema
+
+if TYPE_CHECKING:
+    from beam_jobs.dedup import DedupConfig
 
 METRICS_NAMESPACE = "dp_fedemb.dedup"
 EXACT = "exact"
@@ -53,6 +56,10 @@ class Fingerprints:
     pixel_sha256: list[str]
     thumbnails: np.ndarray  # [n, T, T] uint8
     hashes: np.ndarray  # [n] uint64, unshifted
+    # Each image's own pixels when small (copy_evidence.native_pixels), else None; and
+    # what re-encoding needs of it when it is a JPEG (copy_evidence.jpeg_form).
+    native: list[np.ndarray | None]
+    jpeg: list[copy_evidence.JpegForm | None]
 
     def __len__(self) -> int:
         return len(self.record_ids)
@@ -89,6 +96,8 @@ def fingerprints(batch: list[bytes], max_shift: int) -> Fingerprints:
         pixel_sha256=[pixel_sha256(p) for p in pixels],
         thumbnails=thumbnails,
         hashes=nd.hashes(thumbnails, max_shift, probe=False)[:, 0],
+        native=[copy_evidence.native_pixels(p) for p in pixels],
+        jpeg=[copy_evidence.jpeg_form(r.image) for r in records],
     )
 
 
@@ -306,17 +315,93 @@ def attach_references(joined: tuple[Any, Any]) -> Iterator[Any]:
             "thumbnails": fp.thumbnails[rows],
             "named": [fp.named(row) for row in rows],
             "sha": [fp.pixel_sha256[row] for row in rows],
+            "native": [fp.native[row] for row in rows],
         }
         request = request.copy()
         request["reference_row"] = np.searchsorted(rows, request["reference_row"])
         yield candidate_key, (references, request)
 
 
-def verified_pairs(
-    joined: tuple[Any, Any], max_residual: float, residual_per_detail: float, search: int
-) -> Iterator[Any]:
+_UNTESTABLE, _SHARED, _NOT_SHARED = "untestable", "shared", "not shared"
+
+
+def _noise_test(
+    measured: dict[str, np.ndarray],
+    i: int,
+    candidate: np.ndarray | None,
+    reference: np.ndarray | None,
+    config: "DedupConfig",
+) -> str:
+    """Pair i's shared-noise test: at the images' own resolution when both carry their
+    pixels (a thumbnail averages a large image's noise away), else on the thumbnails.
+    Writes the correlation it used back into `measured` (the pair's report)."""
+    correlation = measured["shared_noise"][i]
+    level, pixels = measured["reference_noise"][i], measured["noise_pixels"][i]
+    if candidate is not None and reference is not None:
+        correlation, level, pixels = copy_evidence.native_shared_noise(
+            candidate,
+            reference,
+            float(measured["dx"][i]),
+            float(measured["dy"][i]),
+            float(measured["scale"][i]),
+        )
+        measured["shared_noise"][i] = correlation
+    if level < config.min_reference_noise or pixels < config.min_noise_pixels:
+        return _UNTESTABLE
+    return _SHARED if correlation >= config.min_shared_noise else _NOT_SHARED
+
+
+def _copy_evidence(
+    measured: dict[str, np.ndarray],
+    candidate_native: list,
+    candidate_jpeg: list,
+    reference_native: list,
+    pairs: np.ndarray,
+    config: "DedupConfig",
+) -> list[str | None]:
+    """Per pair: why it is a copy (the copy_evidence module's names), or None. A pair
+    aligned (past the coarse gate) whose candidate shares the reference's noise is a copy
+    even if resampling changed its shape more than the shape test allows; otherwise the
+    shape test must pass, and then an exact JPEG re-encoding, or a reference with no
+    testable noise (the shape alone), makes it a copy. Else it is a look-alike, kept."""
+    shape = (
+        measured["residual"]
+        <= config.max_residual + config.residual_per_detail * (measured["detail"])
+    )
+    evidence = []
+    for i in range(len(pairs)):
+        candidate, reference = candidate_native[pairs[i, 0]], reference_native[pairs[i, 1]]
+        if not np.isfinite(measured["residual"][i]):
+            evidence.append(None)
+            continue
+        noise = _noise_test(measured, i, candidate, reference, config)
+        if noise == _SHARED:
+            evidence.append("shared_noise")
+        elif not shape[i]:
+            evidence.append(None)
+        elif noise == _UNTESTABLE:
+            evidence.append("shape_only")
+        else:
+            form = candidate_jpeg[pairs[i, 0]]
+            difference = (
+                copy_evidence.reencode_difference(
+                    reference,
+                    form,
+                    float(measured["dx"][i]),
+                    float(measured["dy"][i]),
+                    float(measured["scale"][i]),
+                )
+                if form is not None and reference is not None
+                else float("inf")
+            )
+            evidence.append("jpeg_reencode" if difference <= config.jpeg_tolerance else None)
+    return evidence
+
+
+def verified_pairs(joined: tuple[Any, Any], config: "DedupConfig") -> Iterator[Any]:
     """(candidate record id, pair) for each candidate image near a reference: the closest
-    verified one (by residual, then record)."""
+    verified one (by residual, then record) with evidence that it is a copy
+    (`_copy_evidence`)."""
     _, groups = joined
     (fp,) = groups["fp"]
     attached = sorted(groups["references"], key=lambda a: a[0]["named"][0]["record"])
@@ -325,6 +410,7 @@ def verified_pairs(
     thumbnails = np.concatenate([references["thumbnails"] for references, _ in attached])
     named = [n for references, _ in attached for n in references["named"]]
     sha = [s for references, _ in attached for s in references["sha"]]
+    native = [n for references, _ in attached for n in references["native"]]
     starts = np.cumsum([0] + [len(references["named"]) for references, _ in attached])
     pairs = np.concatenate(
         [
@@ -341,13 +427,14 @@ def verified_pairs(
             for (_, request), start in zip(attached, starts)
         ]
     )
-    coarse, residual, detail = nd.verify(fp.thumbnails, thumbnails, pairs[:, :4], search)
-    allowed = max_residual + residual_per_detail * detail
+    measured = nd.verify(fp.thumbnails, thumbnails, pairs[:, :4], config.max_shift + 1)
+    evidence = _copy_evidence(measured, fp.native, fp.jpeg, native, pairs, config)
+    allowed = config.max_residual + config.residual_per_detail * measured["detail"]
     Metrics.counter(METRICS_NAMESPACE, "pairs_verified").inc(len(pairs))
     best = {}
-    for i in np.flatnonzero(residual <= allowed):
+    for i in np.flatnonzero([e is not None for e in evidence]):
         row = int(pairs[i, 0])
-        rank = (round(float(residual[i]), 6), named[pairs[i, 1]]["record"])
+        rank = (round(float(measured["residual"][i]), 6), named[pairs[i, 1]]["record"])
         if row not in best or rank < best[row][0]:
             best[row] = (rank, i)
     for row, (_, i) in sorted(best.items()):
@@ -359,8 +446,10 @@ def verified_pairs(
                 fp.named(row),
                 named[reference],
                 hamming_distance=int(pairs[i, 4]),
-                residual=round(float(residual[i]), 4),
+                residual=round(float(measured["residual"][i]), 4),
                 allowed_residual=round(float(allowed[i]), 4),
-                correlation=round(float(coarse[i]), 4),
+                correlation=round(float(measured["coarse"][i]), 4),
+                shared_noise=round(float(measured["shared_noise"][i]), 4),
+                evidence=evidence[i],
             ),
         )

@@ -29,6 +29,9 @@ copy may leave a residual that grows with the reference's own detail (mean |refe
 blurred reference|, same units): near duplicates have residual <= max_residual +
 residual_per_detail * detail (beam_jobs/dedup.py). bench/bench_dedup.py measures this on
 real images; the thresholds were chosen on one half of them and checked on the other.
+The shape is not the whole decision: two renders of one glyph can pass it, and
+beam_jobs/copy_evidence.py (whose thumbnail test `verify` runs on each aligned pair)
+asks whether the candidate carries the reference's own noise.
 """
 
 import concurrent.futures
@@ -39,6 +42,8 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+
+from beam_jobs import copy_evidence
 
 THUMBNAIL = 32
 _CENTRE = (THUMBNAIL - 1) / 2
@@ -322,12 +327,13 @@ def _gradients(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _refine(x, y, dx, dy, scale, iterations: int = 4):
     """Gauss-Newton steps on (dx, dy, scale), grey levels fitted by gain and offset; the
-    best correlation seen wins (a step may overshoot). Returns y sampled there, and where
-    it is valid."""
+    best correlation seen wins (a step may overshoot). Returns y sampled there, where it
+    is valid, and that alignment (dx, dy, scale)."""
     gradients = np.stack(_gradients(y), axis=1)  # [P, 2, T, T]
     best, valid = _sample(y, scale, dx, dy)
     score = _correlation(x, best, valid)
     sampled, current_valid = best, valid
+    best_dx, best_dy, best_scale = dx, dy, scale
     eye = np.eye(5, dtype=np.float32) * 1e-3
     for _ in range(iterations):
         gx, gy = _sample(gradients, scale, dx, dy)[0].transpose(1, 0, 2, 3)
@@ -350,7 +356,10 @@ def _refine(x, y, dx, dy, scale, iterations: int = 4):
         score = np.where(better, current, score)
         best = np.where(better[:, None, None], sampled, best)
         valid = np.where(better[:, None, None], current_valid, valid)
-    return best, valid
+        best_dx = np.where(better, dx, best_dx)
+        best_dy = np.where(better, dy, best_dy)
+        best_scale = np.where(better, scale, best_scale)
+    return best, valid, (best_dx, best_dy, best_scale)
 
 
 def _rank_matched(x: np.ndarray, y: np.ndarray, valid: np.ndarray) -> np.ndarray:
@@ -399,20 +408,35 @@ def parallel_map(function: Callable[[Any], Any], items: list) -> list:
     return list(_pool().map(function, items))
 
 
+# What `verify` measures of each pair, in this order.
+MEASURES = (
+    "coarse",
+    "residual",
+    "detail",
+    "shared_noise",
+    "reference_noise",
+    "noise_pixels",
+    "dx",
+    "dy",
+    "scale",
+)
+
+
 def verify(
     candidates: np.ndarray,
     references: np.ndarray,
     pairs: np.ndarray,
     search: int,
     chunk: int = 1024,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(coarse correlation, residual, detail) [P] of uint8 thumbnails [N, T, T] paired by
-    `pairs` [P, 4]: candidate index, reference index, and the shift (dx, dy) of the
-    reference at which their hashes matched (module docstring). Pairs whose coarse
-    correlation (best integer shift within a pixel of that, best of three scales) is below
-    GATE are not refined: their residual is inf."""
+) -> dict[str, np.ndarray]:
+    """MEASURES -> [P] of uint8 thumbnails [N, T, T] paired by `pairs` [P, 4]: candidate
+    index, reference index, and the shift (dx, dy) of the reference at which their hashes
+    matched (module docstring): coarse correlation, residual and detail; the shared-noise
+    test of the aligned pair (beam_jobs/copy_evidence.py); the alignment. Pairs whose
+    coarse correlation (best integer shift within a pixel of that, best of three scales)
+    is below GATE are not refined: their residual is inf, their shared noise 0."""
 
-    def verified(part: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def verified(part: np.ndarray) -> tuple[np.ndarray, ...]:
         return _verify(
             candidates[part[:, 0]].astype(np.float32),
             references[part[:, 1]].astype(np.float32),
@@ -424,8 +448,8 @@ def verify(
     parts = [pairs[start : start + chunk] for start in range(0, len(pairs), chunk)]
     results = parallel_map(verified, parts)
     if not results:
-        return tuple(np.zeros(0, dtype=np.float32) for _ in range(3))
-    return tuple(np.concatenate(parts) for parts in zip(*results))
+        return {name: np.zeros(0, dtype=np.float32) for name in MEASURES}
+    return {name: np.concatenate(parts) for name, parts in zip(MEASURES, zip(*results))}
 
 
 def _verify(x, y, dx, dy, search):
@@ -438,9 +462,13 @@ def _verify(x, y, dx, dy, search):
         scale = np.where(v_score > coarse, v_scale, scale)
         coarse = np.maximum(coarse, v_score)
     residual = np.full(len(x), np.inf, dtype=np.float32)
-    detail = np.zeros(len(x), dtype=np.float32)
+    measured = [np.zeros(len(x), dtype=np.float32) for _ in range(4)]  # detail, noise
     close = np.flatnonzero(coarse >= GATE)
     if len(close):
-        best, valid = _refine(x[close], y[close], dx[close], dy[close], scale[close])
-        residual[close], detail[close] = _residual(x[close], best, valid)
-    return coarse, residual, detail
+        best, valid, alignment = _refine(x[close], y[close], dx[close], dy[close], scale[close])
+        residual[close], measured[0][close] = _residual(x[close], best, valid)
+        for column, values in zip(measured[1:], copy_evidence.shared_noise(x[close], best, valid)):
+            column[close] = values
+        dx, dy, scale = dx.copy(), dy.copy(), scale.copy()
+        dx[close], dy[close], scale[close] = alignment
+    return (coarse, residual, *measured, dx, dy, scale)

@@ -123,9 +123,7 @@ def _plain_dedup(split_dir: str, out_dir: str) -> int:
     )
     for key, references in attached.items():
         joined = (key, {"fp": [by_key[batches.CANDIDATE][key]], "references": references})
-        for record, pair in batches.verified_pairs(
-            joined, config.max_residual, config.residual_per_detail, config.max_shift + 1
-        ):
+        for record, pair in batches.verified_pairs(joined, config):
             removed[record].append(pair)
     kept = 0
     for name, items in records.items():  # as run_dedup: train filtered, the rest copied

@@ -25,6 +25,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from beam_jobs import copy_evidence
 from tff_algorithms import (
     algorithms,
     bounded_load,
@@ -131,6 +132,15 @@ class DedupSection:
     # Stop (after writing the dedup report) when dedup would remove more than this share
     # of the train or public split: more often a threshold wrong for the data than copies.
     max_removed_fraction: float = 0.1
+    # A pair alike in shape is a copy only if the candidate carries the reference's own
+    # fine detail (beam_jobs/copy_evidence.py, which holds the defaults): its noise
+    # correlates >= min_shared_noise, or (a JPEG) re-encoding the reference reproduces it
+    # within jpeg_tolerance grey levels; with a reference noise level under
+    # min_reference_noise or fewer than min_noise_pixels flat pixels, shape decides alone.
+    min_shared_noise: float = copy_evidence.MIN_SHARED_NOISE
+    min_reference_noise: float = copy_evidence.MIN_REFERENCE_NOISE
+    min_noise_pixels: int = copy_evidence.MIN_NOISE_PIXELS
+    jpeg_tolerance: float = copy_evidence.JPEG_TOLERANCE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,6 +88,9 @@ _AGGREGATORS = "tests/test_tff_aggregators.py::"
 _TREES = "tests/test_tree_sensitivity.py::"
 _TIGHT = "tests/test_accounting_tight.py::"
 _LOGIT = "tests/test_logit_dp.py::"
+_LOOKALIKES = (
+    "tests/test_beam_dedup_lookalikes.py::test_other_renders_of_a_glyph_are_kept_and_copies_removed"
+)
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- clip bounds -----------------------------------------------------------------
@@ -327,11 +330,26 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dedup-verification",
         "beam_jobs/dedup_batches.py",
-        "for i in np.flatnonzero(residual <= allowed):",
+        "for i in np.flatnonzero([e is not None for e in evidence]):",
         "for i in range(len(pairs)):",
         (
             "tests/test_beam_dedup.py::test_copies_of_evaluation_images_are_removed_and_nothing_else",
         ),
+    ),
+    # A look-alike taken for a copy: the copy evidence's two tests.
+    Mutant(
+        "dedup-shared-noise",
+        "beam_jobs/dedup_batches.py",
+        "return _SHARED if correlation >= config.min_shared_noise else _NOT_SHARED",
+        "return _SHARED",
+        (_LOOKALIKES + "[by_user]",),
+    ),
+    Mutant(
+        "dedup-jpeg-reencode",
+        "beam_jobs/dedup_batches.py",
+        '"jpeg_reencode" if difference <= config.jpeg_tolerance else None',
+        '"jpeg_reencode"',
+        (_LOOKALIKES + "[by_user]",),
     ),
 )
 

@@ -33,7 +33,7 @@ def test_mutants_have_unique_names_and_cover_every_invariant_family():
     names = [m.name for m in mutation_check.MUTANTS]
     assert len(names) == len(set(names))
     # The list: clip of every mechanism, noise scale, accounting sensitivity,
-    # budget refusal, dedup verification.
+    # budget refusal, dedup verification and its copy evidence.
     for family in (
         "aggregator-gaussian-clip",
         "aggregator-tree-clip",
@@ -47,5 +47,7 @@ def test_mutants_have_unique_names_and_cover_every_invariant_family():
         "tree-sensitivity-single-tree",
         "budget-refusal",
         "dedup-verification",
+        "dedup-shared-noise",
+        "dedup-jpeg-reencode",
     ):
         assert family in names, family

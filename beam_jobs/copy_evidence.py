@@ -1,0 +1,247 @@
+"""Is a near pair one image and its copy, or two images of one shape? (dedup's last test)
+
+The shape verification (beam_jobs/near_duplicates.py) says that two images, aligned in
+shift and scale, differ by no more than re-encoding leaves. That holds for a copy, and
+also for two separate renders or scans of one shape (two writers' "o", two renders of a
+glyph, two photos of one icon) whose poses happen to agree: low-detail images have little
+else to differ in. What tells them apart is the fine detail each image has of its own:
+sensor or render noise, grain, dither. A copy carries its original's (attenuated by
+resizing or re-encoding); a separate render carries independent detail, uncorrelated with
+the other's. So a pair that passed the shape test is a copy only when one of:
+
+- `shared_noise`: over the flat parts of both images (away from edges, where shape
+  differences live), the band-pass residuals of the aligned pair correlate at least
+  `min_shared_noise`; independent renders correlate about 0 there;
+- `jpeg_reencode`: the candidate is a JPEG and the reference, re-cropped at the pair's
+  shift and re-encoded with the candidate's own quantization tables, decodes to the
+  candidate within `jpeg_tolerance` grey levels: strong re-encoding (JPEG quality 30 of
+  a small image) wipes the noise out, but re-encoding is deterministic;
+- `shape_only`: the test cannot apply, and the shape verification decides as before:
+  the reference has no fine detail to share (band-pass level under `min_reference_noise`,
+  e.g. a digit scan scaled up from 8x8, flat graphics), or fewer than `min_noise_pixels`
+  flat, unclipped pixels are left (e.g. a copy brightened until its paper clips white).
+
+bench/bench_dedup.py measures each on real images (BENCHMARKS.md, "Dedup: copies vs
+look-alikes"). Known gap: a copy both resized and strongly re-encoded (JPEG) shares
+neither noise nor an exact re-encoding, and is kept.
+"""
+
+import dataclasses
+import io
+
+import numpy as np
+from PIL import Image, JpegImagePlugin
+
+# near_duplicates imports this module too; each uses the other only at call time.
+from beam_jobs import near_duplicates
+
+# Defaults of the settings (DedupConfig and the pipeline's dedup section use these).
+MIN_SHARED_NOISE = 0.45
+MIN_REFERENCE_NOISE = 0.3
+MIN_NOISE_PIXELS = 48
+JPEG_TOLERANCE = 1.0
+
+# Images up to this many pixels carry their own pixels to the verification (the JPEG
+# test needs them); larger ones rely on the thumbnail's tests: bounded memory per batch.
+MAX_NATIVE_PIXELS = 160 * 160
+# Band-pass of the residual, in the compared images' own pixels.
+_BAND = (0.7, 2.0)
+_EDGE_BLUR = 1.0
+_EDGE_REACH = 2  # thumbnail pixels around an edge that are not flat
+# Flat: no (blurred) grey gradient over this many grey levels per thumbnail pixel within
+# _EDGE_REACH: an icon's or photo's busy parts are structure, not noise.
+_FLAT_GRADIENT = 8.0
+_BORDER = 2  # thumbnail pixels off each side: resampling edges
+# Native pixels searched around the shift the thumbnails were aligned at.
+_JPEG_SEARCH = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class JpegForm:
+    """What re-encoding needs of a JPEG: its tables, chroma sampling, mode and pixels (as
+    PIL decodes them, the decoder the re-encoded reference goes through too)."""
+
+    qtables: tuple[tuple[int, ...], ...]
+    subsampling: int
+    mode: str
+    pixels: np.ndarray
+
+
+def native_pixels(pixels: np.ndarray) -> np.ndarray | None:
+    """The image's pixels when small enough to carry (MAX_NATIVE_PIXELS), else None."""
+    return pixels if pixels.shape[0] * pixels.shape[1] <= MAX_NATIVE_PIXELS else None
+
+
+def jpeg_form(image: bytes) -> JpegForm | None:
+    """The JpegForm of a grey or RGB baseline JPEG up to MAX_NATIVE_PIXELS, else None.
+    The record passed validation already; anything PIL reads otherwise is not tested."""
+    if not image.startswith(b"\xff\xd8"):
+        return None
+    try:
+        with Image.open(io.BytesIO(image), formats=("JPEG",)) as opened:
+            if opened.mode not in ("L", "RGB") or opened.width * opened.height > MAX_NATIVE_PIXELS:
+                return None
+            tables = opened.quantization
+            subsampling = JpegImagePlugin.get_sampling(opened)
+            pixels = np.asarray(opened.convert(opened.mode))
+            mode = opened.mode
+    except Exception:  # noqa: BLE001 - not re-encodable: the other tests decide
+        return None
+    if not tables:
+        return None
+    return JpegForm(tuple(tuple(tables[k]) for k in sorted(tables)), subsampling, mode, pixels)
+
+
+def _blur(images: np.ndarray, sigma: float) -> np.ndarray:
+    return near_duplicates.blur(images, sigma)
+
+
+def _gradient_size(images: np.ndarray, factor: float) -> np.ndarray:
+    smooth = _blur(images, _EDGE_BLUR * factor)
+    gy, gx = np.gradient(smooth, axis=(1, 2))
+    return np.hypot(gx, gy)
+
+
+def _spread(values: np.ndarray, reach: int) -> np.ndarray:
+    """Max over a (2 reach + 1)^2 window, edges repeated: [P, T, T]."""
+    padded = np.pad(values, ((0, 0), (reach, reach), (reach, reach)), mode="edge")
+    side = values.shape[1]
+    out = values.copy()
+    for dy in range(2 * reach + 1):
+        for dx in range(2 * reach + 1):
+            np.maximum(out, padded[:, dy : dy + side, dx : dx + side], out=out)
+    return out
+
+
+def shared_noise(
+    candidates: np.ndarray, aligned: np.ndarray, valid: np.ndarray, factor: float = 1.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(correlation, reference noise level, pixels tested) [P] of candidate thumbnails
+    [P, T, T] and references sampled at their alignment (`aligned`, where `valid`): the
+    band-pass residuals correlated over the flat part of the overlap, away from edges
+    of either image and from clipped pixels of either. `factor`: image pixels per
+    thumbnail pixel (edges and borders are judged at the thumbnail's scale)."""
+    x = candidates.astype(np.float32)
+    y = aligned.astype(np.float32)
+    border = max(_BORDER, round(_BORDER * factor))
+    inner = valid.copy()
+    inner[:, :border] = inner[:, x.shape[1] - border :] = False
+    inner[:, :, :border] = inner[:, :, x.shape[2] - border :] = False
+    inner &= (x > 1) & (x < 254) & (y > 1) & (y < 254)
+    edges = _spread(
+        np.maximum(_gradient_size(x, factor), _gradient_size(y, factor)),
+        max(1, round(_EDGE_REACH * factor)),
+    )
+    flat = inner & (edges <= _FLAT_GRADIENT / factor)
+    # The band in the image's own pixels: noise is per pixel, whatever the image size.
+    band_x = _blur(x, _BAND[0]) - _blur(x, _BAND[1])
+    band_y = _blur(y, _BAND[0]) - _blur(y, _BAND[1])
+    weights = flat.astype(np.float32)
+    pixels = weights.sum(axis=(1, 2))
+    n = np.maximum(pixels, 1.0)
+    band_x = (band_x - ((band_x * weights).sum(axis=(1, 2)) / n)[:, None, None]) * weights
+    band_y = (band_y - ((band_y * weights).sum(axis=(1, 2)) / n)[:, None, None]) * weights
+    sx, sy = (band_x * band_x).sum(axis=(1, 2)), (band_y * band_y).sum(axis=(1, 2))
+    correlation = (band_x * band_y).sum(axis=(1, 2)) / np.sqrt(np.maximum(sx * sy, 1e-6))
+    return correlation, np.sqrt(sy / n), pixels
+
+
+def _bilinear(image: np.ndarray, rows: np.ndarray, columns: np.ndarray):
+    """image sampled at (rows[:, None], columns[None, :]) bilinearly, and where inside."""
+    height, width = image.shape
+    inside = ((rows >= 0) & (rows <= height - 1))[:, None] & (
+        (columns >= 0) & (columns <= width - 1)
+    )[None, :]
+    r = np.clip(rows, 0, height - 1)
+    c = np.clip(columns, 0, width - 1)
+    r0 = np.minimum(r.astype(np.intp), height - 2) if height > 1 else np.zeros_like(r, np.intp)
+    c0 = np.minimum(c.astype(np.intp), width - 2) if width > 1 else np.zeros_like(c, np.intp)
+    wr, wc = (r - r0)[:, None], (c - c0)[None, :]
+    r1, c1 = np.minimum(r0 + 1, height - 1), np.minimum(c0 + 1, width - 1)
+    top = image[r0][:, c0] * (1 - wc) + image[r0][:, c1] * wc
+    bottom = image[r1][:, c0] * (1 - wc) + image[r1][:, c1] * wc
+    return top * (1 - wr) + bottom * wr, inside
+
+
+def native_shared_noise(
+    candidate: np.ndarray, reference: np.ndarray, dx: float, dy: float, scale: float
+) -> tuple[float, float, float]:
+    """`shared_noise` at the candidate's own resolution: the reference's own pixels
+    sampled at the thumbnails' alignment (shift dx, dy and scale, in thumbnail pixels,
+    about the centre). A thumbnail averages a large image's noise away; here it is whole."""
+    x = _grey(candidate).astype(np.float32)
+    y = _grey(reference).astype(np.float32)
+    t = near_duplicates.THUMBNAIL
+    centre = (t - 1) / 2
+
+    def coordinates(size_x: int, size_y: int, shift: float) -> np.ndarray:
+        # candidate pixel -> thumbnail -> aligned reference thumbnail -> reference pixel
+        u = (np.arange(size_x, dtype=np.float32) + 0.5) * t / size_x - 0.5
+        v = centre + scale * (u - centre) + shift
+        return (v + 0.5) * size_y / t - 0.5
+
+    rows = coordinates(x.shape[0], y.shape[0], dy)
+    columns = coordinates(x.shape[1], y.shape[1], dx)
+    aligned, valid = _bilinear(y, rows, columns)
+    # Measures at this resolution: blurs in thumbnail pixels scale with the image.
+    factor = x.shape[0] / t
+    correlation, level, pixels = shared_noise(x[None], aligned[None], valid[None], factor)
+    return float(correlation[0]), float(level[0]), float(pixels[0])
+
+
+def reencode_difference(
+    reference: np.ndarray, form: JpegForm, dx: float, dy: float, scale: float
+) -> float:
+    """Mean absolute grey difference between the candidate (`form`) and the reference
+    re-cropped at the pair's alignment (thumbnail shift dx, dy; scale 1 only) and
+    encoded with the candidate's tables, at the best integer shift within _JPEG_SEARCH
+    native pixels; compared over the JPEG blocks the re-crop fills. inf when not
+    applicable (other size or scale, colour against grey)."""
+    height, width = form.pixels.shape[:2]
+    if reference.shape[:2] != (height, width) or abs(scale - 1) > 0.05:
+        return float("inf")
+    if form.mode == "RGB" and reference.ndim != 3:
+        return float("inf")
+    source = reference if form.mode == "RGB" else _grey(reference)
+    candidate = _grey(form.pixels).astype(np.float32)
+    # The reference pixel a candidate pixel shows: candidate + (dx, dy) thumbnail pixels.
+    centre_x = round(dx * width / near_duplicates.THUMBNAIL)
+    centre_y = round(dy * height / near_duplicates.THUMBNAIL)
+    block = 8 * (2 if form.mode == "RGB" and form.subsampling > 0 else 1)
+    best = float("inf")
+    for shift_y in range(centre_y - _JPEG_SEARCH, centre_y + _JPEG_SEARCH + 1):
+        for shift_x in range(centre_x - _JPEG_SEARCH, centre_x + _JPEG_SEARCH + 1):
+            if abs(shift_x) >= width // 2 or abs(shift_y) >= height // 2:
+                continue
+            shifted = np.roll(source, (-shift_y, -shift_x), axis=(0, 1))
+            buffer = io.BytesIO()
+            Image.fromarray(shifted).save(
+                buffer,
+                format="JPEG",
+                qtables=[list(t) for t in form.qtables],
+                subsampling=form.subsampling,
+            )
+            with Image.open(buffer, formats=("JPEG",)) as opened:
+                again = _grey(np.asarray(opened)).astype(np.float32)
+            # Blocks holding a pixel rolled in from the other side differ: left out.
+            rows = _untouched(height, shift_y, block)
+            columns = _untouched(width, shift_x, block)
+            if not rows.any() or not columns.any():
+                continue
+            difference = np.abs(again - candidate)[rows][:, columns]
+            best = min(best, float(difference.mean()))
+    return best
+
+
+def _untouched(size: int, shift: int, block: int) -> np.ndarray:
+    """Pixels (along one axis) in blocks holding no pixel rolled around by `shift`."""
+    index = np.arange(size)
+    rolled = (index >= size - shift) if shift > 0 else (index < -shift)
+    blocks = index // block
+    return ~np.isin(blocks, blocks[rolled])
+
+
+def _grey(pixels: np.ndarray) -> np.ndarray:
+    if pixels.ndim == 2:
+        return pixels
+    return np.asarray(Image.fromarray(pixels).convert("L"))

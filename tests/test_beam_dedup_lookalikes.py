@@ -1,0 +1,114 @@
+"""Dedup tells a copy of an image from another image of the same shape (issue 38 item 3).
+
+Real low-detail images: glyphs of the font files matplotlib ships, each image its own
+render at a random pose, blur and noise (bench/rendered_images.py). Two renders of one
+glyph by two users are look-alikes, not copies: both must survive dedup. Copies of an
+evaluation render (resized, re-encoded as JPEG, shifted, cropped) must go, each against
+its own original. Before copy_evidence, dedup removed a third to a half of such renders.
+"""
+
+import apache_beam as beam
+import numpy as np
+import pytest
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+from PIL import Image
+
+from beam_jobs import copy_evidence, dedup, records_io, schema
+from bench import real_images, rendered_images
+
+# Every glyph of two fonts: both split modes' look-alike groups (O 0 o Q, l I 1 i, ...).
+_FONTS = ("DejaVuSans.ttf", "cmr10.ttf")
+_COPIES = ("resize_half_and_back", "jpeg_q30", "shift_2px_jpeg_q60", "shift_1px", "crop_1px_resize")
+
+
+def _record(user: str, image: bytes) -> bytes:
+    return schema.serialize(schema.CanonicalRecord(user, user, image))
+
+
+def _renders(mode: str) -> list[real_images.Original]:
+    return [
+        o
+        for o in rendered_images.originals(28, mode, 2, "characters")
+        if o.group.split(":")[1] in _FONTS
+    ]
+
+
+@pytest.mark.parametrize("mode", rendered_images.SPLIT_MODES)
+def test_other_renders_of_a_glyph_are_kept_and_copies_removed(mode):
+    renders = _renders(mode)
+    references = [o for o in renders if o.reference]
+    distinct = sorted(f"distinct:{o.name}" for o in renders if not o.reference)
+    copies = {f"{name}:{o.name}": f"reference:{o.name}" for o in references for name in _COPIES}
+    candidates = [
+        _record(f"distinct:{o.name}", real_images.encode(o.pixels))
+        for o in renders
+        if not o.reference
+    ] + [
+        _record(f"{name}:{o.name}", real_images.TRANSFORMS[name](o))
+        for o in references
+        for name in _COPIES
+    ]
+    with TestPipeline(options=records_io.pipeline_options()) as pipeline:
+        result = {
+            "candidates": pipeline | "Candidates" >> beam.Create(candidates),
+            "reference": pipeline
+            | "References"
+            >> beam.Create(
+                [_record(f"reference:{o.name}", real_images.encode(o.pixels)) for o in references]
+            ),
+        } | dedup.RemoveNearDuplicates(dedup.DedupConfig(max_removed_fraction=1.0), mode)
+        kept = result["kept"] | "KeptUsers" >> beam.Map(lambda s: schema.parse(s).user_id)
+        kept_distinct = kept | "Distinct" >> beam.Filter(lambda u: u.startswith("distinct:"))
+        assert_that(kept_distinct, equal_to(distinct), label="EveryOtherRenderKept")
+        removed = (
+            result["removed"]
+            | "Pairs" >> beam.Map(lambda p: (p["candidate"]["user_id"], p["reference"]["user_id"]))
+            | "AllPairs" >> beam.combiners.ToList()
+            | "Recall" >> beam.Map(_recall_and_wrong_matches, copies)
+        )
+        # Copies go against their own original; a few half-size copies of a 28x28 render
+        # keep too little of it to tell (BENCHMARKS.md, "Dedup: copies vs look-alikes").
+        assert_that(
+            removed | beam.Map(lambda r: (r[0] >= 0.95, r[1])),
+            equal_to([(True, [])]),
+            label="CopiesOfTheirOriginal",
+        )
+
+
+def _recall_and_wrong_matches(pairs: list[tuple[str, str]], copies: dict[str, str]) -> tuple:
+    wrong = sorted((c, r) for c, r in pairs if copies.get(c) != r)
+    return sum(copies.get(c) == r for c, r in pairs) / len(copies), wrong
+
+
+def _noisy_square(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    pixels = np.full((28, 28), 200.0)
+    pixels[8:20, 8:20] = 40
+    return np.clip(np.round(pixels + rng.normal(0, 6, pixels.shape)), 0, 255).astype(np.uint8)
+
+
+def test_shared_noise_tells_a_copy_from_an_independent_render():
+    original, other = _noisy_square(0), _noisy_square(1)
+    half = np.asarray(Image.fromarray(original).resize((14, 14), Image.BICUBIC))
+    resized = np.asarray(Image.fromarray(half).resize((28, 28), Image.BICUBIC))
+    copy, _, copy_pixels = copy_evidence.native_shared_noise(resized, original, 0.0, 0.0, 1.0)
+    alike, level, pixels = copy_evidence.native_shared_noise(other, original, 0.0, 0.0, 1.0)
+    # A sharp-edged square leaks a little structure into the band: well under the limit.
+    assert (
+        copy >= copy_evidence.MIN_SHARED_NOISE
+        and abs(alike) < copy_evidence.MIN_SHARED_NOISE - 0.15
+    )
+    assert level > copy_evidence.MIN_REFERENCE_NOISE and min(pixels, copy_pixels) > 100
+
+
+def test_a_jpeg_copy_is_its_reference_re_encoded_and_a_look_alike_is_not():
+    original, other = _noisy_square(0), _noisy_square(1)
+    shifted = np.roll(original, (0, -2), axis=(0, 1))  # content moves 2 pixels left
+    form = copy_evidence.jpeg_form(real_images.encode(shifted, "JPEG", 30))
+    assert form is not None and form.mode == "L"
+    # 2 pixels of 28 are 2.29 thumbnail pixels: the re-encoding searches around it.
+    assert copy_evidence.reencode_difference(original, form, 2.29, 0.0, 1.0) == 0.0
+    assert copy_evidence.reencode_difference(other, form, 2.29, 0.0, 1.0) > 2.0
+    assert copy_evidence.reencode_difference(original, form, 2.29, 0.0, 1.2) == float("inf")
+    assert copy_evidence.jpeg_form(real_images.encode(original)) is None  # a PNG
