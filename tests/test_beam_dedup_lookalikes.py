@@ -34,6 +34,7 @@ def _renders(mode: str) -> list[real_images.Original]:
     ]
 
 
+@pytest.mark.slow  # two Beam pipelines over every glyph of two fonts: minutes
 @pytest.mark.parametrize("mode", rendered_images.SPLIT_MODES)
 def test_other_renders_of_a_glyph_are_kept_and_copies_removed(mode):
     renders = _renders(mode)
