@@ -7,6 +7,8 @@ evaluation render (resized, re-encoded as JPEG, shifted, cropped) must go, each 
 its own original. Before copy_evidence, dedup removed a third to a half of such renders.
 """
 
+import io
+
 import apache_beam as beam
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 from PIL import Image
 
-from beam_jobs import copy_evidence, dedup, records_io, schema
+from beam_jobs import copy_evidence, dedup, dedup_batches, records_io, schema
 from bench import real_images, rendered_images
 
 # Every glyph of two fonts: both split modes' look-alike groups (O 0 o Q, l I 1 i, ...).
@@ -113,3 +115,37 @@ def test_a_jpeg_copy_is_its_reference_re_encoded_and_a_look_alike_is_not():
     assert copy_evidence.reencode_difference(other, form, 2.29, 0.0, 1.0) > 2.0
     assert copy_evidence.reencode_difference(original, form, 2.29, 0.0, 1.2) == float("inf")
     assert copy_evidence.jpeg_form(real_images.encode(original)) is None  # a PNG
+
+
+def _aligned_pair_evidence(candidate_bytes: bytes, reference: np.ndarray) -> str | None:
+    """The copy evidence of one pair the shape test passed, aligned at no shift."""
+    one = lambda value: np.array([value], dtype=np.float64)  # noqa: E731
+    measured = {
+        "residual": one(0.0),
+        "detail": one(0.0),
+        "shared_noise": one(0.0),
+        "reference_noise": one(0.0),
+        "noise_pixels": one(0.0),
+        "dx": one(0.0),
+        "dy": one(0.0),
+        "scale": one(1.0),
+    }
+    candidate = np.asarray(Image.open(io.BytesIO(candidate_bytes)).convert("L"))
+    [evidence] = dedup_batches._copy_evidence(
+        measured,
+        [candidate],
+        [copy_evidence.jpeg_form(candidate_bytes)],
+        [reference],
+        np.array([[0, 0]]),
+        dedup.DedupConfig(),
+    )
+    return evidence
+
+
+def test_an_aligned_look_alike_is_kept_and_an_aligned_copy_is_not():
+    # The decision itself, fast (the mutation check's target): a JPEG of another render
+    # that passed the shape test shares no noise and is no re-encoding of the reference.
+    original, other = _noisy_square(0), _noisy_square(1)
+    assert _aligned_pair_evidence(real_images.encode(other, "JPEG", 30), original) is None
+    copy = _aligned_pair_evidence(real_images.encode(original, "JPEG", 30), original)
+    assert copy in ("shared_noise", "jpeg_reencode")
