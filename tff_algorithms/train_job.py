@@ -557,7 +557,12 @@ def run_train_job(
         )
     finished = job_outputs.finished_result(output_dir, config)
     if finished is not None:
-        return finished
+        if charge is None:
+            return finished
+        # The files stay as they are; the caller learns the ledger's answer now (resumed,
+        # not charged again, or charged in a ledger that had not seen this run).
+        metrics = {**finished.metrics, "dataset_budget": charge.to_dict()}
+        return dataclasses.replace(finished, metrics=metrics)
     board = None
     if tensorboard_dir is not None:
         # The calibrated noise multiplier: the mechanism as trained.
