@@ -135,7 +135,8 @@ def test_yaml_file_and_overrides(tmp_path):
         ("data.synthetic_public.style=oil", "config data.synthetic_public: style must be one of"),
         ("data.evaluation_inputs=[/does/not/exist]", "data.evaluation_inputs: /does/not/exist"),
         (
-            "data.evaluation_inputs=[/tmp]",
+            # An existing directory that holds no output (/tmp may hold the checkout).
+            "data.evaluation_inputs=[docs]",
             "data.evaluation_inputs needs split.mode held_out_images",
         ),
         ("data.synthetic_public=null", "pretrain.source is public but there is no public data"),

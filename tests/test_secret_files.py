@@ -69,7 +69,7 @@ def test_resuming_tightens_a_loosened_checkpoint_directory(tff_runtime, data, tr
     output_dir, _ = trained
     checkpoints = os.path.join(output_dir, job_files.CHECKPOINT_DIR)
     os.chmod(checkpoints, 0o755)
-    # The finished job re-run: it resumes from its last checkpoint, trains nothing.
+    # The finished job re-run: it trains and writes nothing, but still tightens.
     train_job.run_train_job(CONFIG, *data, output_dir)
     assert _mode(checkpoints) == 0o700
 

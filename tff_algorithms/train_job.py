@@ -555,6 +555,8 @@ def run_train_job(
             spec,
             releases,
         )
+    # Tightened even when the job is finished: the checkpoints hold the noise state.
+    checkpoint_dir = job_outputs.make_checkpoint_dir(output_dir)
     finished = job_outputs.finished_result(output_dir, config)
     if finished is not None:
         if charge is None:
@@ -578,7 +580,7 @@ def run_train_job(
         spec,
         releases,
         evaluator,
-        job_outputs.make_checkpoint_dir(output_dir),
+        checkpoint_dir,
         pretrained,
         _each_round(progress, board),
         feature_cache_dir or owned_files.create_entry(output_dir, job_files.FEATURE_CACHE_DIR),
