@@ -82,7 +82,9 @@ def test_the_pushed_model_carries_the_composed_epsilon_everywhere(run):
     props = ledger_artifact.custom_properties
     assert props[artifacts.RUN_EPSILON].double_value == pytest.approx(train_run["epsilon"])
     assert props[artifacts.COMPOSED_RUNS].int_value == 2
-    assert props[artifacts.DATASET_EPSILON].double_value == pytest.approx(composed, rel=1e-9)
+    # The budget's charge (planned specs, before training) and the composition (the specs
+    # the ledgers recorded) are two PLD compositions: seen to differ by 2e-8 relative.
+    assert props[artifacts.DATASET_EPSILON].double_value == pytest.approx(composed, rel=1e-6)
     [evaluation] = store.get_artifacts_by_type("ModelEvaluation")
     with open(os.path.join(evaluation.uri, "evaluation.json")) as f:
         assert json.load(f)["epsilon"] == pytest.approx(composed)
