@@ -1,7 +1,7 @@
 # The one dp-fedemb image, dp-fedemb:0.1.0 (pipeline/config.py IMAGE; docs/scaling.md,
 # "The image"). It is the Kubeflow component image (`dp-fedemb compile --target kubeflow`),
 # the TFF worker image (worker_binary on PATH, the loopback shim of
-# tff_algorithms/loopback_shim.py at a fixed path) and the Beam SDK harness (Beam's boot
+# tff_algorithms/federated/loopback_shim.py at a fixed path) and the Beam SDK harness (Beam's boot
 # entry point). The Python environment is exactly requirements/lock.txt, installed the
 # README's way: `make setup` (scripts/setup_env.sh), not a second list of packages.
 #

@@ -1,4 +1,4 @@
-"""The training population of a one-run privacy audit (`tff_algorithms.audit`).
+"""The training population of a one-run privacy audit (`tff_algorithms.jobs.audit`).
 
 The population has `canaries` slots. Slot i holds canary user i with probability 1/2
 (an independent, seeded draw) and otherwise filler user i: both are ordinary synthetic

@@ -1,7 +1,7 @@
 """User-sharded partition of training records: its files, their writer and reader.
 
 No Beam here: the TFF worker reads a partition through this module
-(tff_algorithms.client_data), and the Beam job that writes one
+(tff_algorithms.federated.client_data), and the Beam job that writes one
 (beam_jobs/partition_job.py) calls `write_shard` for each shard.
 
 Layout under PARTITION_DIR:
@@ -104,7 +104,7 @@ def write_shard(
     Files are written under temporary names and renamed (the index last), so a retried
     bundle leaves complete files only. `keep_order`: a user's records keep their given
     order (a derived partition that must match its source's record for record, such as
-    `tff_algorithms.feature_cache`) instead of being sorted by their bytes.
+    `tff_algorithms.federated.feature_cache`) instead of being sorted by their bytes.
     """
     # Sorting by (user, bytes) makes the files identical across runs.
     ordered = sorted(records, key=lambda r: r[0]) if keep_order else sorted(records)

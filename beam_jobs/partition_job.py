@@ -118,7 +118,7 @@ def write_training_inputs(
 
     `training` is partitioned by user (a real Beam pipeline); `held_out` goes to one
     TFRecord file in OUT/eval, left empty when none. Returns (partition_dir, eval_dir),
-    the order `tff_algorithms.train_job.run_train_job` takes them in. For synthetic and
+    the order `tff_algorithms.jobs.train_job.run_train_job` takes them in. For synthetic and
     test populations; real data goes through ingest, split and `run_partition`.
     """
     partition_dir, eval_dir = os.path.join(out_dir, "partition"), os.path.join(out_dir, "eval")

@@ -63,7 +63,7 @@ class ParticipationStats:
     (users for "sampled" and "epoch", fixed virtual clients for "fixed").
     max_participations / min_separation: bounds for any single user over the rounds;
     min_separation counts the rounds strictly between two participations (TF Privacy's
-    tree-accounting convention, which tff_algorithms.accounting consumes).
+    tree-accounting convention, which tff_algorithms.privacy.accounting consumes).
     unscheduled_users: users the schedule never selects (remainders that do not fill an
     epoch slice or a fixed group).
     """

@@ -15,7 +15,7 @@ counts, never a crash:
   nothing yet) and refused above `max_pixels` before any pixel is decoded
   (decompression bombs); zero-size images and truncated or corrupt data are rejected.
   Pixels are decoded by `tf.io.decode_image`, the decoder training and serving use
-  (`tff_algorithms.export.decode_image`), so an accepted record never fails in
+  (`tff_algorithms.modeling.export.decode_image`), so an accepted record never fails in
   training and dedup sees the pixels the model sees. Other pixel formats are
   converted, not skipped: alpha is dropped, palettes are expanded, 16-bit samples keep
   their high byte, and colour goes to grey by luma when the model takes one channel.
@@ -210,7 +210,7 @@ def _decode(image: bytes, max_pixels: int) -> tuple[np.ndarray, str]:
     mode = _header(image, max_pixels)
     channels = 1 if mode in _GREY_MODES else 3
     try:
-        # The decoder training and serving use (tff_algorithms.export.decode_image): a
+        # The decoder training and serving use (tff_algorithms.modeling.export.decode_image): a
         # record that passes here can never stop a training round, and dedup sees the
         # pixels the model sees. PIL accepts some data it rejects (fuzzing found them).
         # The op tf.io.decode_image runs, called without its Python wrapper: half the time

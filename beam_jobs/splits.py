@@ -19,7 +19,7 @@ held_out_images (landmarks, species: photographers share them): each user goes t
   on their images of identities the training users hold too (records of identities no
   training user holds are dropped and counted). Its evaluation counts a pair of images of
   one identity as genuine only when two different users took them
-  (tff_algorithms.metrics, genuine pairs across users).
+  (tff_algorithms.evaluation.metrics, genuine pairs across users).
 auto: identity_and_user when no identity is held by two users; otherwise `run_split`
   stops with one line naming the modes and the records each would keep.
 

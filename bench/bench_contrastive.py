@@ -64,20 +64,15 @@ from PIL import Image
 
 from beam_jobs import partition, synthetic
 from bench import bench_training, real_images
-from tff_algorithms import (
-    accounting,
-    budget,
-    calibration,
-    evaluation,
-    job_config,
-    logit_dp,
-    logit_dp_sensitivity,
-    metrics,
-    model_config,
-    models,
-    runtime,
-    train_job,
-)
+from tff_algorithms.algorithms.logit_dp import mechanism as logit_dp
+from tff_algorithms.algorithms.logit_dp import sensitivity as logit_dp_sensitivity
+from tff_algorithms.config import job_config, model_config
+from tff_algorithms.evaluation import metrics
+from tff_algorithms.evaluation import scoring as evaluation
+from tff_algorithms.federated import runtime
+from tff_algorithms.jobs import train_job
+from tff_algorithms.modeling import models
+from tff_algorithms.privacy import accounting, budget, calibration
 
 EPSILONS = (2.0, 5.0, 8.0)
 DELTA = 1e-5

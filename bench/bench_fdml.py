@@ -65,18 +65,16 @@ import tensorflow as tf
 
 from beam_jobs import partition
 from bench import bench_contrastive, bench_training
-from tff_algorithms import (
-    evaluation,
-    fdml,
-    fdml_privacy,
-    fdml_run,
-    fdml_training,
-    job_config,
-    job_outputs,
-    models,
-    runtime,
-    triplet,
-)
+from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
+from tff_algorithms.algorithms.fdml import protocol as fdml
+from tff_algorithms.algorithms.fdml import run as fdml_run
+from tff_algorithms.algorithms.fdml import training as fdml_training
+from tff_algorithms.algorithms.fdml import triplet
+from tff_algorithms.config import job_config
+from tff_algorithms.evaluation import scoring as evaluation
+from tff_algorithms.federated import runtime
+from tff_algorithms.jobs import job_outputs
+from tff_algorithms.modeling import models
 
 EPSILONS = (2.0, 4.0, 8.0)
 ROBUSTNESS_EPSILON = 8.0

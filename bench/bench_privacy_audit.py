@@ -1,6 +1,6 @@
 """Empirical privacy audit (issue 8 item 7): one-run ε lower bounds next to the ledger's ε.
 
-`tff_algorithms.audit.run_canary_audit` on a population of canary slots (each holds
+`tff_algorithms.jobs.audit.run_canary_audit` on a population of canary slots (each holds
 its canary with probability 1/2, else a filler user), trained with
 `audit.audit_train_config` (every user in one virtual client, every round), at no
 noise and at noise multipliers calibrated to a few target ε. The bound is taken at
@@ -14,7 +14,9 @@ import os
 import shutil
 
 from beam_jobs import canaries
-from tff_algorithms import accounting, audit, calibration, runtime
+from tff_algorithms.federated import runtime
+from tff_algorithms.jobs import audit
+from tff_algorithms.privacy import accounting, calibration
 
 _FULL = {"canaries": 128, "guesses_per_side": 16, "target_epsilons": (8.0, 4.0, 2.0)}
 _QUICK = {"canaries": 32, "guesses_per_side": 8, "target_epsilons": (4.0,)}

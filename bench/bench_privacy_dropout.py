@@ -18,7 +18,8 @@ import os
 import shutil
 
 from bench import bench_training
-from tff_algorithms import job_config, job_outputs
+from tff_algorithms.config import job_config
+from tff_algorithms.jobs import job_outputs
 
 _FAILURE_RATES = (0.0, 0.1, 0.3)
 # bench_training's largest noise multiplier.

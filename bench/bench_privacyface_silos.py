@@ -65,16 +65,11 @@ import tensorflow_federated as tff
 
 from beam_jobs import partition
 from bench import bench_training
-from tff_algorithms import (
-    client_work,
-    dplc,
-    dplc_releases,
-    evaluation,
-    export,
-    job_config,
-    local_training,
-    models,
-)
+from tff_algorithms.config import job_config
+from tff_algorithms.evaluation import scoring as evaluation
+from tff_algorithms.federated import client_work, local_training
+from tff_algorithms.modeling import export, models
+from tff_algorithms.privacy import dplc, dplc_releases
 
 FULL = {
     **bench_training.FULL,

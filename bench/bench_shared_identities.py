@@ -23,7 +23,9 @@ from collections.abc import Mapping
 
 from beam_jobs import partition, partition_job, splits, synthetic
 from bench.bench_training import base_config, train_each
-from tff_algorithms import evaluation, job_config, job_outputs, model_config
+from tff_algorithms.config import job_config, model_config
+from tff_algorithms.evaluation import scoring as evaluation
+from tff_algorithms.jobs import job_outputs
 
 FULL = {
     "identities": 48,

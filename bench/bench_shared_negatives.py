@@ -22,7 +22,9 @@ import shutil
 from collections.abc import Mapping
 
 from bench import bench_training
-from tff_algorithms import accounting, calibration, dplc, job_config, job_outputs
+from tff_algorithms.config import job_config
+from tff_algorithms.jobs import job_outputs
+from tff_algorithms.privacy import accounting, calibration, dplc
 
 FULL = {**bench_training.FULL, "baseline_noise": 2.0}
 QUICK = {**bench_training.QUICK, "baseline_noise": 2.0}

@@ -180,7 +180,7 @@ def _cpu_seconds() -> float:
 
 
 def _train_config(clients_per_round: int, users_per_virtual_client: int):  # noqa: ANN202
-    from tff_algorithms import job_config
+    from tff_algorithms.config import job_config
 
     return job_config.TrainJobConfig(
         rounds=1_000,
@@ -203,7 +203,7 @@ def _process(config):  # noqa: ANN001, ANN202 - a TrainJobConfig -> its TFF proc
     """The DP-FedEmb process (noise 0) reading data from ids; one per configuration, since
     tracing it costs more than the rounds of a quick run. Settings that differ only in
     the population or the workers share it."""
-    from tff_algorithms import aggregators, client_data, processes
+    from tff_algorithms.federated import aggregators, client_data, processes
 
     client_config = config.client_config()
     base = processes.build_fedemb_process(
@@ -231,7 +231,8 @@ class _Setting:
 
     def __init__(self, partition_dir: str, clients_per_round: int, users_per_vc: int) -> None:
         from beam_jobs import partition
-        from tff_algorithms import client_data, job_config
+        from tff_algorithms.config import job_config
+        from tff_algorithms.federated import client_data
 
         self.config = _train_config(clients_per_round, users_per_vc)
         started = time.perf_counter()
@@ -266,7 +267,8 @@ class _PlainLoop:
     def __init__(self, setting: _Setting, initial_weights) -> None:  # noqa: ANN001
         import tensorflow as tf
 
-        from tff_algorithms import client_data, client_work, local_training, models
+        from tff_algorithms.federated import client_data, client_work, local_training
+        from tff_algorithms.modeling import models
 
         config, client_config = setting.config, setting.client_config
         self._ids = setting.ids
@@ -352,7 +354,7 @@ def _measure_setting(
     plain: bool = False,
 ) -> dict:
     """Warm-up round (compiles), then `rounds` measured rounds on fresh TFF workers."""
-    from tff_algorithms import runtime
+    from tff_algorithms.federated import runtime
 
     memory.reset()
     setting = _Setting(partition_dir, clients_per_round, users_per_vc)
@@ -424,7 +426,7 @@ def _load_cost(user_range) -> dict:  # noqa: ANN001 - a client_data.UserByteRang
     """Best seconds to load one user's records, and the bytes the process read doing it."""
     import tensorflow as tf
 
-    from tff_algorithms import client_data
+    from tff_algorithms.federated import client_data
 
     virtual_client_id = tf.constant(client_data.virtual_client_id(0, 0, [user_range]))
 
@@ -454,7 +456,7 @@ def _loader_offsets(partition_dir: str, deep_offset_bytes: int, work_dir: str) -
     import tensorflow as tf
 
     from beam_jobs import partition
-    from tff_algorithms import client_data
+    from tff_algorithms.federated import client_data
 
     reader = partition.PartitionReader(partition_dir)
     locations = {u: reader.location(u) for u in reader.user_ids()}
@@ -515,7 +517,8 @@ def _flops(spec: dict) -> dict:
     """FLOPs of one local step (profiler, checked analytically) and measured peaks."""
     import tensorflow as tf
 
-    from tff_algorithms import local_training, models
+    from tff_algorithms.federated import local_training
+    from tff_algorithms.modeling import models
 
     config = _train_config(spec["flops_clients_per_round"], spec["users_per_virtual_client"])
     client_config = config.client_config()

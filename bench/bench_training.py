@@ -25,16 +25,9 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from beam_jobs import partition_job, synthetic
-from tff_algorithms import (
-    client_config,
-    dropouts,
-    job_config,
-    job_outputs,
-    model_config,
-    recipes,
-    runtime,
-    train_job,
-)
+from tff_algorithms.config import client_config, job_config, model_config, recipes
+from tff_algorithms.federated import dropouts, runtime
+from tff_algorithms.jobs import job_outputs, train_job
 
 FULL = {
     "identities": 1000,
@@ -89,7 +82,7 @@ def _at_bench_size(recipe: Mapping, sizes: Mapping) -> job_config.TrainJobConfig
 
 
 def base_config(sizes: Mapping) -> job_config.TrainJobConfig:
-    """The default recipe's private training (tff_algorithms/recipes.py), at the bench's size."""
+    """The default recipe's private training (tff_algorithms/config/recipes.py), at the bench's size."""
     return _at_bench_size(recipes.DEFAULT, sizes)
 
 

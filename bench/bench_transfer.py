@@ -47,15 +47,13 @@ import time
 from collections.abc import Mapping
 
 from bench import bench_contrastive, bench_speed, bench_training
-from tff_algorithms import (
-    algorithms,
-    evaluation,
-    feature_cache,
-    job_config,
-    job_outputs,
-    models,
-)
-from tff_algorithms.job_config import DP_LAST_LAYER, DP_SGD_CENTRALIZED
+from tff_algorithms import algorithms
+from tff_algorithms.config import job_config
+from tff_algorithms.config.job_config import DP_LAST_LAYER, DP_SGD_CENTRALIZED
+from tff_algorithms.evaluation import scoring as evaluation
+from tff_algorithms.federated import feature_cache
+from tff_algorithms.jobs import job_outputs
+from tff_algorithms.modeling import models
 
 EPSILON = 8.0
 DELTA = 1e-5
@@ -151,7 +149,7 @@ def step_flops(
     import tensorflow as tf
     from tensorflow.python.framework import ops
 
-    from tff_algorithms import local_training
+    from tff_algorithms.federated import local_training
 
     model = _trained_model(config, cached)
     head = tf.Variable(tf.zeros([config.embedding_size, head_rows]))

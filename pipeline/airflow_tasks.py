@@ -33,7 +33,7 @@ def _release_tff_at_exit() -> None:
     runtime is left to stop: a training task's `runtime.session` stops the one it started.
     """
     if "tensorflow_federated" in sys.modules:
-        from tff_algorithms import runtime
+        from tff_algorithms.federated import runtime
 
         runtime.release_import_time_context()
 

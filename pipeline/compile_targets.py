@@ -34,9 +34,9 @@ def _refuse_fixed_seeds(config: config_lib.PipelineConfig) -> None:
 
 def _release_tff() -> None:
     """Building the pipeline imports TFF: its import-time context would print a traceback
-    at exit (tff_algorithms.runtime.release_import_time_context)."""
+    at exit (tff_algorithms.federated.runtime.release_import_time_context)."""
     if "tensorflow_federated" in sys.modules:
-        from tff_algorithms import runtime
+        from tff_algorithms.federated import runtime
 
         runtime.release_import_time_context()
 

@@ -8,7 +8,7 @@ problem is a ValueError with one line, raised before anything runs.
 
 Layering, for every section: what the file and the overrides set overlays the section's
 default key by key (the training sections' defaults are the recipes of
-tff_algorithms.recipes, layered by its rule); a key set to null restores the library
+tff_algorithms.config.recipes, layered by its rule); a key set to null restores the library
 default (TrainJobConfig's, or the section dataclass's), except for keys where null is
 itself a value (`data.synthetic_public: null` renders no public data).
 """
@@ -26,15 +26,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from beam_jobs import copy_evidence
-from tff_algorithms import (
-    algorithms,
-    bounded_load,
-    client_config,
-    job_config,
-    model_config,
-    owned_files,
-    recipes,
-)
+from tff_algorithms import algorithms
+from tff_algorithms.base import bounded_load, owned_files
+from tff_algorithms.config import client_config, job_config, model_config, recipes
 
 PRETRAIN_SOURCES = ("public", "import", "none", "private_contrastive")
 PRIVATE_CONTRASTIVE = "private_contrastive"
@@ -158,7 +152,7 @@ class PretrainSection:
     backbone_dir: str = ""
     # TrainJobConfig fields over the source's recipe, over those of `train`: for public
     # the centralized run (rounds are epochs; it uses the server learning rate and
-    # momentum; tff_algorithms.recipes.PRETRAIN), for private_contrastive the logit-dp
+    # momentum; tff_algorithms.config.recipes.PRETRAIN), for private_contrastive the logit-dp
     # run (rounds are steps; recipes.PRIVATE_CONTRASTIVE). `pretrain.job.rounds=5`
     # changes the epochs (steps) only.
     job: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -166,7 +160,7 @@ class PretrainSection:
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeSection:
-    """The TFF workers private training runs on (tff_algorithms.runtime.RuntimeConfig).
+    """The TFF workers private training runs on (tff_algorithms.federated.runtime.RuntimeConfig).
 
     worker_addresses: host:port of workers started by a cluster scheduler
     (docs/scaling.md); empty: `local_workers` workers started by the training step.
@@ -189,7 +183,7 @@ class EvaluateSection:
     # A model whose epsilon exceeds this is never blessed.
     privacy_budget_epsilon: float = 10.0
     # The FAR whose recall is compared with the last blessed model: one of those the
-    # evaluation reports (tff_algorithms.metrics.DEFAULT_FARS).
+    # evaluation reports (tff_algorithms.evaluation.metrics.DEFAULT_FARS).
     gate_far: float = 0.01
     # Blessed only if recall@gate_far >= baseline recall - this.
     max_recall_regression: float = 0.0
@@ -201,7 +195,7 @@ class EvaluateSection:
 
 @dataclasses.dataclass(frozen=True)
 class BudgetSection:
-    """The cross-run privacy budget of the training users (tff_algorithms.budget)."""
+    """The cross-run privacy budget of the training users (tff_algorithms.privacy.budget)."""
 
     # The persistent ledger every run on the same users is charged to; empty:
     # OUTPUT/privacy_budget_ledger.json. Point several pipelines at one file to share it.
@@ -229,8 +223,8 @@ class PipelineConfig:
     dedup: DedupSection = DedupSection()
     partition: PartitionSection = PartitionSection()
     pretrain: PretrainSection = PretrainSection()
-    # TrainJobConfig fields (tff_algorithms.job_config) of the private training run, over
-    # the default recipe (tff_algorithms.recipes.DEFAULT).
+    # TrainJobConfig fields (tff_algorithms.config.job_config) of the private training run, over
+    # the default recipe (tff_algorithms.config.recipes.DEFAULT).
     train: Mapping[str, Any] = dataclasses.field(default_factory=lambda: recipes.recipe("default"))
     runtime: RuntimeSection = RuntimeSection()
     evaluate: EvaluateSection = EvaluateSection()
@@ -264,7 +258,7 @@ class PipelineConfig:
         return self.push.serving_dir or os.path.join(self.pipeline.output_dir, "serving")
 
     def budget_policy_dict(self) -> dict[str, Any]:
-        """tff_algorithms.budget.BudgetPolicy fields of the private training run."""
+        """tff_algorithms.privacy.budget.BudgetPolicy fields of the private training run."""
         return {
             "ledger_path": os.path.abspath(
                 self.budget.ledger_path
@@ -688,13 +682,14 @@ def validate(config: PipelineConfig) -> None:
     check("dedup", lambda: dedup.DedupConfig(**dataclasses.asdict(config.dedup)))
     config.train_job_dict()
     from beam_jobs import records_io
-    from tff_algorithms import runtime
+    from tff_algorithms.federated import runtime
 
     check("pipeline.beam_args", lambda: records_io.pipeline_options(config.pipeline.beam_args))
     check("runtime", lambda: runtime.RuntimeConfig(**dataclasses.asdict(config.runtime)))
     if config.pretrain.source in ("public", PRIVATE_CONTRASTIVE):
         config.pretrain_job_dict()
-    from tff_algorithms import budget, metrics
+    from tff_algorithms.evaluation import metrics
+    from tff_algorithms.privacy import budget
 
     check("budget", lambda: budget.BudgetPolicy(**config.budget_policy_dict()))
     if config.evaluate.gate_far not in metrics.DEFAULT_FARS:

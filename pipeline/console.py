@@ -247,7 +247,7 @@ class RoundProgress:
     the last validation recall and the time left. On a terminal the line updates in
     place; piped (a log file, a CI job, a pipeline task's log), one line a round.
 
-    Called with the job's history records (tff_algorithms.train_job's `progress`)."""
+    Called with the job's history records (tff_algorithms.jobs.train_job's `progress`)."""
 
     RECALL_FAR = "0.001"
 

@@ -22,7 +22,7 @@ from tfx.types import standard_artifacts
 from pipeline import config as config_lib
 from pipeline import fingerprint
 from pipeline.components import data, evaluation, reporting, training
-from tff_algorithms import job_config
+from tff_algorithms.config import job_config
 
 # Node ids, used by partial runs and tests.
 EXAMPLE_GEN = "CanonicalExampleGen"

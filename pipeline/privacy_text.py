@@ -1,7 +1,7 @@
 """Plain-language privacy wording and human labels, from a run's privacy ledger.
 
 The report and the model card both open with `privacy_statement`. Every number in it
-comes from the ledger (`tff_algorithms.ledger` format: `spec` is an
+comes from the ledger (`tff_algorithms.privacy.ledger` format: `spec` is an
 `accounting.AccountingSpec` as a dict, `history` the epsilon after each round), and
 every name from the accounting enums, so the wording cannot drift from what was
 accounted.
@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from tff_algorithms import accounting
+from tff_algorithms.privacy import accounting
 
 _RELATION_CHANGE = {
     accounting.NeighboringRelation.REPLACE_ONE.value: (
@@ -93,7 +93,7 @@ def format_epsilon(epsilon: float) -> str:
 
 def model_epsilon(ledger: Mapping[str, Any], composition: Mapping[str, Any] | None) -> float:
     """The model's epsilon: composed over its private runs when a composition is given
-    (tff_algorithms.composition), else the training ledger's."""
+    (tff_algorithms.privacy.composition), else the training ledger's."""
     if composition is None:
         return final_epsilon(ledger)
     return math.inf if composition["epsilon"] is None else float(composition["epsilon"])
@@ -255,7 +255,7 @@ def shared_negatives_rows(ledger: Mapping[str, Any]) -> list[tuple[str, str]]:
     plan = ledger.get("shared_negatives")
     if not plan:
         return []
-    from tff_algorithms import dplc_releases
+    from tff_algorithms.privacy import dplc_releases
 
     plan = dplc_releases.ReleasePlan.from_dict(plan)
     rounds = len(ledger.get("history") or [])

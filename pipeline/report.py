@@ -97,7 +97,7 @@ def ledger_plot(ledger: Mapping[str, Any], budget: float) -> str:
 
 def extrapolation_plot(ledger: Mapping[str, Any]) -> str:
     """epsilon vs users per round at larger populations, by the library's extrapolation."""
-    from tff_algorithms import accounting, calibration
+    from tff_algorithms.privacy import accounting, calibration
 
     base = accounting.AccountingSpec.from_dict(ledger["spec"])
     curves = {}

@@ -94,49 +94,49 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- clip bounds -----------------------------------------------------------------
     Mutant(
         "aggregator-gaussian-clip",
-        "tff_algorithms/aggregators.py",
+        "tff_algorithms/federated/aggregators.py",
         "SeededGaussianSumQuery(clip_norm, clip_norm * noise_multiplier, noise_seed)",
         "SeededGaussianSumQuery(1e9, clip_norm * noise_multiplier, noise_seed)",
         (_AGGREGATORS + "test_each_virtual_client_is_clipped_to_the_bound",),
     ),
     Mutant(
         "aggregator-tree-clip",
-        "tff_algorithms/aggregators.py",
+        "tff_algorithms/federated/aggregators.py",
         "build_l2_gaussian_query(\n        clip_norm,\n        noise_multiplier,",
         "build_l2_gaussian_query(\n        1e9,\n        noise_multiplier * clip_norm / 1e9,",
         (_AGGREGATORS + "test_tree_aggregation_clips_each_virtual_client[None]",),
     ),
     Mutant(
         "user-dp-sgd-clip-per-user-tape",
-        "tff_algorithms/user_dp_sgd.py",
+        "tff_algorithms/algorithms/user_dp_sgd/training.py",
         "factor = tf.minimum(1.0, clip_norm / tf.maximum(norm, 1e-30))",
         "factor = tf.constant(1.0)",
         ("tests/test_user_dp_sgd.py::test_dense_layer_shortcut_equals_one_tape_per_user",),
     ),
     Mutant(
         "user-dp-sgd-clip-dense-shortcut",
-        "tff_algorithms/user_dp_sgd.py",
+        "tff_algorithms/algorithms/user_dp_sgd/training.py",
         "scale = tf.where(finite, tf.minimum(1.0, self._clip / tf.maximum(norm, 1e-30)), 0.0)",
         "scale = tf.where(finite, 1.0, 0.0)",
         ("tests/test_user_dp_sgd.py::test_dense_layer_shortcut_equals_one_tape_per_user",),
     ),
     Mutant(
         "logit-dp-pair-clip",
-        "tff_algorithms/logit_dp.py",
+        "tff_algorithms/algorithms/logit_dp/mechanism.py",
         "    b = tf.constant(clip_norm, norms.dtype)\n",
         "    return tf.ones_like(norms)\n",
         (_LOGIT + "test_lambda_and_row_routes_equal_explicit_clipping[dtype0-1e-09]",),
     ),
     Mutant(
         "logit-dp-pair-clip-row-route",
-        "tff_algorithms/logit_dp.py",
+        "tff_algorithms/algorithms/logit_dp/mechanism.py",
         "coefficients = weights[i] * _clip_factors(norms, clip_norm)",
         "coefficients = weights[i]",
         (_LOGIT + "test_lambda_and_row_routes_equal_explicit_clipping[dtype0-1e-09]",),
     ),
     Mutant(
         "fdml-row-clip",
-        "tff_algorithms/fdml.py",
+        "tff_algorithms/algorithms/fdml/protocol.py",
         "    if row_clip is None:\n        return derivatives\n"
         "    return tf.clip_by_norm(derivatives, row_clip, axes=[-1])",
         "    return derivatives",
@@ -144,14 +144,14 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "fdml-gradient-clip",
-        "tff_algorithms/fdml.py",
+        "tff_algorithms/algorithms/fdml/protocol.py",
         "gradient, _ = tf.clip_by_global_norm(gradient, gradient_clip, use_norm=norm)",
         "pass",
         (_FDML_PRIVACY + "test_the_numpy_mechanism_is_the_modules[batch_all-2]",),
     ),
     Mutant(
         "dplc-centers-clip",
-        "tff_algorithms/dplc.py",
+        "tff_algorithms/privacy/dplc.py",
         "    if not np.any(outside):\n        return w",
         "    if True:\n        return w",
         ("tests/test_dplc.py::test_public_means_match_reference",),
@@ -159,21 +159,21 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- noise scale -------------------------------------------------------------------
     Mutant(
         "aggregator-gaussian-noise-scale",
-        "tff_algorithms/aggregators.py",
+        "tff_algorithms/federated/aggregators.py",
         "SeededGaussianSumQuery(clip_norm, clip_norm * noise_multiplier, noise_seed)",
         "SeededGaussianSumQuery(clip_norm, 0.7 * clip_norm * noise_multiplier, noise_seed)",
         (_AGGREGATORS + "test_gaussian_noise_std_is_z_gamma_over_m",),
     ),
     Mutant(
         "aggregator-tree-noise-scale",
-        "tff_algorithms/aggregators.py",
+        "tff_algorithms/federated/aggregators.py",
         "build_l2_gaussian_query(\n        clip_norm,\n        noise_multiplier,",
         "build_l2_gaussian_query(\n        clip_norm,\n        0.7 * noise_multiplier,",
         (_AGGREGATORS + "test_tree_prefix_sum_noise_follows_the_nodes_summed",),
     ),
     Mutant(
         "dp-ftrl-tree-restart",
-        "tff_algorithms/mechanisms.py",
+        "tff_algorithms/federated/mechanisms.py",
         "restart_every_rounds = rounds_per_epoch if spec.restart_every_epoch else None",
         "restart_every_rounds = None",
         (
@@ -183,35 +183,35 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "user-dp-sgd-noise-scale",
-        "tff_algorithms/user_dp_sgd.py",
+        "tff_algorithms/algorithms/user_dp_sgd/training.py",
         "self._stddev = float(noise_multiplier) * float(clip_norm)",
         "self._stddev = 0.7 * float(noise_multiplier) * float(clip_norm)",
         ("tests/test_user_dp_sgd.py::test_step_noise_std_is_z_times_clip_over_users",),
     ),
     Mutant(
         "logit-dp-noise-scale",
-        "tff_algorithms/logit_dp.py",
+        "tff_algorithms/algorithms/logit_dp/mechanism.py",
         "return add_gaussian_noise(clipped_gradient, noise_multiplier * c, seed)",
         "return add_gaussian_noise(clipped_gradient, 0.7 * noise_multiplier * c, seed)",
         (_LOGIT + "test_noise_std_is_sigma_times_c_and_seeded",),
     ),
     Mutant(
         "fdml-derivative-noise-scale",
-        "tff_algorithms/fdml.py",
+        "tff_algorithms/algorithms/fdml/protocol.py",
         "    stddev = noise_multiplier * row_clip",
         "    stddev = 0.7 * noise_multiplier * row_clip",
         (_FDML + "test_noise_std_is_z_times_clip",),
     ),
     Mutant(
         "fdml-gradient-noise-scale",
-        "tff_algorithms/fdml.py",
+        "tff_algorithms/algorithms/fdml/protocol.py",
         "stddev = config.gradient_noise_multiplier * config.gradient_clip",
         "stddev = 0.7 * config.gradient_noise_multiplier * config.gradient_clip",
         (_FDML + "test_noise_std_is_z_times_clip",),
     ),
     Mutant(
         "dplc-noise-scale",
-        "tff_algorithms/dplc.py",
+        "tff_algorithms/privacy/dplc.py",
         "return means + noise_multiplier * delta * rng.standard_normal(means.shape)",
         "return means + 0.7 * noise_multiplier * delta * rng.standard_normal(means.shape)",
         ("tests/test_dplc.py::test_noise_matches_sigma_times_sensitivity[False]",),
@@ -219,14 +219,14 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- accounting sensitivity --------------------------------------------------------
     Mutant(
         "accounting-substitute-one-sensitivity",
-        "tff_algorithms/accounting.py",
+        "tff_algorithms/privacy/accounting.py",
         "return 1.0 if self.convention is Convention.PAPER else 2.0",
         "return 1.0",
         ("tests/test_accounting.py::test_strict_is_the_default_convention",),
     ),
     Mutant(
         "accounting-add-or-remove-virtual-client-sensitivity",
-        "tff_algorithms/accounting.py",
+        "tff_algorithms/privacy/accounting.py",
         "return 2.0 if self.users_per_virtual_client > 1 else 1.0",
         "return 1.0",
         (
@@ -236,7 +236,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- the tight PLD of fixed-size sampling (docs/privacy.md) --------------------------
     Mutant(
         "wor-pld-sampling-rate",
-        "tff_algorithms/accounting.py",
+        "tff_algorithms/privacy/accounting.py",
         "        spec.users_per_round / spec.population,\n        spec.effective_noise_multiplier,",
         "        0.5 * spec.users_per_round / spec.population,\n        spec.effective_noise_multiplier,",
         (
@@ -246,7 +246,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "wor-pld-noise-scale",
-        "tff_algorithms/accounting.py",
+        "tff_algorithms/privacy/accounting.py",
         "        spec.effective_noise_multiplier,\n        spec.rounds,\n        PLD_DISCRETIZATION,",
         "        1.3 * spec.effective_noise_multiplier,\n        spec.rounds,\n        PLD_DISCRETIZATION,",
         (
@@ -256,28 +256,28 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "tree-sensitivity-single-tree",
-        "tff_algorithms/tree_sensitivity.py",
+        "tff_algorithms/privacy/tree_sensitivity.py",
         "    return 2.0 * float(",
         "    return 1.0 * float(",
         (_TREES + "test_single_tree_sensitivity_is_the_brute_force_worst_case[8-3]",),
     ),
     Mutant(
         "tree-sensitivity-restarted-tree-depth",
-        "tff_algorithms/tree_sensitivity.py",
+        "tff_algorithms/privacy/tree_sensitivity.py",
         "return leaves.bit_length()",
         "return leaves.bit_length() - 1",
         (_TREES + "test_restarted_tree_sensitivity_is_the_brute_force_worst_case[2-5]",),
     ),
     Mutant(
         "tree-sensitivity-closed-form-bound",
-        "tff_algorithms/tree_sensitivity.py",
+        "tff_algorithms/privacy/tree_sensitivity.py",
         "total += full * most**2 + rest**2",
         "total += full * most + rest",
         (_TREES + "test_single_tree_sensitivity_is_the_brute_force_worst_case[13-2]",),
     ),
     Mutant(
         "logit-dp-substitute-one-row-term",
-        "tff_algorithms/logit_dp_sensitivity.py",
+        "tff_algorithms/algorithms/logit_dp/sensitivity.py",
         "    rows = {NeighboringRelation.REPLACE_ONE: 4.0, NeighboringRelation.ADD_OR_REMOVE_ONE: 2.0}\n"
         "    t = math.exp(2.0 * scale)",
         "    rows = {NeighboringRelation.REPLACE_ONE: 2.0, NeighboringRelation.ADD_OR_REMOVE_ONE: 2.0}\n"
@@ -286,7 +286,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "fdml-derivative-sensitivity",
-        "tff_algorithms/fdml_privacy.py",
+        "tff_algorithms/algorithms/fdml/privacy.py",
         "return 2.0 * float(row_clip) * math.sqrt(users_per_group * samples_per_user)",
         "return float(row_clip) * math.sqrt(users_per_group * samples_per_user)",
         (
@@ -296,7 +296,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "fdml-gradient-sensitivity",
-        "tff_algorithms/fdml_privacy.py",
+        "tff_algorithms/algorithms/fdml/privacy.py",
         "return 2.0 * float(gradient_clip)",
         "return float(gradient_clip)",
         (
@@ -307,7 +307,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- budget refusal and dedup verification -----------------------------------------
     Mutant(
         "budget-refusal",
-        "tff_algorithms/budget.py",
+        "tff_algorithms/privacy/budget.py",
         "over = not spent_after <= budget_epsilon",
         "over = False",
         (
@@ -317,7 +317,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "budget-fixed-by-first-charge",
-        "tff_algorithms/budget.py",
+        "tff_algorithms/privacy/budget.py",
         "budget_changed = budget_epsilon != policy.total_epsilon",
         "budget_changed = False",
         (

@@ -21,7 +21,7 @@ os.environ[processes.MARKER_ENV] = SESSION_MARKER
 @pytest.fixture(scope="session")
 def tff_runtime():
     """One owned local TFF worker shared by the tests that run computations."""
-    from tff_algorithms import runtime
+    from tff_algorithms.federated import runtime
 
     rt = runtime.start(runtime.RuntimeConfig(), handle_signals=False)
     yield rt
@@ -56,7 +56,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if "tensorflow_federated" in sys.modules:
         # Drop TFF's import-time context now, so its __del__ does not print a
         # traceback at interpreter exit when no test started a runtime in-process.
-        from tff_algorithms import runtime
+        from tff_algorithms.federated import runtime
 
         runtime.release_import_time_context()
     leaked = processes.worker_binaries_with_marker(SESSION_MARKER)

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import tensorflow_federated as tff
 
-from tff_algorithms import runtime
+from tff_algorithms.federated import runtime
 
 
 @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))

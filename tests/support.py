@@ -21,8 +21,11 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from beam_jobs import partition_job, synthetic
-from tff_algorithms import accounting, job_config, job_files, training
-from tff_algorithms.ledger import PrivacyLedger
+from tff_algorithms.base import job_files
+from tff_algorithms.config import job_config
+from tff_algorithms.federated import training
+from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy.ledger import PrivacyLedger
 
 # The console script of the environment running the tests (setup.py installs it).
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")

@@ -1,4 +1,4 @@
-"""Tests of tff_algorithms.accounting and tff_algorithms.calibration.
+"""Tests of tff_algorithms.privacy.accounting and tff_algorithms.privacy.calibration.
 
 Paper values reproduced to two decimals, under ``convention="paper"`` for the
 substitute-one schedules (test_paper_dpsgd_epsilon) and under either convention for
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tff_algorithms import accounting, calibration, tree_sensitivity
-from tff_algorithms.accounting import AccountingSpec
+from tff_algorithms.privacy import accounting, calibration, tree_sensitivity
+from tff_algorithms.privacy.accounting import AccountingSpec
 
 # Sampled-Gaussian RDP costs ~0.3 s per new (population, users, noise); keep examples few.
 FEW = settings(max_examples=5, deadline=None)
@@ -491,7 +491,7 @@ def test_job_config_imports_neither_dp_accounting_nor_tensorflow():
     import sys
 
     code = (
-        "import sys; import tff_algorithms.job_config, pipeline.config; "
+        "import sys; import tff_algorithms.config.job_config, pipeline.config; "
         "print(sorted(m for m in ('dp_accounting', 'scipy', 'tensorflow') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

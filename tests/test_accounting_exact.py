@@ -1,6 +1,6 @@
 """Independent numerical check of the privacy accountant (docs/design.md section 5).
 
-The accountant under test (`tff_algorithms.accounting`, which composes dp_accounting
+The accountant under test (`tff_algorithms.privacy.accounting`, which composes dp_accounting
 events) gives an upper bound on epsilon. Here we compute, with numpy/scipy only, the exact
 epsilon of concrete pairs of neighbouring datasets that training can actually produce; no
 valid upper bound may fall below them. Nothing here imports dp_accounting or any
@@ -46,7 +46,7 @@ import numpy as np
 import pytest
 from scipy import fft, integrate, optimize, special
 
-from tff_algorithms import accounting
+from tff_algorithms.privacy import accounting
 
 # ---------------------------------------------------------------------------------------
 # Reference computations (numpy / scipy / math only).

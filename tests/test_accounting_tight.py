@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from scipy import fft, special
 
-from tff_algorithms import accounting
+from tff_algorithms.privacy import accounting
 
 # ---------------------------------------------------------------------------------------
 # The claimed one-round pair, in closed form (1-D: both are Gaussians on one line).

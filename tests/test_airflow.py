@@ -22,7 +22,7 @@ from pipeline import compile_targets, definition, lineage
 from pipeline import config as config_lib
 from pipeline.components import artifacts
 from tests import support
-from tff_algorithms import job_files
+from tff_algorithms.base import job_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AIRFLOW = os.path.join(REPO, ".venv-airflow", "bin", "airflow")

@@ -17,8 +17,10 @@ import pytest
 from beam_jobs import synthetic
 from pipeline import cli
 from tests import support
-from tff_algorithms import algorithms, job_config, job_files
+from tff_algorithms import algorithms
 from tff_algorithms.algorithms import rules
+from tff_algorithms.base import job_files
+from tff_algorithms.config import job_config
 
 REPO = Path(__file__).resolve().parent.parent
 # The product packages, and the one place inside them where names are declared.
@@ -47,7 +49,7 @@ def _test_algorithm() -> algorithms.Algorithm:
         name=TEST_ALGORITHM,
         summary="test-only oracle registered by tests/test_algorithm_registry.py",
         private=False,
-        trainer="tff_algorithms.train_job:train_centralized",
+        trainer="tff_algorithms.jobs.train_job:train_centralized",
         accounting_rule=rules.every_user_accounting,
         mechanism=None,
         recipe=TEST_RECIPE,
@@ -64,8 +66,8 @@ def test_algorithm():
 
 def test_importing_the_registry_and_job_config_imports_no_tensorflow():
     code = (
-        "import sys, tff_algorithms.algorithms, tff_algorithms.job_config, "
-        "tff_algorithms.recipes\n"
+        "import sys, tff_algorithms.algorithms, tff_algorithms.config.job_config, "
+        "tff_algorithms.config.recipes\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
         "('tensorflow', 'tensorflow_federated', 'keras'))\n"
         "print(heavy)"
@@ -98,7 +100,7 @@ def test_a_duplicate_name_is_refused_in_one_line():
                 name="fdml",
                 summary="a second fdml",
                 private=False,
-                trainer="tff_algorithms.train_job:train_centralized",
+                trainer="tff_algorithms.jobs.train_job:train_centralized",
                 accounting_rule=rules.every_user_accounting,
                 mechanism=None,
             )
@@ -123,7 +125,7 @@ def test_a_trainer_must_name_module_and_function():
             name="broken",
             summary="",
             private=False,
-            trainer="tff_algorithms.train_job",
+            trainer="tff_algorithms.jobs.train_job",
             accounting_rule=rules.every_user_accounting,
             mechanism=None,
         )
@@ -232,7 +234,7 @@ def test_an_algorithm_registered_by_a_test_trains_through_the_train_command(
 
 
 def test_the_canary_audit_refuses_an_algorithm_it_cannot_audit(tmp_path):
-    from tff_algorithms import audit
+    from tff_algorithms.jobs import audit
 
     config = job_config.TrainJobConfig(algorithm=job_config.DP_FEDAVG)
     with pytest.raises(ValueError, match=r"^the canary audit runs dp-fedemb, got dp-fedavg$"):

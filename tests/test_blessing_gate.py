@@ -2,7 +2,7 @@
 significantly worse than the backbone it trained from is never pushed."""
 
 from pipeline.components import evaluation
-from tff_algorithms import accounting
+from tff_algorithms.privacy import accounting
 
 STRICT = accounting.Convention.STRICT.value
 

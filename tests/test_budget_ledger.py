@@ -9,7 +9,10 @@ import pytest
 
 from beam_jobs import partition, synthetic
 from tests import support
-from tff_algorithms import accounting, budget, job_config, job_files, train_job
+from tff_algorithms.base import job_files
+from tff_algorithms.config import job_config
+from tff_algorithms.jobs import train_job
+from tff_algorithms.privacy import accounting, budget
 
 DPSGD = accounting.AccountingSpec(
     population=1000, users_per_round=50, rounds=40, noise_multiplier=1.1, delta=1e-5

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from pipeline import cli
 from pipeline import config as config_lib
-from tff_algorithms import job_config
+from tff_algorithms.config import job_config
 
 EXAMPLES = int(os.environ.get("DP_FEDEMB_FUZZ_EXAMPLES", "8"))
 CASE_TIMEOUT_S = 300

@@ -12,7 +12,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from beam_jobs import partition, partition_job, records_io, schedule, schema, synthetic
-from tff_algorithms import client_data, export
+from tff_algorithms.federated import client_data
+from tff_algorithms.modeling import export
 
 IMAGE_SHAPE = (28, 28, 1)
 SYNTH = synthetic.SyntheticConfig(identities=12, images_per_identity=3, identities_per_user=2)
@@ -191,7 +192,7 @@ def test_a_user_deep_in_a_part_file_is_reached_by_a_seek_not_a_read_through(tmp_
 
 def test_the_workers_partition_reader_loads_no_beam():
     # A TFF worker imports client_data to read users; Beam belongs to the jobs that write.
-    check = "import sys, tff_algorithms.client_data; print('apache_beam' in sys.modules)"
+    check = "import sys, tff_algorithms.federated.client_data; print('apache_beam' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", check], capture_output=True, text=True, timeout=300, check=True
     )

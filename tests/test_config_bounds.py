@@ -17,8 +17,9 @@ import sys
 import pytest
 
 from pipeline import config as config_lib
-from tff_algorithms import bounded_load, budget
-from tff_algorithms.ledger import PrivacyLedger
+from tff_algorithms.base import bounded_load
+from tff_algorithms.privacy import budget
+from tff_algorithms.privacy.ledger import PrivacyLedger
 
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
 # 1.5 GiB of address space: above what a refused config needs (it runs in 0.8), far

@@ -10,13 +10,11 @@ import numpy as np
 import pytest
 
 from tests import support
-from tff_algorithms import (
-    accounting,
-    client_data,
-    contrastive_training,
-    job_config,
-    train_job,
-)
+from tff_algorithms.algorithms.logit_dp import training as contrastive_training
+from tff_algorithms.config import job_config
+from tff_algorithms.federated import client_data
+from tff_algorithms.jobs import train_job
+from tff_algorithms.privacy import accounting
 
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES
 # 14 users a step is the smallest batch whose sensitivity at logit scale 1 is below n·B.

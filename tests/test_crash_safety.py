@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from beam_jobs import synthetic
 from tests import support
-from tff_algorithms import job_files
+from tff_algorithms.base import job_files
 
 CLI_ROUNDS = 4
 KILL_SEED = 20240611
@@ -215,7 +215,7 @@ def test_pipeline_killed_in_private_train_reruns_without_redoing_finished_compon
     from pipeline import cli, definition, local_run
     from pipeline import config as config_lib
     from pipeline.components import artifacts
-    from tff_algorithms import budget
+    from tff_algorithms.privacy import budget
 
     output, tmp_dir = str(tmp_path / "run"), str(tmp_path / "tmp")
     os.makedirs(tmp_dir)

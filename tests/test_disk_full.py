@@ -14,7 +14,7 @@ import pytest
 
 from beam_jobs import synthetic
 from tests import small_fs, support
-from tff_algorithms import job_files
+from tff_algorithms.base import job_files
 
 SYNTH = synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
 _SYNTH_FLAGS = ("--identities=40", "--images-per-identity=6", "--seed=5")

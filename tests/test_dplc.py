@@ -1,4 +1,4 @@
-"""DPLC (tff_algorithms/dplc.py, issue 22 item 1).
+"""DPLC (tff_algorithms/privacy/dplc.py, issue 22 item 1).
 
 The reference cluster mean here shares no code with the module: neighbour counts from
 arccos angles, ranking by a Python sort on (−similarity, row), clipping by spherical
@@ -15,7 +15,7 @@ import dp_accounting
 import numpy as np
 import pytest
 
-from tff_algorithms import dplc
+from tff_algorithms.privacy import dplc
 
 # ---------------------------------------------------------------------------------------
 # Independent reference.

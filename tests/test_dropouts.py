@@ -13,21 +13,12 @@ import tensorflow as tf
 from beam_jobs import schedule, synthetic
 from pipeline import config as config_lib
 from tests import support
-from tff_algorithms import (
-    accounting,
-    aggregators,
-    client_config,
-    client_data,
-    client_work,
-    dropouts,
-    job_config,
-    model_config,
-    models,
-    processes,
-    report_policy,
-    train_job,
-)
-from tff_algorithms import ledger as ledger_lib
+from tff_algorithms.config import client_config, job_config, model_config, report_policy
+from tff_algorithms.federated import aggregators, client_data, client_work, dropouts, processes
+from tff_algorithms.jobs import train_job
+from tff_algorithms.modeling import models
+from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import ledger as ledger_lib
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 # One batch of 4 per healthy client; a straggler with 8 examples needs 2 steps.

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tff_algorithms import eer
+from tff_algorithms.evaluation import eer
 
 
 def test_threshold_balances_false_accepts_and_false_rejects():

@@ -9,7 +9,10 @@ import tensorflow as tf
 
 from beam_jobs import schema, splits, synthetic
 from tests import support
-from tff_algorithms import evaluation, metrics, models, train_job
+from tff_algorithms.evaluation import metrics
+from tff_algorithms.evaluation import scoring as evaluation
+from tff_algorithms.jobs import train_job
+from tff_algorithms.modeling import models
 
 SYNTH = support.TRAIN_CLI_DATA
 HELD_OUT_IDENTITIES = SYNTH.identities - support.SMALL_JOB_TRAIN_IDENTITIES
@@ -60,7 +63,7 @@ def test_a_model_that_cannot_decode_an_accepted_image_is_one_line_naming_it(tmp_
 
     from PIL import Image
 
-    from tff_algorithms import export
+    from tff_algorithms.modeling import export
 
     class OneChannel(tf.Module):
         @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name=export.INPUT_KEY)])

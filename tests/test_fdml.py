@@ -9,7 +9,12 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import fdml, fdml_privacy, fdml_run, model_config, runtime, triplet
+from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
+from tff_algorithms.algorithms.fdml import protocol as fdml
+from tff_algorithms.algorithms.fdml import run as fdml_run
+from tff_algorithms.algorithms.fdml import triplet
+from tff_algorithms.config import model_config
+from tff_algorithms.federated import runtime
 
 IMAGE_SHAPE = (2, 2, 1)
 EMBEDDING = 3

@@ -13,18 +13,15 @@ from beam_jobs import synthetic
 from pipeline import cli, report
 from pipeline.commands import train
 from tests import support
-from tff_algorithms import (
-    accounting,
-    budget,
-    fdml,
-    fdml_fields,
-    fdml_privacy,
-    fdml_run,
-    fdml_training,
-    job_config,
-    job_files,
-    train_job,
-)
+from tff_algorithms.algorithms.fdml import fields as fdml_fields
+from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
+from tff_algorithms.algorithms.fdml import protocol as fdml
+from tff_algorithms.algorithms.fdml import run as fdml_run
+from tff_algorithms.algorithms.fdml import training as fdml_training
+from tff_algorithms.base import job_files
+from tff_algorithms.config import job_config
+from tff_algorithms.jobs import train_job
+from tff_algorithms.privacy import accounting, budget
 
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES  # one user each, 6 images
 # Two groups of two users a round, four images each.

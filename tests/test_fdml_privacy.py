@@ -21,7 +21,8 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import fdml, fdml_privacy
+from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
+from tff_algorithms.algorithms.fdml import protocol as fdml
 
 PIXELS, DIM, USERS, SAMPLES = 4, 2, 4, 2
 MARGIN = 0.5

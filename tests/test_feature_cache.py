@@ -11,15 +11,11 @@ import tensorflow as tf
 
 from beam_jobs import partition, schema
 from tests import support
-from tff_algorithms import (
-    client_data,
-    feature_cache,
-    job_config,
-    job_files,
-    model_config,
-    models,
-    train_job,
-)
+from tff_algorithms.base import job_files
+from tff_algorithms.config import job_config, model_config
+from tff_algorithms.federated import client_data, feature_cache
+from tff_algorithms.jobs import train_job
+from tff_algorithms.modeling import models
 
 SMALL = model_config.BackboneConfig(embedding_size=16)
 

@@ -29,7 +29,9 @@ import tensorflow as tf
 
 from beam_jobs import schema
 from tests import support
-from tff_algorithms import export, job_config, train_job
+from tff_algorithms.config import job_config
+from tff_algorithms.jobs import train_job
+from tff_algorithms.modeling import export
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
 

@@ -21,7 +21,7 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 
 from pipeline import cli, definition
 from pipeline import config as config_lib
-from tff_algorithms import runtime
+from tff_algorithms.federated import runtime
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE = config_lib.IMAGE

@@ -15,7 +15,9 @@ from PIL import Image
 
 from beam_jobs import image_files, ingest, schema
 from tests import support
-from tff_algorithms import evaluation, export, model_config, models
+from tff_algorithms.config import model_config
+from tff_algorithms.evaluation import scoring as evaluation
+from tff_algorithms.modeling import export, models
 
 GREY_BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 

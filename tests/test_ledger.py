@@ -1,4 +1,4 @@
-"""Tests of tff_algorithms.ledger: per-round recording, JSON checkpointing and resume."""
+"""Tests of tff_algorithms.privacy.ledger: per-round recording, JSON checkpointing and resume."""
 
 import dataclasses
 import json
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tff_algorithms import accounting
-from tff_algorithms.accounting import AccountingSpec
-from tff_algorithms.ledger import PrivacyLedger
+from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy.accounting import AccountingSpec
+from tff_algorithms.privacy.ledger import PrivacyLedger
 
 SGD = AccountingSpec(20_000, 200, 12, 0.8, 1e-6)
 TREE = AccountingSpec(

@@ -1,4 +1,4 @@
-"""Logit-DP (tff_algorithms/logit_dp.py, issue 26 item 1).
+"""Logit-DP (tff_algorithms/algorithms/logit_dp/mechanism.py, issue 26 item 1).
 
 The references here do not share the module's code: the loss, logits and per-pair norms
 are rebuilt in the test from plain TF ops, and the worst-case sensitivity search is numpy
@@ -16,9 +16,9 @@ import pytest
 import tensorflow as tf
 from scipy.optimize import minimize
 
-from tff_algorithms import logit_dp
-from tff_algorithms import logit_dp_sensitivity as sensitivity
-from tff_algorithms.accounting import NeighboringRelation
+from tff_algorithms.algorithms.logit_dp import mechanism as logit_dp
+from tff_algorithms.algorithms.logit_dp import sensitivity as sensitivity
+from tff_algorithms.privacy.accounting import NeighboringRelation
 
 E2 = math.exp(2.0)
 REPLACE = NeighboringRelation.REPLACE_ONE

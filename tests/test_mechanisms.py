@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from tests import support
-from tff_algorithms import accounting, mechanisms
+from tff_algorithms.federated import mechanisms
+from tff_algorithms.privacy import accounting
 
 _NUM_COORDINATES = 20_000
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tff_algorithms import metrics
+from tff_algorithms.evaluation import metrics
 
 
 def _weighted_brute_force(embeddings, labels, weights, fars, users=None):

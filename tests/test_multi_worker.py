@@ -16,15 +16,10 @@ from tensorflow_federated.python.core.impl.execution_contexts import (
 from beam_jobs import synthetic
 from pipeline import cli
 from tests import support
-from tff_algorithms import (
-    aggregators,
-    client_work,
-    model_config,
-    processes,
-    runtime,
-    train_job,
-)
-from tff_algorithms.client_config import ClientConfig
+from tff_algorithms.config import model_config
+from tff_algorithms.config.client_config import ClientConfig
+from tff_algorithms.federated import aggregators, client_work, processes, runtime
+from tff_algorithms.jobs import train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=36, images_per_identity=5, seed=7)
 TRAIN_IDENTITIES = 28  # identities (= users) 0..27 train, 28..35 held out

@@ -12,7 +12,7 @@ schema, anomalies, the ML Metadata store, the logs. Asserted:
 Excluded, by design: the data itself (ingested records, splits, the user-sharded
 partition: Examples and VirtualClientPartition artifacts, `OUT/data`), and for seeds
 only `OUT/train_job.json` and the checkpoints, which exist to resume and are documented
-as private as the training data (tff_algorithms/train_job.py).
+as private as the training data (tff_algorithms/jobs/train_job.py).
 """
 
 import json
@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from beam_jobs import partition, schema, synthetic
 from pipeline.components import artifacts
-from tff_algorithms import job_files
+from tff_algorithms.base import job_files
 
 # One xdist worker runs every module of the session's tiny pipeline run (conftest).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiny_pipeline")]

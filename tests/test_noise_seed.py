@@ -14,7 +14,8 @@ from beam_jobs import synthetic
 from pipeline import cli
 from pipeline import config as config_lib
 from tests import support
-from tff_algorithms import job_config, train_job
+from tff_algorithms.config import job_config
+from tff_algorithms.jobs import train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=8)
 # Production noise. The schedule is fixed (its own testing flag, tests/test_seed_secrecy.py)

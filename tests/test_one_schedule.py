@@ -10,7 +10,7 @@ import pytest
 from beam_jobs import partition, schedule
 from pipeline.components import artifacts
 from pipeline.components import training as training_components
-from tff_algorithms import job_config, report_policy
+from tff_algorithms.config import job_config, report_policy
 
 USERS, K, M, ROUNDS = 200, 2, 8, 6
 

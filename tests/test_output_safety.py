@@ -1,6 +1,6 @@
 """Issue 37: the product never deletes or overwrites a file it did not create.
 
-`dp-fedemb train` claims its output directory (tff_algorithms/owned_files.py): images kept
+`dp-fedemb train` claims its output directory (tff_algorithms/base/owned_files.py): images kept
 under OUTPUT, an output inside or equal to --data, a symbolic link, or a user's file put
 inside OUTPUT/data, a checkpoint or the SavedModel are refused in one line, and nothing of
 the user's is removed.
@@ -14,7 +14,8 @@ import pytest
 from beam_jobs import synthetic
 from pipeline.commands import train
 from tests import support
-from tff_algorithms import job_files, owned_files, training
+from tff_algorithms.base import job_files, owned_files
+from tff_algorithms.federated import training
 
 IMAGES = synthetic.SyntheticConfig(identities=4, images_per_identity=2, seed=1)
 

@@ -19,7 +19,7 @@ from pipeline.components import data
 
 def test_fingerprint_covers_the_library_code_a_component_calls():
     closure = fingerprint.module_closure("pipeline.components.training")
-    assert "tff_algorithms.train_job" in closure and "beam_jobs.partition" in closure
+    assert "tff_algorithms.jobs.train_job" in closure and "beam_jobs.partition" in closure
     assert "beam_jobs.dedup" in fingerprint.module_closure("pipeline.components.data")
     assert fingerprint.code_fingerprint("pipeline.components.data") != fingerprint.code_fingerprint(
         "pipeline.components.training"

@@ -56,7 +56,7 @@ def test_the_noise_is_set_one_way_and_either_way_replaces_the_recipes():
 
 
 def test_null_restores_the_library_default():
-    from tff_algorithms import job_config
+    from tff_algorithms.config import job_config
 
     library = job_config.TrainJobConfig()
     job = config_lib.load_config(

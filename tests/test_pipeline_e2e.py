@@ -22,7 +22,7 @@ from pipeline import config as config_lib
 from pipeline import console, definition, lineage, local_run
 from pipeline.components import artifacts
 from tests import support
-from tff_algorithms import job_files
+from tff_algorithms.base import job_files
 
 # One xdist worker runs every module of the session's tiny pipeline run (conftest).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiny_pipeline")]

@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 from beam_jobs import canaries
-from tff_algorithms import audit
+from tff_algorithms.jobs import audit
 
 
 def test_without_delta_the_p_value_is_the_randomized_response_binomial_tail():

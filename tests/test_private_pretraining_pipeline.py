@@ -14,7 +14,7 @@ import pytest
 from pipeline import definition, lineage
 from pipeline.components import artifacts
 from tests import support
-from tff_algorithms import job_files
+from tff_algorithms.base import job_files
 
 pytestmark = pytest.mark.slow
 

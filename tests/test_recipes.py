@@ -7,7 +7,7 @@ from absl import flags
 
 from pipeline import config as config_lib
 from pipeline.commands import train as train_command
-from tff_algorithms import job_config, recipes
+from tff_algorithms.config import job_config, recipes
 
 
 def _train_flags(*argv: str) -> dict:

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline import model_card, privacy_text, report
 from tests import support
-from tff_algorithms import accounting
+from tff_algorithms.privacy import accounting
 
 FARS = ("0.1", "0.01", "0.001")
 
@@ -280,7 +280,7 @@ def test_report_and_card_render_in_headless_chromium(page, tmp_path):
 
 
 def test_a_model_from_two_private_runs_shows_their_composed_epsilon():
-    from tff_algorithms import composition, ledger
+    from tff_algorithms.privacy import composition, ledger
 
     pretrain = ledger.PrivacyLedger(
         accounting.AccountingSpec(
@@ -329,7 +329,7 @@ def test_a_model_from_two_private_runs_shows_their_composed_epsilon():
 
 
 def test_the_model_card_shows_the_shared_negatives_releases_with_their_epsilon(tmp_path):
-    from tff_algorithms import dplc_releases, ledger
+    from tff_algorithms.privacy import dplc_releases, ledger
 
     plan = dplc_releases.ReleasePlan(
         every_rounds=2,

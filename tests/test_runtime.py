@@ -12,7 +12,7 @@ import pytest
 import tensorflow_federated as tff
 
 from tests import processes
-from tff_algorithms import runtime
+from tff_algorithms.federated import runtime
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = os.path.join(REPO, "tests", "runtime_child.py")

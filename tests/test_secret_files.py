@@ -9,7 +9,10 @@ import pytest
 
 from beam_jobs import synthetic
 from tests import support
-from tff_algorithms import budget, job_config, job_files, secret_files, train_job
+from tff_algorithms.base import job_files, secret_files
+from tff_algorithms.config import job_config
+from tff_algorithms.jobs import train_job
+from tff_algorithms.privacy import budget
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=9)
 TRAIN_IDENTITIES = 18

@@ -29,7 +29,9 @@ from pipeline import cli, compile_targets, definition
 from pipeline import config as config_lib
 from pipeline.components import artifacts
 from tests import support
-from tff_algorithms import job_config, job_files, job_outputs, train_job
+from tff_algorithms.base import job_files
+from tff_algorithms.config import job_config
+from tff_algorithms.jobs import job_outputs, train_job
 
 # One xdist worker runs every module of the session's tiny pipeline run (conftest).
 pytestmark = pytest.mark.xdist_group("tiny_pipeline")

@@ -2,7 +2,7 @@
 accounting, and a real DP-FedEmb run with them.
 
 The composed epsilons are checked against dp_accounting directly (events built here,
-not through tff_algorithms.accounting or dplc_releases).
+not through tff_algorithms.privacy.accounting or dplc_releases).
 """
 
 import dataclasses
@@ -18,20 +18,13 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import special
 
 from tests import support
-from tff_algorithms import (
-    accounting,
-    budget,
-    calibration,
-    client_config,
-    dplc_releases,
-    job_config,
-    job_files,
-    shared_negatives,
-    shared_negatives_config,
-    train_job,
-)
-from tff_algorithms.ledger import PrivacyLedger
-from tff_algorithms.local_training import MASKED_LOGIT, head_logits, head_loss
+from tff_algorithms.algorithms.dp_fedemb import shared_negatives, shared_negatives_config
+from tff_algorithms.base import job_files
+from tff_algorithms.config import client_config, job_config
+from tff_algorithms.federated.local_training import MASKED_LOGIT, head_logits, head_loss
+from tff_algorithms.jobs import train_job
+from tff_algorithms.privacy import accounting, budget, calibration, dplc_releases
+from tff_algorithms.privacy.ledger import PrivacyLedger
 
 # ---------------------------------------------------------------------------------------
 # Independent accounting: dp_accounting's RDP accountant on events written out here.
@@ -381,7 +374,7 @@ def test_no_head_row_or_center_in_the_export_and_no_head_in_the_checkpoint(run):
 
 def test_centers_come_from_the_current_backbone_with_one_row_per_pool_user(tff_runtime, data):
     from beam_jobs import partition
-    from tff_algorithms import models
+    from tff_algorithms.modeling import models
 
     reader = partition.PartitionReader(data[0])
     users = reader.user_ids()
@@ -400,7 +393,9 @@ def test_centers_come_from_the_current_backbone_with_one_row_per_pool_user(tff_r
 
 
 def test_a_client_trains_against_the_broadcast_rows_and_returns_only_its_backbone():
-    from tff_algorithms import client_work, model_config, models
+    from tff_algorithms.config import model_config
+    from tff_algorithms.federated import client_work
+    from tff_algorithms.modeling import models
 
     backbone = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
     config = client_config.ClientConfig(

@@ -1,4 +1,4 @@
-"""tff_algorithms/tensorboard_rounds.py: history records read back from the event files."""
+"""tff_algorithms/jobs/tensorboard_rounds.py: history records read back from the event files."""
 
 import glob
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import tensorflow as tf
 
-from tff_algorithms import tensorboard_rounds
+from tff_algorithms.jobs import tensorboard_rounds
 
 
 def _read(logdir: str) -> dict[str, dict[int, float]]:

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_algorithms import client_config, client_work, local_training, model_config, models
+from tff_algorithms.config import client_config, model_config
+from tff_algorithms.federated import client_work, local_training
+from tff_algorithms.modeling import models
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 CONFIG = client_config.ClientConfig(

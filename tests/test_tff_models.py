@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_algorithms import model_config, models
+from tff_algorithms.config import model_config
+from tff_algorithms.modeling import models
 
 SMALL = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=16)
 

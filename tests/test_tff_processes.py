@@ -4,17 +4,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_algorithms import (
-    accounting,
-    aggregators,
-    client_config,
-    client_work,
-    local_training,
-    mechanisms,
-    model_config,
-    models,
-    processes,
-)
+from tff_algorithms.config import client_config, model_config
+from tff_algorithms.federated import aggregators, client_work, local_training, mechanisms, processes
+from tff_algorithms.modeling import models
+from tff_algorithms.privacy import accounting
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 CONFIG = client_config.ClientConfig(client_learning_rate=0.05, head_capacity=5, batch_size=4)

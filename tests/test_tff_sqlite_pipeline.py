@@ -28,7 +28,7 @@ from PIL import Image
 
 from beam_jobs import synthetic
 from tests import support
-from tff_algorithms import evaluation
+from tff_algorithms.evaluation import scoring as evaluation
 
 pytestmark = pytest.mark.slow
 

@@ -28,7 +28,8 @@ from beam_jobs import synthetic
 from pipeline import cli
 from pipeline import config as config_lib
 from tests import support
-from tff_algorithms import runtime, train_job
+from tff_algorithms.federated import runtime
+from tff_algorithms.jobs import train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=11)
 TRAIN_IDENTITIES = 20

@@ -13,7 +13,7 @@ from beam_jobs import synthetic
 from pipeline import cli
 from pipeline.commands import train
 from tests import support
-from tff_algorithms import job_files
+from tff_algorithms.base import job_files
 
 TRAIN_FLAGS = support.train_cli_flags(rounds=3)
 

@@ -11,15 +11,10 @@ import pytest
 import tensorflow as tf
 
 from tests import support
-from tff_algorithms import (
-    accounting,
-    calibration,
-    client_config,
-    job_config,
-    job_files,
-    job_outputs,
-    train_job,
-)
+from tff_algorithms.base import job_files
+from tff_algorithms.config import client_config, job_config
+from tff_algorithms.jobs import job_outputs, train_job
+from tff_algorithms.privacy import accounting, calibration
 
 SYNTH = support.TRAIN_CLI_DATA
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES  # identities 32..39 are held out

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from tests import support
-from tff_algorithms import accounting, training
+from tff_algorithms.federated import training
+from tff_algorithms.privacy import accounting
 
 ROUNDS = support.TOY_ROUNDS
 

@@ -15,7 +15,7 @@ import math
 
 import pytest
 
-from tff_algorithms import accounting, tree_sensitivity
+from tff_algorithms.privacy import accounting, tree_sensitivity
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,12 @@ import tensorflow as tf
 from PIL import Image
 
 from tests import support
-from tff_algorithms import job_config, job_files, models, train_job, user_dp_sgd
-from tff_algorithms.client_config import HeadLossConfig
+from tff_algorithms.algorithms.user_dp_sgd import training as user_dp_sgd
+from tff_algorithms.base import job_files
+from tff_algorithms.config import job_config
+from tff_algorithms.config.client_config import HeadLossConfig
+from tff_algorithms.jobs import train_job
+from tff_algorithms.modeling import models
 
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES
 USERS_PER_STEP = 8

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tff_algorithms import validation
+from tff_algorithms.base import validation
 
 
 @pytest.mark.parametrize(

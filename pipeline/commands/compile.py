@@ -108,7 +108,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     finally:
         # Validation imports TFF: its import-time context would otherwise fail noisily
         # at exit, after the one error line.
-        if "tff_algorithms.runtime" in sys.modules:
-            sys.modules["tff_algorithms.runtime"].release_import_time_context()
+        if "tff_algorithms.federated.runtime" in sys.modules:
+            sys.modules["tff_algorithms.federated.runtime"].release_import_time_context()
     print(written)
     return 0

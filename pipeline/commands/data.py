@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from pipeline.commands import checks
-from tff_algorithms import owned_files
+from tff_algorithms.base import owned_files
 
 VERBS = ("synth", "ingest", "split", "dedup", "partition")
 

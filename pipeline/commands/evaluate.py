@@ -102,7 +102,8 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     resamples = flag_values["bootstrap-resamples"].value
     if resamples < 1:
         raise ValueError(f"--bootstrap-resamples must be >= 1, got {resamples}")
-    from tff_algorithms import evaluation, runtime
+    from tff_algorithms.evaluation import scoring as evaluation
+    from tff_algorithms.federated import runtime
 
     # Evaluation needs no TFF; drop TFF's import-time context before it can fail at exit.
     runtime.release_import_time_context()

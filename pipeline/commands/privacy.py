@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from absl import flags
 
 from pipeline.commands import checks
-from tff_algorithms import accounting, calibration, fdml_privacy
+from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
+from tff_algorithms.privacy import accounting, calibration
 
 
 def _values(enum_type: type[enum.Enum]) -> list[str]:
@@ -176,7 +177,7 @@ def help_defaults() -> dict[str, str]:
 
 
 def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
-    """The documented bounds (tff_algorithms/accounting.py, "Bounds"), with one-line flag
+    """The documented bounds (tff_algorithms/privacy/accounting.py, "Bounds"), with one-line flag
     errors; the accountant checks them again, with the combinations."""
     checks.no_arguments(args)
     value = {name: flag_values[name].value for name in flag_values}

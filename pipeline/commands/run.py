@@ -99,8 +99,8 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     finally:
         # Validation and the components import TFF: its import-time context would
         # otherwise fail noisily at exit, after the one error line.
-        if "tff_algorithms.runtime" in sys.modules:
-            sys.modules["tff_algorithms.runtime"].release_import_time_context()
+        if "tff_algorithms.federated.runtime" in sys.modules:
+            sys.modules["tff_algorithms.federated.runtime"].release_import_time_context()
     recall = ", ".join(f"{far}: {value:.4f}" for far, value in summary.recall_at_far.items())
     if summary.pushed_to:
         print(f"pushed model: {summary.pushed_to}")

@@ -24,18 +24,13 @@ from absl import flags
 
 from pipeline import console
 from pipeline.commands import checks
-from tff_algorithms import (
-    accounting,
-    algorithms,
-    client_config,
-    fdml_fields,
-    job_files,
-    model_config,
-    owned_files,
-    recipes,
-    shared_negatives_config,
-)
-from tff_algorithms import job_config as job_config_lib
+from tff_algorithms import algorithms
+from tff_algorithms.algorithms.dp_fedemb import shared_negatives_config
+from tff_algorithms.algorithms.fdml import fields as fdml_fields
+from tff_algorithms.base import job_files, owned_files
+from tff_algorithms.config import client_config, model_config, recipes
+from tff_algorithms.config import job_config as job_config_lib
+from tff_algorithms.privacy import accounting
 
 # The TrainJobConfig fields passed straight through as flags: each flag is its field's
 # name in kebab case (--client-learning-rate sets client_learning_rate).
@@ -114,7 +109,7 @@ DATA_LAYOUT = owned_files.TreeLayout(
 
 def define_flags(flag_values: flags.FlagValues) -> None:
     # Hyperparameter flags default to None, meaning the recipe's value, or where the
-    # recipe has none TrainJobConfig's default (tff_algorithms/recipes.py).
+    # recipe has none TrainJobConfig's default (tff_algorithms/config/recipes.py).
     def define(kind: str, name: str, help_text: str, default: Any = None) -> None:
         getattr(flags, f"DEFINE_{kind}")(name, default, help_text, flag_values=flag_values)
 
@@ -388,7 +383,7 @@ def _config_values(value: Mapping[str, Any]) -> dict[str, Any]:
 
 def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazily
     """The cross-run budget from --budget-ledger and --dataset-budget-epsilon, or None."""
-    from tff_algorithms import budget
+    from tff_algorithms.privacy import budget
 
     ledger, total = value["budget-ledger"], value["dataset-budget-epsilon"]
     if (ledger is None) != (total is None):
@@ -400,7 +395,7 @@ def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazil
     return budget.BudgetPolicy(ledger, total, value["override-budget"])
 
 
-# The module tff_algorithms.job_config is imported as job_config_lib: this name is public.
+# The module tff_algorithms.config.job_config is imported as job_config_lib: this name is public.
 def job_config(value: Mapping[str, Any]) -> job_config_lib.TrainJobConfig:
     """The TrainJobConfig of parsed flags: the flags given over --recipe, over what the
     algorithm starts from (`Algorithm.starting_values`: centralized, the pretraining
@@ -420,7 +415,7 @@ def job_config(value: Mapping[str, Any]) -> job_config_lib.TrainJobConfig:
 
 
 def _train(value: Mapping[str, Any]) -> dict[str, Any]:
-    from tff_algorithms import train_job
+    from tff_algorithms.jobs import train_job
 
     config = job_config(value)
     budget_policy = _budget_policy(value)
@@ -696,7 +691,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     for name in ("data", "output"):
         if not value[name]:
             raise ValueError(f"--{name} is required")
-    from tff_algorithms import runtime
+    from tff_algorithms.federated import runtime
 
     # Started before anything can fail, so TFF's own import-time context never lingers
     # (its worker manager fails noisily at exit); SIGTERM/SIGINT stop the workers.

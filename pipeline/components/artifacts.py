@@ -47,18 +47,18 @@ class PipelineReport(types.Artifact):
 
 # Custom property names shared by the components and the lineage query.
 # The model's epsilon: composed over every private run its weights come from (Logit-DP
-# pretraining on the same users and the training; tff_algorithms.composition).
+# pretraining on the same users and the training; tff_algorithms.privacy.composition).
 EPSILON = "epsilon"
 DELTA = "delta"
 # On PrivateTrain's artifacts: the training run's own epsilon, and how many private runs
 # the model's epsilon composes (1 without private pretraining).
 RUN_EPSILON = "run_epsilon"
 COMPOSED_RUNS = "composed_runs"
-# What the epsilon means (tff_algorithms.accounting): "strict" or "paper", and the
+# What the epsilon means (tff_algorithms.privacy.accounting): "strict" or "paper", and the
 # neighbouring relation, on Model, PrivacyLedger, TrainingMetrics and ModelEvaluation.
 ACCOUNTING_CONVENTION = "accounting_convention"
 NEIGHBORING_RELATION = "neighboring_relation"
-# On PrivacyLedger: the cross-run budget of the training users (tff_algorithms.budget).
+# On PrivacyLedger: the cross-run budget of the training users (tff_algorithms.privacy.budget).
 DATASET_FINGERPRINT = "dataset_fingerprint"
 DATASET_EPSILON = "dataset_epsilon"  # composed over every run charged, this one included
 DATASET_BUDGET_EPSILON = "dataset_budget_epsilon"

@@ -6,7 +6,7 @@ paired one (both models scored on each resample).
 
 A model is blessed only if
 - its privacy ledger's epsilon was accounted under the strict convention
-  (tff_algorithms.accounting), is finite and within the configured budget (a model over
+  (tff_algorithms.privacy.accounting), is finite and within the configured budget (a model over
   budget is never blessed, whatever its recall), and
 - its recall at the gate FAR is no worse (up to `max_recall_regression`) than that of
   the last blessed model, which the standard LatestBlessedModelStrategy resolver gives,
@@ -30,7 +30,7 @@ from tfx import v1 as tfx
 from tfx.types import standard_artifacts
 
 from pipeline.components import artifacts, layout
-from tff_algorithms import accounting
+from tff_algorithms.privacy import accounting
 
 EVALUATION_FILE = "evaluation.json"
 
@@ -42,7 +42,7 @@ def _comparison(
     confidence: float,
     split_mode: str,
 ) -> dict[str, dict]:
-    from tff_algorithms import evaluation
+    from tff_algorithms.evaluation import scoring as evaluation
 
     return evaluation.compare_saved_models(
         model_dirs, records_dir, num_resamples, confidence, split_mode=split_mode
@@ -79,7 +79,7 @@ def _blessing_decision(
             f"recall {candidate_recall:.4f} is below the last blessed model's {baseline_recall:.4f}"
         )
     # versus_start: the candidate's paired comparison with its pretrained start at the
-    # gate FAR ({"difference", "interval"}, tff_algorithms.evaluation.compare_saved_models).
+    # gate FAR ({"difference", "interval"}, tff_algorithms.evaluation.scoring.compare_saved_models).
     if versus_start is not None and versus_start["interval"][1] < 0:
         low, high = versus_start["interval"]
         reasons.append(

@@ -15,7 +15,7 @@ from tfx import v1 as tfx
 from tfx.types import standard_artifacts
 
 from pipeline.components import artifacts, evaluation
-from tff_algorithms import job_files
+from tff_algorithms.base import job_files
 
 REPORT_FILE = "index.html"
 

@@ -1,7 +1,7 @@
 """Training components: pretraining (non-private on public data, or Logit-DP on the
 private users), and private training.
 
-Both call `tff_algorithms.train_job.run_train_job` in a work directory (checkpoints
+Both call `tff_algorithms.jobs.train_job.run_train_job` in a work directory (checkpoints
 there let a killed run resume on retry) and publish only the serving SavedModel
 (backbone only: per-virtual-client heads never leave the job), metrics.json and, for
 private training, the privacy ledger. A private model never leaves the component
@@ -22,8 +22,8 @@ from tfx.types import standard_artifacts
 
 from pipeline import console
 from pipeline.components import artifacts, layout
-from tff_algorithms import job_files, owned_files
-from tff_algorithms.job_config import (
+from tff_algorithms.base import job_files, owned_files
+from tff_algorithms.config.job_config import (
     TrainJobConfig,
     accounting_spec_for,
     release_plan_for,
@@ -31,8 +31,8 @@ from tff_algorithms.job_config import (
 )
 
 if TYPE_CHECKING:  # imported lazily at run time: TFF is slow to import
-    from tff_algorithms import job_outputs
-    from tff_algorithms import ledger as ledger_lib
+    from tff_algorithms.jobs import job_outputs
+    from tff_algorithms.privacy import ledger as ledger_lib
 
 # pretrain.source private_contrastive (pipeline.config.PRIVATE_CONTRASTIVE): the value of
 # a backbone's "trained_on" property.
@@ -74,7 +74,9 @@ def _run_job(
     *,
     split_mode: str,
 ) -> "job_outputs.TrainJobResult":
-    from tff_algorithms import budget, runtime, train_job
+    from tff_algorithms.federated import runtime
+    from tff_algorithms.jobs import train_job
+    from tff_algorithms.privacy import budget
 
     config = TrainJobConfig.from_dict(json.loads(job_config))
     backbone_dir = layout.serving_model_dir(pretrained_backbone) if pretrained_backbone else None
@@ -122,7 +124,7 @@ def _set_recall_properties(artifact: types.Artifact, metrics: dict) -> None:
 
 
 def _set_budget_properties(privacy_ledger: types.Artifact, charge: dict | None) -> None:
-    """The cross-run budget charge (tff_algorithms.budget.BudgetCharge) as lineage."""
+    """The cross-run budget charge (tff_algorithms.privacy.budget.BudgetCharge) as lineage."""
     if charge is None:
         return
     privacy_ledger.set_string_custom_property(artifacts.DATASET_FINGERPRINT, charge["fingerprint"])
@@ -159,7 +161,7 @@ def PretrainBackbone(
 
     del code_fingerprint
     work_dir = _work_dir(backbone, train_job_config, examples.uri)
-    # The job claims its directory (tff_algorithms/owned_files.py): what the component
+    # The job claims its directory (tff_algorithms/base/owned_files.py): what the component
     # writes there first is recorded as the product's too (a directory from before the
     # record, holding the partition, is adopted).
     owned_files.claim(
@@ -235,8 +237,8 @@ def PrivatePretrain(
     """
     from beam_jobs import partition as partition_lib
     from beam_jobs import splits
-    from tff_algorithms import budget
-    from tff_algorithms import ledger as ledger_lib
+    from tff_algorithms.privacy import budget
+    from tff_algorithms.privacy import ledger as ledger_lib
 
     del code_fingerprint
     work_dir = _work_dir(
@@ -340,7 +342,7 @@ def _private_start(backbone: types.Artifact | None) -> _PrivateStart | None:
         PRIVATE_CONTRASTIVE
     ):
         return None
-    from tff_algorithms import ledger as ledger_lib
+    from tff_algorithms.privacy import ledger as ledger_lib
 
     with tf.io.gfile.GFile(os.path.join(backbone.uri, job_files.LEDGER_FILE)) as f:
         ledger = ledger_lib.PrivacyLedger.from_json(f.read())
@@ -364,12 +366,12 @@ def PrivateTrain(
 ) -> None:
     """User-level DP training (DP-FedEmb, DP-FTRL-FedEmb or DP-FedAvg, by config).
 
-    `budget_policy` (JSON of tff_algorithms.budget.BudgetPolicy fields) is the training
+    `budget_policy` (JSON of tff_algorithms.privacy.budget.BudgetPolicy fields) is the training
     users' cross-run budget: the run is charged to it before training or refused. It is
     an execution property in ML Metadata, and the PrivacyLedger artifact carries what
     the charge did (dataset fingerprint, composed epsilon, budget, budget_overridden).
 
-    `runtime_config` (JSON of tff_algorithms.runtime.RuntimeConfig fields) names the
+    `runtime_config` (JSON of tff_algorithms.federated.runtime.RuntimeConfig fields) names the
     TFF workers; it is not part of the work directory's key, so a retry on other
     workers resumes from the same checkpoints.
 
@@ -384,8 +386,8 @@ def PrivateTrain(
     and users); the final evaluation uses the test split (EvaluateAndBless).
     """
     from beam_jobs import splits
-    from tff_algorithms import composition as composition_lib
-    from tff_algorithms import ledger as ledger_lib
+    from tff_algorithms.privacy import composition as composition_lib
+    from tff_algorithms.privacy import ledger as ledger_lib
 
     del code_fingerprint
     job = json.loads(train_job_config)

@@ -1,12 +1,13 @@
-"""The training algorithms, each declared once in the registry (`registry`).
+"""The training algorithms: the registry (`registry`, `rules`) and one package per family.
 
-One registration module per family: `dp_fedemb` (dp-fedemb, dp-fedavg,
-dp-ftrl-fedemb), `centralized`, `logit_dp`, `user_dp_sgd` (dp-sgd-centralized,
-dp-last-layer) and `fdml`. Importing this package registers them all, in the order
-`names()` lists them. Everything here is TensorFlow-free and may import only
-TensorFlow-free modules (`accounting`, `recipes`, `beam_jobs.schedule`, the algorithms'
-`*_config` / `*_fields` modules); trainers are imported when a job trains
-(`Algorithm.load_trainer`). How an algorithm plugs in: docs/design.md.
+`dp_fedemb/` (dp-fedemb, dp-fedavg, dp-ftrl-fedemb, shared negatives), `centralized/`,
+`logit_dp/`, `user_dp_sgd/` (dp-sgd-centralized, dp-last-layer) and `fdml/`. Each
+package's `__init__.py` registers its `Algorithm`s; importing this package registers
+them all, in the order `names()` lists them. The registry, the specs and the settings
+modules they check with are TensorFlow-free and import only `base`, `privacy`, `config`
+and `beam_jobs.schedule` (the `config` layer reads them); an algorithm's other modules
+may import every package and are imported when a job trains (`Algorithm.load_trainer`).
+How an algorithm plugs in: docs/design.md; the layers: docs/layout.md.
 """
 
 # isort: off

@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from beam_jobs import schedule
-from tff_algorithms import accounting, recipes
+from tff_algorithms.config import recipes
+from tff_algorithms.privacy import accounting
 
 # (config, num_users, delta) -> the accounting spec of the planned job.
 AccountingRule = Callable[[Any, int, float], accounting.AccountingSpec]

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from beam_jobs import schedule
-from tff_algorithms import accounting
 from tff_algorithms.algorithms import registry
+from tff_algorithms.privacy import accounting
 
 
 def schedule_shape(config: Any, num_users: int) -> schedule.ScheduleShape:

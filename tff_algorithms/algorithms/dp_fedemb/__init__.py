@@ -1,0 +1,66 @@
+"""DP-FedEmb and its two variants, DP-FedAvg and DP-FTRL-FedEmb (`registry.Algorithm`).
+
+Virtual clients of `users_per_virtual_client` users train one round each; the
+backbone's update is clipped and noised (`mechanisms`). DP-FedEmb and DP-FTRL-FedEmb
+train a local head per virtual client (shared negatives may extend it); DP-FedAvg
+trains the backbone and a global head with one optimizer (paper, Alg. 2).
+DP-FTRL-FedEmb adds tree-aggregated noise and samples users in epochs. The trainers
+are `train_job.train_dp_fedemb` and `train_dp_fedavg`. No TensorFlow.
+"""
+
+from __future__ import annotations
+
+from beam_jobs import schedule
+from tff_algorithms.algorithms import registry, rules
+from tff_algorithms.privacy import accounting
+
+DP_FEDEMB = registry.register(
+    registry.Algorithm(
+        name="dp-fedemb",
+        summary="DP-FedEmb: virtual clients train local heads, the backbone's update clipped "
+        "and noised",
+        private=True,
+        trainer="tff_algorithms.jobs.train_job:train_dp_fedemb",
+        accounting_rule=rules.scheduled_accounting,
+        mechanism=accounting.Mechanism.DPSGD,
+        check_round_fill=rules.check_schedule_fills,
+        local_heads=True,
+        cacheable=True,
+        pipeline_trains=True,
+        canary_audit=True,
+        tff_runtime=True,
+    )
+)
+DP_FEDAVG = registry.register(
+    registry.Algorithm(
+        name="dp-fedavg",
+        summary="DP-FedAvg: virtual clients train the backbone and a global head",
+        private=True,
+        trainer="tff_algorithms.jobs.train_job:train_dp_fedavg",
+        accounting_rule=rules.scheduled_accounting,
+        mechanism=accounting.Mechanism.DPSGD,
+        check_round_fill=rules.check_schedule_fills,
+        # One optimizer trains backbone and global head: at DP-FedEmb's 100 the global
+        # head's update fills the clipped delta (BENCHMARKS.md, "Training").
+        default_head_lr_scale=1.0,
+        cacheable=True,
+        pipeline_trains=True,
+        tff_runtime=True,
+    )
+)
+DP_FTRL_FEDEMB = registry.register(
+    registry.Algorithm(
+        name="dp-ftrl-fedemb",
+        summary="DP-FedEmb with tree-aggregated noise (DP-FTRL), users sampled in epochs",
+        private=True,
+        trainer="tff_algorithms.jobs.train_job:train_dp_fedemb",
+        accounting_rule=rules.scheduled_accounting,
+        mechanism=accounting.Mechanism.DPFTRL,
+        schedule_mode=schedule.EPOCH,
+        check_round_fill=rules.check_schedule_fills,
+        local_heads=True,
+        cacheable=True,
+        pipeline_trains=True,
+        tff_runtime=True,
+    )
+)

@@ -1,0 +1,461 @@
+"""Local training of one virtual client: identity keys and labels, the head, and the loop
+(`LocalTrainer`) that `client_work` runs inside a TFF computation for every virtual client.
+
+Identity remapping happens inside the client: identities become int64 keys (the
+integer itself, or a 62-bit hash of the string), a first pass over the virtual
+client's data collects the sorted distinct keys, and an identity's local label is
+its rank among them. Head rows at or beyond the number of local identities are
+masked out of the softmax. Examples of identities beyond `head_capacity` are
+dropped from the loss and counted in `examples_over_head_capacity` (the training
+program should treat a non-zero count as a configuration error). For DP-FedAvg the
+head is global: keys are looked up in the sorted keys of all training identities,
+and unknown identities are dropped and counted the same way.
+
+Shared negatives (issue 22): with `ClientConfig.shared_negative_rows` Q > 0 the client
+state carries the server's released cluster centers ([Q, d], `shared_negatives`), and
+`head_logits` appends one logit per center after the local rows: fixed negatives (no
+label points at them), built from constants, so no gradient reaches them and they are
+neither trained nor part of the update. All-zero rows (nothing released yet) are masked.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_algorithms.config.client_config import (
+    COSFACE,
+    HEAD_INIT_CLASS_MEANS,
+    SOFTMAX,
+    ClientConfig,
+    HeadLossConfig,
+)
+from tff_algorithms.modeling import models
+
+KEY_BUCKETS = 2**62
+# Logit for masked head rows: exp() underflows to exactly 0 without producing NaNs.
+MASKED_LOGIT = -1e9
+
+
+def local_head_seed(
+    head_seed: tf.Tensor, round_num: tf.Tensor, client_seed: tf.Tensor
+) -> tf.Tensor:
+    """Stateless seed of a local head, from (base seed, round, virtual client)."""
+    base = tf.stack([tf.cast(head_seed, tf.int64), tf.cast(round_num, tf.int64)])
+    return tf.random.experimental.stateless_fold_in(base, tf.cast(client_seed, tf.int64))
+
+
+def identity_keys(identity: tf.Tensor) -> tf.Tensor:
+    """int64 keys of identities: integers as they are, strings as 62-bit hashes."""
+    if identity.dtype == tf.string:
+        return tf.strings.to_hash_bucket_fast(identity, KEY_BUCKETS)
+    return tf.cast(identity, tf.int64)
+
+
+def identity_keys_vocabulary(identities: Sequence[str] | Sequence[int]) -> np.ndarray:
+    """Sorted distinct int64 keys of all training identities (the global head's rows)."""
+    keys = identity_keys(tf.constant(list(identities))).numpy()
+    vocabulary = np.unique(keys)
+    if len(vocabulary) != len(set(identities)):
+        raise ValueError("identity hashes collide; rename identities or use integer ids")
+    return vocabulary
+
+
+def labels_in_vocabulary(
+    keys: tf.Tensor, vocabulary: tf.Tensor, num_rows: int
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """(row index, usable) of each key in a sorted vocabulary; unusable = unknown or row >= num_rows."""
+    index = tf.searchsorted(vocabulary, keys, side="left", out_type=tf.int32)
+    safe_index = tf.minimum(index, tf.maximum(tf.size(vocabulary) - 1, 0))
+    known = tf.logical_and(
+        index < tf.size(vocabulary), tf.equal(tf.gather(vocabulary, safe_index), keys)
+    )
+    usable = tf.logical_and(known, index < num_rows)
+    return tf.where(usable, index, 0), usable
+
+
+def head_logits(
+    embeddings: tf.Tensor,
+    kernel: tf.Tensor,
+    labels: tf.Tensor,
+    loss_config: HeadLossConfig,
+    num_active_rows: tf.Tensor | int | None = None,
+    negatives: tf.Tensor | None = None,
+) -> tf.Tensor:
+    """Logits [B, rows (+ Q)] of the head loss; rows >= `num_active_rows` are masked out.
+
+    `negatives` [Q, d]: fixed negative rows appended after the head's columns (module
+    docstring), never a label; their logits are those of a unit row under the margin
+    losses, and of a row as long as the mean active head row under softmax, so they
+    compete with the local identities on the same scale.
+    """
+    if loss_config.loss == SOFTMAX:
+        logits = tf.matmul(embeddings, kernel)
+    else:
+        cosine = tf.matmul(
+            tf.math.l2_normalize(embeddings, axis=1), tf.math.l2_normalize(kernel, axis=0)
+        )
+        is_label = tf.one_hot(labels, tf.shape(kernel)[1], dtype=cosine.dtype) > 0
+        margin = loss_config.margin
+        if loss_config.loss == COSFACE:
+            target = cosine - margin
+        else:
+            # cos(θ + m) is only decreasing in θ up to π − m; beyond that use the
+            # CosFace-like linear continuation so the target logit stays monotonic.
+            sine = tf.sqrt(tf.maximum(1.0 - tf.square(cosine), 0.0))
+            shifted = cosine * math.cos(margin) - sine * math.sin(margin)
+            target = tf.where(
+                cosine > math.cos(math.pi - margin),
+                shifted,
+                cosine - math.sin(math.pi - margin) * margin,
+            )
+        logits = loss_config.scale * tf.where(is_label, target, cosine)
+    if num_active_rows is not None:
+        active = tf.range(tf.shape(kernel)[1]) < tf.cast(num_active_rows, tf.int32)
+        logits = tf.where(active[tf.newaxis, :], logits, MASKED_LOGIT)
+    if negatives is None:
+        return logits
+    return tf.concat(
+        [logits, _negative_logits(embeddings, kernel, loss_config, num_active_rows, negatives)],
+        axis=1,
+    )
+
+
+def _negative_logits(
+    embeddings: tf.Tensor,
+    kernel: tf.Tensor,
+    loss_config: HeadLossConfig,
+    num_active_rows: tf.Tensor | int | None,
+    negatives: tf.Tensor,
+) -> tf.Tensor:
+    # The released centers are inputs, not weights: stop_gradient makes that explicit
+    # even when a caller passes a variable.
+    negatives = tf.stop_gradient(tf.cast(negatives, embeddings.dtype))
+    present = tf.reduce_sum(tf.square(negatives), axis=1) > 0
+    directions = tf.math.l2_normalize(negatives, axis=1)
+    if loss_config.loss == SOFTMAX:
+        norms = tf.norm(kernel, axis=0)
+        if num_active_rows is not None:
+            active = tf.range(tf.shape(kernel)[1]) < tf.cast(num_active_rows, tf.int32)
+            norms = tf.boolean_mask(norms, active)
+        # Scale only: the head's rows get no gradient through their negatives' length.
+        length = tf.stop_gradient(tf.reduce_mean(norms))
+        logits = tf.matmul(embeddings, directions, transpose_b=True) * length
+    else:
+        logits = loss_config.scale * tf.matmul(
+            tf.math.l2_normalize(embeddings, axis=1), directions, transpose_b=True
+        )
+    return tf.where(present[tf.newaxis, :], logits, MASKED_LOGIT)
+
+
+def head_loss(logits: tf.Tensor, labels: tf.Tensor, example_mask: tf.Tensor) -> tf.Tensor:
+    """Mean cross-entropy over the examples where `example_mask` is true (0 if none)."""
+    per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    weights = tf.cast(example_mask, per_example.dtype)
+    return tf.reduce_sum(per_example * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
+
+
+def zero_if_not_finite(structure: object) -> tuple[object, tf.Tensor]:
+    """(structure, 0) if all finite, else (zeros of the same structure, 1)."""
+    flat = tf.nest.flatten(structure)
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in flat])
+    zeroed = [tf.where(finite, t, tf.zeros_like(t)) for t in flat]
+    return tf.nest.pack_sequence_as(structure, zeroed), tf.cast(tf.logical_not(finite), tf.int32)
+
+
+def fold_batches(
+    dataset: tf.data.Dataset,
+    initial_state: object,
+    step: Callable[[object, object], object],
+    shape_invariants: object = None,
+) -> object:
+    """`dataset.reduce(initial_state, step)`, as a while loop over an explicit iterator.
+
+    `Dataset.reduce` runs `step` as a separate function that TensorFlow instantiates
+    when the reduce op runs; called from Python (`tf.function`, as `train_one_client`
+    and the benchmarks' plain loop do) that cost more than the local steps themselves.
+    A while loop's body is part of the enclosing graph. Same results, bit for bit, in
+    TFF rounds (BENCHMARKS.md). One iteration at a time (`parallel_iterations=1`): the
+    steps assign variables that the next step reads. `shape_invariants` (the state's
+    structure of `tf.TensorShape`s) for states whose shapes change across steps.
+    """
+    iterator = iter(dataset)
+
+    def body(has_next, state):  # noqa: ANN001, ANN202 - loop variables
+        del has_next
+        batch = iterator.get_next_as_optional()
+        state = tf.cond(batch.has_value(), lambda: step(state, batch.get_value()), lambda: state)
+        return batch.has_value(), state
+
+    invariants = None if shape_invariants is None else (tf.TensorShape([]), shape_invariants)
+    _, state = tf.while_loop(
+        lambda has_next, state: has_next,
+        body,
+        (tf.constant(True), initial_state),
+        shape_invariants=invariants,
+        parallel_iterations=1,
+    )
+    return state
+
+
+class LocalTrainer:
+    """The per-virtual-client training loop (built inside a TFF computation).
+
+    With `global_head_vocabulary` None the head is local (DP-FedEmb); otherwise
+    the head is the broadcast global head with one row per vocabulary key.
+    """
+
+    def __init__(
+        self,
+        backbone_fn: Callable[[], tf.keras.Model],
+        config: ClientConfig,
+        global_head_vocabulary: np.ndarray | None,
+    ) -> None:
+        self.backbone = backbone_fn()
+        self.config = config
+        self.embedding_size = int(self.backbone.output_shape[-1])
+        self.vocabulary = global_head_vocabulary
+        self.num_head_rows = (
+            config.head_capacity if global_head_vocabulary is None else len(global_head_vocabulary)
+        )
+        self.head = tf.Variable(
+            tf.zeros([self.embedding_size, self.num_head_rows]), name="head_kernel"
+        )
+        self.backbone_optimizer = tff.learning.optimizers.build_sgdm(
+            learning_rate=config.client_learning_rate, momentum=config.momentum or None
+        )
+        self.head_optimizer = tff.learning.optimizers.build_sgdm(
+            learning_rate=config.head_learning_rate, momentum=config.momentum or None
+        )
+
+    def _first_pass(
+        self, dataset: tf.data.Dataset
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+        """First pass: sorted distinct identity keys, the client seed, and with
+        `class_means` the initial head (each row its identity's mean unit embedding)."""
+        with_means = self.config.head_init == HEAD_INIT_CLASS_MEANS
+
+        def collect(state, batch):
+            keys, _, embeddings = state
+            keys = tf.concat([keys, identity_keys(batch["identity"])], 0)
+            if with_means:
+                batch_embeddings = self.backbone(batch["image"], training=False)
+                embeddings = tf.concat(
+                    [embeddings, tf.math.l2_normalize(batch_embeddings, axis=1)], 0
+                )
+            return keys, batch["client_seed"], embeddings
+
+        keys, client_seed, embeddings = fold_batches(
+            dataset,
+            (
+                tf.zeros([0], tf.int64),
+                tf.constant(0, tf.int64),
+                tf.zeros([0, self.embedding_size]),
+            ),
+            collect,
+            shape_invariants=(
+                tf.TensorShape([None]),
+                tf.TensorShape([]),
+                tf.TensorShape([None, self.embedding_size]),
+            ),
+        )
+        vocabulary = tf.sort(tf.unique(keys).y)
+        if not with_means:
+            return vocabulary, client_seed, None
+        labels, usable = labels_in_vocabulary(keys, vocabulary, self.num_head_rows)
+        sums = tf.math.unsorted_segment_sum(
+            tf.boolean_mask(embeddings, usable),
+            tf.boolean_mask(labels, usable),
+            self.num_head_rows,
+        )
+        # Rows of absent identities stay zero (they are masked out of the loss anyway).
+        head = self.config.class_means_norm * tf.math.l2_normalize(sums, axis=1)
+        return vocabulary, client_seed, tf.transpose(head)
+
+    def train(self, initial_weights, dataset, client_state):  # noqa: ANN001, ANN201 - TFF structures
+        backbone_variables = list(self.backbone.trainable_weights)
+        for variable, value in zip(
+            backbone_variables + list(self.backbone.non_trainable_weights),
+            _backbone_trainable(initial_weights) + _backbone_non_trainable(initial_weights),
+        ):
+            variable.assign(value)
+        negatives = None
+        if self.config.shared_negative_rows:
+            # Broadcast with the client state; read only, never returned.
+            negatives = tf.convert_to_tensor(client_state["shared_negatives"], tf.float32)
+        if self.vocabulary is None:
+            vocabulary, client_seed, class_means = self._first_pass(dataset)
+            if class_means is None:
+                seed = local_head_seed(
+                    client_state["head_seed"], client_state["round_num"], client_seed
+                )
+                self.head.assign(
+                    models.initial_head_kernel(seed, self.embedding_size, self.num_head_rows)
+                )
+            else:
+                self.head.assign(class_means)
+            num_active_rows = tf.minimum(tf.size(vocabulary), self.num_head_rows)
+        else:
+            vocabulary = tf.constant(self.vocabulary, tf.int64)
+            self.head.assign(initial_weights.trainable["head"][0])
+            num_active_rows = self.num_head_rows
+
+        def train_step(state, batch):
+            backbone_opt_state, head_opt_state, num_examples, num_dropped, loss_sum, num_batches = (
+                state
+            )
+            labels, usable = labels_in_vocabulary(
+                identity_keys(batch["identity"]), vocabulary, self.num_head_rows
+            )
+            with tf.GradientTape() as tape:
+                embeddings = self.backbone(batch["image"], training=True)
+                logits = head_logits(
+                    embeddings,
+                    self.head,
+                    labels,
+                    self.config.head_loss,
+                    num_active_rows,
+                    negatives=negatives,
+                )
+                loss = head_loss(logits, labels, usable)
+            backbone_grads, head_grad = tape.gradient(loss, (backbone_variables, self.head))
+            backbone_opt_state, new_backbone = self.backbone_optimizer.next(
+                backbone_opt_state, tuple(backbone_variables), tuple(backbone_grads)
+            )
+            head_opt_state, new_head = self.head_optimizer.next(
+                head_opt_state, tf.identity(self.head), head_grad
+            )
+            assignments = [
+                variable.assign(value) for variable, value in zip(backbone_variables, new_backbone)
+            ]
+            assignments.append(self.head.assign(new_head))
+            num_usable = tf.reduce_sum(tf.cast(usable, tf.int64))
+            # The next step (a loop iteration) starts from this state, so it reads the
+            # variables only after these assignments.
+            with tf.control_dependencies(assignments):
+                return tf.nest.map_structure(
+                    tf.identity,
+                    (
+                        backbone_opt_state,
+                        head_opt_state,
+                        num_examples + num_usable,
+                        num_dropped + tf.size(usable, out_type=tf.int64) - num_usable,
+                        loss_sum + loss,
+                        num_batches + 1,
+                    ),
+                )
+
+        max_steps, max_seconds = self.config.max_local_steps, self.config.max_seconds
+        started = tf.timestamp()
+
+        def within_budget(steps_done: tf.Tensor) -> tf.Tensor:
+            within = tf.constant(True)
+            if max_steps is not None:
+                within = tf.logical_and(within, steps_done < max_steps)
+            if max_seconds is not None:
+                within = tf.logical_and(within, tf.timestamp() - started < max_seconds)
+            return within
+
+        def step(state, batch):
+            training_state, rows_read, timed_out, _, _ = state
+            if max_steps is None and max_seconds is None:
+                training_state = train_step(training_state, batch)
+            else:
+                # A straggler: past its budget it stops training (the rest of its data
+                # is still read, up to one batch past max_local_steps) and is dropped.
+                within = within_budget(training_state[-1])
+                training_state = tf.cond(
+                    within, lambda: train_step(training_state, batch), lambda: training_state
+                )
+                timed_out = tf.logical_or(timed_out, tf.logical_not(within))
+            return (
+                training_state,
+                rows_read + tf.size(batch["identity"], out_type=tf.int64),
+                timed_out,
+                batch["client_seed"],
+                batch["expected_examples"],
+            )
+
+        initial_training_state = (
+            self.backbone_optimizer.initialize(
+                tuple(tf.TensorSpec(v.shape, v.dtype) for v in backbone_variables)
+            ),
+            self.head_optimizer.initialize(tf.TensorSpec(self.head.shape, self.head.dtype)),
+            tf.constant(0, tf.int64),
+            tf.constant(0, tf.int64),
+            tf.constant(0.0),
+            tf.constant(0.0),
+        )
+        batches = dataset.repeat(self.config.local_epochs)
+        if max_steps is not None:
+            batches = batches.take(max_steps + 1)
+        # The training pass's iterator is created after the vocabulary pass's: each new
+        # iterator draws the next reshuffle of the client dataset, so without this order
+        # the two passes could swap shuffles from run to run.
+        with tf.control_dependencies([vocabulary]):
+            training_state, rows_read, timed_out, client_seed, expected = fold_batches(
+                batches,
+                (
+                    initial_training_state,
+                    tf.constant(0, tf.int64),
+                    tf.constant(False),
+                    tf.constant(0, tf.int64),
+                    tf.constant(-1, tf.int64),
+                ),
+                step,
+            )
+        _, _, num_examples, num_dropped, loss_sum, num_batches = training_state
+        backbone_update = [
+            a - b for a, b in zip(_backbone_trainable(initial_weights), backbone_variables)
+        ]
+        if self.vocabulary is None:
+            update = backbone_update
+        else:
+            update = collections.OrderedDict(
+                backbone=backbone_update, head=[initial_weights.trainable["head"][0] - self.head]
+            )
+        update, non_finite = zero_if_not_finite(update)
+        # Every epoch must read every expected example; a client with nothing to read
+        # failed too. A timed-out client's short read is counted as the timeout.
+        short_read = tf.logical_or(
+            # tf.equal: inside TFF's graph tracing `==` compares tensor identity.
+            tf.equal(rows_read, 0),
+            tf.logical_and(expected >= 0, rows_read < expected * self.config.local_epochs),
+        )
+        failed_read = tf.logical_and(short_read, tf.logical_not(timed_out))
+        dropped = tf.logical_or(tf.logical_or(failed_read, timed_out), non_finite > 0)
+        update = tf.nest.map_structure(lambda t: tf.where(dropped, tf.zeros_like(t), t), update)
+        measurements = collections.OrderedDict(
+            num_examples=num_examples,
+            examples_over_head_capacity=num_dropped,
+            non_finite_updates=non_finite,
+            failed_reads=tf.cast(failed_read, tf.int32),
+            timed_out_clients=tf.cast(timed_out, tf.int32),
+            reported=tf.cast(tf.logical_not(dropped), tf.int32),
+            arrival_key=client_seed,
+            loss=loss_sum / tf.maximum(num_batches, 1.0),
+        )
+        return tff.learning.templates.ClientResult(
+            update=update, update_weight=tf.constant(1.0)
+        ), measurements
+
+
+def _backbone_trainable(weights) -> list:  # noqa: ANN001 - ModelWeights of either layout
+    trainable = weights.trainable
+    return list(
+        trainable["backbone"] if isinstance(trainable, collections.abc.Mapping) else trainable
+    )
+
+
+def _backbone_non_trainable(weights) -> list:  # noqa: ANN001
+    non_trainable = weights.non_trainable
+    return list(
+        non_trainable["backbone"]
+        if isinstance(non_trainable, collections.abc.Mapping)
+        else non_trainable
+    )

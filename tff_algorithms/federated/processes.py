@@ -1,0 +1,315 @@
+"""Learning processes: the FedEmb and FedAvg process shapes, and the centralized oracle.
+
+As in `tff.learning.algorithms`, privacy is the aggregator parameter: a builder takes
+an aggregator factory and a server optimizer and composes
+`compose_learning_process(initial_weights_fn, broadcast, client_work, aggregator,
+finalizer)`. DP-FedEmb and DP-FTRL-FedEmb are `build_fedemb_process`, DP-FedAvg is
+`build_fedavg_process`, each given the aggregator that `mechanisms.aggregator_for_spec`
+builds from the job's accounting spec (Gaussian or tree-aggregated noise) and the
+optimizer `server_sgdm` builds.
+
+Global model weights:
+- DP-FedEmb / DP-FTRL-FedEmb: the backbone only,
+  `ModelWeights(trainable=[...], non_trainable=[...])` in Keras variable order.
+  No head exists anywhere in the server state, broadcast or aggregate.
+- DP-FedAvg: `ModelWeights(trainable=OrderedDict(backbone=[...], head=[kernel]),
+  non_trainable=OrderedDict(backbone=[...]))`; the global head has one row per
+  training identity and is aggregated and noised with the backbone.
+`backbone_model_weights` extracts the backbone from either layout. A process built with
+a `feature_cut` trains the backbone's suffix after the cut on cached features of the
+frozen prefix (`feature_cache`): its "backbone" weights are the suffix's, the trainable
+ones the same variables in the same order as the whole backbone's.
+
+Initial weights come from `backbone_seed`; to start from a pretrained backbone,
+call `process.set_model_weights(state, weights)` with
+`models.backbone_weights(models.load_pretrained_backbone(...))`.
+
+Client data is a CLIENTS-placed sequence of client batches
+(`client_work.client_element_spec`); `compose_with_client_loader` turns this into
+a process whose `next` takes virtual-client ids and loads the data inside TFF.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_algorithms.config import model_config
+from tff_algorithms.config.client_config import ClientConfig, HeadLossConfig
+from tff_algorithms.federated import client_work, local_training
+from tff_algorithms.federated.feature_cache import FeatureCut
+from tff_algorithms.modeling import models
+
+_SOFTMAX_LOSS = HeadLossConfig()
+
+
+def _trained_model(
+    config: model_config.BackboneConfig, cut: FeatureCut | None, seed: int = 0
+) -> tf.keras.Model:
+    """The model a process trains: the backbone, or with cached features its suffix."""
+    model = models.build_backbone(config, seed)
+    return model if cut is None else cut.suffix(model)
+
+
+def _input_shape(config: model_config.BackboneConfig, cut: FeatureCut | None) -> tuple[int, ...]:
+    return config.image_shape if cut is None else cut.feature_shape
+
+
+def _backbone_fn(
+    config: model_config.BackboneConfig, cut: FeatureCut | None
+) -> Callable[[], tf.keras.Model]:
+    return lambda: _trained_model(config, cut)
+
+
+def _initial_backbone_weights_fn(
+    config: model_config.BackboneConfig, seed: int, cut: FeatureCut | None
+) -> tff.Computation:
+    @tff.tensorflow.computation
+    def initial_weights():
+        model = _trained_model(config, cut, seed)
+        return tff.learning.models.ModelWeights(
+            trainable=[v.read_value() for v in model.trainable_weights],
+            non_trainable=[v.read_value() for v in model.non_trainable_weights],
+        )
+
+    return initial_weights
+
+
+def _initial_fedavg_weights_fn(
+    config: model_config.BackboneConfig, seed: int, num_identities: int, cut: FeatureCut | None
+) -> tff.Computation:
+    @tff.tensorflow.computation
+    def initial_weights():
+        model = _trained_model(config, cut, seed)
+        head = models.initial_head_kernel(
+            tf.constant([seed, -1], tf.int64), config.embedding_size, num_identities
+        )
+        return tff.learning.models.ModelWeights(
+            trainable=collections.OrderedDict(
+                backbone=[v.read_value() for v in model.trainable_weights], head=[head]
+            ),
+            non_trainable=collections.OrderedDict(
+                backbone=[v.read_value() for v in model.non_trainable_weights]
+            ),
+        )
+
+    return initial_weights
+
+
+def _compose(
+    initial_weights_fn: tff.Computation,
+    client_work_process: tff.learning.templates.ClientWorkProcess,
+    aggregator_factory: tff.aggregators.UnweightedAggregationFactory,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+) -> tff.learning.templates.LearningProcess:
+    weights_type = initial_weights_fn.type_signature.result
+    # DP aggregation is unweighted: every virtual client counts once, and the
+    # denominator is the planned number of clients, never the reported weights.
+    aggregator = tff.aggregators.as_weighted_aggregator(aggregator_factory).create(
+        weights_type.trainable, tff.TensorType(np.float32)
+    )
+    return tff.learning.templates.compose_learning_process(
+        initial_weights_fn,
+        tff.learning.templates.build_broadcast_process(weights_type),
+        client_work_process,
+        aggregator,
+        tff.learning.templates.build_apply_optimizer_finalizer(server_optimizer, weights_type),
+    )
+
+
+def server_sgdm(learning_rate: float, momentum: float) -> tff.learning.optimizers.Optimizer:
+    """The server optimizer of every federated algorithm: SGD with momentum (paper, Alg. 1).
+
+    With tree-aggregated noise and a constant learning rate this is DP-FTRL with momentum.
+    """
+    # build_sgdm treats momentum=None as plain SGD (no momentum state).
+    return tff.learning.optimizers.build_sgdm(
+        learning_rate=learning_rate, momentum=momentum or None
+    )
+
+
+def build_fedemb_process(
+    backbone_config: model_config.BackboneConfig,
+    client_config: ClientConfig,
+    aggregator_factory: tff.aggregators.UnweightedAggregationFactory,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+    *,
+    identity_dtype: tf.DType = tf.string,
+    backbone_seed: int = 0,
+    max_reports: int | None = None,
+    feature_cut: FeatureCut | None = None,
+) -> tff.learning.templates.LearningProcess:
+    """FedEmb with any aggregator (`mechanisms.aggregator_for_spec` for DP-FedEmb and
+    DP-FTRL-FedEmb; `aggregators.no_dp` or `gaussian_adaptive` for ablations and tuning).
+
+    `max_reports`: keep only the first this many reporting virtual clients of a round
+    (over-selection; the aggregator's denominator is the planned number either way).
+    `feature_cut`: train only the backbone's suffix after this cut, on cached features
+    of the frozen prefix (`feature_cache`); the weights are then the suffix's.
+    """
+    initial_weights_fn = _initial_backbone_weights_fn(backbone_config, backbone_seed, feature_cut)
+    work = client_work.build_fedemb_client_work(
+        _backbone_fn(backbone_config, feature_cut),
+        initial_weights_fn.type_signature.result,
+        client_work.client_element_spec(_input_shape(backbone_config, feature_cut), identity_dtype),
+        client_config,
+        max_reports,
+        embedding_size=backbone_config.embedding_size,
+    )
+    return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer)
+
+
+def build_fedavg_process(
+    backbone_config: model_config.BackboneConfig,
+    client_config: ClientConfig,
+    identity_vocabulary: np.ndarray,
+    aggregator_factory: tff.aggregators.UnweightedAggregationFactory,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+    *,
+    identity_dtype: tf.DType = tf.string,
+    backbone_seed: int = 0,
+    max_reports: int | None = None,
+    feature_cut: FeatureCut | None = None,
+) -> tff.learning.templates.LearningProcess:
+    """FedAvg with a global head over `identity_vocabulary`, with any aggregator.
+
+    DP-FedAvg (paper Alg. 2): the Gaussian aggregator of `mechanisms.aggregator_for_spec`
+    clips and noises the backbone and global head together.
+
+    `identity_vocabulary` is `local_training.identity_keys_vocabulary(all training identities)`;
+    `max_reports` and `feature_cut` as in `build_fedemb_process`.
+    """
+    initial_weights_fn = _initial_fedavg_weights_fn(
+        backbone_config, backbone_seed, len(identity_vocabulary), feature_cut
+    )
+    work = client_work.build_fedavg_client_work(
+        _backbone_fn(backbone_config, feature_cut),
+        initial_weights_fn.type_signature.result,
+        client_work.client_element_spec(_input_shape(backbone_config, feature_cut), identity_dtype),
+        client_config,
+        identity_vocabulary,
+        max_reports,
+    )
+    return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer)
+
+
+def compose_with_client_loader(
+    process: tff.learning.templates.LearningProcess,
+    load_examples: Callable[[tf.Tensor], tf.data.Dataset],
+    client_config: ClientConfig,
+    expected_examples: Callable[[tf.Tensor], tf.Tensor] | None = None,
+    seed_name: Callable[[tf.Tensor], tf.Tensor] | None = None,
+) -> tff.learning.templates.LearningProcess:
+    """A process whose `next(state, virtual_client_ids)` loads client data inside TFF.
+
+    `load_examples` maps a virtual-client id (scalar tf.string) to a dataset of
+    per-example `{"image", "identity"}` elements; it must be traceable by
+    `tf.function` (e.g. read the virtual client's shard files with tf.data). Elements
+    whose reading raises are skipped, so a read error must fail its element and move
+    on (an error in a `map`), not repeat forever (a file source that keeps failing,
+    such as a `FixedLengthRecordDataset` on a missing file, would hang the round).
+    `expected_examples` maps the id to the number of examples the loader should yield
+    (traceable); a virtual client that yields fewer is dropped from the round.
+    `seed_name` maps the id to the string the client's seeds (shuffle, local head,
+    fault injection) hash; None: the whole id.
+    """
+
+    @tff.tensorflow.computation(tff.TensorType(np.str_))
+    def client_dataset(virtual_client_id):
+        return client_work.make_client_dataset(
+            load_examples(virtual_client_id),
+            virtual_client_id if seed_name is None else seed_name(virtual_client_id),
+            client_config,
+            None if expected_examples is None else expected_examples(virtual_client_id),
+        )
+
+    return tff.simulation.compose_dataset_computation_with_learning_process(client_dataset, process)
+
+
+def backbone_model_weights(
+    model_weights: tff.learning.models.ModelWeights,
+) -> tff.learning.models.ModelWeights:
+    """The backbone part of a process's global model weights (either layout)."""
+    if isinstance(model_weights.trainable, collections.abc.Mapping):
+        return tff.learning.models.ModelWeights(
+            trainable=list(model_weights.trainable["backbone"]),
+            non_trainable=list(model_weights.non_trainable["backbone"]),
+        )
+    return tff.learning.models.ModelWeights(
+        trainable=list(model_weights.trainable), non_trainable=list(model_weights.non_trainable)
+    )
+
+
+class CentralizedTrainer:
+    """Non-private oracle: the backbone and a global head, plain SGD with momentum.
+
+    Not a TFF process: one Keras model and optimizer, trained by `train_job`'s own epoch
+    loop. One `train_epoch` call is one pass over all training examples, shuffled with a seed
+    that depends only on (seed, epoch), so a run restored from a checkpoint of
+    `checkpoint_objects()` after epoch e continues exactly as an uninterrupted run.
+
+    Args:
+      identity_vocabulary: `local_training.identity_keys_vocabulary` of the training identities.
+      initial_backbone: start from these backbone weights (e.g. pretrained) instead of
+        the seeded initialisation.
+    """
+
+    def __init__(
+        self,
+        backbone_config: model_config.BackboneConfig,
+        identity_vocabulary: np.ndarray,
+        *,
+        learning_rate: float,
+        batch_size: int = 32,
+        momentum: float = 0.9,
+        shuffle_buffer: int = 10_000,
+        head_loss: HeadLossConfig = _SOFTMAX_LOSS,
+        seed: int = 0,
+        initial_backbone: tff.learning.models.ModelWeights | None = None,
+    ) -> None:
+        self.backbone = models.build_backbone(backbone_config, seed)
+        if initial_backbone is not None:
+            models.assign_backbone_weights(self.backbone, initial_backbone)
+        self._vocabulary = tf.constant(identity_vocabulary, tf.int64)
+        self._num_rows = len(identity_vocabulary)
+        self.head = tf.Variable(
+            models.initial_head_kernel(
+                tf.constant([seed, -1], tf.int64), backbone_config.embedding_size, self._num_rows
+            )
+        )
+        self.optimizer = tf.keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum)
+        self._batch_size = batch_size
+        self._shuffle_buffer = shuffle_buffer
+        self._head_loss = head_loss
+        self._seed = seed
+        self._variables = list(self.backbone.trainable_weights) + [self.head]
+        self._train_step = tf.function(self._step)
+
+    def checkpoint_objects(self) -> dict[str, object]:
+        """What a `tf.train.Checkpoint` must hold to resume: weights and optimizer state."""
+        return {"backbone": self.backbone, "head": self.head, "optimizer": self.optimizer}
+
+    def _step(self, batch: dict[str, tf.Tensor]) -> tf.Tensor:
+        keys = local_training.identity_keys(batch["identity"])
+        labels, usable = local_training.labels_in_vocabulary(keys, self._vocabulary, self._num_rows)
+        with tf.GradientTape() as tape:
+            embeddings = self.backbone(batch["image"], training=True)
+            loss = local_training.head_loss(
+                local_training.head_logits(embeddings, self.head, labels, self._head_loss),
+                labels,
+                usable,
+            )
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self._variables), self._variables))
+        return loss
+
+    def train_epoch(self, examples: tf.data.Dataset, epoch: int) -> float:
+        """One pass over per-example `{"image", "identity"}`; returns the mean batch loss."""
+        batches = examples.shuffle(self._shuffle_buffer, seed=self._seed * 1_000_003 + epoch).batch(
+            self._batch_size
+        )
+        losses = [float(self._train_step(batch)) for batch in batches]
+        return float(np.mean(losses)) if losses else float("nan")

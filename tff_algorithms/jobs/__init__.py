@@ -1,0 +1,9 @@
+"""One training job end to end, whatever its algorithm: inputs in, SavedModel, ledger
+and metrics out.
+
+`train_job` (`run_train_job`: the budget check, the trainer from the registry, the
+outputs), `job_outputs` (what a job leaves in its output directory), `private_steps`
+(the checkpointed step loop an algorithm supplies one step to), `tensorboard_rounds`
+and `audit` (the one-run privacy audit). May import every lower package; algorithm
+packages are reached through the registry (docs/design.md, "Layout").
+"""

@@ -1,0 +1,160 @@
+"""Noise calibration to a target epsilon, and extrapolation of a schedule's epsilon.
+
+Both are searches over `accounting.compute_privacy` (the accounting conventions and
+bounds are `tff_algorithms.privacy.accounting`'s):
+
+- `calibrate_noise_multiplier` finds the smallest noise multiplier whose schedule costs
+  at most a target epsilon. It brackets z by doubling or halving from 1 within
+  [`MIN_CALIBRATED_NOISE_MULTIPLIER`, `accounting.MAX_NOISE_MULTIPLIER`], then bisects
+  log z: about 15 accountant calls for a typical target, at most ~35.
+- `extrapolate_privacy` moves a schedule to a larger population at several users per
+  round, with the noise scaled to keep the utility (paper Fig. 2c/2d, 6b/6c), and
+  `write_extrapolation_plot` draws the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from tff_algorithms.privacy import accounting, dplc_releases
+
+CALIBRATION_RELATIVE_TOLERANCE = 1e-3
+# The bracket's lower end: below it the accountants are slow (PLD) and a target that
+# holds there is better given as a noise multiplier.
+MIN_CALIBRATED_NOISE_MULTIPLIER = 0.1
+
+
+class TargetOutOfReach(ValueError):
+    """No noise multiplier up to `accounting.MAX_NOISE_MULTIPLIER` reaches the target epsilon."""
+
+
+def calibrate_noise_multiplier(
+    spec: accounting.AccountingSpec,
+    target_epsilon: float,
+    relative_tolerance: float = CALIBRATION_RELATIVE_TOLERANCE,
+    releases: dplc_releases.ReleasePlan | None = None,
+) -> float:
+    """Smallest noise multiplier (as configured, before the virtual-client rule) for which
+    `spec` costs at most `target_epsilon` at `spec.delta`.
+
+    `releases`: shared-negatives releases whose fixed cost the schedule composes with
+    (`dplc_releases.composed_privacy`): the target is then the total.
+
+    Bisection on z, using that epsilon is non-increasing in z. The result z satisfies
+    epsilon(z) <= target_epsilon, and epsilon(z * (1 - relative_tolerance)) > target_epsilon:
+    it overshoots the exact smallest z by at most a fraction `relative_tolerance`.
+    `spec.noise_multiplier` is ignored.
+    """
+    if isinstance(target_epsilon, bool) or not (
+        isinstance(target_epsilon, (int, float)) and math.isfinite(target_epsilon)
+    ):
+        raise ValueError(f"target epsilon must be a finite number, got {target_epsilon!r}")
+    if not 0 < target_epsilon <= accounting.MAX_TARGET_EPSILON:
+        raise ValueError(
+            f"target epsilon must be in (0, {accounting.MAX_TARGET_EPSILON:g}], "
+            f"got {target_epsilon:g}"
+        )
+    if not 1e-9 <= relative_tolerance < 1:
+        raise ValueError(f"relative tolerance must be in [1e-9, 1), got {relative_tolerance}")
+
+    def epsilon_at(z: float) -> float:
+        return dplc_releases.composed_privacy(spec.with_noise_multiplier(z), releases).epsilon
+
+    # epsilon is non-increasing in z. Bracket the target by doubling or halving from
+    # z = 1 (the accountants are slow or unstable at the extremes, so they are only
+    # visited when the target asks for them), then bisect geometrically.
+    low = high = 1.0
+    if epsilon_at(high) > target_epsilon:
+        while epsilon_at(high) > target_epsilon:
+            if high >= accounting.MAX_NOISE_MULTIPLIER:
+                raise TargetOutOfReach(
+                    f"target epsilon {target_epsilon:g} is out of reach for noise "
+                    f"multipliers up to {accounting.MAX_NOISE_MULTIPLIER:g}"
+                )
+            low, high = high, min(2 * high, accounting.MAX_NOISE_MULTIPLIER)
+    else:
+        while epsilon_at(low) <= target_epsilon:
+            if low <= MIN_CALIBRATED_NOISE_MULTIPLIER:
+                raise ValueError(
+                    f"target epsilon {target_epsilon:g} holds even at noise multiplier "
+                    f"{MIN_CALIBRATED_NOISE_MULTIPLIER:g}: give the noise multiplier instead"
+                )
+            low, high = max(low / 2, MIN_CALIBRATED_NOISE_MULTIPLIER), low
+    while high > low * (1 + relative_tolerance):
+        middle = math.sqrt(low * high)
+        if epsilon_at(middle) > target_epsilon:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+# Extrapolation (paper Fig. 2c/2d, 6b/6c).
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtrapolationPoint:
+    users_per_round: int
+    noise_multiplier: float
+    epsilon: float
+    zcdp_rho: float | None
+
+
+def extrapolate_privacy(
+    base: accounting.AccountingSpec, population: int, users_per_round: Sequence[int]
+) -> list[ExtrapolationPoint]:
+    """Epsilon of `base`'s schedule moved to `population` users, for each users-per-round.
+
+    The noise multiplier grows linearly with users per round (z = base z * M / base M),
+    which keeps the noise on the average update, and so the utility, unchanged (the
+    paper's extrapolation hypothesis); rounds, delta and everything else stay as in `base`.
+    """
+    if not users_per_round:
+        raise ValueError("extrapolation needs at least one users-per-round value")
+    points = []
+    for users in users_per_round:
+        # The spec checks `users` before the noise is scaled by it.
+        moved = dataclasses.replace(base, population=population, users_per_round=users)
+        noise = base.noise_multiplier * moved.users_per_round / base.users_per_round
+        result = accounting.compute_privacy(moved.with_noise_multiplier(noise))
+        points.append(
+            ExtrapolationPoint(moved.users_per_round, noise, result.epsilon, result.zcdp_rho)
+        )
+    return points
+
+
+def write_extrapolation_plot(
+    curves: Mapping[str, Sequence[ExtrapolationPoint]],
+    path: str,
+    title: str = "",
+    quantity: str = "epsilon",
+) -> None:
+    """Write a PNG of epsilon (or zcdp_rho) against users per round, one line per curve."""
+    if quantity not in ("epsilon", "zcdp_rho"):
+        raise ValueError(f"quantity must be 'epsilon' or 'zcdp_rho', got {quantity!r}")
+    if not curves:
+        raise ValueError("nothing to plot: no curves")
+    # The object-oriented API with the Agg canvas leaves pyplot's global backend alone.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for label, points in curves.items():
+        values = [getattr(point, quantity) for point in points]
+        if any(value is None for value in values):
+            raise ValueError(f"curve {label!r} has no {quantity} (dpsgd has no zCDP rho)")
+        axes.plot([point.users_per_round for point in points], values, marker="o", label=label)
+    axes.set_xlabel("users per round")
+    axes.set_ylabel("zCDP rho" if quantity == "zcdp_rho" else "epsilon")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    if title:
+        axes.set_title(title)
+    figure.tight_layout()
+    figure.savefig(path, format="png")
