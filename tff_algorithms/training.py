@@ -43,7 +43,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 from absl import logging
 
-from tff_algorithms import dropouts, owned_files
+from tff_algorithms import dropouts, loop_schedule, owned_files
 from tff_algorithms.report_policy import ReportPolicy
 
 CHECKPOINT_PREFIX = "round_"
@@ -272,8 +272,8 @@ def train(
         if report_policy is not None and applied.discarded_kept_clients:
             record["discarded_attempts_kept_clients"] = list(applied.discarded_kept_clients)
         last = done == config.total_rounds
-        if evaluate is not None and (
-            last or (config.evaluate_every and done % config.evaluate_every == 0)
+        if evaluate is not None and loop_schedule.evaluation_due(
+            config.total_rounds, config.evaluate_every, done
         ):
             record["eval"] = dict(evaluate(state, done))
         history.append(record)
