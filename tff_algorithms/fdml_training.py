@@ -165,12 +165,12 @@ def _evaluate(inputs: JobInputs, weights: Any) -> dict[str, Any]:
     }
 
 
-class _ServerState(tf.Module):
+class _ServerState:
     """The FDML server state (weights, Adam state, round counter, noise seed) held in
-    variables, so the step loop's checkpoint saves it with the ledger and history."""
+    variables (`leaves`), so the step loop's checkpoint saves it with the ledger and
+    history."""
 
     def __init__(self, state: Any) -> None:
-        super().__init__()
         self._template = state
         self.leaves = [tf.Variable(np.asarray(leaf)) for leaf in tf.nest.flatten(state)]
 
@@ -215,7 +215,7 @@ def train_fdml(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
 
     return private_steps.run_steps(
         inputs,
-        {"server_state": server},
+        {"server_state": server.leaves},
         round_step,
         backbone,
         noisy=False,  # the noise seed is in the server state

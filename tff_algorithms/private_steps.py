@@ -134,7 +134,9 @@ def newest_intact_checkpoint(directory: str) -> str | None:
     kept = [os.path.join(directory, f"ckpt-{step}") for step in sorted(entries)]
     state_file = os.path.join(directory, _STATE_FILE)
     if kept:
-        tf.train.update_checkpoint_state(directory, kept[-1], all_model_checkpoint_paths=kept)
+        tf.compat.v1.train.update_checkpoint_state(
+            directory, kept[-1], all_model_checkpoint_paths=kept
+        )
     elif tf.io.gfile.exists(state_file):
         tf.io.gfile.remove(state_file)
     return None if newest is None else kept[-1]
