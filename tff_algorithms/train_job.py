@@ -37,11 +37,9 @@ pretraining on public data): SGD with momentum over all training examples, one "
 per epoch, learning rate and momentum from `server_learning_rate` / `server_momentum`
 (the paper lists the centralized learning rate in its server column); the DP fields
 are ignored. Its outputs have the same layout, with epsilon null and `private: false`.
-It keeps its own epoch loop and `tf.train.Checkpoint` (`train_centralized`) rather than
-`training.train`'s: it is not a TFF process but one Keras model and optimizer
-(`processes.CentralizedTrainer`), with no virtual clients to schedule or retry and no
-noise; its checkpoint holds the model, the Keras optimizer, the epoch, and the ledger
-(epsilon infinite from the first epoch) and history.
+It is not a TFF process but one Keras model and optimizer (`processes.CentralizedTrainer`)
+and trains through the step loop (`private_steps.run_steps`), one step an epoch, each
+checkpointed, without noise; the ledger's epsilon is infinite from the first epoch.
 
 A federated job's process is a process shape (`processes.build_fedemb_process`, or
 `build_fedavg_process` for DP-FedAvg) given the aggregator
@@ -50,7 +48,7 @@ ledger accounts with.
 
 Both seeds come from OS entropy unless a testing flag allows a fixed one (`job_config`).
 The schedule seed is drawn when a job first claims OUTPUT (`job_outputs`); the noise
-seed lives in the checkpointed aggregator state.
+seed (`loop_schedule.job_noise_seed`) lives in the checkpointed aggregator state.
 """
 
 from __future__ import annotations

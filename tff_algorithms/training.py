@@ -3,10 +3,11 @@
 One loop serves every federated algorithm (DP-FedEmb, DP-FTRL-FedEmb, DP-FedAvg): it
 takes a `tff.learning.templates.LearningProcess` whose client argument is a list of
 virtual-client ids (data is loaded inside TFF from the id), a function giving the ids
-of round r (the schedule), and a privacy ledger. The centralized oracle keeps its own
-epoch loop and `tf.train.Checkpoint` (`train_job.train_centralized`): it is not a TFF
-process but one Keras model and optimizer, with no virtual clients, no noise and no
-process state to save.
+of round r (the schedule), and a privacy ledger. The algorithms that are not a TFF
+learning process (the centralized oracle, logit-dp, FDML, user-level DP-SGD) train
+through the step loop (`private_steps.run_steps`); both loops take the evaluation
+schedule and the noise-seed draw from `loop_schedule`, and recover from a torn newest
+checkpoint the same way (docs/design.md, "The step loop").
 
 Checkpoints use `tff.program.FileProgramStateManager`, which writes each version to
 a temporary directory and renames it, so a process killed mid-write leaves only a
