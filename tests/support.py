@@ -21,7 +21,6 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from beam_jobs import partition_job, synthetic
-from tff_algorithms.base import job_files
 from tff_algorithms.config import job_config
 from tff_algorithms.federated import training
 from tff_algorithms.privacy import accounting
@@ -155,23 +154,6 @@ def assert_same_trained_outputs(expected: Any, got: Any) -> None:
     )
 
 
-def stopped_after_checkpoint(output_dir: str, copy_dir: str, checkpoint: int) -> str:
-    """A copy of a finished step-loop job (`private_steps`) as a kill after checkpoint
-    `checkpoint` leaves it: the later checkpoints and the export gone. Returns the copy."""
-    shutil.copytree(output_dir, copy_dir)
-    checkpoints = os.path.join(copy_dir, job_files.CHECKPOINT_DIR)
-    for name in os.listdir(checkpoints):
-        if name == "checkpoint" or not name.startswith(f"ckpt-{checkpoint}."):
-            os.remove(os.path.join(checkpoints, name))
-    with open(os.path.join(checkpoints, "checkpoint"), "w") as f:
-        f.write(
-            f'model_checkpoint_path: "ckpt-{checkpoint}"\n'
-            f'all_model_checkpoint_paths: "ckpt-{checkpoint}"\n'
-        )
-    shutil.rmtree(os.path.join(copy_dir, job_files.SAVED_MODEL_DIR))
-    return copy_dir
-
-
 def without_round_seconds(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Training history records without their wall-clock times, the one field that
     differs between a resumed run and an uninterrupted one."""
@@ -269,7 +251,6 @@ def run_refused(*args: str, timeout: int = 900, cwd: str | None = None) -> tuple
 
 def chromium() -> str | None:
     """The Chromium binary for the report's browser tests (.ci/run installs Debian's)."""
-    import shutil
 
     for candidate in ("chromium", "chromium-browser", "/usr/bin/chromium"):
         found = shutil.which(candidate)

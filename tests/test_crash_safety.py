@@ -6,6 +6,9 @@
 - A newest checkpoint that does not read back (what a machine crash can leave after
   the rename: files never flushed, or a rename interrupted on an object store) is
   removed, and training resumes from the version before it, to the same end.
+- Every registered algorithm's tiny job (`tests/crash_child.py`) is SIGKILLed at a
+  random (seeded) step in a child process, its newest checkpoint then torn, and
+  resumed: it equals one uninterrupted run, model, ledger and history, bit for bit.
 - A pipeline SIGKILLed inside PrivateTrain re-runs with finished components cached and
   training resumed; the schedule seed PrivateTrain drew lives in its work directory
   only, and after the resumed run it is in no file of the run (ML Metadata included)
@@ -18,7 +21,9 @@ import pathlib
 import random
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -26,8 +31,10 @@ import pytest
 import tensorflow as tf
 
 from beam_jobs import synthetic
-from tests import support
+from tests import crash_child, support
+from tff_algorithms.algorithms import registry
 from tff_algorithms.base import job_files
+from tff_algorithms.jobs import train_job
 
 CLI_ROUNDS = 4
 KILL_SEED = 20240611
@@ -85,6 +92,77 @@ def test_checkpoint_that_reads_but_does_not_fit_is_an_error_not_a_torn_write(pro
     with pytest.raises((ValueError, TypeError)):
         support.train_toy_rounds(process, directory, 2, initial_state=wrong_structure)
     assert os.path.exists(os.path.join(directory, "round_1", "saved_model.pb"))
+
+
+# Every algorithm: SIGKILL in a child at a random step, and a torn newest checkpoint.
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def crash_data(tmp_path_factory):
+    return support.small_job_inputs(tmp_path_factory.mktemp("crash-data"))
+
+
+def test_every_registered_algorithm_has_a_crash_job():
+    assert set(crash_child.CRASH_JOBS) == set(registry.names())
+
+
+def _tear_newest_checkpoint(checkpoint_dir: str) -> int:
+    """Truncates the newest checkpoint's variable values to half (a save whose data was
+    never flushed), in either format: the step loop's ckpt-N.* or the federated
+    program's round_N/; returns N."""
+    steps = [
+        int(m.group(1))
+        for name in os.listdir(checkpoint_dir)
+        if (m := re.match(r"^(?:ckpt-|round_)(\d+)(?:\.index|$)", name))
+    ]
+    newest = max(steps)
+    data = tf.io.gfile.glob(os.path.join(checkpoint_dir, f"ckpt-{newest}.data-*"))
+    data += tf.io.gfile.glob(
+        os.path.join(checkpoint_dir, f"round_{newest}", "variables", "variables.data-*")
+    )
+    assert data, os.listdir(checkpoint_dir)
+    for path in data:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    return newest
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("algorithm", registry.names())
+def test_killed_at_a_random_step_with_a_torn_newest_checkpoint_resumes_to_the_same_end(
+    algorithm, crash_data, tff_runtime, tmp_path
+):
+    # Killed at step k (before its save), then the newest checkpoint, of step k - 1, torn:
+    # the resumed run must drop it and go on from step k - 2 (k >= 3: a real checkpoint).
+    config = crash_child.CRASH_JOBS[algorithm]
+    rounds = crash_child.CRASH_ROUNDS
+    kill_step = random.Random(f"{KILL_SEED}-{algorithm}").randint(3, rounds)
+    killed_dir, log_path = str(tmp_path / "killed"), str(tmp_path / "killed.log")
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tests.crash_child", algorithm, *crash_data, killed_dir]
+            + [str(kill_step)],
+            stdout=log,
+            stderr=log,
+            cwd=REPOSITORY,
+            env=_environment(str(tmp_path)),
+        )
+    try:
+        # The uninterrupted run, while the child trains.
+        reference = train_job.run_train_job(config, *crash_data, str(tmp_path / "reference"))
+        child.wait(300)
+    finally:
+        child.kill()
+    assert child.returncode == -signal.SIGKILL, open(log_path).read()[-3000:]
+    checkpoints = os.path.join(killed_dir, job_files.CHECKPOINT_DIR)
+    assert _tear_newest_checkpoint(checkpoints) == kill_step - 1
+
+    resumed = train_job.run_train_job(config, *crash_data, killed_dir)
+
+    assert resumed.metrics["resumed_from_round"] == kill_step - 2
+    support.assert_same_trained_outputs(reference, resumed)
 
 
 # SIGKILL of the command line.

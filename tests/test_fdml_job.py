@@ -1,9 +1,9 @@
-"""FDML as a training job (issue 27 item 3): outputs, epsilon, resume, refusals, budget."""
+"""FDML as a training job (issue 27 item 3): outputs, epsilon, refusals, budget
+(resume: tests/test_crash_safety.py)."""
 
 import dataclasses
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -18,7 +18,6 @@ from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
 from tff_algorithms.algorithms.fdml import protocol as fdml
 from tff_algorithms.algorithms.fdml import run as fdml_run
 from tff_algorithms.algorithms.fdml import training as fdml_training
-from tff_algorithms.base import job_files
 from tff_algorithms.config import job_config
 from tff_algorithms.jobs import train_job
 from tff_algorithms.privacy import accounting, budget
@@ -112,19 +111,6 @@ def test_epsilon_equals_the_privacy_command_and_fdml_privacy(straight_run, capsy
     rdp = fdml_privacy.compute_epsilon(spec, DELTA)
     assert summary["epsilon_rdp"] == pytest.approx(rdp, rel=1e-9)
     assert summary["epsilon"] < rdp
-
-
-def test_interrupted_and_resumed_equals_uninterrupted(data, straight_run, tmp_path):
-    # What a kill during round 2 leaves behind: the checkpoint of round 1.
-    resumed_dir = str(tmp_path / "resumed")
-    shutil.copytree(straight_run.output_dir, resumed_dir)
-    os.remove(os.path.join(resumed_dir, job_files.CHECKPOINT_DIR, "fdml-2.npz"))
-    shutil.rmtree(os.path.join(resumed_dir, job_files.SAVED_MODEL_DIR))
-
-    resumed = train_job.run_train_job(CONFIG, *data, resumed_dir)
-
-    assert resumed.metrics["resumed_from_round"] == 1
-    support.assert_same_trained_outputs(straight_run, resumed)
 
 
 def test_too_few_users_with_s_images_is_refused_before_any_round(data, tmp_path):

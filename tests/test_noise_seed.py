@@ -14,7 +14,7 @@ from beam_jobs import synthetic
 from pipeline import cli
 from pipeline import config as config_lib
 from tests import support
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, loop_schedule
 from tff_algorithms.jobs import train_job
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=8)
@@ -33,6 +33,12 @@ PRODUCTION = job_config.TrainJobConfig(
     testing_fixed_schedule=True,
 )
 TESTING = dataclasses.replace(PRODUCTION, noise_seed=5, testing_fixed_noise=True)
+
+
+def test_a_job_without_a_fixed_noise_seed_draws_a_fresh_one_each_start():
+    seeds = {loop_schedule.job_noise_seed(None) for _ in range(4)}
+    assert all(isinstance(s, int) and 0 <= s < 2**62 for s in seeds) and len(seeds) == 4
+    assert loop_schedule.job_noise_seed(5) == 5
 
 
 def test_a_fixed_noise_seed_needs_the_testing_flag():

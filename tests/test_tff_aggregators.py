@@ -1,7 +1,5 @@
 """Numerical privacy tests of the aggregation factories, run as real TFF processes."""
 
-import collections
-
 import dp_accounting
 import numpy as np
 import pytest
@@ -222,9 +220,3 @@ def test_integer_parameters_reach_tf_privacy_as_floats():
     )
     numerator = factory._query._numerator
     assert isinstance(numerator._l2_norm_clip, float) and isinstance(numerator._stddev, float)
-
-
-def test_fresh_noise_seed_is_an_int():
-    seeds = {aggregators.fresh_noise_seed() for _ in range(4)}
-    assert all(isinstance(s, int) and 0 <= s < 2**62 for s in seeds) and len(seeds) == 4
-    assert collections.Counter(seeds).most_common(1)[0][1] == 1

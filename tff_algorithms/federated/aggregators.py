@@ -8,8 +8,8 @@ number, so the noise-to-sensitivity ratio the accountant assumes always holds.
 A training job takes its aggregator from `mechanisms.aggregator_for_spec`, which picks
 `gaussian_fixed` or `tree_aggregation` from the job's accounting spec.
 
-Noise seeds are explicit. A production caller passes fresh OS entropy (see
-`fresh_noise_seed`); tests pass fixed seeds. The seed then lives in the
+Noise seeds are explicit. A production caller passes fresh OS entropy
+(`loop_schedule.job_noise_seed`); tests pass fixed seeds. The seed then lives in the
 aggregator state, so a checkpointed state resumes the same noise stream. Keep
 checkpoints as private as the raw data: whoever holds the seed can subtract the
 noise.
@@ -21,17 +21,11 @@ noise.
 from __future__ import annotations
 
 import collections
-import secrets
 
 import dp_accounting
 import tensorflow as tf
 import tensorflow_federated as tff
 import tensorflow_privacy as tfp
-
-
-def fresh_noise_seed() -> int:
-    """A noise seed from OS entropy, for production runs."""
-    return secrets.randbits(62)
 
 
 def _positive_float(value: float, name: str) -> float:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -64,6 +65,15 @@ def identity_keys_vocabulary(identities: Sequence[str] | Sequence[int]) -> np.nd
     if len(vocabulary) != len(set(identities)):
         raise ValueError("identity hashes collide; rename identities or use integer ids")
     return vocabulary
+
+
+def training_identity_vocabulary(reader: Any, user_ids: Sequence[str]) -> np.ndarray:
+    """`identity_keys_vocabulary` of every identity the training users hold, read from a
+    `beam_jobs.partition.PartitionReader`: the global head of DP-FedAvg, the oracle and
+    user-level DP-SGD has one row per training identity (O(training data), once)."""
+    return identity_keys_vocabulary(
+        sorted({record.identity for user in user_ids for record in reader.user_records(user)})
+    )
 
 
 def labels_in_vocabulary(

@@ -51,7 +51,7 @@ def aggregator_for_spec(
         `restart_every_epoch` define the noise (z is never passed separately).
       clip_norm: γ, the L2 clip of one virtual client's update.
       virtual_clients_per_round: the planned M, the aggregate's fixed denominator.
-      noise_seed: seed of the noise (`aggregators.fresh_noise_seed` in production).
+      noise_seed: seed of the noise (`loop_schedule.job_noise_seed` in production).
       rounds_per_epoch: the training schedule's rounds per epoch. The tree restarts
         every this many rounds, and the spec's tree accounting (restarts, or one tree's
         participations and min separation) assumes its own `spec.rounds_per_epoch`: the

@@ -3,10 +3,11 @@
 One loop serves every federated algorithm (DP-FedEmb, DP-FTRL-FedEmb, DP-FedAvg): it
 takes a `tff.learning.templates.LearningProcess` whose client argument is a list of
 virtual-client ids (data is loaded inside TFF from the id), a function giving the ids
-of round r (the schedule), and a privacy ledger. The centralized oracle keeps its own
-epoch loop and `tf.train.Checkpoint` (`train_job.train_centralized`): it is not a TFF
-process but one Keras model and optimizer, with no virtual clients, no noise and no
-process state to save.
+of round r (the schedule), and a privacy ledger. The algorithms that are not a TFF
+learning process (the centralized oracle, logit-dp, FDML, user-level DP-SGD) train
+through the step loop (`private_steps.run_steps`); both loops take the evaluation
+schedule and the noise-seed draw from `loop_schedule`, and recover from a torn newest
+checkpoint the same way (docs/design.md, "The step loop").
 
 Checkpoints use `tff.program.FileProgramStateManager`, which writes each version to
 a temporary directory and renames it, so a process killed mid-write leaves only a
@@ -44,6 +45,7 @@ import tensorflow_federated as tff
 from absl import logging
 
 from tff_algorithms.base import owned_files
+from tff_algorithms.config import loop_schedule
 from tff_algorithms.config.report_policy import ReportPolicy
 from tff_algorithms.federated import dropouts
 
@@ -273,8 +275,8 @@ def train(
         if report_policy is not None and applied.discarded_kept_clients:
             record["discarded_attempts_kept_clients"] = list(applied.discarded_kept_clients)
         last = done == config.total_rounds
-        if evaluate is not None and (
-            last or (config.evaluate_every and done % config.evaluate_every == 0)
+        if evaluate is not None and loop_schedule.evaluation_due(
+            config.total_rounds, config.evaluate_every, done
         ):
             record["eval"] = dict(evaluate(state, done))
         history.append(record)

@@ -37,11 +37,9 @@ pretraining on public data): SGD with momentum over all training examples, one "
 per epoch, learning rate and momentum from `server_learning_rate` / `server_momentum`
 (the paper lists the centralized learning rate in its server column); the DP fields
 are ignored. Its outputs have the same layout, with epsilon null and `private: false`.
-It keeps its own epoch loop and `tf.train.Checkpoint` (`train_centralized`) rather than
-`training.train`'s: it is not a TFF process but one Keras model and optimizer
-(`processes.CentralizedTrainer`), with no virtual clients to schedule or retry and no
-noise; its checkpoint holds the model, the Keras optimizer, the epoch, and the ledger
-(epsilon infinite from the first epoch) and history.
+It is not a TFF process but one Keras model and optimizer (`processes.CentralizedTrainer`)
+and trains through the step loop (`private_steps.run_steps`), one step an epoch, each
+checkpointed, without noise; the ledger's epsilon is infinite from the first epoch.
 
 A federated job's process is a process shape (`processes.build_fedemb_process`, or
 `build_fedavg_process` for DP-FedAvg) given the aggregator
@@ -50,26 +48,25 @@ ledger accounts with.
 
 Both seeds come from OS entropy unless a testing flag allows a fixed one (`job_config`).
 The schedule seed is drawn when a job first claims OUTPUT (`job_outputs`); the noise
-seed lives in the checkpointed aggregator state.
+seed (`loop_schedule.job_noise_seed`) lives in the checkpointed aggregator state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
 from beam_jobs import partition, schedule, splits
 from tff_algorithms import algorithms
 from tff_algorithms.base import job_files, owned_files
+from tff_algorithms.config import loop_schedule
 from tff_algorithms.config.job_config import (
     TrainJobConfig,
     accounting_spec_for,
@@ -78,7 +75,6 @@ from tff_algorithms.config.job_config import (
 )
 from tff_algorithms.evaluation.scoring import HeldOutEvaluator
 from tff_algorithms.federated import (
-    aggregators,
     client_data,
     feature_cache,
     local_training,
@@ -87,7 +83,7 @@ from tff_algorithms.federated import (
     runtime,
     training,
 )
-from tff_algorithms.jobs import job_outputs, tensorboard_rounds
+from tff_algorithms.jobs import job_outputs, private_steps, tensorboard_rounds
 from tff_algorithms.jobs.job_outputs import JobOutcome, TrainJobResult
 from tff_algorithms.modeling import models
 from tff_algorithms.privacy import accounting, dplc_releases
@@ -170,17 +166,6 @@ class JobInputs:
     feature_cache_dir: str
 
 
-def _training_identity_vocabulary(
-    reader: partition.PartitionReader, user_ids: list[str]
-) -> np.ndarray:
-    # The global head of DP-FedAvg and the oracle has one row per training identity:
-    # O(training data) once, inherent to those baselines.
-    identities = {
-        reader_record.identity for u in user_ids for reader_record in reader.user_records(u)
-    }
-    return local_training.identity_keys_vocabulary(sorted(identities))
-
-
 def _build_process(
     inputs: JobInputs,
     plan: schedule.VirtualClientSchedule,
@@ -196,9 +181,7 @@ def _build_process(
         inputs.spec,
         clip_norm=float(config.clip_norm),
         virtual_clients_per_round=config.virtual_clients_per_round,
-        noise_seed=config.noise_seed
-        if config.noise_seed is not None
-        else aggregators.fresh_noise_seed(),
+        noise_seed=loop_schedule.job_noise_seed(config.noise_seed),
         rounds_per_epoch=plan.rounds_per_epoch,
     )
     server_optimizer = processes.server_sgdm(config.server_learning_rate, config.server_momentum)
@@ -208,7 +191,7 @@ def _build_process(
         feature_cut=cut,
     )
     if global_head:
-        vocabulary = _training_identity_vocabulary(inputs.reader, inputs.user_ids)
+        vocabulary = local_training.training_identity_vocabulary(inputs.reader, inputs.user_ids)
         base = processes.build_fedavg_process(
             config.backbone_config,
             client_config,
@@ -409,10 +392,10 @@ def train_centralized(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     """The centralized oracle's trainer (module docstring). `schedule_seed` is not used:
     the oracle samples no users, and `config.seed` seeds its shuffling."""
     del schedule_seed
-    config, spec, evaluator = inputs.config, inputs.spec, inputs.evaluator
+    config = inputs.config
     trainer = processes.CentralizedTrainer(
         config.backbone_config,
-        _training_identity_vocabulary(inputs.reader, inputs.user_ids),
+        local_training.training_identity_vocabulary(inputs.reader, inputs.user_ids),
         learning_rate=config.server_learning_rate,
         batch_size=config.batch_size,
         momentum=config.server_momentum,
@@ -421,39 +404,19 @@ def train_centralized(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
         initial_backbone=inputs.pretrained,
     )
     examples = _all_training_examples(inputs.reader, inputs.partition_dir, config.image_shape)
-    epoch = tf.Variable(0, dtype=tf.int64)
-    ledger_text = tf.Variable(PrivacyLedger(spec).to_json())
-    history_text = tf.Variable("[]")
-    # Ledger and history live in the checkpoint, so they are saved atomically with the weights.
-    checkpoint = tf.train.Checkpoint(
-        **trainer.checkpoint_objects(), epoch=epoch, ledger=ledger_text, history=history_text
+
+    def epoch(e: int, _: tf.Tensor | None) -> None:
+        trainer.train_epoch(examples, e)  # its loss is not recorded, as before
+
+    # One step is one epoch; each is checkpointed (an epoch is the oracle's long unit).
+    return private_steps.run_steps(
+        inputs,
+        trainer.checkpoint_objects(),
+        epoch,
+        lambda: models.backbone_weights(trainer.backbone),
+        noisy=False,
+        checkpoint_every=1,
     )
-    manager = tf.train.CheckpointManager(checkpoint, inputs.checkpoint_dir, max_to_keep=2)
-    if manager.latest_checkpoint:
-        checkpoint.restore(manager.latest_checkpoint)
-    ledger = PrivacyLedger.from_json(ledger_text.numpy().decode(), expected_spec=spec)
-    history = json.loads(history_text.numpy().decode())
-    start = int(epoch.numpy())
-    for e in range(start, config.rounds):
-        began = time.perf_counter()
-        trainer.train_epoch(examples, e)
-        done = e + 1
-        ledger.record_round(done)
-        record: dict[str, Any] = {
-            "round": done,
-            "epsilon": ledger.epsilon,
-            "round_seconds": time.perf_counter() - began,
-        }
-        if done == config.rounds or (config.evaluate_every and done % config.evaluate_every == 0):
-            record["eval"] = evaluator(models.backbone_weights(trainer.backbone))
-        history.append(record)
-        if inputs.progress is not None:
-            inputs.progress(record)
-        epoch.assign(done)
-        ledger_text.assign(ledger.to_json())
-        history_text.assign(json.dumps(history))
-        manager.save(checkpoint_number=done)
-    return JobOutcome(models.backbone_weights(trainer.backbone), ledger, history, start)
 
 
 def _each_round(

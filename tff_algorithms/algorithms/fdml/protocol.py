@@ -93,7 +93,7 @@ class FdmlConfig:
       case_b_strategy: `UC` or `AS`.
       server_learning_rate: Adam's learning rate (the paper: 1e-4).
       noise_seed: seed of the noise and of the embedding drop; production callers pass
-        `aggregators.fresh_noise_seed()`. It lives in the server state: keep checkpoints
+        `loop_schedule.job_noise_seed`. It lives in the server state: keep checkpoints
         as private as the data.
     """
 

@@ -25,11 +25,13 @@ gradient (UC, rate_p 1), so no round restarts or is abandoned; one that were wou
 still be charged as a full round by the ledger, an upper bound of its cost
 (`fdml_privacy`: an abandoned round costs its derivative release only).
 
-Checkpoints. The server state (weights, Adam state, round counter, noise seed), the
-ledger and the history are saved together every `CHECKPOINT_EVERY` rounds and on
-evaluation rounds (OUTPUT/checkpoints/fdml-<round>.npz, the latest two kept); a re-run resumes from the
-latest and redraws the same users, images and noise, so it ends where an uninterrupted
-run ends. The server's monitoring values (`fdml.UNPRIVATE_METRICS`) are never recorded.
+Checkpoints: the step loop's (`private_steps.run_steps`). The server state (weights,
+Adam state, round counter, noise seed) lives in variables (`_ServerState`), saved with
+the ledger and the history every `private_steps.CHECKPOINT_EVERY` rounds and on
+evaluation rounds; a re-run resumes from the newest intact checkpoint and redraws the
+same users, images and noise, so it ends where an uninterrupted run ends. Checkpoints
+of the earlier fdml-<round>.npz format are refused in one line. The server's monitoring
+values (`fdml.UNPRIVATE_METRICS`) are never recorded.
 
 Evaluation: recall@FAR on the held-out records, and the FDML paper's authentication
 accuracy at the EER threshold (`eer`, Alg. 4) on the same embeddings (`eer_summary`).
@@ -37,13 +39,7 @@ accuracy at the EER threshold (`eer`, Alg. 4) on the same embeddings (`eer_summa
 
 from __future__ import annotations
 
-import io
-import json
 import math
-import os
-import re
-import secrets
-import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -53,22 +49,21 @@ from beam_jobs import partition
 from tff_algorithms.algorithms.fdml import protocol as fdml
 from tff_algorithms.algorithms.fdml import run as fdml_run
 from tff_algorithms.algorithms.fdml.fields import fdml_selected_per_round
+from tff_algorithms.config import loop_schedule
 from tff_algorithms.config.job_config import TrainJobConfig
 from tff_algorithms.evaluation import eer, metrics
 from tff_algorithms.federated import client_data
+from tff_algorithms.jobs import private_steps
 from tff_algorithms.jobs.job_outputs import JobOutcome
-from tff_algorithms.privacy.ledger import PrivacyLedger
 
 if TYPE_CHECKING:
     from tff_algorithms.jobs.train_job import JobInputs
 
-CHECKPOINT_EVERY = 10
 # The paper's split of each held-out user's embeddings (section VII-C) and reference users.
 PAPER_EER_SPLIT = (20, 10, 10)
 PAPER_REFERENCE_USERS = 10
 # Stream of the per-round image draws, apart from the users' draw of the same seed.
 _SAMPLE_STREAM = 0xFD31
-_CHECKPOINT = re.compile(r"^fdml-(\d+)\.npz$")
 
 
 def eligible_users(
@@ -164,43 +159,6 @@ class _UserSamples:
         )
 
 
-def _latest_checkpoint(directory: str) -> str | None:
-    found = [
-        (int(m.group(1)), name)
-        for name in tf.io.gfile.listdir(directory)
-        if (m := _CHECKPOINT.match(name))
-    ]
-    return os.path.join(directory, max(found)[1]) if found else None
-
-
-def _save(directory: str, done: int, state: Any, ledger: PrivacyLedger, history: list) -> None:
-    arrays = {f"s{i}": np.asarray(v) for i, v in enumerate(tf.nest.flatten(state))}
-    meta = json.dumps({"round": done, "ledger": ledger.to_json(), "history": history})
-    buffer = io.BytesIO()
-    np.savez(buffer, meta=np.array(meta), **arrays)
-    path = os.path.join(directory, f"fdml-{done}.npz")
-    # Written whole then renamed: a crash leaves the previous checkpoint intact.
-    temporary = f"{path}.tmp-{secrets.token_hex(4)}"
-    with tf.io.gfile.GFile(temporary, "wb") as f:
-        f.write(buffer.getvalue())
-    tf.io.gfile.rename(temporary, path, overwrite=True)
-    # The latest two are kept (as `tf.train.CheckpointManager(max_to_keep=2)` does).
-    saved = sorted(
-        int(m.group(1)) for name in tf.io.gfile.listdir(directory) if (m := _CHECKPOINT.match(name))
-    )
-    for old in saved[:-2]:
-        tf.io.gfile.remove(os.path.join(directory, f"fdml-{old}.npz"))
-
-
-def _restore(path: str, template: Any) -> tuple[Any, dict[str, Any]]:
-    with tf.io.gfile.GFile(path, "rb") as f:
-        data = np.load(io.BytesIO(f.read()))
-        leaves = tf.nest.flatten(template)
-        values = [data[f"s{i}"] for i in range(len(leaves))]
-        meta = json.loads(str(data["meta"]))
-    return tf.nest.pack_sequence_as(template, values), meta
-
-
 def _evaluate(inputs: JobInputs, weights: Any) -> dict[str, Any]:
     embeddings = inputs.evaluator.embeddings(weights)
     labels = inputs.evaluator.labels
@@ -212,55 +170,59 @@ def _evaluate(inputs: JobInputs, weights: Any) -> dict[str, Any]:
     }
 
 
+class _ServerState:
+    """The FDML server state (weights, Adam state, round counter, noise seed) held in
+    variables (`leaves`), so the step loop's checkpoint saves it with the ledger and
+    history."""
+
+    def __init__(self, state: Any) -> None:
+        self._template = state
+        self.leaves = [tf.Variable(np.asarray(leaf)) for leaf in tf.nest.flatten(state)]
+
+    def get(self) -> Any:
+        return tf.nest.pack_sequence_as(self._template, [v.numpy() for v in self.leaves])
+
+    def set(self, state: Any) -> None:
+        for variable, leaf in zip(self.leaves, tf.nest.flatten(state), strict=True):
+            variable.assign(leaf)
+
+
 def train_fdml(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     """Trains `config.rounds` FDML rounds (module docstring); needs a TFF runtime."""
-    config, spec = inputs.config, inputs.spec
+    config = inputs.config
     population = len(inputs.user_ids)
     selected = fdml_selected_per_round(config, population)
-    noise_seed = config.noise_seed if config.noise_seed is not None else secrets.randbits(62)
     process = fdml.build_fdml_process(
         config.backbone_config,
-        fdml_config(config, noise_seed),
+        # Replaced by the checkpoint's on resume: the server state holds it.
+        fdml_config(config, loop_schedule.job_noise_seed(config.noise_seed)),
         backbone_seed=config.seed,
         initial_weights=inputs.pretrained,
     )
-    state = process.initialize()
-    ledger = PrivacyLedger(spec)
-    history: list[dict[str, Any]] = []
-    start = 0
-    latest = _latest_checkpoint(inputs.checkpoint_dir)
-    if latest is not None:
-        # The checkpoint's noise seed replaces the fresh one (it is part of the state).
-        state, meta = _restore(latest, state)
-        ledger = PrivacyLedger.from_json(meta["ledger"], expected_spec=spec)
-        history, start = meta["history"], int(meta["round"])
+    server = _ServerState(process.initialize())
     samples = _UserSamples(inputs, schedule_seed)
-    for t in range(start, config.rounds):
-        began = time.perf_counter()
+
+    def round_step(t: int, _: tf.Tensor | None) -> dict[str, Any]:
         users = fdml_run.round_users(schedule_seed, t, 0, population, selected)
-        output = process.next(state, [samples(int(u), t) for u in users])
+        output = process.next(server.get(), [samples(int(u), t) for u in users])
         if output.restarted:  # impossible without failures (module docstring)
             raise RuntimeError(f"round {t + 1} had too few embedding uploads")
-        state = output.state
-        done = t + 1
-        ledger.record_round(done)
-        record: dict[str, Any] = {
-            "round": done,
-            "epsilon": ledger.epsilon,
-            "round_seconds": time.perf_counter() - began,
+        server.set(output.state)
+        return {
             # Counts of the data-independent schedule only (fdml.UNPRIVATE_METRICS left out).
             **{k: v for k, v in output.metrics.items() if k not in fdml.UNPRIVATE_METRICS},
             "applied": int(output.applied),
             "abandoned": int(output.abandoned),
         }
-        evaluate = done == config.rounds or (
-            config.evaluate_every and done % config.evaluate_every == 0
-        )
-        if evaluate:
-            record["eval"] = _evaluate(inputs, fdml.backbone_weights(state))
-        history.append(record)
-        if inputs.progress is not None:
-            inputs.progress(record)
-        if evaluate or done % CHECKPOINT_EVERY == 0:
-            _save(inputs.checkpoint_dir, done, state, ledger, history)
-    return JobOutcome(fdml.backbone_weights(state), ledger, history, start)
+
+    def backbone() -> Any:
+        return fdml.backbone_weights(server.get())
+
+    return private_steps.run_steps(
+        inputs,
+        {"server_state": server.leaves},
+        round_step,
+        backbone,
+        noisy=False,  # the noise seed is in the server state
+        evaluate=lambda: _evaluate(inputs, backbone()),
+    )

@@ -207,7 +207,7 @@ class UserDpSgd:
 
     model: image (or features) -> embedding; its trainable variables train.
     head: the global head kernel [embedding_size, identities].
-    vocabulary: `local_training.identity_keys_vocabulary` of the training identities.
+    vocabulary: `local_training.training_identity_vocabulary`.
     """
 
     def __init__(
@@ -404,9 +404,7 @@ def train_user_dp_sgd(inputs: JobInputs, schedule_seed: int, *, last_layer: bool
     else:
         examples, trained = image_examples(inputs.partition_dir, config.image_shape), backbone
         cache_facts = {"used": False, "reason": "dp-sgd-centralized trains on images"}
-    vocabulary = local_training.identity_keys_vocabulary(
-        sorted({r.identity for u in inputs.user_ids for r in inputs.reader.user_records(u)})
-    )
+    vocabulary = local_training.training_identity_vocabulary(inputs.reader, inputs.user_ids)
     head = tf.Variable(
         models.initial_head_kernel(
             tf.constant([config.seed, -1], tf.int64), config.embedding_size, len(vocabulary)
