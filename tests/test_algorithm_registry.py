@@ -49,7 +49,7 @@ def _test_algorithm() -> algorithms.Algorithm:
         name=TEST_ALGORITHM,
         summary="test-only oracle registered by tests/test_algorithm_registry.py",
         private=False,
-        trainer="tff_algorithms.jobs.train_job:train_centralized",
+        trainer="tff_algorithms.algorithms.centralized.training:train_centralized",
         accounting_rule=rules.every_user_accounting,
         mechanism=None,
         recipe=TEST_RECIPE,
@@ -100,7 +100,7 @@ def test_a_duplicate_name_is_refused_in_one_line():
                 name="fdml",
                 summary="a second fdml",
                 private=False,
-                trainer="tff_algorithms.jobs.train_job:train_centralized",
+                trainer="tff_algorithms.algorithms.centralized.training:train_centralized",
                 accounting_rule=rules.every_user_accounting,
                 mechanism=None,
             )

@@ -34,8 +34,6 @@ SPEC_MODULES = {
 ALLOWED_UPWARD = {
     ("tff_algorithms.config.job_config", "tff_algorithms.federated.feature_cache"),
     ("tff_algorithms.config.model_config", "tff_algorithms.modeling.models"),
-    # DP-FedEmb's trainer still lives in the job module and adds shared negatives.
-    ("tff_algorithms.jobs.train_job", "tff_algorithms.algorithms.dp_fedemb.shared_negatives"),
 }
 TENSORFLOW_FREE = ("base", "privacy", "config")
 

@@ -85,7 +85,7 @@ class JobOutcome:
     ledger: PrivacyLedger
     history: list[dict[str, Any]]
     resumed_from_round: int
-    # A federated job's feature-cache decision (`train_job.feature_cache_decision`).
+    # A federated job's feature-cache decision (`algorithms.dp_fedemb.training.feature_cache_decision`).
     feature_cache: dict[str, Any] | None = None
 
 

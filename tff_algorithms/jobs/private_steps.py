@@ -1,5 +1,5 @@
 """The checkpointed step loop of every algorithm that trains outside a TFF learning
-process: the centralized oracle (`train_job.train_centralized`), Logit-DP
+process: the centralized oracle (`algorithms/centralized/training.py`), Logit-DP
 (`contrastive_training`), user-level DP-SGD (`user_dp_sgd`) and FDML (`fdml_training`,
 its server state held in variables). The federated algorithms keep TFF's program state
 (`training.train`) and share the evaluation schedule and noise-seed draw with this loop
@@ -48,7 +48,7 @@ from tff_algorithms.jobs.job_outputs import JobOutcome
 from tff_algorithms.privacy.ledger import PrivacyLedger
 
 if TYPE_CHECKING:
-    from tff_algorithms.jobs.train_job import JobInputs
+    from tff_algorithms.jobs.job_inputs import JobInputs
 
 CHECKPOINT_EVERY = 10
 KEEP_CHECKPOINTS = 2

@@ -1,7 +1,7 @@
 """The centralized oracle (`registry.Algorithm`): non-private SGD with momentum over
 every training example, one round an epoch; also the pipeline's pretraining on public
 data, so `dp-fedemb train --algorithm centralized` starts from the pretraining recipe
-(`recipes.pretrain_values`). The trainer is `train_job.train_centralized`. No TensorFlow.
+(`recipes.pretrain_values`). The trainer is `training.train_centralized`. No TensorFlow.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ CENTRALIZED = registry.register(
         name="centralized",
         summary="centralized oracle (no clipping, no noise)",
         private=False,
-        trainer="tff_algorithms.jobs.train_job:train_centralized",
+        trainer="tff_algorithms.algorithms.centralized.training:train_centralized",
         accounting_rule=rules.every_user_accounting,
         mechanism=None,
         start_values=_pretraining_values,

@@ -5,7 +5,7 @@ backbone's update is clipped and noised (`mechanisms`). DP-FedEmb and DP-FTRL-Fe
 train a local head per virtual client (shared negatives may extend it); DP-FedAvg
 trains the backbone and a global head with one optimizer (paper, Alg. 2).
 DP-FTRL-FedEmb adds tree-aggregated noise and samples users in epochs. The trainers
-are `train_job.train_dp_fedemb` and `train_dp_fedavg`. No TensorFlow.
+are `training.train_dp_fedemb` and `train_dp_fedavg`. No TensorFlow.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ DP_FEDEMB = registry.register(
         summary="DP-FedEmb: virtual clients train local heads, the backbone's update clipped "
         "and noised",
         private=True,
-        trainer="tff_algorithms.jobs.train_job:train_dp_fedemb",
+        trainer="tff_algorithms.algorithms.dp_fedemb.training:train_dp_fedemb",
         accounting_rule=rules.scheduled_accounting,
         mechanism=accounting.Mechanism.DPSGD,
         check_round_fill=rules.check_schedule_fills,
@@ -36,7 +36,7 @@ DP_FEDAVG = registry.register(
         name="dp-fedavg",
         summary="DP-FedAvg: virtual clients train the backbone and a global head",
         private=True,
-        trainer="tff_algorithms.jobs.train_job:train_dp_fedavg",
+        trainer="tff_algorithms.algorithms.dp_fedemb.training:train_dp_fedavg",
         accounting_rule=rules.scheduled_accounting,
         mechanism=accounting.Mechanism.DPSGD,
         check_round_fill=rules.check_schedule_fills,
@@ -53,7 +53,7 @@ DP_FTRL_FEDEMB = registry.register(
         name="dp-ftrl-fedemb",
         summary="DP-FedEmb with tree-aggregated noise (DP-FTRL), users sampled in epochs",
         private=True,
-        trainer="tff_algorithms.jobs.train_job:train_dp_fedemb",
+        trainer="tff_algorithms.algorithms.dp_fedemb.training:train_dp_fedemb",
         accounting_rule=rules.scheduled_accounting,
         mechanism=accounting.Mechanism.DPFTRL,
         schedule_mode=schedule.EPOCH,

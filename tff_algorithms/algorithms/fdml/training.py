@@ -57,7 +57,7 @@ from tff_algorithms.jobs import private_steps
 from tff_algorithms.jobs.job_outputs import JobOutcome
 
 if TYPE_CHECKING:
-    from tff_algorithms.jobs.train_job import JobInputs
+    from tff_algorithms.jobs.job_inputs import JobInputs
 
 # The paper's split of each held-out user's embeddings (section VII-C) and reference users.
 PAPER_EER_SPLIT = (20, 10, 10)

@@ -48,7 +48,7 @@ from tff_algorithms.jobs.job_outputs import JobOutcome
 from tff_algorithms.modeling import models
 
 if TYPE_CHECKING:
-    from tff_algorithms.jobs.train_job import JobInputs
+    from tff_algorithms.jobs.job_inputs import JobInputs
 
 # Stream of the pair draws, apart from the schedule's own streams of the same seed.
 _PAIR_STREAM = 0x10617

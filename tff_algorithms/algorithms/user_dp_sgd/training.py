@@ -82,7 +82,7 @@ from tff_algorithms.jobs.job_outputs import JobOutcome
 from tff_algorithms.modeling import models
 
 if TYPE_CHECKING:
-    from tff_algorithms.jobs.train_job import JobInputs
+    from tff_algorithms.jobs.job_inputs import JobInputs
 
 # Stream of the example-subset draws, apart from the schedule's own streams of the seed.
 _EXAMPLE_STREAM = 0x5D65
