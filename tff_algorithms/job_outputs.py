@@ -48,7 +48,7 @@ from tff_algorithms import (
     secret_files,
 )
 from tff_algorithms import budget as budget_lib
-from tff_algorithms.job_config import TrainJobConfig, fresh_schedule_seed
+from tff_algorithms.job_config import TrainJobConfig, current_layout, fresh_schedule_seed
 from tff_algorithms.ledger import PrivacyLedger
 
 JOB_FORMAT = "dp-fedemb-train-job/1"
@@ -232,15 +232,17 @@ def claim_output_dir(
     path = owned_files.create_entry(output_dir, job_files.JOB_FILE)
     given_run_id = run_id
     run_id, schedule_seed = given_run_id or uuid.uuid4().hex, config.schedule_seed
-    previous_text = _read_text(path)
+    previous_text, previous = _read_text(path), None
     if previous_text is not None:
         previous = json.loads(previous_text)
+        # A record of the release before (flat keys) in this release's layout.
+        previous = {**previous, "config": current_layout(previous.get("config", {}))}
         # Compared as JSON reads them back (tuples become lists).
         config_now = json.loads(json.dumps(job["config"]))
         changed = sorted(
             name
-            for name in set(previous.get("config", {})) | set(config_now)
-            if previous.get("config", {}).get(name) != config_now.get(name)
+            for name in set(previous["config"]) | set(config_now)
+            if previous["config"].get(name) != config_now.get(name)
             and name not in _RESUMABLE_CHANGES
         )
         if previous.get("partition") != job["partition"]:
@@ -264,7 +266,8 @@ def claim_output_dir(
     _make_dir(output_dir)
     record = {**job, "run_id": run_id, "schedule_seed": schedule_seed}
     text = json.dumps(record, indent=1, sort_keys=True)
-    if text != previous_text:  # a re-run of the same job rewrites nothing
+    # A re-run of the same job rewrites nothing, a record of the release before included.
+    if previous_text is None or json.loads(text) != previous:
         _write_text(path, text)
     return ClaimedJob(run_id, schedule_seed)
 
@@ -287,7 +290,9 @@ def finished_result(output_dir: str, config: TrainJobConfig) -> TrainJobResult |
     except json.JSONDecodeError:
         return None  # torn by a crash while written: the job writes its outputs again
     config_now = json.loads(json.dumps(_json_ready(config.public_dict())))
-    if not isinstance(metrics, dict) or metrics.get("config") != config_now:
+    if not isinstance(metrics, dict) or not isinstance(metrics.get("config"), dict):
+        return None
+    if current_layout(metrics["config"]) != config_now:
         return None
     return TrainJobResult(
         output_dir, saved_model_dir, metrics_path, ledger_path, metrics, already_finished=True
