@@ -61,8 +61,7 @@ DESCRIBE = {
     "users_per_group": "users per triplet group (g)",
     "samples_per_user": "images each participant embeds per round (s)",
     "derivative_clip": "L2 clip of each triplet-derivative row (C_r)",
-    "derivative_noise_share": "the derivatives' share of the round's noise budget 1/z^2, "
-    "in (0, 1)",
+    "derivative_noise_share": "the derivatives' share of the round's noise budget 1/z^2, in (0, 1)",
     "triplet_strategy": "batch_all | semi_hard",
     "triplet_margin": "the triplet loss margin m",
 }

@@ -85,8 +85,7 @@ class Section:
             close = difflib.get_close_matches(str(unknown[0]), [*self.shape, *names], n=1)
             hint = f"did you mean {self.name}.{close[0]}? " if close else ""
             raise ValueError(
-                f"unknown setting {self.name}.{unknown[0]} ({hint}known: "
-                f"{', '.join(self.keys())})"
+                f"unknown setting {self.name}.{unknown[0]} ({hint}known: {', '.join(self.keys())})"
             )
         return self.settings(**{k: v for k, v in value.items() if v is not None})
 
@@ -238,7 +237,7 @@ def get(name: Any) -> Algorithm:
 LEGACY_UNTIL = "0.1.0"
 
 
-def _foreign_setting(key: str, value: Any, section: Section | None) -> str | None:
+def _foreign_setting(key: str, section: Section | None) -> str | None:
     """The section `key` belongs to when it is another algorithm's setting (a section's
     name, or a flat key of the release before that only a section took over)."""
     own = section.name if section is not None else None
@@ -272,13 +271,18 @@ def user_layer(
     values = dict(values)
     section = algorithm.section
     for key in list(values):
-        owner = _foreign_setting(key, values[key], section)
+        owner = _foreign_setting(key, section)
         if owner is not None:
             users = " and ".join(section_users(owner))
-            shown = flat_name(key) if key == owner else section_name(owner, _new_key(owner, key))
+            if key == owner:
+                raise ValueError(
+                    f"{flat_name(key)} holds the settings of {users}, not of "
+                    f"{algorithm.name}: drop it"
+                )
             raise ValueError(
-                f"{shown} is a setting of {users}, not of {algorithm.name}: drop it"
-                + ("" if key == owner else f" (it was {flat_name(key)})")
+                f"{flat_name(key)} is a setting of {users} (now "
+                f"{section_name(owner, _new_key(owner, key))}), not of {algorithm.name}: "
+                "drop it"
             )
     if section is None:
         return values
