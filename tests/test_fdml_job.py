@@ -17,7 +17,6 @@ from tff_algorithms import (
     accounting,
     budget,
     fdml,
-    fdml_fields,
     fdml_privacy,
     fdml_run,
     fdml_training,
@@ -35,8 +34,7 @@ CONFIG = job_config.TrainJobConfig(
     clip_norm=1.0,
     users_per_virtual_client=2,
     virtual_clients_per_round=2,
-    samples_per_user=4,
-    derivative_clip=0.5,
+    settings={"samples_per_user": 4, "derivative_clip": 0.5},
     server_learning_rate=0.01,
     embedding_size=16,
     evaluate_every=1,
@@ -134,7 +132,9 @@ def test_too_few_users_with_s_images_is_refused_before_any_round(data, tmp_path)
     # Every user holds 6 images: none can fill 7 rows.
     with pytest.raises(ValueError, match="only 0 users hold samples_per_user=7") as e:
         train_job.run_train_job(
-            dataclasses.replace(CONFIG, samples_per_user=7), *data, str(tmp_path / "out")
+            dataclasses.replace(CONFIG, settings={"samples_per_user": 7}),
+            *data,
+            str(tmp_path / "out"),
         )
     assert "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "out")
@@ -168,27 +168,32 @@ def test_train_flags_set_the_fdml_fields():
         [
             "dp-fedemb train",
             "--algorithm=fdml",
-            "--samples-per-user=5",
-            "--derivative-clip=0.3",
-            "--derivative-noise-share=0.25",
-            "--triplet-strategy=semi_hard",
-            "--triplet-margin=0.4",
+            "--fdml-samples-per-user=5",
+            "--fdml-derivative-clip=0.3",
+            "--fdml-derivative-noise-share=0.25",
+            "--fdml-triplet-strategy=semi_hard",
+            "--fdml-triplet-margin=0.4",
+            "--fdml-groups-per-round=3",
+            "--fdml-users-per-group=2",
         ]
     )
     config = train.job_config({name: flag_values[name].value for name in flag_values})
     assert config.algorithm == "fdml"
-    assert (config.samples_per_user, config.derivative_clip) == (5, 0.3)
-    assert (config.derivative_noise_share, config.triplet_strategy) == (0.25, "semi_hard")
-    assert config.triplet_margin == 0.4
+    settings = config.settings
+    assert (settings.samples_per_user, settings.derivative_clip) == (5, 0.3)
+    assert (settings.derivative_noise_share, settings.triplet_strategy) == (0.25, "semi_hard")
+    assert settings.triplet_margin == 0.4
+    # The triplet groups set the shared schedule's counts.
+    assert (config.virtual_clients_per_round, config.users_per_virtual_client) == (3, 2)
 
 
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"samples_per_user": 1}, "samples_per_user"),
-        ({"derivative_noise_share": 1.0}, "derivative_noise_share"),
-        ({"derivative_clip": 0.0}, "derivative_clip"),
-        ({"triplet_strategy": "hardest"}, "triplet_strategy must be one of"),
+        ({"settings": {"samples_per_user": 1}}, "fdml.samples_per_user"),
+        ({"settings": {"derivative_noise_share": 1.0}}, "fdml.derivative_noise_share"),
+        ({"settings": {"derivative_clip": 0.0}}, "fdml.derivative_clip"),
+        ({"settings": {"triplet_strategy": "hardest"}}, "fdml.triplet_strategy must be one of"),
         ({"failure_injection_rate": 0.1}, "failure_injection_rate applies to DP-FedEmb"),
     ],
 )
@@ -207,9 +212,15 @@ def test_an_unreachable_target_epsilon_names_the_triplet_groups():
 
 
 def test_other_algorithms_records_do_not_change():
-    # Jobs recorded before fdml's fields existed still resume (train_job.json compares).
-    assert not set(fdml_fields.FDML_FIELDS) & set(support.SMALL_JOB.to_dict())
-    assert set(fdml_fields.FDML_FIELDS) <= set(CONFIG.to_dict())
+    # Jobs recorded before fdml's section existed still resume (train_job.json compares).
+    assert "fdml" not in support.SMALL_JOB.to_dict()
+    fdml = CONFIG.to_dict()["fdml"]
+    assert (fdml["groups_per_round"], fdml["users_per_group"], fdml["samples_per_user"]) == (
+        2,
+        2,
+        4,
+    )
+    assert "virtual_clients_per_round" not in CONFIG.to_dict()
 
 
 def test_budget_and_the_accountant_refuse_the_paper_convention(tmp_path, capsys):
