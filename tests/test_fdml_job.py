@@ -152,9 +152,9 @@ def test_train_command_refuses_too_few_users_in_one_line(tmp_path, capsys):
         str(tmp_path / "out"),
         "--algorithm=fdml",
         "--rounds=1",
-        "--users-per-virtual-client=2",
-        "--virtual-clients-per-round=2",
-        "--samples-per-user=7",
+        "--fdml-users-per-group=2",
+        "--fdml-groups-per-round=2",
+        "--fdml-samples-per-user=7",
         "--noise-multiplier=1",
     )
     assert code != 0
@@ -284,3 +284,55 @@ def test_budget_charges_and_target_epsilon_calibrates_the_strict_fdml_spec(strai
         job_config.accounting_spec_for(calibrated, TRAIN_IDENTITIES)
     ).epsilon
     assert 2.0 * (1 - 1e-2) <= epsilon <= 2.0
+
+
+def _flat_layout(config: dict) -> dict:
+    """A job config as the release before sections recorded it: fdml's settings flat,
+    its triplet groups in the shared schedule's keys."""
+    config = dict(config)
+    section = config.pop("fdml")
+    config["virtual_clients_per_round"] = section.pop("groups_per_round")
+    config["users_per_virtual_client"] = section.pop("users_per_group")
+    return {**config, **section}
+
+
+def _rewrite_config(path: str, layout) -> None:  # noqa: ANN001 - a dict -> dict
+    with open(path) as f:
+        record = json.load(f)
+    record["config"] = layout(record["config"])
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+
+
+def _old_release_copy(straight_run, root: str, layout=_flat_layout) -> str:  # noqa: ANN001
+    """The finished job's output directory as the release before left it (flat keys
+    in train_job.json and metrics.json)."""
+    shutil.copytree(straight_run.output_dir, root)
+    _rewrite_config(os.path.join(root, job_files.JOB_FILE), layout)
+    _rewrite_config(os.path.join(root, job_files.METRICS_FILE), layout)
+    return root
+
+
+def test_a_finished_job_of_the_release_before_is_finished_and_rewritten_not(
+    data, straight_run, tmp_path
+):
+    output = _old_release_copy(straight_run, str(tmp_path / "old"))
+    assert "virtual_clients_per_round" in open(os.path.join(output, job_files.JOB_FILE)).read()
+    before = support.files_with_times(output)
+    again = train_job.run_train_job(CONFIG, *data, output)
+    assert again.already_finished
+    assert support.files_with_times(output) == before
+
+
+def test_a_job_of_the_release_before_with_other_settings_is_refused_naming_them(
+    data, straight_run, tmp_path
+):
+    def three_groups(config: dict) -> dict:
+        return {**_flat_layout(config), "virtual_clients_per_round": 3}
+
+    output = _old_release_copy(straight_run, str(tmp_path / "old"), three_groups)
+    with pytest.raises(
+        ValueError, match=r"holds a training job with different fdml.groups_per_round;"
+    ) as e:
+        train_job.run_train_job(CONFIG, *data, output)
+    assert "\n" not in str(e.value)

@@ -215,6 +215,23 @@ class ClaimedJob:
     schedule_seed: int
 
 
+def _changed_settings(before: Mapping[str, Any], now: Mapping[str, Any]) -> set[str]:
+    """The keys whose values differ; within a section (an algorithm's own settings,
+    shared negatives), `section.key`."""
+    changed = set()
+    for name in set(before) | set(now):
+        old, new = before.get(name), now.get(name)
+        if old == new:
+            continue
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            changed |= {
+                f"{name}.{key}" for key in set(old) | set(new) if old.get(key) != new.get(key)
+            }
+        else:
+            changed.add(name)
+    return changed
+
+
 def claim_output_dir(
     output_dir: str, job: dict[str, Any], config: TrainJobConfig, run_id: str | None = None
 ) -> ClaimedJob:
@@ -240,10 +257,7 @@ def claim_output_dir(
         # Compared as JSON reads them back (tuples become lists).
         config_now = json.loads(json.dumps(job["config"]))
         changed = sorted(
-            name
-            for name in set(previous["config"]) | set(config_now)
-            if previous["config"].get(name) != config_now.get(name)
-            and name not in _RESUMABLE_CHANGES
+            _changed_settings(previous["config"], config_now) - set(_RESUMABLE_CHANGES)
         )
         if previous.get("partition") != job["partition"]:
             changed.append("partition (users/records)")
