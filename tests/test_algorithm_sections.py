@@ -292,3 +292,16 @@ def test_help_lists_each_section_s_flags_with_their_defaults():
     )
     assert defaults["dp-sgd-users-per-step"].startswith("256 (dp-sgd-centralized --recipe=default")
     assert defaults["logit-dp-scale"] == "1.0"
+
+
+def test_a_section_name_is_one_set_of_settings():
+    @dataclasses.dataclass(frozen=True)
+    class Other:
+        pass
+
+    spec = dataclasses.replace(
+        algorithms.get(FDML), name="fdml-copy", section=algorithms.registry.Section("fdml", Other)
+    )
+    with pytest.raises(ValueError, match="section 'fdml' is another algorithm's") as e:
+        algorithms.register(spec)
+    assert "\n" not in str(e.value) and algorithms.find("fdml-copy") is None

@@ -185,9 +185,17 @@ _REGISTERED: dict[str, Algorithm] = {}
 
 
 def register(algorithm: Algorithm) -> Algorithm:
-    """Adds `algorithm`; refuses, in one line, a name already registered."""
+    """Adds `algorithm`; refuses, in one line, a name already registered or a section
+    name another algorithm's different section has."""
     if algorithm.name in _REGISTERED:
         raise ValueError(f"algorithm {algorithm.name!r} is already registered; choose another name")
+    section = algorithm.section
+    if section is not None and sections().get(section.name, section) is not section:
+        # One key means one set of settings (several algorithms share one Section).
+        raise ValueError(
+            f"algorithm {algorithm.name!r}: section {section.name!r} is another algorithm's; "
+            "share its Section or choose another name"
+        )
     _REGISTERED[algorithm.name] = algorithm
     return algorithm
 
