@@ -54,6 +54,7 @@ from tff_algorithms import (
     job_config,
     job_outputs,
     models,
+    recipes,
 )
 from tff_algorithms.job_config import DP_LAST_LAYER, DP_SGD_CENTRALIZED
 
@@ -118,15 +119,17 @@ def configs(sizes: Mapping) -> tuple[dict[str, job_config.TrainJobConfig], dict[
         (DP_SGD_CENTRALIZED, sizes["dp_sgd_steps"], sizes["dp_sgd_users"]),
     ):
         try:
-            rows[algorithm] = dataclasses.replace(
-                base,
-                **{
-                    **algorithms.get(algorithm).recipe,
-                    "over_selection": 0.0,
-                    "rounds": steps,
-                    "virtual_clients_per_round": users,
-                    "evaluate_every": 0,
-                },
+            spec = algorithms.get(algorithm)
+            values = {
+                **spec.recipe,
+                "over_selection": 0.0,
+                "rounds": steps,
+                spec.section.name: {"users_per_step": users},
+                "evaluate_every": 0,
+            }
+            # The base's flat counts give way to the algorithm's section (from_dict).
+            rows[algorithm] = job_config.TrainJobConfig.from_dict(
+                recipes.overlay(base.to_dict(), values)
             )
         except ValueError as error:
             unavailable[algorithm] = str(error)
