@@ -305,3 +305,13 @@ def test_a_section_name_is_one_set_of_settings():
     with pytest.raises(ValueError, match="section 'fdml' is another algorithm's") as e:
         algorithms.register(spec)
     assert "\n" not in str(e.value) and algorithms.find("fdml-copy") is None
+
+
+def test_a_schedule_the_users_cannot_fill_is_named_in_the_section_s_words():
+    config = job_config.TrainJobConfig.from_dict(
+        {"algorithm": DP_SGD, "noise_multiplier": 1.0, "dp_sgd": {"users_per_step": 20}}
+    )
+    with pytest.raises(ValueError) as e:
+        config.calibrated_for(5)
+    assert "set dp_sgd.users_per_step to at most 5 (or auto)" in str(e.value)
+    assert "virtual_clients_per_round" not in str(e.value) and "\n" not in str(e.value)

@@ -399,14 +399,19 @@ class TrainJobConfig:
         the target; the returned config carries that z and no target. A target that needs
         z above the virtual clients per round is refused as out of reach.
         """
+        algorithm = algorithms.get(self.algorithm)
         if self.virtual_clients_per_round == AUTO:
-            largest = schedule.largest_virtual_clients_per_round(
-                num_users, self.users_per_virtual_client, float(self.over_selection)
-            )
+            try:
+                largest = schedule.largest_virtual_clients_per_round(
+                    num_users, self.users_per_virtual_client, float(self.over_selection)
+                )
+            except ValueError as e:
+                if algorithm.section is None:
+                    raise
+                raise ValueError(algorithm.section.in_own_words(str(e))) from None
             resolved = dataclasses.replace(self, virtual_clients_per_round=largest)
             config, source = resolved.calibrated_for(num_users)
             return config, {**source, "virtual_clients_per_round": AUTO}
-        algorithm = algorithms.get(self.algorithm)
         if algorithm.check_round_fill is not None:
             # One line when the users cannot fill a round.
             algorithm.check_round_fill(self, num_users)

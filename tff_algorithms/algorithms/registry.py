@@ -70,6 +70,13 @@ class Section:
         """Its keys: the schedule's counts first, then its settings' fields."""
         return (*self.shape, *(f.name for f in dataclasses.fields(self.settings)))
 
+    def in_own_words(self, message: str) -> str:
+        """`message` with each schedule field it names spelled as this section's key
+        (`set virtual_clients_per_round to at most 9` -> `set dp_sgd.users_per_step ...`)."""
+        for key, field in self.shape.items():
+            message = message.replace(field, f"{self.name}.{key}")
+        return message
+
     def build(self, value: Any) -> Any:
         """Its settings from None (the defaults), a settings object, or a mapping of its
         settings' fields (None values: their defaults); one line naming an unknown key."""
