@@ -1,12 +1,15 @@
 """The algorithm registry: every training algorithm declared once, as an `Algorithm`.
 
 What the rest of the product asks about an algorithm (is it private, which recipe it
-starts from, which of the job's fields it reads and how it checks them, how its
-privacy is accounted, how it samples users, which flags apply to it, which function
-trains it) is read from its `Algorithm` here, never by comparing its name
-(docs/design.md, "How an algorithm plugs in"). `register` adds one, `get` finds one by
-name, `names` lists them. No TensorFlow: the trainer is a "module:function" string,
-imported only when a job trains (`Algorithm.load_trainer`).
+starts from, its own settings and how it checks them, how its privacy is accounted,
+how it samples users, which flags apply to it, which function trains it) is read from
+its `Algorithm` here, never by comparing its name (docs/design.md, "How an algorithm
+plugs in"). `register` adds one, `get` finds one by name, `names` lists them. An
+algorithm's own settings are its `Section` (`fdml`, `logit_dp`, `dp_sgd`):
+`user_layer` and `product_layer` put the values a user or the product gives in its
+layout, the flat keys of the release before included (docs/config.md). No TensorFlow:
+the trainer is a "module:function" string, imported only when a job trains
+(`Algorithm.load_trainer`).
 """
 
 from __future__ import annotations
