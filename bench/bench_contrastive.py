@@ -530,7 +530,7 @@ def part_b(work: str, sizes: Mapping, resamples: int) -> dict:
         users_per_virtual_client=1,
         virtual_clients_per_round=p["n"],
         clip_norm=CLIP,
-        logit_scale=SCALE,
+        settings={"scale": SCALE},
         server_learning_rate=LR,
         server_momentum=MOMENTUM,
         trainable_layers=model_config.ALL_LAYERS,

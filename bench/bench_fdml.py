@@ -90,10 +90,9 @@ FULL = {
     "fdml": {
         "users_per_virtual_client": 8,  # g
         "virtual_clients_per_round": 8,  # groups: n = 64, the paper's num_required
-        "samples_per_user": 4,  # every image of a user (the paper: 8)
+        "settings": {"samples_per_user": 4, "derivative_clip": 0.05},  # s: a user's images
         "rounds": 10,
         "server_learning_rate": 1e-3,
-        "derivative_clip": 0.05,
         "clip_norm": 0.1,
     },
     "epsilons": EPSILONS,
@@ -107,10 +106,9 @@ QUICK = {
     "fdml": {
         "users_per_virtual_client": 4,
         "virtual_clients_per_round": 2,
-        "samples_per_user": 4,
+        "settings": {"samples_per_user": 4, "derivative_clip": 0.05},
         "rounds": 1,
         "server_learning_rate": 1e-3,
-        "derivative_clip": 0.05,
         "clip_norm": 0.1,
     },
     "epsilons": (ROBUSTNESS_EPSILON,),
@@ -176,7 +174,7 @@ class DirectRuns:
         reader = partition.PartitionReader(data[0])
         self.config = config
         self.users = fdml_training.eligible_users(
-            reader, reader.user_ids(), config.samples_per_user
+            reader, reader.user_ids(), config.settings.samples_per_user
         )
         # The job's draw of each user's images (`fdml_training`), from the same seed.
         job_inputs = types.SimpleNamespace(reader=reader, user_ids=self.users, config=config)
@@ -327,7 +325,7 @@ def run(out_dir: str, quick: bool) -> dict:
             base,
             users_per_virtual_client=n,
             virtual_clients_per_round=1,
-            derivative_clip=1e6,
+            settings=dataclasses.replace(base.settings, derivative_clip=1e6),
             clip_norm=1e6,
             noise_multiplier=0.0,
         ),
@@ -354,7 +352,7 @@ def run(out_dir: str, quick: bool) -> dict:
     direct = DirectRuns(base, data, pretrained.saved_model_dir)
     assert np.array_equal(direct.evaluator.labels, labels)
     # The paper's ε (Theorem V.1), not user-level.
-    noise = paper_noise(base.derivative_clip, PAPER_EPSILON, PAPER_DROP_RATE)
+    noise = paper_noise(base.settings.derivative_clip, PAPER_EPSILON, PAPER_DROP_RATE)
     paper_config = direct.process_config(
         0.0,
         derivative_noise_multiplier=noise["derivative_noise_multiplier"],
@@ -419,9 +417,9 @@ def run(out_dir: str, quick: bool) -> dict:
         "fdml": {
             **sizes["fdml"],
             "participants_per_round": n,
-            "triplet_strategy": base.triplet_strategy,
-            "triplet_margin": base.triplet_margin,
-            "derivative_noise_share": base.derivative_noise_share,
+            "triplet_strategy": base.settings.triplet_strategy,
+            "triplet_margin": base.settings.triplet_margin,
+            "derivative_noise_share": base.settings.derivative_noise_share,
             "training_users": len(direct.users),
         },
         "dp_fedemb": {

@@ -48,7 +48,7 @@ from collections.abc import Mapping
 
 from bench import bench_contrastive, bench_speed, bench_training
 from tff_algorithms import algorithms
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, recipes
 from tff_algorithms.config.job_config import DP_LAST_LAYER, DP_SGD_CENTRALIZED
 from tff_algorithms.evaluation import scoring as evaluation
 from tff_algorithms.federated import feature_cache
@@ -116,15 +116,17 @@ def configs(sizes: Mapping) -> tuple[dict[str, job_config.TrainJobConfig], dict[
         (DP_SGD_CENTRALIZED, sizes["dp_sgd_steps"], sizes["dp_sgd_users"]),
     ):
         try:
-            rows[algorithm] = dataclasses.replace(
-                base,
-                **{
-                    **algorithms.get(algorithm).recipe,
-                    "over_selection": 0.0,
-                    "rounds": steps,
-                    "virtual_clients_per_round": users,
-                    "evaluate_every": 0,
-                },
+            spec = algorithms.get(algorithm)
+            values = {
+                **spec.recipe,
+                "over_selection": 0.0,
+                "rounds": steps,
+                spec.section.name: {"users_per_step": users},
+                "evaluate_every": 0,
+            }
+            # The base's flat counts give way to the algorithm's section (from_dict).
+            rows[algorithm] = job_config.TrainJobConfig.from_dict(
+                recipes.overlay(base.to_dict(), values)
             )
         except ValueError as error:
             unavailable[algorithm] = str(error)

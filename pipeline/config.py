@@ -11,6 +11,11 @@ default key by key (the training sections' defaults are the recipes of
 tff_algorithms.config.recipes, layered by its rule); a key set to null restores the library
 default (TrainJobConfig's, or the section dataclass's), except for keys where null is
 itself a value (`data.synthetic_public: null` renders no public data).
+
+An algorithm's own settings are a section of `train` (or `pretrain.job`) named by its
+registry entry (`train.fdml.groups_per_round`; docs/config.md). The flat keys of the
+release before (`train.virtual_clients_per_round` of an fdml job) are moved there with
+one deprecation line on stderr each (`tff_algorithms.algorithms.registry.user_layer`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import difflib
 import json
 import math
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -386,12 +392,46 @@ def _overlay_default(field: dataclasses.Field, value: Any) -> Any:
         return {**dataclasses.asdict(default), **value}
     if not isinstance(default, Mapping):
         return value
+    if field.name == "train":
+        value = _user_train_layer(value, value.get("algorithm", default.get("algorithm")), "train")
     # An algorithm with a recipe of its own (`Algorithm.recipe`: dp-sgd-centralized,
     # dp-last-layer) takes it between the section's default and what the user set.
     algorithm = algorithms.find(value.get("algorithm"))
     if algorithm is not None and algorithm.recipe is not None:
         default = recipes.own_recipe_values(default, algorithm.recipe)
     return recipes.overlay(default, value)
+
+
+# Deprecation lines already shown: a command reads its config more than once
+# (`check_config`, then `load_config`), the user sees each line once.
+_SHOWN_DEPRECATIONS: set[str] = set()
+
+
+def _deprecated(message: str) -> None:
+    if message not in _SHOWN_DEPRECATIONS:
+        _SHOWN_DEPRECATIONS.add(message)
+        print(f"dp-fedemb: warning: config {message}", file=sys.stderr)
+
+
+def _user_train_layer(values: Mapping[str, Any], name: Any, key: str) -> dict[str, Any]:
+    """The training values the user set under `key`, in the layout of algorithm `name`
+    (`registry.user_layer`: an old flat key moved into the algorithm's section with one
+    deprecation line); unchanged when the algorithm is unknown (refused later, with
+    the known ones)."""
+    algorithm = algorithms.find(name)
+    if algorithm is None:
+        return dict(values)
+    _check_keys(values, key)
+    try:
+        return algorithms.registry.user_layer(
+            values,
+            algorithm,
+            lambda name: f"{key}.{name}",
+            lambda section, name: f"{key}.{section}.{name}",
+            _deprecated,
+        )
+    except ValueError as e:
+        raise ValueError(f"config {e}") from None
 
 
 def _closest(name: str, known: Sequence[str]) -> str:
@@ -422,7 +462,7 @@ def _check_keys(values: Mapping[str, Any], prefix: str) -> None:
 
 def _train_job_config(values: Mapping[str, Any], key: str) -> job_config.TrainJobConfig:
     _check_keys(values, key)
-    names = list(_TRAIN_FIELD_TYPES)
+    names = _train_keys()
     unknown = sorted(set(values) - set(names))
     if unknown:
         raise ValueError(
@@ -489,8 +529,30 @@ def read_config_file(path: str) -> dict[str, Any]:
     return values
 
 
-def config_from_dict(values: Mapping[str, Any]) -> PipelineConfig:
+def _pretrain_algorithm(source: str) -> str | None:
+    """The algorithm a pretraining source trains with (its recipe's), or None."""
+    if source == PRIVATE_CONTRASTIVE:
+        return recipes.private_contrastive_values({}, {})["algorithm"]
+    if source == "public":
+        return recipes.pretrain_values({}, {})["algorithm"]
+    return None
+
+
+def _built(values: Mapping[str, Any]) -> PipelineConfig:
+    """The config of `values`, each training layer the user set in the layout of its
+    algorithm (`train`'s: `_overlay_default`; `pretrain.job`'s here, once the source
+    says which algorithm pretrains)."""
     config = _build_section(PipelineConfig, values, "")
+    pretrain = config.pretrain
+    algorithm = _pretrain_algorithm(pretrain.source)
+    if algorithm is None or not pretrain.job:
+        return config
+    job = _user_train_layer(pretrain.job, algorithm, "pretrain.job")
+    return dataclasses.replace(config, pretrain=dataclasses.replace(pretrain, job=job))
+
+
+def config_from_dict(values: Mapping[str, Any]) -> PipelineConfig:
+    config = _built(values)
     validate(config)
     return config
 
@@ -512,15 +574,26 @@ def check_config(path: str | None = None, overrides: Sequence[str] = ()) -> Pipe
     """The config's keys, types and the value checks that need no TensorFlow, TFF or
     Beam (about a second): what commands run before their heavy imports. `load_config`
     still validates everything."""
-    config = _build_section(PipelineConfig, _values(path, overrides), "")
+    config = _built(_values(path, overrides))
     validate_light(config)
     return config
 
 
-# TrainJobConfig's fields and their annotations as written (e.g. 'float | None').
+# TrainJobConfig's fields and their annotations as written (e.g. 'float | None');
+# `settings` is written as the algorithm's section (`_train_keys`).
 _TRAIN_FIELD_TYPES = {
-    field.name: str(field.type) for field in dataclasses.fields(job_config.TrainJobConfig)
+    field.name: str(field.type)
+    for field in dataclasses.fields(job_config.TrainJobConfig)
+    if field.name != "settings"
 }
+
+
+def _train_keys() -> list[str]:
+    """The keys of `train` and `pretrain.job`: TrainJobConfig's fields and the registered
+    algorithms' sections (an algorithm may register later)."""
+    return [*_TRAIN_FIELD_TYPES, *algorithms.registry.sections()]
+
+
 # TrainJobConfig fields whose value is one of a module's names.
 _TRAIN_CHOICES = {
     "head_init": client_config.HEAD_INITS,
@@ -543,14 +616,26 @@ _TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "s
 def _check_train_light(values: Mapping[str, Any], key: str) -> None:
     """Unknown keys and non-finite numbers of a TrainJobConfig mapping, without TF."""
     _check_keys(values, key)
-    unknown = sorted(set(values) - set(_TRAIN_FIELD_TYPES))
+    known = _train_keys()
+    unknown = sorted(set(values) - set(known))
     if unknown:
         raise ValueError(
             f"unknown config key {key}.{_shown(unknown[0])} "
-            f"({_closest(unknown[0], list(_TRAIN_FIELD_TYPES))}known: "
-            f"{', '.join(_TRAIN_FIELD_TYPES)})"
+            f"({_closest(unknown[0], known)}known: {', '.join(known)})"
         )
+    sections = algorithms.registry.sections()
     for name, value in values.items():
+        if name in sections:
+            if value is not None and not isinstance(value, Mapping):
+                raise ValueError(f"config {key}.{name} must be a mapping of its settings")
+            settings = sections[name].keys()
+            unknown = sorted(set(value or {}) - set(settings), key=str)
+            if unknown:
+                raise ValueError(
+                    f"unknown config key {key}.{name}.{_shown(str(unknown[0]))} "
+                    f"({_closest(str(unknown[0]), settings)}known: {', '.join(settings)})"
+                )
+            continue
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"config {key}.{name} must be finite, got {bounded_load.shown(value)}")
         kinds = {part.strip() for part in _TRAIN_FIELD_TYPES[name].split("|")}

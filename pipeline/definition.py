@@ -62,6 +62,7 @@ def _code(component_factory) -> str:
 def build_components(config: config_lib.PipelineConfig) -> list:
     beam_args = json.dumps(list(config.pipeline.beam_args))
     train_job = config.train_job_dict()
+    schedule_counts = job_config.TrainJobConfig.from_dict(train_job)
 
     example_gen = data.CanonicalExampleGen(
         input_sources=json.dumps([os.path.abspath(s) for s in config.data.inputs]),
@@ -112,8 +113,9 @@ def build_components(config: config_lib.PipelineConfig) -> list:
     partition = data.PartitionVirtualClients(
         examples=examples,
         num_shards=config.partition.num_shards,
-        users_per_virtual_client=train_job["users_per_virtual_client"],
-        virtual_clients_per_round=str(train_job["virtual_clients_per_round"]),
+        # The shared schedule's counts (an algorithm's section may name them).
+        users_per_virtual_client=schedule_counts.users_per_virtual_client,
+        virtual_clients_per_round=str(schedule_counts.virtual_clients_per_round),
         over_selection=float(train_job["over_selection"]),
         rounds=train_job["rounds"],
         schedule_mode=job_config.schedule_mode(train_job["algorithm"]),

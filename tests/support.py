@@ -391,3 +391,19 @@ def zero_update_noise_prefix_sums(
         total = total + output.result[0]
         prefix_sums.append(total.copy())
     return prefix_sums
+
+
+def files_with_times(root: str) -> dict[str, tuple[int, int, bytes]]:
+    """Every file under `root`: (size, modification time, content), to show that a run
+    changed no file."""
+    found = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(directory, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, root)] = (
+                    os.path.getsize(path),
+                    os.stat(path).st_mtime_ns,
+                    f.read(),
+                )
+    return found

@@ -160,9 +160,9 @@ def test_a_user_of_many_identities_pairs_two_images_of_one():
     [
         ({"users_per_virtual_client": 2}, "set users_per_virtual_client to 1"),
         ({"virtual_clients_per_round": 8}, "a batch size of at least 14 at scale 1"),
-        ({"logit_scale": 3.0}, "gains nothing over per-example clipping"),
+        ({"settings": {"scale": 3.0}}, "gains nothing over per-example clipping"),
         ({"over_selection": 0.5}, "over_selection applies to federated rounds"),
-        ({"logit_scale": 0.0}, "logit_scale"),
+        ({"settings": {"scale": 0.0}}, "logit_dp.scale must be"),
     ],
 )
 def test_config_refusals_are_one_line(changes, message):

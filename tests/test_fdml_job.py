@@ -4,6 +4,7 @@
 import dataclasses
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -13,11 +14,11 @@ from beam_jobs import synthetic
 from pipeline import cli, report
 from pipeline.commands import train
 from tests import support
-from tff_algorithms.algorithms.fdml import fields as fdml_fields
 from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
 from tff_algorithms.algorithms.fdml import protocol as fdml
 from tff_algorithms.algorithms.fdml import run as fdml_run
 from tff_algorithms.algorithms.fdml import training as fdml_training
+from tff_algorithms.base import job_files
 from tff_algorithms.config import job_config
 from tff_algorithms.jobs import train_job
 from tff_algorithms.privacy import accounting, budget
@@ -31,8 +32,7 @@ CONFIG = job_config.TrainJobConfig(
     clip_norm=1.0,
     users_per_virtual_client=2,
     virtual_clients_per_round=2,
-    samples_per_user=4,
-    derivative_clip=0.5,
+    settings={"samples_per_user": 4, "derivative_clip": 0.5},
     server_learning_rate=0.01,
     embedding_size=16,
     evaluate_every=1,
@@ -117,7 +117,9 @@ def test_too_few_users_with_s_images_is_refused_before_any_round(data, tmp_path)
     # Every user holds 6 images: none can fill 7 rows.
     with pytest.raises(ValueError, match="only 0 users hold samples_per_user=7") as e:
         train_job.run_train_job(
-            dataclasses.replace(CONFIG, samples_per_user=7), *data, str(tmp_path / "out")
+            dataclasses.replace(CONFIG, settings={"samples_per_user": 7}),
+            *data,
+            str(tmp_path / "out"),
         )
     assert "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "out")
@@ -135,9 +137,9 @@ def test_train_command_refuses_too_few_users_in_one_line(tmp_path, capsys):
         str(tmp_path / "out"),
         "--algorithm=fdml",
         "--rounds=1",
-        "--users-per-virtual-client=2",
-        "--virtual-clients-per-round=2",
-        "--samples-per-user=7",
+        "--fdml-users-per-group=2",
+        "--fdml-groups-per-round=2",
+        "--fdml-samples-per-user=7",
         "--noise-multiplier=1",
     )
     assert code != 0
@@ -151,27 +153,32 @@ def test_train_flags_set_the_fdml_fields():
         [
             "dp-fedemb train",
             "--algorithm=fdml",
-            "--samples-per-user=5",
-            "--derivative-clip=0.3",
-            "--derivative-noise-share=0.25",
-            "--triplet-strategy=semi_hard",
-            "--triplet-margin=0.4",
+            "--fdml-samples-per-user=5",
+            "--fdml-derivative-clip=0.3",
+            "--fdml-derivative-noise-share=0.25",
+            "--fdml-triplet-strategy=semi_hard",
+            "--fdml-triplet-margin=0.4",
+            "--fdml-groups-per-round=3",
+            "--fdml-users-per-group=2",
         ]
     )
     config = train.job_config({name: flag_values[name].value for name in flag_values})
     assert config.algorithm == "fdml"
-    assert (config.samples_per_user, config.derivative_clip) == (5, 0.3)
-    assert (config.derivative_noise_share, config.triplet_strategy) == (0.25, "semi_hard")
-    assert config.triplet_margin == 0.4
+    settings = config.settings
+    assert (settings.samples_per_user, settings.derivative_clip) == (5, 0.3)
+    assert (settings.derivative_noise_share, settings.triplet_strategy) == (0.25, "semi_hard")
+    assert settings.triplet_margin == 0.4
+    # The triplet groups set the shared schedule's counts.
+    assert (config.virtual_clients_per_round, config.users_per_virtual_client) == (3, 2)
 
 
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"samples_per_user": 1}, "samples_per_user"),
-        ({"derivative_noise_share": 1.0}, "derivative_noise_share"),
-        ({"derivative_clip": 0.0}, "derivative_clip"),
-        ({"triplet_strategy": "hardest"}, "triplet_strategy must be one of"),
+        ({"settings": {"samples_per_user": 1}}, "fdml.samples_per_user"),
+        ({"settings": {"derivative_noise_share": 1.0}}, "fdml.derivative_noise_share"),
+        ({"settings": {"derivative_clip": 0.0}}, "fdml.derivative_clip"),
+        ({"settings": {"triplet_strategy": "hardest"}}, "fdml.triplet_strategy must be one of"),
         ({"failure_injection_rate": 0.1}, "failure_injection_rate applies to DP-FedEmb"),
     ],
 )
@@ -190,9 +197,15 @@ def test_an_unreachable_target_epsilon_names_the_triplet_groups():
 
 
 def test_other_algorithms_records_do_not_change():
-    # Jobs recorded before fdml's fields existed still resume (train_job.json compares).
-    assert not set(fdml_fields.FDML_FIELDS) & set(support.SMALL_JOB.to_dict())
-    assert set(fdml_fields.FDML_FIELDS) <= set(CONFIG.to_dict())
+    # Jobs recorded before fdml's section existed still resume (train_job.json compares).
+    assert "fdml" not in support.SMALL_JOB.to_dict()
+    fdml = CONFIG.to_dict()["fdml"]
+    assert (fdml["groups_per_round"], fdml["users_per_group"], fdml["samples_per_user"]) == (
+        2,
+        2,
+        4,
+    )
+    assert "virtual_clients_per_round" not in CONFIG.to_dict()
 
 
 def test_budget_and_the_accountant_refuse_the_paper_convention(tmp_path, capsys):
@@ -256,3 +269,55 @@ def test_budget_charges_and_target_epsilon_calibrates_the_strict_fdml_spec(strai
         job_config.accounting_spec_for(calibrated, TRAIN_IDENTITIES)
     ).epsilon
     assert 2.0 * (1 - 1e-2) <= epsilon <= 2.0
+
+
+def _flat_layout(config: dict) -> dict:
+    """A job config as the release before sections recorded it: fdml's settings flat,
+    its triplet groups in the shared schedule's keys."""
+    config = dict(config)
+    section = config.pop("fdml")
+    config["virtual_clients_per_round"] = section.pop("groups_per_round")
+    config["users_per_virtual_client"] = section.pop("users_per_group")
+    return {**config, **section}
+
+
+def _rewrite_config(path: str, layout) -> None:  # noqa: ANN001 - a dict -> dict
+    with open(path) as f:
+        record = json.load(f)
+    record["config"] = layout(record["config"])
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+
+
+def _old_release_copy(straight_run, root: str, layout=_flat_layout) -> str:  # noqa: ANN001
+    """The finished job's output directory as the release before left it (flat keys
+    in train_job.json and metrics.json)."""
+    shutil.copytree(straight_run.output_dir, root)
+    _rewrite_config(os.path.join(root, job_files.JOB_FILE), layout)
+    _rewrite_config(os.path.join(root, job_files.METRICS_FILE), layout)
+    return root
+
+
+def test_a_finished_job_of_the_release_before_is_finished_and_rewritten_not(
+    data, straight_run, tmp_path
+):
+    output = _old_release_copy(straight_run, str(tmp_path / "old"))
+    assert "virtual_clients_per_round" in open(os.path.join(output, job_files.JOB_FILE)).read()
+    before = support.files_with_times(output)
+    again = train_job.run_train_job(CONFIG, *data, output)
+    assert again.already_finished
+    assert support.files_with_times(output) == before
+
+
+def test_a_job_of_the_release_before_with_other_settings_is_refused_naming_them(
+    data, straight_run, tmp_path
+):
+    def three_groups(config: dict) -> dict:
+        return {**_flat_layout(config), "virtual_clients_per_round": 3}
+
+    output = _old_release_copy(straight_run, str(tmp_path / "old"), three_groups)
+    with pytest.raises(
+        ValueError, match=r"holds a training job with different fdml.groups_per_round;"
+    ) as e:
+        train_job.run_train_job(CONFIG, *data, output)
+    assert "\n" not in str(e.value)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 PRETRAIN_JOB = {
     "rounds": 3,
-    "virtual_clients_per_round": 14,
+    "logit_dp": {"users_per_step": 14},
     "evaluate_every": 3,
     "noise_multiplier": 1.0,
     "noise_seed": 0,

@@ -64,24 +64,9 @@ def test_rerunning_train_resumes_and_finishes(trained):
     assert "round 3/3" in progress
 
 
-def _files(root: str) -> dict[str, tuple[int, int, bytes]]:
-    """Every file under `root`: (size, modification time, content)."""
-    found = {}
-    for directory, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(directory, name)
-            with open(path, "rb") as f:
-                found[os.path.relpath(path, root)] = (
-                    os.path.getsize(path),
-                    os.stat(path).st_mtime_ns,
-                    f.read(),
-                )
-    return found
-
-
 def test_rerunning_a_finished_job_changes_no_file(trained):
     data, output, _, summary, _ = trained
-    before = _files(output)
+    before = support.files_with_times(output)
     again = subprocess.run(_train_command(data, output), capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "finished: nothing trained or written" in again.stderr
@@ -90,7 +75,7 @@ def test_rerunning_a_finished_job_changes_no_file(trained):
     assert {k: v for k, v in rerun.items() if k != "already_finished"} == {
         k: v for k, v in summary.items() if k != "already_finished"
     }
-    after = _files(output)
+    after = support.files_with_times(output)
     assert sorted(after) == sorted(before)
     changed = [path for path in before if after[path] != before[path]]
     assert not changed, changed

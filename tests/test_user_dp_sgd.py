@@ -322,8 +322,9 @@ def test_the_cli_and_the_pipeline_take_each_baseline_recipe():
     for job in (cli.to_dict(), pipeline):
         assert job["algorithm"] == "dp-last-layer" and job["rounds"] == 7
         assert job["trainable_layers"] == ("embedding",) or job["trainable_layers"] == ["embedding"]
-        assert (job["users_per_virtual_client"], job["head_loss"]) == (1, "softmax")
+        assert (job["dp_sgd"], job["head_loss"]) == ({"users_per_step": 1024}, "softmax")
     job = config_lib.load_config(
-        None, ["train.algorithm=dp-sgd-centralized", "train.virtual_clients_per_round=64"]
+        None, ["train.algorithm=dp-sgd-centralized", "train.dp_sgd.users_per_step=64"]
     ).train_job_dict()
-    assert (job["users_per_virtual_client"], job["virtual_clients_per_round"]) == (1, 64)
+    assert job["dp_sgd"] == {"users_per_step": 64}
+    assert job_config.TrainJobConfig.from_dict(job).users_per_virtual_client == 1

@@ -23,17 +23,17 @@ from typing import Any
 from absl import flags
 
 from pipeline import console
-from pipeline.commands import checks
+from pipeline.commands import algorithm_flags, checks
 from tff_algorithms import algorithms
 from tff_algorithms.algorithms.dp_fedemb import shared_negatives_config
-from tff_algorithms.algorithms.fdml import fields as fdml_fields
 from tff_algorithms.base import job_files, owned_files
 from tff_algorithms.config import client_config, model_config, recipes
 from tff_algorithms.config import job_config as job_config_lib
 from tff_algorithms.privacy import accounting
 
 # The TrainJobConfig fields passed straight through as flags: each flag is its field's
-# name in kebab case (--client-learning-rate sets client_learning_rate).
+# name in kebab case (--client-learning-rate sets client_learning_rate). An algorithm's
+# own settings have flags of their own (`algorithm_flags`: --fdml-groups-per-round).
 _CONFIG_FIELDS = (
     "algorithm",
     "rounds",
@@ -68,8 +68,6 @@ _CONFIG_FIELDS = (
     "noise_seed",
     "testing_fixed_noise",
     "restart_every_epoch",
-    "logit_scale",
-    *fdml_fields.FDML_FIELDS,
     "max_epsilon",
 )
 _CONFIG_FLAGS = {field.replace("_", "-"): field for field in _CONFIG_FIELDS}
@@ -150,11 +148,17 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         f"(0, {accounting.MAX_TARGET_EPSILON:g}]",
     )
     define("float", "clip-norm", "L2 clip of each virtual client's backbone update")
-    define("integer", "users-per-virtual-client", "users grouped into one virtual client (k)")
+    define(
+        "integer",
+        "users-per-virtual-client",
+        "users grouped into one virtual client (k); fdml: deprecated, use --fdml-users-per-group",
+    )
     define(
         "string",
         "virtual-clients-per-round",
-        "virtual clients per round (M), or auto: the largest the training users fill",
+        "virtual clients per round (M), or auto: the largest the training users fill; "
+        "fdml, logit-dp, dp-sgd-centralized, dp-last-layer: deprecated, use their "
+        "--fdml-groups-per-round or --<section>-users-per-step",
     )
     define(
         "float", "client-learning-rate", "client (backbone) learning rate beta1 (was --client-lr)"
@@ -210,16 +214,9 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "tests and benchmarks only: allow a fixed --noise-seed (default: OS entropy)",
     )
     define("boolean", "restart-every-epoch", "dp-ftrl-fedemb: restart the noise tree every epoch")
-    define("float", "logit-scale", "logit-dp: scale s of its cosine logits (1/temperature)")
-    define("integer", "samples-per-user", "fdml: images each participant embeds per round (s)")
-    define("float", "derivative-clip", "fdml: L2 clip of each triplet-derivative row (C_r)")
-    define(
-        "float",
-        "derivative-noise-share",
-        "fdml: the derivatives' share of the round's noise budget 1/z^2, in (0, 1)",
-    )
-    define("string", "triplet-strategy", "fdml: batch_all | semi_hard")
-    define("float", "triplet-margin", "fdml: the triplet loss margin m")
+    # Each algorithm's own settings (--fdml-groups-per-round, ...) and the flat flags
+    # of the release before they replaced.
+    algorithm_flags.define(flag_values)
     define("float", "max-epsilon", "privacy budget: refuse to start when the plan costs more")
     define(
         "list",
@@ -352,8 +349,18 @@ def prepare_data(
     return prepared
 
 
-def _config_values(value: Mapping[str, Any]) -> dict[str, Any]:
-    """The TrainJobConfig fields given on the command line (others keep their defaults)."""
+def _algorithm(value: Mapping[str, Any]) -> algorithms.Algorithm:
+    """The job's algorithm: --algorithm, else the recipe's, else TrainJobConfig's."""
+    recipe = recipes.recipe(value["recipe"])
+    return algorithms.get(
+        value["algorithm"] or recipe.get("algorithm", job_config_lib.TrainJobConfig.algorithm)
+    )
+
+
+def _config_values(value: Mapping[str, Any], warn: Any = None) -> dict[str, Any]:
+    """The TrainJobConfig values given on the command line (others keep their
+    defaults), the algorithm's own settings as its section (`algorithm_flags`; `warn`:
+    where the deprecation lines of old flags go, None: silently, `check` showed them)."""
     given = {field: value[name] for name, field in _CONFIG_FLAGS.items() if value[name] is not None}
     planned = given.get("virtual_clients_per_round")
     if planned is not None and planned != "auto":
@@ -378,7 +385,7 @@ def _config_values(value: Mapping[str, Any]) -> dict[str, Any]:
     }
     if value["shared-negatives"] or shared:
         given["shared_negatives"] = shared
-    return given
+    return algorithm_flags.user_values(value, given, _algorithm(value), warn)
 
 
 def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazily
@@ -402,16 +409,16 @@ def job_config(value: Mapping[str, Any]) -> job_config_lib.TrainJobConfig:
     recipe; logit-dp, the private contrastive recipe; dp-sgd-centralized and
     dp-last-layer, their own recipe; over --recipe), by recipes' layering rule."""
     values, given = recipes.recipe(value["recipe"]), _config_values(value)
-    # No algorithm in the recipe or the flags: TrainJobConfig's default.
-    algorithm = algorithms.get(
-        given.get("algorithm", values.get("algorithm", job_config_lib.TrainJobConfig.algorithm))
-    )
+    algorithm = _algorithm(value)
     values = algorithm.starting_values(values)
     if value["pretrained"] is None and not algorithm.keeps_recipe_layers:
         # The recipe's layers fine-tune a pretrained backbone (recipes.check_start): from
         # a random one, every layer trains.
         values["trainable_layers"] = list(recipes.EVERY_LAYER)
-    return job_config_lib.TrainJobConfig(**recipes.job_fields(recipes.overlay(values, given)))
+    # The recipes' flat counts move into the algorithm's section below the flags' (from_dict).
+    return job_config_lib.TrainJobConfig.from_dict(
+        recipes.job_fields(recipes.overlay(values, given))
+    )
 
 
 def _train(value: Mapping[str, Any]) -> dict[str, Any]:
@@ -524,6 +531,7 @@ def help_defaults() -> dict[str, str]:
             shown[flag] = ", ".join(
                 f"{text} with --recipe={name}" for name, text in per_recipe.items()
             )
+    shown.update(algorithm_flags.help_defaults(recipes.RECIPES))
     return shown
 
 
@@ -597,6 +605,13 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         checks.number("virtual-clients-per-round", count, 1)
     for name in _POSITIVE_INTS:
         checks.number(name, value[name], 1)
+    # Old flags of an algorithm's own settings: one deprecation line each; another
+    # algorithm's setting, or an old and a new flag that disagree: one error line; then
+    # the settings' own checks (TensorFlow-free).
+    given = _config_values(value, algorithm_flags.warn_deprecated)
+    section = _algorithm(value).section
+    if section is not None and section.name in given:
+        section.build({k: v for k, v in given[section.name].items() if k not in section.shape})
     checks.number("rounds", value["rounds"], 1, accounting.MAX_ROUNDS)
     if value["channels"] not in (None, 1, 3):
         raise ValueError(f"--channels must be 1 or 3, got {value['channels']}")

@@ -18,14 +18,21 @@ def schedule_shape(config: Any, num_users: int) -> schedule.ScheduleShape:
     """The counts of the job's virtual-client schedule over `num_users` users; one line
     when they cannot fill a round. Its rounds select `report_policy().selected_per_round`
     virtual clients (more than planned when over-selecting), so accounting built from
-    its participation statistics uses the selected set's sampling."""
-    return schedule.trained_shape(
-        num_users,
-        config.users_per_virtual_client,
-        config.virtual_clients_per_round,
-        registry.get(config.algorithm).schedule_mode,
-        float(config.over_selection),
-    )
+    its participation statistics uses the selected set's sampling. The line names the
+    counts as the algorithm's section does, where it has one."""
+    algorithm = registry.get(config.algorithm)
+    try:
+        return schedule.trained_shape(
+            num_users,
+            config.users_per_virtual_client,
+            config.virtual_clients_per_round,
+            algorithm.schedule_mode,
+            float(config.over_selection),
+        )
+    except ValueError as e:
+        if algorithm.section is None:
+            raise
+        raise ValueError(algorithm.section.in_own_words(str(e))) from None
 
 
 def check_schedule_fills(config: Any, num_users: int) -> None:

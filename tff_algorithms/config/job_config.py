@@ -4,10 +4,16 @@
 `schedule_shape_for` / `schedule_for` give the virtual-client schedule a federated job
 trains with, and `accounting_spec_for` the accounting spec of that schedule. The job
 (`train_job.run_train_job`) takes its schedule and its accounting spec from here.
-What differs between algorithms (their own fields and checks, their accounting and
+What differs between algorithms (their own settings and checks, their accounting and
 schedule rules, which settings apply to them) is read from each one's
 `algorithms.Algorithm` (`tff_algorithms/algorithms/`), never by comparing names;
 shared negatives are configured and checked in `shared_negatives_config`.
+
+An algorithm's own settings are its section (`registry.Section`: `fdml`, `logit_dp`,
+`dp_sgd`; docs/config.md): `TrainJobConfig.settings` holds them, checked for its jobs
+only; a section may name the shared schedule's counts in the algorithm's words
+(`fdml.groups_per_round` sets `virtual_clients_per_round`). `to_dict` writes the section
+and `from_dict` reads it, and a record of the release before (flat keys) too.
 
 delta: `TrainJobConfig.delta=None` resolves to N^-1.1 for N training users, which is
 below 1/N as (epsilon, delta)-DP needs (N=6800 gives 6.1e-5, N=10M gives 2e-8).
@@ -32,7 +38,6 @@ from beam_jobs import schedule
 from tff_algorithms import algorithms
 from tff_algorithms.algorithms import rules
 from tff_algorithms.algorithms.dp_fedemb.shared_negatives_config import SharedNegativesConfig
-from tff_algorithms.algorithms.fdml import fields as fdml_fields
 from tff_algorithms.base import validation
 from tff_algorithms.config import client_config, model_config, report_policy
 from tff_algorithms.privacy import accounting, calibration, dplc_releases
@@ -120,40 +125,40 @@ class TrainJobConfig:
       testing_fixed_noise: the explicit testing flag that allows a fixed `noise_seed`:
         for tests and benchmarks only; recorded in metrics.json.
       restart_every_epoch: DP-FTRL only: restart the noise tree every epoch.
-      logit_scale: logit-dp only: s, the scale of its cosine logits (1/temperature). The
-        sensitivity C(n, s, B) grows with it (`logit_dp_sensitivity`).
+      settings: the algorithm's own settings (its `Algorithm.section`'s dataclass, or
+        a mapping of its fields); None: their defaults. Must be None for an algorithm
+        without a section.
 
     `logit-dp` (private contrastive training, `tff_algorithms.algorithms.logit_dp.training`)
-    reads the federated fields as one step's shape: `rounds` steps, each sampling
-    `virtual_clients_per_round` users (n; `users_per_virtual_client` must be 1) without
-    replacement by the same schedule as DP-FedEmb, one positive pair per user; per-pair
-    logit gradients clipped to `clip_norm` (B); noise `noise_multiplier`·C(n, s, B);
-    momentum SGD with `server_learning_rate` / `server_momentum` on the noised sum over n.
-    Head, local-training and dropout fields do not apply to it.
+    reads its `logit_dp` section: `rounds` steps, each sampling `users_per_step` users
+    (n; the schedule's `virtual_clients_per_round`, one user each) without replacement
+    by the same schedule as DP-FedEmb, one positive pair per user; per-pair logit
+    gradients clipped to `clip_norm` (B); noise `noise_multiplier`·C(n, s, B), s its
+    `scale`; momentum SGD with `server_learning_rate` / `server_momentum` on the noised
+    sum over n. Head, local-training and dropout fields do not apply to it.
 
     `dp-sgd-centralized` and `dp-last-layer` (`tff_algorithms.algorithms.user_dp_sgd.training`, checked in
-    `user_dp_sgd_config`) read them the same way: `rounds` steps of
-    `virtual_clients_per_round` users (`users_per_virtual_client` must be 1), each
-    user's gradient of its mean loss over at most `max_examples_per_client` examples
-    clipped to `clip_norm`, noise `noise_multiplier`·clip_norm on the sum, accounted as
-    DP-FedEmb with one user per virtual client. dp-last-layer trains the embedding layer
-    alone (`trainable_layers` ["embedding"]), zero-initialised, under the softmax head.
+    `user_dp_sgd_config`) read their `dp_sgd` section the same way: `rounds` steps of
+    `users_per_step` users, each user's gradient of its mean loss over at most
+    `max_examples_per_client` examples clipped to `clip_norm`, noise
+    `noise_multiplier`·clip_norm on the sum, accounted as DP-FedEmb with one user per
+    virtual client. dp-last-layer trains the embedding layer alone (`trainable_layers`
+    ["embedding"]), zero-initialised, under the softmax head.
 
-    `fdml` (`tff_algorithms.algorithms.fdml.training`) reads them as a round's buffer: each round
-    selects ceil(n(1 + over_selection)) users uniformly without replacement, n =
-    `users_per_virtual_client` (g, users per triplet group) x `virtual_clients_per_round`
-    (groups); each uploads `samples_per_user` embeddings; derivatives are clipped per
-    row to `derivative_clip` (C_r), gradients to `clip_norm` (C_g). `noise_multiplier`
-    is z, the round's noise relative to its sensitivities (`accounting.Mechanism.FDML`),
+    `fdml` (`tff_algorithms.algorithms.fdml.training`) reads its `fdml` section
+    (`fdml_fields.FdmlSettings`): each round selects ceil(n(1 + over_selection)) users
+    uniformly without replacement, n = `users_per_group` (g) x `groups_per_round` (the
+    schedule's `users_per_virtual_client` x `virtual_clients_per_round`); each uploads
+    `samples_per_user` embeddings; derivatives are clipped per row to
+    `derivative_clip` (C_r), gradients to `clip_norm` (C_g). `noise_multiplier` is z,
+    the round's noise relative to its sensitivities (`accounting.Mechanism.FDML`),
     split as 1/z^2 = share/z^2 + (1 - share)/z^2 by `derivative_noise_share` (the
     derivatives' std is 2 sqrt(g s) z C_r / sqrt(share), the gradient sum's
     2 z C_g / sqrt(1 - share)); Adam on the server at `server_learning_rate`;
     `max_round_attempts` restarts of a round with too few uploads. Only users holding
     at least `samples_per_user` images train (the population the accountant counts).
-      samples_per_user: fdml only: s, images each participant embeds per round.
-      derivative_clip: fdml only: C_r, the L2 clip of each derivative row.
-      derivative_noise_share: fdml only: the derivatives' share of the round's 1/z^2.
-      triplet_strategy / triplet_margin: fdml only: `batch_all` or `semi_hard`, margin m.
+
+    Other fields:
       max_epsilon: privacy budget; the job refuses to start when the planned rounds
         would cost more. None: no budget.
       over_selection: o; a round selects ceil(M(1 + o)) virtual clients and keeps the
@@ -204,12 +209,6 @@ class TrainJobConfig:
     noise_seed: int | None = None
     testing_fixed_noise: bool = False
     restart_every_epoch: bool = False
-    logit_scale: float = 1.0
-    samples_per_user: int = 8
-    derivative_clip: float = 1.0
-    derivative_noise_share: float = 0.5
-    triplet_strategy: str = fdml_fields.TRIPLET_STRATEGIES[0]
-    triplet_margin: float = 0.2
     max_epsilon: float | None = None
     over_selection: float = 0.0
     min_report_fraction: float = 0.5
@@ -220,9 +219,20 @@ class TrainJobConfig:
     trainable_layers: tuple[str, ...] = model_config.ALL_LAYERS
     shared_negatives: SharedNegativesConfig | None = None
     cache_features: bool | None = None
+    settings: Any = None
 
     def __post_init__(self) -> None:
         algorithm = algorithms.get(self.algorithm)
+        if algorithm.section is None:
+            if self.settings is not None:
+                with_sections = ", ".join(algorithms.registry.sections())
+                raise ValueError(
+                    f"{self.algorithm} has no settings of its own (sections: "
+                    f"{with_sections}): leave settings unset"
+                )
+        else:
+            # Its own checks (the section's dataclass), for its jobs only.
+            object.__setattr__(self, "settings", algorithm.section.build(self.settings))
         object.__setattr__(
             self, "shared_negatives", SharedNegativesConfig.from_value(self.shared_negatives)
         )
@@ -311,12 +321,6 @@ class TrainJobConfig:
         if self.max_epsilon is not None:
             validation.check_number("max_epsilon", self.max_epsilon, 0, low_open=True)
         validation.check_bool("restart_every_epoch", self.restart_every_epoch)
-        # Every algorithm's own fields (every job has them, at their defaults), then
-        # this algorithm's own checks of the job.
-        for name in algorithms.names():
-            check_fields = algorithms.get(name).check_fields
-            if check_fields is not None:
-                check_fields(self)
         if algorithm.check_job is not None:
             algorithm.check_job(self)
         if self.restart_every_epoch and algorithm.mechanism is not accounting.Mechanism.DPFTRL:
@@ -389,14 +393,19 @@ class TrainJobConfig:
         the target; the returned config carries that z and no target. A target that needs
         z above the virtual clients per round is refused as out of reach.
         """
+        algorithm = algorithms.get(self.algorithm)
         if self.virtual_clients_per_round == AUTO:
-            largest = schedule.largest_virtual_clients_per_round(
-                num_users, self.users_per_virtual_client, float(self.over_selection)
-            )
+            try:
+                largest = schedule.largest_virtual_clients_per_round(
+                    num_users, self.users_per_virtual_client, float(self.over_selection)
+                )
+            except ValueError as e:
+                if algorithm.section is None:
+                    raise
+                raise ValueError(algorithm.section.in_own_words(str(e))) from None
             resolved = dataclasses.replace(self, virtual_clients_per_round=largest)
             config, source = resolved.calibrated_for(num_users)
             return config, {**source, "virtual_clients_per_round": AUTO}
-        algorithm = algorithms.get(self.algorithm)
         if algorithm.check_round_fill is not None:
             # One line when the users cannot fill a round.
             algorithm.check_round_fill(self, num_users)
@@ -505,13 +514,15 @@ class TrainJobConfig:
         for name in ("shared_negatives", "cache_features"):
             if values[name] is None:
                 del values[name]
-        # The same for one algorithm's own fields, at their defaults in the jobs of others.
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        own = algorithms.get(self.algorithm).fields
-        for algorithm in algorithms.names():
-            for name in algorithms.get(algorithm).fields:
-                if name not in own and values[name] == defaults[name]:
-                    del values[name]
+        # An algorithm's own settings as its section, with the schedule's counts in its
+        # words; the jobs of algorithms without one record none.
+        del values["settings"]
+        section = algorithms.get(self.algorithm).section
+        if section is not None:
+            own = {key: values.pop(field) for key, field in section.shape.items()}
+            for field in section.implied:
+                del values[field]
+            values[section.name] = {**own, **dataclasses.asdict(self.settings)}
         return values
 
     def public_dict(self) -> dict[str, Any]:
@@ -520,10 +531,35 @@ class TrainJobConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainJobConfig:
-        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        """The job of a record (`to_dict`'s, or the flat one of the release before) or of
+        layered recipe and user values (`registry.product_layer`: the user's own layers
+        already through `registry.user_layer`). None values mean the defaults."""
+        algorithm = algorithms.get(values.get("algorithm", cls.algorithm))
+        values = algorithms.registry.product_layer(values, algorithm)
+        names = {f.name for f in dataclasses.fields(cls)} - {"settings"}
+        unknown = sorted(set(values) - names - set(algorithms.registry.sections()))
         if unknown:
             raise ValueError(f"unknown training config fields: {', '.join(unknown)}")
-        return cls(**values)
+        section = algorithm.section
+        if section is not None:
+            own = dict(values.pop(section.name))
+            for key, field in section.shape.items():
+                if own.get(key) is not None:
+                    values[field] = own.pop(key)
+                own.pop(key, None)
+            values = {**values, **section.implied, "settings": own}
+        return cls(**{k: v for k, v in values.items() if v is not None})
+
+
+def current_layout(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A recorded job config (`to_dict` or `public_dict`, in OUTPUT/train_job.json or
+    metrics.json) in this release's layout, unvalidated: the flat keys of the release
+    before moved into its algorithm's section (`registry.product_layer`), so an output
+    directory written before sections resumes, and a finished one is recognised."""
+    algorithm = algorithms.find(record.get("algorithm"))
+    if algorithm is None:
+        return dict(record)
+    return algorithms.registry.product_layer(record, algorithm)
 
 
 def fresh_schedule_seed() -> int:

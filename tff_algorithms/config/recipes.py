@@ -69,7 +69,8 @@ PRETRAIN: Mapping[str, Any] = {
 
 # Private contrastive pretraining on the training users themselves (issue 26; the
 # pipeline's `pretrain.source: private_contrastive`, `dp-fedemb train --algorithm
-# logit-dp`): Logit-DP over every layer, 32 users a step (one positive pair each; at
+# logit-dp`): Logit-DP over every layer, 32 users a step (its `logit_dp` section,
+# tff_algorithms/algorithms/logit_dp/__init__.py; one positive pair each; at
 # logit scale 1 a step needs at least 14 for the sensitivity to stay below n·B), a step
 # costing 2·32² single-image passes (about 2 s on 2 CPU cores for the small CNN), and
 # epsilon 2 of the users' budget, which the private training's composes with.
@@ -77,10 +78,8 @@ PRIVATE_CONTRASTIVE: Mapping[str, Any] = {
     "algorithm": "logit-dp",
     "rounds": 40,
     "target_epsilon": 2.0,
-    "users_per_virtual_client": 1,
-    "virtual_clients_per_round": 32,
+    "logit_dp": {"users_per_step": 32, "scale": 1.0},
     "clip_norm": 1.0,
-    "logit_scale": 1.0,
     "server_learning_rate": 0.05,
     "server_momentum": 0.9,
     "evaluate_every": 10,
@@ -112,12 +111,17 @@ def recipe(name: str) -> dict[str, Any]:
 
 def overlay(base: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
     """`values` over `base`, key by key; None values are kept (they mean the library
-    default, see `job_fields`) so that they also hide what lies below them."""
+    default, see `job_fields`) so that they also hide what lies below them. A mapping
+    over a mapping (an algorithm's section, `shared_negatives`) overlays it key by key."""
     merged = dict(base)
     if any(name in values for name in NOISE_CHOICES):
         for name in NOISE_CHOICES:
             merged.pop(name, None)
-    merged.update(values)
+    for key, value in values.items():
+        below = merged.get(key)
+        if isinstance(value, Mapping) and isinstance(below, Mapping):
+            value = {**below, **value}
+        merged[key] = value
     return merged
 
 

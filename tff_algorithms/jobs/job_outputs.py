@@ -39,7 +39,7 @@ import tensorflow_federated as tff
 from beam_jobs import partition, splits
 from tff_algorithms import algorithms
 from tff_algorithms.base import job_files, owned_files, secret_files
-from tff_algorithms.config.job_config import TrainJobConfig, fresh_schedule_seed
+from tff_algorithms.config.job_config import TrainJobConfig, current_layout, fresh_schedule_seed
 from tff_algorithms.federated import dropouts
 from tff_algorithms.modeling import export
 from tff_algorithms.privacy import accounting, dplc_releases
@@ -210,6 +210,23 @@ class ClaimedJob:
     schedule_seed: int
 
 
+def _changed_settings(before: Mapping[str, Any], now: Mapping[str, Any]) -> set[str]:
+    """The keys whose values differ; within a section (an algorithm's own settings,
+    shared negatives), `section.key`."""
+    changed = set()
+    for name in set(before) | set(now):
+        old, new = before.get(name), now.get(name)
+        if old == new:
+            continue
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            changed |= {
+                f"{name}.{key}" for key in set(old) | set(new) if old.get(key) != new.get(key)
+            }
+        else:
+            changed.add(name)
+    return changed
+
+
 def claim_output_dir(
     output_dir: str, job: dict[str, Any], config: TrainJobConfig, run_id: str | None = None
 ) -> ClaimedJob:
@@ -227,16 +244,15 @@ def claim_output_dir(
     path = owned_files.create_entry(output_dir, job_files.JOB_FILE)
     given_run_id = run_id
     run_id, schedule_seed = given_run_id or uuid.uuid4().hex, config.schedule_seed
-    previous_text = _read_text(path)
+    previous_text, previous = _read_text(path), None
     if previous_text is not None:
         previous = json.loads(previous_text)
+        # A record of the release before (flat keys) in this release's layout.
+        previous = {**previous, "config": current_layout(previous.get("config", {}))}
         # Compared as JSON reads them back (tuples become lists).
         config_now = json.loads(json.dumps(job["config"]))
         changed = sorted(
-            name
-            for name in set(previous.get("config", {})) | set(config_now)
-            if previous.get("config", {}).get(name) != config_now.get(name)
-            and name not in _RESUMABLE_CHANGES
+            _changed_settings(previous["config"], config_now) - set(_RESUMABLE_CHANGES)
         )
         if previous.get("partition") != job["partition"]:
             changed.append("partition (users/records)")
@@ -259,7 +275,8 @@ def claim_output_dir(
     _make_dir(output_dir)
     record = {**job, "run_id": run_id, "schedule_seed": schedule_seed}
     text = json.dumps(record, indent=1, sort_keys=True)
-    if text != previous_text:  # a re-run of the same job rewrites nothing
+    # A re-run of the same job rewrites nothing, a record of the release before included.
+    if previous_text is None or json.loads(text) != previous:
         _write_text(path, text)
     return ClaimedJob(run_id, schedule_seed)
 
@@ -282,7 +299,9 @@ def finished_result(output_dir: str, config: TrainJobConfig) -> TrainJobResult |
     except json.JSONDecodeError:
         return None  # torn by a crash while written: the job writes its outputs again
     config_now = json.loads(json.dumps(_json_ready(config.public_dict())))
-    if not isinstance(metrics, dict) or metrics.get("config") != config_now:
+    if not isinstance(metrics, dict) or not isinstance(metrics.get("config"), dict):
+        return None
+    if current_layout(metrics["config"]) != config_now:
         return None
     return TrainJobResult(
         output_dir, saved_model_dir, metrics_path, ledger_path, metrics, already_finished=True

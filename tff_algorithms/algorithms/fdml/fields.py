@@ -1,50 +1,73 @@
-"""The training-job fields only `fdml` reads (issue 27, item 3), and their checks.
+"""fdml's own settings (issue 27, item 3; issue 39, item 3): the `fdml` section of a
+training job, its checks, and the users an fdml round selects. No TensorFlow.
 
-`job_config.TrainJobConfig` holds the fields (their public names and defaults are
-its own); this module names them (`FDML_FIELDS`, fdml's `Algorithm.fields` in
-`tff_algorithms/algorithms/fdml/__init__.py`: `TrainJobConfig.to_dict` leaves them out of other
-algorithms' records at their defaults), validates them (`check_fields`, for every job;
-`check_fdml_job`, for an fdml job) and gives the users an fdml round selects
-(`fdml_selected_per_round`). No TensorFlow.
+fdml's `registry.Section` (`tff_algorithms/algorithms/fdml/__init__.py`) is built from them: a
+job record or a pipeline's `train` holds `fdml: {groups_per_round, users_per_group,
+samples_per_user, ...}`; `TrainJobConfig.settings` holds an `FdmlSettings`, checked
+only for an fdml job; the triplet groups set the shared schedule's counts
+(`TrainJobConfig.virtual_clients_per_round` / `users_per_virtual_client`). The flat
+keys of the release before (`virtual_clients_per_round`, `samples_per_user`, ...)
+are accepted with one deprecation line (`registry.user_layer`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import Any
 
 from beam_jobs import schedule
 from tff_algorithms.base import validation
 
-if TYPE_CHECKING:
-    from tff_algorithms.config.job_config import TrainJobConfig
-
-# The fields only fdml reads (`TrainJobConfig`).
-FDML_FIELDS = (
-    "samples_per_user",
-    "derivative_clip",
-    "derivative_noise_share",
-    "triplet_strategy",
-    "triplet_margin",
-)
 # fdml's triplet strategies (`triplet.STRATEGIES`, which imports TensorFlow).
 TRIPLET_STRATEGIES = ("batch_all", "semi_hard")
 
 
-def check_fields(config: TrainJobConfig) -> None:
-    """Validates `config`'s `FDML_FIELDS` (a job of any algorithm)."""
-    validation.check_int("samples_per_user", config.samples_per_user, 2)
-    validation.check_number("derivative_clip", config.derivative_clip, 0, low_open=True)
-    validation.check_number(
-        "derivative_noise_share", config.derivative_noise_share, 0, 1, low_open=True
-    )
-    if config.triplet_strategy not in TRIPLET_STRATEGIES:
-        raise ValueError(
-            f"triplet_strategy must be one of {TRIPLET_STRATEGIES}, got {config.triplet_strategy!r}"
+@dataclasses.dataclass(frozen=True)
+class FdmlSettings:
+    """fdml's settings beside the triplet groups' counts (`FDML_SECTION`).
+
+    Attributes:
+      samples_per_user: s, images each participant embeds per round (at least 2: a
+        positive pair).
+      derivative_clip: C_r, the L2 clip of each derivative row.
+      derivative_noise_share: the derivatives' share of the round's 1/z^2.
+      triplet_strategy / triplet_margin: `batch_all` or `semi_hard`, margin m.
+    """
+
+    samples_per_user: int = 8
+    derivative_clip: float = 1.0
+    derivative_noise_share: float = 0.5
+    triplet_strategy: str = TRIPLET_STRATEGIES[0]
+    triplet_margin: float = 0.2
+
+    def __post_init__(self) -> None:
+        validation.check_int("fdml.samples_per_user", self.samples_per_user, 2)
+        validation.check_number("fdml.derivative_clip", self.derivative_clip, 0, low_open=True)
+        validation.check_number(
+            "fdml.derivative_noise_share", self.derivative_noise_share, 0, 1, low_open=True
         )
-    validation.check_number("triplet_margin", config.triplet_margin, 0, low_open=False)
+        if self.triplet_strategy not in TRIPLET_STRATEGIES:
+            raise ValueError(
+                f"fdml.triplet_strategy must be one of {TRIPLET_STRATEGIES}, "
+                f"got {self.triplet_strategy!r}"
+            )
+        validation.check_number("fdml.triplet_margin", self.triplet_margin, 0, low_open=False)
 
 
-def check_fdml_job(config: TrainJobConfig) -> None:
+# What each key of the `fdml` section means (--help, docs/config.md), the triplet
+# groups' counts first.
+DESCRIBE = {
+    "groups_per_round": "triplet groups a round (or auto: the most the users fill)",
+    "users_per_group": "users per triplet group (g)",
+    "samples_per_user": "images each participant embeds per round (s)",
+    "derivative_clip": "L2 clip of each triplet-derivative row (C_r)",
+    "derivative_noise_share": "the derivatives' share of the round's noise budget 1/z^2, in (0, 1)",
+    "triplet_strategy": "batch_all | semi_hard",
+    "triplet_margin": "the triplet loss margin m",
+}
+
+
+def check_fdml_job(config: Any) -> None:
     """Refuses the other fields an fdml job cannot honour (an fdml job's)."""
     if config.failure_injection_rate:
         raise ValueError(
@@ -53,7 +76,7 @@ def check_fdml_job(config: TrainJobConfig) -> None:
         )
 
 
-def fdml_selected_per_round(config: TrainJobConfig, num_users: int) -> int:
+def fdml_selected_per_round(config: Any, num_users: int) -> int:
     """Users an fdml round selects, ceil(n (1 + over_selection)) with n = g x groups (all
     of them count for the sampling: any may fill the buffer); one line when `num_users`
     (those holding `samples_per_user` images) cannot fill it."""
@@ -64,6 +87,6 @@ def fdml_selected_per_round(config: TrainJobConfig, num_users: int) -> int:
             f"fdml selects {selected} users a round ({config.virtual_clients_per_round} "
             f"groups of {config.users_per_virtual_client}, over_selection "
             f"{config.over_selection:g}) but only {num_users} users hold "
-            f"samples_per_user={config.samples_per_user} images"
+            f"samples_per_user={config.settings.samples_per_user} images"
         )
     return selected

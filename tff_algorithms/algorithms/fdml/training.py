@@ -82,16 +82,16 @@ def fdml_config(config: TrainJobConfig, noise_seed: int) -> fdml.FdmlConfig:
     the gradient sum's 2 C_g (`fdml_privacy`).
     """
     g = config.users_per_virtual_client
-    s = config.samples_per_user
+    s = config.settings.samples_per_user
     z = float(config.noise_multiplier)
-    share = float(config.derivative_noise_share)
+    share = float(config.settings.derivative_noise_share)
     return fdml.FdmlConfig(
         samples_per_user=s,
         users_per_round=g * int(config.virtual_clients_per_round),
         users_per_group=g,
-        strategy=config.triplet_strategy,
-        margin=float(config.triplet_margin),
-        row_clip=float(config.derivative_clip),
+        strategy=config.settings.triplet_strategy,
+        margin=float(config.settings.triplet_margin),
+        row_clip=float(config.settings.derivative_clip),
         derivative_noise_multiplier=2 * math.sqrt(g * s) * z / math.sqrt(share),
         gradient_clip=float(config.clip_norm),
         gradient_noise_multiplier=2 * z / math.sqrt(1 - share),
@@ -147,7 +147,7 @@ class _UserSamples:
         self._reader = inputs.reader
         self._user_ids = inputs.user_ids
         self._seed = schedule_seed
-        self._s = inputs.config.samples_per_user
+        self._s = inputs.config.settings.samples_per_user
         self._shape = inputs.config.image_shape
 
     def __call__(self, user: int, round_num: int) -> tf.data.Dataset:

@@ -1,8 +1,8 @@
 """Logit-DP (issue 26; `registry.Algorithm`): centralized contrastive training of the
-backbone under user-level DP. Each step samples `virtual_clients_per_round` single users
+backbone under user-level DP. Each step samples `logit_dp.users_per_step` single users
 (n) by DP-FedEmb's schedule, one positive pair each; per-pair logit gradients clipped
 to `clip_norm` (B), noise `noise_multiplier`·C(n, s, B) (`sensitivity`). Its
-own field is `logit_scale` (s). The pipeline runs it as private pretraining
+own settings are the `logit_dp` section (`SECTION`: users_per_step, scale s). The pipeline runs it as private pretraining
 (`pretrain.source: private_contrastive`), so `dp-fedemb train --algorithm logit-dp`
 starts from that recipe (`recipes.private_contrastive_values`). The trainer is
 `training.train_logit_dp`. No TensorFlow.
@@ -10,6 +10,7 @@ starts from that recipe (`recipes.private_contrastive_values`). The trainer is
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,12 +22,38 @@ from tff_algorithms.config import recipes
 from tff_algorithms.privacy import accounting
 
 
+@dataclasses.dataclass(frozen=True)
+class LogitDpSettings:
+    """logit-dp's settings beside its users per step (`SECTION`).
+
+    Attributes:
+      scale: s, the scale of its cosine logits (1/temperature); the sensitivity
+        C(n, s, B) grows with it (`logit_dp_sensitivity`).
+    """
+
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        validation.check_number("logit_dp.scale", self.scale, 0, MAX_SCALE, low_open=True)
+
+
+SECTION = registry.Section(
+    name="logit_dp",
+    settings=LogitDpSettings,
+    # A step samples single users by the shared schedule (`rules`).
+    shape={"users_per_step": "virtual_clients_per_round"},
+    implied={"users_per_virtual_client": 1},
+    legacy={"virtual_clients_per_round": "users_per_step", "logit_scale": "scale"},
+    describe={
+        "users_per_step": "users a step, one positive pair each (n; or auto: the most the "
+        "users fill)",
+        "scale": "scale s of its cosine logits (1/temperature)",
+    },
+)
+
+
 def _contrastive_values(values: Mapping[str, Any]) -> dict[str, Any]:
     return recipes.private_contrastive_values(values, {})
-
-
-def _check_logit_scale(config: Any) -> None:
-    validation.check_number("logit_scale", config.logit_scale, 0, MAX_SCALE, low_open=True)
 
 
 def _check_logit_dp_job(config: Any) -> None:
@@ -42,28 +69,27 @@ def _check_logit_dp_job(config: Any) -> None:
         try:
             check_logit_dp_config(
                 config.virtual_clients_per_round,
-                float(config.logit_scale),
+                float(config.settings.scale),
                 float(config.clip_norm),
             )
         except ValueError as e:
             raise ValueError(
                 f"logit-dp with {config.virtual_clients_per_round} users a step "
-                f"(virtual_clients_per_round): {str(e).rstrip('.')}"
+                f"(logit_dp.users_per_step): {str(e).rstrip('.')}"
             ) from None
 
 
 LOGIT_DP = registry.register(
     registry.Algorithm(
         name="logit-dp",
-        summary="private contrastive training: --virtual-clients-per-round users a step, one "
+        summary="private contrastive training: --logit-dp-users-per-step users a step, one "
         "positive pair each; takes the private contrastive recipe over --recipe",
         private=True,
         trainer="tff_algorithms.algorithms.logit_dp.training:train_logit_dp",
         accounting_rule=rules.scheduled_accounting,
         mechanism=accounting.Mechanism.LOGIT_DP,
         start_values=_contrastive_values,
-        fields=("logit_scale",),
-        check_fields=_check_logit_scale,
+        section=SECTION,
         check_job=_check_logit_dp_job,
         check_round_fill=rules.check_schedule_fills,
         rounds_are="Logit-DP steps (one positive pair per sampled user)",

@@ -138,12 +138,12 @@ def train_logit_dp(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     @tf.function
     def step_fn(x: tf.Tensor, y: tf.Tensor, seed: tf.Tensor) -> None:
         clipped = logit_dp.clipped_gradient_by_rows(
-            embed, variables, x, y, scale=config.logit_scale, clip_norm=config.clip_norm
+            embed, variables, x, y, scale=config.settings.scale, clip_norm=config.clip_norm
         )
         noised = logit_dp.logit_dp_noised_gradient(
             clipped,
             batch_size=n,
-            scale=config.logit_scale,
+            scale=config.settings.scale,
             clip_norm=config.clip_norm,
             noise_multiplier=config.noise_multiplier,
             seed=seed,

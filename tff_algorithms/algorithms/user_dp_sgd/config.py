@@ -2,8 +2,9 @@
 
 TensorFlow-free, so `job_config` can check a job before anything is built (their
 `registry.Algorithm`s: `tff_algorithms/algorithms/user_dp_sgd/__init__.py`); the training is
-`user_dp_sgd`. Both read the federated fields as one step's shape:
-`rounds` steps, each sampling `virtual_clients_per_round` users (n) without
+`user_dp_sgd`. Their own settings are the `dp_sgd` section (`DpSgdSettings`, its
+`users_per_step` the shared schedule's count): `rounds` steps, each sampling
+`dp_sgd.users_per_step` users (n) without
 replacement by DP-FedEmb's schedule with one user per virtual client, each user's
 clipped gradient (`clip_norm`), noise `noise_multiplier`·clip_norm on the sum, momentum
 SGD at `server_learning_rate` / `server_momentum` on the noised sum over n. Local
@@ -12,12 +13,26 @@ training, local-head and dropout fields do not apply.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 # The layer dp-last-layer trains (both backbone families end in it; `models`).
 EMBEDDING_LAYER = "embedding"
 # The head loss defined at a zero embedding (`user_dp_sgd`, module docstring).
 ZERO_INIT_HEAD_LOSS = "softmax"
+
+
+@dataclasses.dataclass(frozen=True)
+class DpSgdSettings:
+    """The `dp_sgd` section's settings beside its `users_per_step` (the shared
+    schedule's count, `TrainJobConfig.virtual_clients_per_round`): none yet."""
+
+
+# What each key of the `dp_sgd` section means (--help, docs/config.md).
+DESCRIBE = {
+    "users_per_step": "users a step, each user's gradient clipped (n; or auto: the most "
+    "the users fill)",
+}
 
 
 def check_user_dp_sgd_job(config: Any) -> None:
