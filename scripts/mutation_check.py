@@ -4,22 +4,27 @@ Every privacy claim of the product rests on a few lines: a clip, a noise scale, 
 sensitivity, a refusal. For each, `MUTANTS` holds one fault (an exact source snippet and
 its faulty replacement) and the fast tests that must catch it. The check copies the
 repository's files (tracked and untracked-but-not-ignored) into a temporary directory,
-runs every mutant's tests there once on the clean copy (they must pass, none skipped),
-then for each mutant writes the fault into the copy, runs its tests, and restores the
-file. A mutant is caught when pytest reports a failed test; one that survives, a snippet
-that no longer matches exactly once, or a run that errors fails the check with the
-invariant's name.
+once per parallel job, runs every mutant's tests once on the clean first copy, alone
+(they must pass, none skipped), then for each mutant writes the fault into a copy no
+other run is using, runs its tests, and restores the file. At most `--jobs` mutant runs
+go at once (default: the CPU count, at most 2; `--jobs 1` runs them one after another);
+their lines print in `MUTANTS` order. A mutant is caught when pytest reports a failed
+test; one that survives, a snippet that no longer matches exactly once, or a run that
+errors fails the check with the invariant's name.
 
-Each run imports the project from the copy, never from the checkout (the .venv has the
+Each run imports the project from its copy, never from the checkout (the .venv has the
 checkout installed editable): the run prepends the copy to sys.path and fails unless the
-mutated module was imported from the copy. Runs are sequential. By default each is a
-fork of this process, which has imported TensorFlow, TFF and Beam once (no project
-module: the check fails if one is loaded before a fork); `--no-fork` starts a fresh
-interpreter per run instead (slower, nothing shared).
+mutated module was imported from the copy. By default each run is a fork of this
+process, which has imported TensorFlow, TFF and Beam once (no project module: the check
+fails if one is loaded before a fork); `--no-fork` starts a fresh interpreter per run
+instead (slower, nothing shared). Each run writes one log and leads its own process
+group, which is killed when the run passes RUN_TIMEOUT_S or the check is interrupted
+(Ctrl-C, SIGTERM).
 
   .venv/bin/python scripts/mutation_check.py            # all mutants (make mutation-check)
   .venv/bin/python scripts/mutation_check.py --list     # names and tests
   .venv/bin/python scripts/mutation_check.py --only fdml-row-clip --only budget-refusal
+  .venv/bin/python scripts/mutation_check.py --jobs 1   # one run at a time
 
 Adding a mutant: docs/development.md, "Mutation check".
 """
@@ -55,6 +60,7 @@ PRELOADED = (
     "apache_beam",
     "PIL.Image",
     "pytest",
+    "hypothesis",  # pytest's hypothesis plugin imports it: seconds per run otherwise
 )
 RUN_TIMEOUT_S = 900
 
@@ -396,76 +402,91 @@ def _child(
     return exit_code
 
 
-def _run(
+@dataclasses.dataclass
+class _Running:
+    """A started run: its process (the leader of its own process group) and deadline."""
+
+    pid: int
+    log: Path
+    started: float
+    deadline: float
+
+
+def _start(
     copy: Path,
     tests: Sequence[str],
     modules: Sequence[str],
     stop_first: bool,
     log: Path,
     fork: bool,
-) -> RunResult:
-    start = time.monotonic()
-    result_file = log.with_suffix(".json")
-    result_file.unlink(missing_ok=True)
-    if fork:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            os.setpgid(0, 0)  # its own group: a timed-out run is killed with its workers
-            code = 99
-            try:
-                code = _child(copy, tests, modules, stop_first, log)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                exit_code = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() > deadline:
-                os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                exit_code = -1
-                break
-            time.sleep(0.2)
-    else:
-        request = json.dumps(
-            {
-                "copy": str(copy),
-                "tests": list(tests),
-                "modules": list(modules),
-                "stop_first": stop_first,
-                "log": str(log),
-            }
-        )
-        child = subprocess.Popen(
-            [sys.executable, __file__, "--child", request], start_new_session=True
-        )
+) -> _Running:
+    """Forks a run; without `fork` the child execs a fresh interpreter at once."""
+    log.with_suffix(".json").unlink(missing_ok=True)
+    request = json.dumps(
+        {
+            "copy": str(copy),
+            "tests": list(tests),
+            "modules": list(modules),
+            "stop_first": stop_first,
+            "log": str(log),
+        }
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os.setpgid(0, 0)  # its own group: a timed-out or interrupted run dies with its workers
+        code = 99
         try:
-            exit_code = child.wait(RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            exit_code = -1
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler
+            if fork:
+                code = _child(copy, tests, modules, stop_first, log)
+            else:
+                os.execv(sys.executable, [sys.executable, __file__, "--child", request])
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return _Running(pid, log, started, started + RUN_TIMEOUT_S)
+
+
+def _poll(running: _Running) -> int | None:
+    """The run's exit status once it has ended, -1 once killed for its timeout, else None."""
+    done, status = os.waitpid(running.pid, os.WNOHANG)
+    if done:
+        return os.waitstatus_to_exitcode(status)
+    if time.monotonic() > running.deadline:
+        _kill(running)
+        return -1
+    return None
+
+
+def _kill(running: _Running) -> None:
+    try:
+        os.killpg(running.pid, signal.SIGKILL)
+    except ProcessLookupError:  # its group has already gone
+        pass
+    os.waitpid(running.pid, 0)
+
+
+def _result(running: _Running, exit_code: int) -> RunResult:
+    log, result_file = running.log, running.log.with_suffix(".json")
     text = log.read_text(errors="replace") if log.exists() else ""
     imported = json.loads(result_file.read_text())["imported"] if result_file.exists() else {}
     failed = tuple(re.findall(r"^FAILED (\S+)", text, re.MULTILINE))
     skipped = len(re.findall(r"^SKIPPED ", text, re.MULTILINE))
-    return RunResult(exit_code, failed, skipped, imported, log, time.monotonic() - start)
+    return RunResult(exit_code, failed, skipped, imported, log, time.monotonic() - running.started)
 
 
 # --- the check ------------------------------------------------------------------------
 
 
-def _copy_repository(target: Path) -> None:
+def _copy_repository(repo: Path, target: Path) -> None:
     listed = (
         subprocess.run(
             ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=REPO,
+            cwd=repo,
             check=True,
             capture_output=True,
         )
@@ -473,7 +494,7 @@ def _copy_repository(target: Path) -> None:
         .split("\0")
     )
     for name in filter(None, listed):
-        source = REPO / name
+        source = repo / name
         if source.is_file() and not source.is_symlink():  # deleted in the work tree: skip
             (target / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target / name)
@@ -505,29 +526,112 @@ def _tail(log: Path, lines: int = 30) -> str:
     return "\n".join("    " + line for line in text[-lines:])
 
 
-def check(mutants: Sequence[Mutant], fork: bool) -> int:
-    """Runs the check; prints a line per mutant and a verdict; returns the exit status."""
+def _wait(running: _Running) -> int:
+    try:
+        while (exit_code := _poll(running)) is None:
+            time.sleep(0.2)
+    except BaseException:  # interrupted: the run must not outlive the check
+        _kill(running)
+        raise
+    return exit_code
+
+
+def _report(mutant: Mutant, run: RunResult, copy: Path) -> str:
+    """Prints the mutant's line; returns "caught", "survived" or "error"."""
+    wrong = _outside_copy(run, copy, [mutant.module])
+    if wrong or run.exit_code not in (0, 1) or (run.exit_code == 1 and not run.failed):
+        print(
+            f"  ERROR    {mutant.name}: exit {run.exit_code} {'; '.join(wrong)} "
+            f"({run.seconds:.0f} s)\n{_tail(run.log)}"
+        )
+        return "error"
+    if run.exit_code == 0:
+        print(f"  SURVIVED {mutant.name}: {mutant.path} ({run.seconds:.0f} s)")
+        return "survived"
+    print(f"  caught   {mutant.name} by {run.failed[0]} ({run.seconds:.0f} s)")
+    return "caught"
+
+
+def _run_mutants(
+    mutants: Sequence[Mutant], copies: Sequence[Path], logs: Path, fork: bool
+) -> dict[str, list[str]]:
+    """Runs each mutant in a copy no other run is using, at most one run per copy at
+    once; prints the mutants' lines in `mutants` order; returns their names by verdict."""
+    free = list(copies)
+    running: dict[int, tuple[_Running, Path, str]] = {}  # index: run, its copy, the file
+    finished: dict[int, tuple[RunResult, Path]] = {}
+    verdicts: dict[str, list[str]] = {"caught": [], "survived": [], "error": []}
+    started = printed = 0
+    try:
+        while printed < len(mutants):
+            while free and started < len(mutants):
+                mutant, copy = mutants[started], free.pop()
+                path = copy / mutant.path
+                original = path.read_text()
+                path.write_text(original.replace(mutant.original, mutant.replacement))
+                log = logs / f"{mutant.name}.log"
+                running[started] = (
+                    _start(copy, mutant.tests, [mutant.module], True, log, fork),
+                    copy,
+                    original,
+                )
+                started += 1
+            for index, (run, copy, original) in list(running.items()):
+                exit_code = _poll(run)
+                if exit_code is not None:
+                    (copy / mutants[index].path).write_text(original)
+                    del running[index]
+                    free.append(copy)
+                    finished[index] = (_result(run, exit_code), copy)
+            while printed in finished:
+                run_result, copy = finished.pop(printed)
+                verdicts[_report(mutants[printed], run_result, copy)].append(mutants[printed].name)
+                printed += 1
+            if running:
+                time.sleep(0.2)
+    finally:  # interrupted: no run may outlive the check
+        for run, _, _ in running.values():
+            _kill(run)
+    return verdicts
+
+
+def check(
+    mutants: Sequence[Mutant],
+    fork: bool,
+    jobs: int = 1,
+    repo: Path = REPO,
+    preload: Sequence[str] = PRELOADED,
+) -> int:
+    """Runs the check with at most `jobs` mutant runs at once, each in its own copy of
+    `repo`; prints a line per mutant and a verdict; returns the exit status."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mutation_check_") as tmp:
-        copy, logs = Path(tmp) / "repo", Path(tmp) / "logs"
-        copy.mkdir()
+        copies = [Path(tmp) / f"repo-{i}" for i in range(1, max(1, min(jobs, len(mutants))) + 1)]
+        logs = Path(tmp) / "logs"
+        copies[0].mkdir()
         logs.mkdir()
-        _copy_repository(copy)
-        problems = _drifted(copy, mutants)
+        _copy_repository(repo, copies[0])
+        problems = _drifted(copies[0], mutants)
         if problems:
             print("\n".join(problems))
             return 2
+        for copy in copies[1:]:
+            shutil.copytree(copies[0], copy, symlinks=True)
         if fork:
             os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                for name in PRELOADED:
+                for name in preload:
                     __import__(name)
         modules = sorted({m.module for m in mutants})
         selection = list(dict.fromkeys(t for m in mutants for t in m.tests))
-        print(f"mutation check: {len(mutants)} mutants, {len(selection)} tests, in {copy}")
-        clean = _run(copy, selection, modules, False, logs / "clean.log", fork)
-        wrong = _outside_copy(clean, copy, modules)
+        print(
+            f"mutation check: {len(mutants)} mutants, {len(selection)} tests, "
+            f"{len(copies)} at once, in {tmp}"
+        )
+        clean_start = _start(copies[0], selection, modules, False, logs / "clean.log", fork)
+        clean = _result(clean_start, _wait(clean_start))
+        wrong = _outside_copy(clean, copies[0], modules)
         if clean.exit_code != 0 or clean.skipped or wrong:
             print(
                 f"clean copy: the selected tests must all pass and none be skipped (exit "
@@ -536,30 +640,9 @@ def check(mutants: Sequence[Mutant], fork: bool) -> int:
             )
             return 2
         print(f"  clean copy: {len(selection)} tests pass ({clean.seconds:.0f} s)")
-        survivors, errors = [], []
-        for mutant in mutants:
-            path = copy / mutant.path
-            original = path.read_text()
-            path.write_text(original.replace(mutant.original, mutant.replacement))
-            try:
-                run = _run(
-                    copy, mutant.tests, [mutant.module], True, logs / f"{mutant.name}.log", fork
-                )
-            finally:
-                path.write_text(original)
-            wrong = _outside_copy(run, copy, [mutant.module])
-            if wrong or run.exit_code not in (0, 1) or (run.exit_code == 1 and not run.failed):
-                errors.append(mutant.name)
-                print(
-                    f"  ERROR    {mutant.name}: exit {run.exit_code} {'; '.join(wrong)} "
-                    f"({run.seconds:.0f} s)\n{_tail(run.log)}"
-                )
-            elif run.exit_code == 0:
-                survivors.append(mutant.name)
-                print(f"  SURVIVED {mutant.name}: {mutant.path} ({run.seconds:.0f} s)")
-            else:
-                print(f"  caught   {mutant.name} by {run.failed[0]} ({run.seconds:.0f} s)")
+        verdicts = _run_mutants(mutants, copies, logs, fork)
     minutes = (time.monotonic() - started) / 60
+    survivors, errors = verdicts["survived"], verdicts["error"]
     if survivors or errors:
         print(
             f"mutation check FAILED ({minutes:.1f} min): no test catches "
@@ -570,12 +653,22 @@ def check(mutants: Sequence[Mutant], fork: bool) -> int:
     return 0
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the check, which kills its runs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", metavar="NAME", help="run this mutant only")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument(
         "--no-fork", action="store_true", help="a fresh interpreter per run (slower)"
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=min(os.cpu_count() or 1, 2),
+        help="mutant runs at once, each in its own copy (default: the CPU count, at most 2)",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -588,6 +681,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             request["stop_first"],
             Path(request["log"]),
         )
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give 1 or more")
     mutants = list(MUTANTS)
     if args.only:
         unknown = sorted(set(args.only) - {m.name for m in MUTANTS})
@@ -599,7 +694,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{mutant.name}: {mutant.path} -> {', '.join(mutant.tests)}")
         return 0
     sys.stdout.reconfigure(line_buffering=True)  # progress shows as it happens in CI logs
-    return check(mutants, fork=not args.no_fork)
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return check(mutants, fork=not args.no_fork, jobs=args.jobs)
+    except KeyboardInterrupt:
+        print("mutation check interrupted; its runs were killed")
+        return 130
 
 
 if __name__ == "__main__":
