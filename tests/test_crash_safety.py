@@ -129,6 +129,7 @@ def _tear_newest_checkpoint(checkpoint_dir: str) -> int:
     return newest
 
 
+@pytest.mark.slow  # eight end-to-end jobs, each killed, resumed and run uninterrupted
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("algorithm", registry.names())
 def test_killed_at_a_random_step_with_a_torn_newest_checkpoint_resumes_to_the_same_end(

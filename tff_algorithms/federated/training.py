@@ -7,7 +7,7 @@ of round r (the schedule), and a privacy ledger. The algorithms that are not a T
 learning process (the centralized oracle, logit-dp, FDML, user-level DP-SGD) train
 through the step loop (`private_steps.run_steps`); both loops take the evaluation
 schedule and the noise-seed draw from `loop_schedule`, and recover from a torn newest
-checkpoint the same way (docs/design.md, "The step loop").
+checkpoint the same way (docs/design.md section 4, "The step loop").
 
 Checkpoints use `tff.program.FileProgramStateManager`, which writes each version to
 a temporary directory and renames it, so a process killed mid-write leaves only a

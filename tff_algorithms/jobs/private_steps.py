@@ -27,7 +27,7 @@ does not read back whole (`_read_error`) is removed, with any newer, and trainin
 resumes from the one before it, to the same end. A checkpoint that reads back but does
 not fit this job's variables is an error, in one line. Two earlier formats are refused
 in one line: FDML's fdml-<round>.npz files, and the oracle's checkpoints whose step
-was named "epoch" (docs/design.md, "The step loop").
+was named "epoch" (docs/design.md section 4, "The step loop").
 """
 
 from __future__ import annotations
