@@ -163,6 +163,21 @@ def _bilinear(image: np.ndarray, rows: np.ndarray, columns: np.ndarray):
     return top * (1 - wr) + bottom * wr, inside
 
 
+def whole_pixel_alignment(
+    candidate_shape: tuple[int, ...], reference_shape: tuple[int, ...], dx: float, dy: float
+) -> tuple[float, float, float] | None:
+    """Between images of one size, the thumbnails' shift rounded to whole image pixels at
+    scale 1 (dx, dy, scale), the second alignment the noise test tries; else None. A
+    copy whose shape a clip changed (brightened until its paper is white) is aligned by
+    the thumbnails a few per cent off scale, which at 112 pixels moves its noise by
+    pixels; re-encoded, shifted or brightened copies sit exactly there."""
+    if candidate_shape[:2] != reference_shape[:2]:
+        return None
+    t = near_duplicates.THUMBNAIL
+    height, width = candidate_shape[:2]
+    return (round(dx * width / t) * t / width, round(dy * height / t) * t / height, 1.0)
+
+
 def native_shared_noise(
     candidate: np.ndarray, reference: np.ndarray, dx: float, dy: float, scale: float
 ) -> tuple[float, float, float]:
