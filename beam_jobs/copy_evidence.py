@@ -16,15 +16,10 @@ the other's. So a pair that passed the shape test is a copy only when one of:
   shift and re-encoded with the candidate's own quantization tables, decodes to the
   candidate within `jpeg_tolerance` grey levels: strong re-encoding (JPEG quality 30 of
   a small image) wipes the noise out, but re-encoding is deterministic;
-- `shape_only`: the test cannot apply, and the shape verification decides: the
-  reference has no fine detail to share (band-pass level under `min_reference_noise`,
-  e.g. a digit scan scaled up from 8x8, flat graphics): as before; or fewer than
-  `min_noise_pixels` flat, unclipped pixels are left (a frame-filling icon, a copy
-  brightened until its paper clips white): then the shape must match within the
-  residual floor alone, since that reference's detail is noise, not structure.
-
-The noise is compared at the thumbnails' alignment and, between images of one size, at
-whole pixels and scale 1 (`whole_pixel_alignment`), where a clipped copy sits exactly.
+- `shape_only`: the test cannot apply, and the shape verification decides as before:
+  the reference has no fine detail to share (band-pass level under `min_reference_noise`,
+  e.g. a digit scan scaled up from 8x8, flat graphics), or fewer than `min_noise_pixels`
+  flat, unclipped pixels are left (e.g. a copy brightened until its paper clips white).
 
 bench/bench_dedup.py measures each on real images (BENCHMARKS.md, "Dedup: copies vs
 look-alikes"). Known gap: a copy both resized and strongly re-encoded (JPEG) shares
@@ -166,21 +161,6 @@ def _bilinear(image: np.ndarray, rows: np.ndarray, columns: np.ndarray):
     top = image[r0][:, c0] * (1 - wc) + image[r0][:, c1] * wc
     bottom = image[r1][:, c0] * (1 - wc) + image[r1][:, c1] * wc
     return top * (1 - wr) + bottom * wr, inside
-
-
-def whole_pixel_alignment(
-    candidate_shape: tuple[int, ...], reference_shape: tuple[int, ...], dx: float, dy: float
-) -> tuple[float, float, float] | None:
-    """Between images of one size, the thumbnails' shift rounded to whole image pixels at
-    scale 1 (dx, dy, scale), the second alignment the noise test tries; else None. A
-    copy whose shape a clip changed (brightened until its paper is white) is aligned by
-    the thumbnails a few per cent off scale, which at 112 pixels moves its noise by
-    pixels; re-encoded, shifted or brightened copies sit exactly there."""
-    if candidate_shape[:2] != reference_shape[:2]:
-        return None
-    t = near_duplicates.THUMBNAIL
-    height, width = candidate_shape[:2]
-    return (round(dx * width / t) * t / width, round(dy * height / t) * t / height, 1.0)
 
 
 def native_shared_noise(
