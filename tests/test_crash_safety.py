@@ -131,7 +131,15 @@ def _tear_newest_checkpoint(checkpoint_dir: str) -> int:
 
 @pytest.mark.slow  # eight end-to-end jobs, each killed, resumed and run uninterrupted
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("algorithm", registry.names())
+# Two xdist groups (conftest keeps a module on one worker otherwise), so make test-slow's
+# two workers share the eight jobs; each builds `crash_data` once.
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        pytest.param(name, marks=pytest.mark.xdist_group(f"crash_safety_{i % 2}"))
+        for i, name in enumerate(registry.names())
+    ],
+)
 def test_killed_at_a_random_step_with_a_torn_newest_checkpoint_resumes_to_the_same_end(
     algorithm, crash_data, tff_runtime, tmp_path
 ):
