@@ -139,7 +139,8 @@ def render(identity: str, size: int, margin: int, seed: int) -> np.ndarray:
     return np.clip(np.round(pixels), 0, 255).astype(np.uint8)
 
 
-def _seed(*parts: object) -> int:
+def seed_of(*parts: object) -> int:
+    """A render seed from any parts (stable across runs and machines)."""
     digest = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little")
 
@@ -162,7 +163,7 @@ def originals(size: int, mode: str, renders: int, source: str) -> list[real_imag
                     source=source,
                     group=identity,
                     reference=reference,
-                    canvas=render(identity, size, margin, _seed(identity, user, size)),
+                    canvas=render(identity, size, margin, seed_of(identity, user, size)),
                     margin=margin,
                 )
             )

@@ -36,3 +36,17 @@ def test_split_modes_put_identities_and_users_where_they_belong():
 def test_unknown_split_mode_is_refused():
     with pytest.raises(ValueError, match="split mode must be one of"):
         rendered_images.originals(28, "by_photo", 2, "icons")
+
+
+def test_character_writers_share_identities_in_the_run_layout(tmp_path):
+    from bench import character_writers
+
+    written = character_writers.write_private(str(tmp_path), 3, 4, 1, 28, seed=0)
+    assert written == 12
+    users = sorted(p.name for p in tmp_path.iterdir())
+    assert users == ["writer00000", "writer00001", "writer00002"]
+    folders = [sorted(q.name for q in (tmp_path / u).iterdir()) for u in users]
+    assert all(len(f) == 4 for f in folders)
+    # Case-distinct characters get case-distinct folder names ("upper_O", "lower_o").
+    names = set(character_writers._FOLDER.values())
+    assert len({n.lower() for n in names}) == len(character_writers.CHARACTERS)
