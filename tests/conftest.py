@@ -43,10 +43,13 @@ def tiny_pipeline_first_run(tmp_path_factory):
     return config, summary, store, process
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under `--dist loadgroup` (make test), a module's tests stay on one xdist worker, so
     its module-scoped fixtures (a trained job, a partition) are built once; modules that
-    share a session fixture name one group (`xdist_group("tiny_pipeline")`)."""
+    share a session fixture name one group (`xdist_group("tiny_pipeline")`). First of the
+    hooks: xdist's own (xdist/remote.py) turns the marker into the `@group` node-id suffix
+    its scheduler reads, so a marker added after it would group nothing."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
