@@ -39,7 +39,7 @@ lock: setup
 	bash scripts/lock.sh
 
 # Optional: Apache Airflow 2.7 beside the locked stack, in its own .venv-airflow from
-# requirements/airflow-lock.txt (.venv does not grow). tests/test_airflow.py uses it.
+# requirements/airflow-lock.txt (.venv does not grow). tests/pipeline/test_airflow.py uses it.
 airflow-setup: setup
 	@SETUP_VENV=.venv-airflow SETUP_LOCK=requirements/airflow-lock.txt bash scripts/setup_env.sh
 
@@ -61,7 +61,7 @@ BAZEL_DEBS := bazel-bootstrap bazel-rules-java
 BAZEL_TARGETS ?= //...
 BAZEL_ARGS ?=
 # The test targets CI runs through Bazel: small; the second loads TensorFlow and Beam.
-BAZEL_SMOKE_TARGETS := //tests:test_check_bazel_targets //tests:test_beam_schema
+BAZEL_SMOKE_TARGETS := //tests:repo/test_check_bazel_targets //tests:beam_jobs/test_schema
 
 bazel-setup: setup
 	@command -v bazel >/dev/null 2>&1 && [ -d /usr/share/bazel/rules/java ] || { \

@@ -262,7 +262,7 @@ def decode_validated_image(image: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIX
     """decode_image for a record that already passed `validate` (dedup decodes every image
     of every split). An 8-bit grey or RGB PNG, the canonical records' usual form, is
     decoded by PIL straight from its IHDR: lossless, so the pixels are TensorFlow's to the
-    bit (tests/test_beam_schema.py), at about half the cost of a TensorFlow op call per
+    bit (tests/beam_jobs/test_schema.py), at about half the cost of a TensorFlow op call per
     image. Any other image, or a PNG that PIL does not decode, takes decode_image."""
     if image.startswith(_PNG_MAGIC) and image[12:16] == b"IHDR" and len(image) >= 29:
         width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", image[16:29])

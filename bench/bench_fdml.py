@@ -13,7 +13,7 @@ users, images and noise stream). Rows:
   batch-all triplet loss over all n × s images of the round (one group) and Adam on its
   gradient. It runs as an fdml job with one group of n users and clips of 1e6: a noiseless
   FDML round with r = 0 and rate_p = 1 is the centralized triplet gradient on the same
-  examples (tests/test_fdml.py), so this is centralized training on the same batches.
+  examples (tests/tff_algorithms/algorithms/fdml/test_fdml.py), so this is centralized training on the same batches.
 - fdml z=0: the product's FDML (groups of g users, derivative rows clipped to C_r,
   gradients to C_g) without noise.
 - dp-fedemb@eps=ε and fdml@eps=ε for each ε in EPSILONS: the noise multiplier calibrated

@@ -1,7 +1,7 @@
 """Real images shipped inside packages of the venv, and near-duplicate copies of them.
 
 Used by the dedup benchmark (bench/bench_dedup.py) and its Beam test
-(tests/test_beam_dedup.py), so both judge dedup on the same images. Nothing is
+(tests/beam_jobs/test_dedup.py), so both judge dedup on the same images. Nothing is
 downloaded; every source is a file an installed package ships:
 
 - scikit-learn (BSD-3-Clause): `load_digits()`, 1,797 real 8x8 scans of handwritten

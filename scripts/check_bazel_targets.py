@@ -2,9 +2,10 @@
 
 Reads the BUILD files as the plain Starlark they are (no Bazel needed, so CI runs
 it in a second) and checks:
-- every tests/test_*.py has a `dp_py_test` target in tests/BUILD, or is listed
-  with its reason in MAKE_TEST_ONLY there, and every target names a test file
-  that exists;
+- every test_*.py under tests/ (at any folder depth: tests mirror the packages)
+  has a `dp_py_test` target in tests/BUILD named by its path there without `.py`
+  (`beam_jobs/test_dedup`), or is listed with its reason in MAKE_TEST_ONLY there,
+  and every target names a test file that exists;
 - every target's `data` names files that exist;
 - a test's imports of project packages (tff_algorithms, ...) are declared as
   deps, and its imports of helper modules in tests/ are in :test_support;
@@ -137,16 +138,18 @@ def check_packages(repo: Path, packages: list[str]) -> list[str]:
 def helpers_outside_support(
     repo: Path, importer: str, imports: set[str], support_srcs: set[str]
 ) -> list[str]:
-    """Problems for modules of tests/ that `importer` imports but :test_support lacks."""
+    """Problems for modules of tests/ (a helper, or a test module another one imports)
+    that `importer` imports but :test_support lacks. Folders' __init__.py are left to
+    Bazel, which makes them in every runfiles tree."""
     helpers = {
-        module.split(".")[1]
+        "/".join(module.split(".")[1:]) + ".py"
         for module in imports
-        if module.startswith(f"{TESTS_DIR}.") and module.count(".") == 1
+        if module.startswith(f"{TESTS_DIR}.")
     }
     return [
-        f"{TESTS_DIR}/BUILD: {importer} imports {TESTS_DIR}.{helper}, not in :{TEST_SUPPORT} srcs"
+        f"{TESTS_DIR}/BUILD: {importer} imports {TESTS_DIR}/{helper}, not in :{TEST_SUPPORT} srcs"
         for helper in sorted(helpers)
-        if (repo / TESTS_DIR / f"{helper}.py").is_file() and f"{helper}.py" not in support_srcs
+        if (repo / TESTS_DIR / helper).is_file() and helper not in support_srcs
     ]
 
 
@@ -207,10 +210,12 @@ def check_tests(repo: Path, packages: list[str]) -> tuple[list[str], int, int]:
             if not label_to_path(repo, TESTS_DIR, label).is_file():
                 problems.append(f"{where}: target {name!r} has data {label!r}, no such file")
 
-    for test_file in sorted((repo / TESTS_DIR).glob("test_*.py")):
-        if test_file.name in make_test_only:
+    tests_root = repo / TESTS_DIR
+    for test_file in sorted(tests_root.rglob("test_*.py")):
+        relative = test_file.relative_to(tests_root).as_posix()
+        if relative in make_test_only:
             continue
-        name = test_file.stem
+        name = relative[: -len(".py")]
         call = targets.get(name)
         imports = imported_modules(test_file)
         needed = sorted({m.split(".")[0] for m in imports} & set(packages))
@@ -218,7 +223,7 @@ def check_tests(repo: Path, packages: list[str]) -> tuple[list[str], int, int]:
             deps = ", ".join(f'"//{package}"' for package in needed)
             deps_argument = f", deps = [{deps}]" if deps else ""
             problems.append(
-                f"{TESTS_DIR}/{test_file.name}: no target; add to {TESTS_DIR}/BUILD: "
+                f"{TESTS_DIR}/{relative}: no target; add to {TESTS_DIR}/BUILD: "
                 f'{TEST_MACRO}(name = "{name}"{deps_argument})'
             )
             continue
@@ -243,7 +248,7 @@ def main(repo: Path = REPO) -> int:
     if problems:
         return 1
     print(
-        f"check_bazel_targets: {target_count} test targets match {TESTS_DIR}/test_*.py "
+        f"check_bazel_targets: {target_count} test targets match {TESTS_DIR}/**/test_*.py "
         f"({excluded_count} in {EXCLUSION_LIST}); "
         f"deps of {', '.join(packages)} match their imports"
     )

@@ -88,13 +88,13 @@ class Mutant:
         return self.path.removesuffix(".py").replace("/", ".")
 
 
-_FDML = "tests/test_fdml.py::"
-_FDML_PRIVACY = "tests/test_fdml_privacy.py::"
-_AGGREGATORS = "tests/test_tff_aggregators.py::"
-_TREES = "tests/test_tree_sensitivity.py::"
-_TIGHT = "tests/test_accounting_tight.py::"
-_LOGIT = "tests/test_logit_dp.py::"
-_ALIGNED_LOOKALIKE = "tests/test_beam_dedup_lookalikes.py::test_an_aligned_look_alike_is_kept_and_an_aligned_copy_is_not"
+_FDML = "tests/tff_algorithms/algorithms/fdml/test_fdml.py::"
+_FDML_PRIVACY = "tests/tff_algorithms/algorithms/fdml/test_fdml_privacy.py::"
+_AGGREGATORS = "tests/tff_algorithms/federated/test_aggregators.py::"
+_TREES = "tests/tff_algorithms/privacy/test_tree_sensitivity.py::"
+_TIGHT = "tests/tff_algorithms/privacy/test_accounting_tight.py::"
+_LOGIT = "tests/tff_algorithms/algorithms/logit_dp/test_logit_dp.py::"
+_ALIGNED_LOOKALIKE = "tests/beam_jobs/test_dedup_lookalikes.py::test_an_aligned_look_alike_is_kept_and_an_aligned_copy_is_not"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- clip bounds -----------------------------------------------------------------
@@ -117,14 +117,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "tff_algorithms/algorithms/user_dp_sgd/training.py",
         "factor = tf.minimum(1.0, clip_norm / tf.maximum(norm, 1e-30))",
         "factor = tf.constant(1.0)",
-        ("tests/test_user_dp_sgd.py::test_dense_layer_shortcut_equals_one_tape_per_user",),
+        (
+            "tests/tff_algorithms/algorithms/user_dp_sgd/test_user_dp_sgd.py::test_dense_layer_shortcut_equals_one_tape_per_user",
+        ),
     ),
     Mutant(
         "user-dp-sgd-clip-dense-shortcut",
         "tff_algorithms/algorithms/user_dp_sgd/training.py",
         "scale = tf.where(finite, tf.minimum(1.0, self._clip / tf.maximum(norm, 1e-30)), 0.0)",
         "scale = tf.where(finite, 1.0, 0.0)",
-        ("tests/test_user_dp_sgd.py::test_dense_layer_shortcut_equals_one_tape_per_user",),
+        (
+            "tests/tff_algorithms/algorithms/user_dp_sgd/test_user_dp_sgd.py::test_dense_layer_shortcut_equals_one_tape_per_user",
+        ),
     ),
     Mutant(
         "logit-dp-pair-clip",
@@ -160,7 +164,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "tff_algorithms/privacy/dplc.py",
         "    if not np.any(outside):\n        return w",
         "    if True:\n        return w",
-        ("tests/test_dplc.py::test_public_means_match_reference",),
+        ("tests/tff_algorithms/privacy/test_dplc.py::test_public_means_match_reference",),
     ),
     # --- noise scale -------------------------------------------------------------------
     Mutant(
@@ -183,7 +187,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "restart_every_rounds = rounds_per_epoch if spec.restart_every_epoch else None",
         "restart_every_rounds = None",
         (
-            "tests/test_mechanisms.py::"
+            "tests/tff_algorithms/federated/test_mechanisms.py::"
             "test_dpftrl_spec_gives_tree_noise_restarting_as_the_spec_says[True]",
         ),
     ),
@@ -192,7 +196,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "tff_algorithms/algorithms/user_dp_sgd/training.py",
         "self._stddev = float(noise_multiplier) * float(clip_norm)",
         "self._stddev = 0.7 * float(noise_multiplier) * float(clip_norm)",
-        ("tests/test_user_dp_sgd.py::test_step_noise_std_is_z_times_clip_over_users",),
+        (
+            "tests/tff_algorithms/algorithms/user_dp_sgd/test_user_dp_sgd.py::test_step_noise_std_is_z_times_clip_over_users",
+        ),
     ),
     Mutant(
         "logit-dp-noise-scale",
@@ -220,7 +226,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "tff_algorithms/privacy/dplc.py",
         "return means + noise_multiplier * delta * rng.standard_normal(means.shape)",
         "return means + 0.7 * noise_multiplier * delta * rng.standard_normal(means.shape)",
-        ("tests/test_dplc.py::test_noise_matches_sigma_times_sensitivity[False]",),
+        (
+            "tests/tff_algorithms/privacy/test_dplc.py::test_noise_matches_sigma_times_sensitivity[False]",
+        ),
     ),
     # --- accounting sensitivity --------------------------------------------------------
     Mutant(
@@ -228,7 +236,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "tff_algorithms/privacy/accounting.py",
         "return 1.0 if self.convention is Convention.PAPER else 2.0",
         "return 1.0",
-        ("tests/test_accounting.py::test_strict_is_the_default_convention",),
+        ("tests/tff_algorithms/privacy/test_accounting.py::test_strict_is_the_default_convention",),
     ),
     Mutant(
         "accounting-add-or-remove-virtual-client-sensitivity",
@@ -236,7 +244,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "return 2.0 if self.users_per_virtual_client > 1 else 1.0",
         "return 1.0",
         (
-            "tests/test_accounting.py::test_virtual_clients_halve_noise_under_add_or_remove_relations",
+            "tests/tff_algorithms/privacy/test_accounting.py::test_virtual_clients_halve_noise_under_add_or_remove_relations",
         ),
     ),
     # --- the tight PLD of fixed-size sampling (docs/privacy.md) --------------------------
@@ -317,7 +325,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "over = not spent_after <= budget_epsilon",
         "over = False",
         (
-            "tests/test_budget_ledger.py::"
+            "tests/tff_algorithms/privacy/test_budget_ledger.py::"
             "test_charging_accumulates_refuses_over_budget_and_records_an_override",
         ),
     ),
@@ -327,7 +335,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "budget_changed = budget_epsilon != policy.total_epsilon",
         "budget_changed = False",
         (
-            "tests/test_budget_ledger.py::"
+            "tests/tff_algorithms/privacy/test_budget_ledger.py::"
             "test_the_budget_is_fixed_by_the_first_charge_and_a_change_is_an_override",
         ),
     ),
@@ -337,7 +345,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "for i in np.flatnonzero([e is not None for e in evidence]):",
         "for i in range(len(pairs)):",
         (
-            "tests/test_beam_dedup.py::test_copies_of_evaluation_images_are_removed_and_nothing_else",
+            "tests/beam_jobs/test_dedup.py::test_copies_of_evaluation_images_are_removed_and_nothing_else",
         ),
     ),
     # A look-alike taken for a copy: the copy evidence's two tests.

@@ -1,4 +1,4 @@
-"""Child process of the every-algorithm crash test (tests/test_crash_safety.py): trains
+"""Child process of the every-algorithm crash test (tests/tff_algorithms/jobs/test_crash_safety.py): trains
 one algorithm's tiny job and SIGKILLs itself when step (round) K is reported, which is
 before that step's checkpoint is saved.
 

@@ -43,7 +43,7 @@ split across the workers (`MergeableCompExecutionContext`): each worker runs the
 computation up to the aggregation on its share of the clients, the partial
 aggregates are merged, and the rest (DP noise, server update) runs once on the merged
 value. Results equal one worker's up to float32 summation order
-(tests/test_multi_worker.py); with three or more workers the partial sums merge in the
+(tests/tff_algorithms/federated/test_multi_worker.py); with three or more workers the partial sums merge in the
 order workers finish, so the last bits can vary between runs.
 """
 

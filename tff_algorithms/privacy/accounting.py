@@ -58,7 +58,7 @@ only the virtual client that user is in (the schedule groups the sampled users; 
 other groups are the same users either way). ``strict`` is the default everywhere:
 training, the pipeline, the budget ledger, ``dp-fedemb privacy``, the report. ``paper``
 exists only to reproduce published numbers: under substitute-one it understates epsilon
-(tests/test_accounting_exact.py shows one round where its epsilon is below the exact
+(tests/tff_algorithms/privacy/test_accounting_exact.py shows one round where its epsilon is below the exact
 epsilon of a realisable pair of datasets); the same mismatch is
 google/differential-privacy issue 378. A budget ledger refuses ``paper`` runs.
 Combinations outside the schedules above have no analysis here and raise ValueError, as
@@ -78,7 +78,7 @@ would need gigabytes). Calibrating the noise to a target epsilon and extrapolati
 schedule to other populations are in `tff_algorithms.privacy.calibration`.
 
 Paper epsilons reproduced to two decimals under ``convention="paper"``
-(tests/test_accounting.py checks each; DP-FTRL's are the same under both conventions):
+(tests/tff_algorithms/privacy/test_accounting.py checks each; DP-FTRL's are the same under both conventions):
 
 - Table 1 (10M users, 131,072 = 64 x 2048 users per round, 800 rounds, delta 1e-7):
   DP-FedAvg z = 0.015 x 64 -> 5.62; DP-FedEmb z = 0.02 x 64 -> 3.90;

@@ -86,7 +86,7 @@ Public query q (fixed, not a function of D), any relation, one user with ≤ m r
 It is attained: T − 1 members at the boundary point on one side of q, the user's member
 at the same point, and a non-member just beyond ρ on the opposite side; moving the
 user's center far away brings that non-member in (clipped onto the opposite boundary),
-so p moves by diam_ρ/T. tests/test_dplc.py checks this against an independent numpy
+so p moves by diam_ρ/T. tests/tff_algorithms/privacy/test_dplc.py checks this against an independent numpy
 reference: 600 random neighbouring pairs per setting (about 1 in 6 change an untouched
 row's membership) reach max |p − p'|/Δ_pub = 1.0000 at (T, m, ρ) = (1, 1, 1.0), (3, 1, 1.3),
 (3, 1, 2.2) and 0.981 at (4, 2, 0.7), never above; a hill climb over D and D' reaches

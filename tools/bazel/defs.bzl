@@ -1,4 +1,4 @@
-"""`dp_py_test`: one tests/test_<x>.py run by pytest as a Bazel py_test.
+"""`dp_py_test`: one test file, tests/<folder>/test_<x>.py, run by pytest as a Bazel py_test.
 
 scripts/check_bazel_targets.py reads tests/BUILD without Bazel, so call this
 macro there with literal arguments only.
@@ -8,7 +8,7 @@ def dp_py_test(name, deps = [], data = [], timeout = "long", tags = []):
     """A py_test named after its file, tests/<name>.py, run under pytest.
 
     Args:
-      name: the test file's name without `.py`.
+      name: the test file's path under tests/ without `.py` (`beam_jobs/test_schema`).
       deps: the project libraries the file imports (//tff_algorithms, ...).
       data: files the test reads or runs beside its own.
       timeout: Bazel's limit for the whole file: "long" is 900 s, pytest.ini's

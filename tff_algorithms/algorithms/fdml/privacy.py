@@ -50,7 +50,7 @@ clipped to norm <= C_r in D and in D', so it moves by at most 2 C_r, and
 
 Every row of the group can really move: replacing u changes the group's active-triplet
 count, which scales every row of the group, and u's rows can be positives, negatives or
-(semi-hard) the chosen negative of any anchor of the group; tests/test_fdml_privacy.py's
+(semi-hard) the chosen negative of any anchor of the group; tests/tff_algorithms/algorithms/fdml/test_fdml_privacy.py's
 neighbour search (an independent numpy FDML) reaches 0.997 of Delta_1 (batch-all, g = 2,
 s = 2), so the bound is tight. With g equal to all
 participants (the paper's single buffer) Delta_1 grows as sqrt(participants * s): this
@@ -65,7 +65,7 @@ D and D'; only u's term changes, and both clip(g_u) and clip(g_u') have norm <= 
 
 (Without R1's noise this fails: g_v depends on u's embeddings through D_v, so one
 replacement could move every participant's clipped gradient, up to 2 C_g per participant;
-tests/test_fdml_privacy.py shows it.) A participant that does not deliver its gradient
+tests/tff_algorithms/algorithms/fdml/test_fdml_privacy.py shows it.) A participant that does not deliver its gradient
 (Case B) or is not among the first rate_p * n arrivals contributes zero; which ones do is
 data-independent, so the bound holds.
 

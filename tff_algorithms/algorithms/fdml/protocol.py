@@ -46,7 +46,7 @@ Several workers (`runtime`): TFF's multi-worker context returns CLIENTS-placed v
 the order the workers finish, not the order sent, so each upload carries its position and
 the server restores arrival order before filling the buffer (otherwise derivatives would go
 to the wrong participants). The backprop computation zips each participant's data with its
-own derivative rows and only sums the result; tests/test_fdml.py checks that one and two
+own derivative rows and only sums the result; tests/tff_algorithms/algorithms/fdml/test_fdml.py checks that one and two
 workers give the same round.
 """
 

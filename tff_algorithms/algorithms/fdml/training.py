@@ -7,7 +7,7 @@ says which field is which). The round's noise is one number, z = `noise_multipli
 relative to the round's sensitivities: the accountant's `accounting.Mechanism.FDML`
 charges one sampled Gaussian of multiplier z per round, which is what
 `fdml_privacy.compute_epsilon` gives for the derivative and gradient noise derived here
-(tests/test_fdml_job.py checks the two agree).
+(tests/tff_algorithms/algorithms/fdml/test_fdml_job.py checks the two agree).
 
 Population. Only users holding at least `samples_per_user` images train
 (`eligible_users`): the buffer's rows are then all real, and a user who cannot fill its

@@ -37,7 +37,7 @@ row i's derivative is sum_j M_ij U_ij / k_G, an O(N^2 d) computation once the tr
 counted. A and B are counted without forming the N^3 triplets (`triplet_counts`: sorted
 distances and binary search, O(N^2 log N) time, O(N^2) memory): batch-all over one buffer
 of 256 participants x 8 rows (N = 2048, d = 64) takes about 0.5 s on 2 CPU cores (the
-paper's Table V: 11 s in SGX). tests/test_fdml.py checks the derivatives against autodiff of
+paper's Table V: 11 s in SGX). tests/tff_algorithms/algorithms/fdml/test_fdml.py checks the derivatives against autodiff of
 `group_loss` and against an independent loop over triplets, ties included.
 """
 

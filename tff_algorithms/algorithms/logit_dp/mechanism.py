@@ -15,7 +15,7 @@ the sum, not the mean. τ_ij := ∂L/∂S_ij = p_ij − δ_ij. With c_ij := clip
 
     g(D) = Σ_ij τ_ij · c_ij.                                               (*)
 
-Three routes compute (*), equal up to float rounding (tests/test_logit_dp.py):
+Three routes compute (*), equal up to float rounding (tests/tff_algorithms/algorithms/logit_dp/test_logit_dp.py):
 
 - `clipped_gradient_explicit`: the n² per-pair gradients ∇_θ S_ij as one jacobian of S
   (n² reverse passes, vectorised; memory n²·P for P parameters), clipped, weighted, summed.

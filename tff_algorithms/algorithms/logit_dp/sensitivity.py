@@ -40,7 +40,7 @@ At s = 1 C_rem is the bound issue 26 states, 2(1 − 1/(1+(n−1)e²))B + 2(n−
 3.523·B, 5.021·B, 6.181·B at n = 2, 3, 4 (4e²/(1+e²)·B at n = 2). It is the *removal*
 bound. Under substitute-one it is exceeded, so noise here uses C_sub = C_rem +
 2(n−1)t/(1+(n−1)t)·B < 2·C_rem: 5.285·B, 6.894·B, 8.095·B at n = 2, 3, 4 with s = 1.
-Both bounds are tight: the worst-case search of tests/test_logit_dp.py (linear model, real
+Both bounds are tight: the worst-case search of tests/tff_algorithms/algorithms/logit_dp/test_logit_dp.py (linear model, real
 clipped pair gradients, in numpy) reaches 3.523, 5.021, 6.180, 9.149·B on removal and
 5.267, 6.874, 8.071, 11.076·B on replacement at n = 2, 3, 4, 8 (C_rem 9.151·B, C_sub
 11.113·B at n = 8), i.e. within 0.4% of them. The equality case: logits at ±s (row n's

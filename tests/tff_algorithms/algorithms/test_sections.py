@@ -1,0 +1,319 @@
+"""Each algorithm's own settings in its own section (issue 39, item 3): `fdml`,
+`logit_dp`, `dp_sgd`, declared by the registry and read through it by the job config,
+the pipeline config and `dp-fedemb train`; the flat keys and flags of the release
+before accepted with one deprecation line, refused when they disagree with the new
+ones. Fast: no training (old output directories: tests/tff_algorithms/algorithms/fdml/test_fdml_job.py)."""
+
+import dataclasses
+
+import pytest
+
+from pipeline import cli
+from pipeline import config as config_lib
+from pipeline.commands import train
+from tff_algorithms import algorithms
+from tff_algorithms.algorithms.fdml import fields as fdml_fields
+from tff_algorithms.config import job_config
+
+FDML = job_config.FDML
+LOGIT_DP = job_config.LOGIT_DP
+DP_SGD = job_config.DP_SGD_CENTRALIZED
+
+
+@pytest.fixture(autouse=True)
+def fresh_deprecations(monkeypatch):
+    # The pipeline shows each deprecation line once a process; each test is one command.
+    monkeypatch.setattr(config_lib, "_SHOWN_DEPRECATIONS", set())
+
+
+def _stderr_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def test_the_registry_declares_each_section_and_its_users():
+    sections = algorithms.registry.sections()
+    assert set(sections) == {"fdml", "logit_dp", "dp_sgd"}
+    assert algorithms.registry.section_users("dp_sgd") == (DP_SGD, job_config.DP_LAST_LAYER)
+    assert sections["fdml"].keys()[:2] == ("groups_per_round", "users_per_group")
+    for name in (job_config.DP_FEDEMB, job_config.CENTRALIZED):
+        assert algorithms.get(name).section is None
+
+
+@pytest.mark.parametrize(
+    "algorithm, section, counts",
+    [
+        (FDML, {"groups_per_round": 3, "users_per_group": 2, "samples_per_user": 4}, (2, 3)),
+        (LOGIT_DP, {"users_per_step": 20, "scale": 0.5}, (1, 20)),
+        (DP_SGD, {"users_per_step": 40}, (1, 40)),
+    ],
+)
+def test_a_section_sets_the_settings_and_the_schedule_counts_and_is_recorded(
+    algorithm, section, counts
+):
+    name = algorithms.get(algorithm).section.name
+    config = job_config.TrainJobConfig.from_dict(
+        {"algorithm": algorithm, "noise_multiplier": 1.0, name: section}
+    )
+    assert (config.users_per_virtual_client, config.virtual_clients_per_round) == counts
+    record = config.to_dict()
+    assert {k: record[name][k] for k in section} == section
+    # The schedule's counts are recorded in the algorithm's words only.
+    assert not {"users_per_virtual_client", "virtual_clients_per_round"} & set(record)
+    assert job_config.TrainJobConfig.from_dict(record) == config
+
+
+@pytest.mark.parametrize(
+    "algorithm, section, message",
+    [
+        (FDML, {"samples_per_user": 1}, "fdml.samples_per_user must be >= 2, got 1"),
+        (FDML, {"triplet_strategy": "hardest"}, "fdml.triplet_strategy must be one of"),
+        (FDML, {"group_per_round": 3}, "unknown setting fdml.group_per_round (did you mean"),
+        (LOGIT_DP, {"scale": 0}, "logit_dp.scale must be finite and in (0, 100)"),
+        (LOGIT_DP, {"users_per_step": 8}, "(logit_dp.users_per_step): Logit-DP sensitivity"),
+        (DP_SGD, {"users_per_step": 0}, "virtual_clients_per_round must be >= 1"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_it(algorithm, section, message):
+    name = algorithms.get(algorithm).section.name
+    with pytest.raises(ValueError) as e:
+        job_config.TrainJobConfig.from_dict(
+            {"algorithm": algorithm, "noise_multiplier": 1.0, name: section}
+        )
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_job_is_checked_by_its_own_algorithms_rules_only(monkeypatch):
+    checked = []
+    original = fdml_fields.FdmlSettings.__post_init__
+
+    def counted(settings):  # noqa: ANN001, ANN202
+        checked.append(settings)
+        original(settings)
+
+    monkeypatch.setattr(fdml_fields.FdmlSettings, "__post_init__", counted)
+    for algorithm in (job_config.DP_FEDEMB, job_config.CENTRALIZED, DP_SGD):
+        config = job_config.TrainJobConfig(algorithm=algorithm, users_per_virtual_client=1)
+        assert config.settings is None or not isinstance(config.settings, fdml_fields.FdmlSettings)
+    assert checked == []
+    job_config.TrainJobConfig(algorithm=FDML)
+    assert len(checked) == 1
+    # Settings are refused for an algorithm without a section, not ignored.
+    with pytest.raises(ValueError, match="dp-fedemb has no settings of its own") as e:
+        job_config.TrainJobConfig(settings={"samples_per_user": 4})
+    assert "\n" not in str(e.value)
+
+
+def test_a_record_of_the_release_before_reads_as_the_same_job():
+    config = job_config.TrainJobConfig(
+        algorithm=LOGIT_DP,
+        users_per_virtual_client=1,
+        virtual_clients_per_round=20,
+        noise_multiplier=1.0,
+        settings={"scale": 0.5},
+    )
+    record = config.to_dict()
+    flat = {k: v for k, v in record.items() if k != "logit_dp"}
+    flat.update(users_per_virtual_client=1, virtual_clients_per_round=20, logit_scale=0.5)
+    assert job_config.current_layout(flat) == record
+    assert job_config.TrainJobConfig.from_dict(flat) == config
+
+
+# The pipeline's config file.
+
+
+def test_a_pipeline_section_sets_fdml_and_the_old_keys_give_one_line_each(tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "train:\n  algorithm: fdml\n  virtual_clients_per_round: 4\n  samples_per_user: 3\n"
+    )
+    # A command reads its config twice (quick checks, then everything): one line each.
+    config_lib.check_config(str(path))
+    job = config_lib.load_config(str(path)).train_job_dict()
+    lines = _stderr_lines(capsys)
+    assert lines == [
+        "dp-fedemb: warning: config train.virtual_clients_per_round is deprecated for fdml: "
+        "use train.fdml.groups_per_round (the old name is refused after release 0.1.0)",
+        "dp-fedemb: warning: config train.samples_per_user is deprecated for fdml: use "
+        "train.fdml.samples_per_user (the old name is refused after release 0.1.0)",
+    ]
+    # The same job as the new keys give; the recipe's users per virtual client are fdml's
+    # users per group, as before.
+    new = config_lib.load_config(
+        None, ["train.algorithm=fdml", "train.fdml={groups_per_round: 4, samples_per_user: 3}"]
+    )
+    assert new.train_job_dict() == job
+    assert (job["fdml"]["groups_per_round"], job["fdml"]["users_per_group"]) == (4, 8)
+    assert _stderr_lines(capsys) == []
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [
+                "train.algorithm=fdml",
+                "train.virtual_clients_per_round=4",
+                "train.fdml.groups_per_round=5",
+            ],
+            "config train.virtual_clients_per_round 4 and train.fdml.groups_per_round 5 "
+            "disagree: give train.fdml.groups_per_round alone",
+        ),
+        (
+            ["train.samples_per_user=4"],
+            "config train.samples_per_user is a setting of fdml (now train.fdml.samples_per_user), "
+            "not of dp-fedemb: drop it",
+        ),
+        (
+            ["train.fdml.groups_per_round=4"],
+            "config train.fdml holds the settings of fdml, not of dp-fedemb: drop it",
+        ),
+        (
+            ["train.algorithm=fdml", "train.fdml.groups=4"],
+            "unknown config key train.fdml.groups (did you mean groups_per_round?",
+        ),
+        (
+            ["pretrain.source=private_contrastive", "pretrain.job.users_per_virtual_client=2"],
+            "config pretrain.job.users_per_virtual_client does not apply to logit-dp",
+        ),
+    ],
+)
+def test_pipeline_section_errors_are_one_line(overrides, message, capsys):
+    with pytest.raises(ValueError) as e:
+        config_lib.check_config(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not [line for line in _stderr_lines(capsys) if "deprecated" in line]
+
+
+def test_the_pretraining_job_reads_logit_dp_s_section(capsys):
+    config = config_lib.load_config(
+        None,
+        [
+            "pretrain.source=private_contrastive",
+            "pretrain.job.logit_dp.users_per_step=40",
+            "pretrain.job.logit_scale=0.5",
+        ],
+    )
+    job = config.pretrain_job_dict()
+    assert job["logit_dp"] == {"users_per_step": 40, "scale": 0.5}
+    assert _stderr_lines(capsys) == [
+        "dp-fedemb: warning: config pretrain.job.logit_scale is deprecated for logit-dp: use "
+        "pretrain.job.logit_dp.scale (the old name is refused after release 0.1.0)"
+    ]
+
+
+# `dp-fedemb train`.
+
+
+def _train_lines(capsys, tmp_path, *flags: str) -> tuple[int, list[str]]:
+    # A missing --data stops the command after its flags are checked: nothing trains.
+    code = cli.main(
+        [
+            "dp-fedemb",
+            "train",
+            "--data",
+            str(tmp_path / "missing"),
+            "--output",
+            str(tmp_path / "o"),
+            *flags,
+        ]
+    )
+    return code, _stderr_lines(capsys)
+
+
+def test_an_old_flag_gives_one_deprecation_line(tmp_path, capsys):
+    code, lines = _train_lines(
+        capsys,
+        tmp_path,
+        "--algorithm=logit-dp",
+        "--virtual-clients-per-round=20",
+        "--logit-scale=0.5",
+    )
+    assert code != 0
+    assert lines == [
+        "dp-fedemb train: warning: --virtual-clients-per-round is deprecated for logit-dp: use "
+        "--logit-dp-users-per-step (the old name is refused after release 0.1.0)",
+        "dp-fedemb train: warning: --logit-scale is deprecated for logit-dp: use "
+        "--logit-dp-scale (the old name is refused after release 0.1.0)",
+        f"dp-fedemb train: error: --data {tmp_path / 'missing'} does not exist",
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            [
+                "--algorithm=dp-sgd-centralized",
+                "--virtual-clients-per-round=20",
+                "--dp-sgd-users-per-step=30",
+            ],
+            "--virtual-clients-per-round 20 and --dp-sgd-users-per-step 30 disagree: give "
+            "--dp-sgd-users-per-step alone",
+        ),
+        (
+            ["--triplet-margin=0.3"],
+            "--triplet-margin is a setting of fdml (now --fdml-triplet-margin), not of dp-fedemb",
+        ),
+        (["--algorithm=fdml", "--fdml-samples-per-user=1"], "fdml.samples_per_user must be >= 2"),
+    ],
+)
+def test_flag_errors_are_one_line(tmp_path, capsys, flags, message):
+    code, lines = _train_lines(capsys, tmp_path, *flags)
+    assert code != 0 and len(lines) == 1 and message in lines[0], lines
+
+
+def _flag_job(*args: str) -> job_config.TrainJobConfig:
+    from absl import flags as absl_flags
+
+    flag_values = absl_flags.FlagValues()
+    train.define_flags(flag_values)
+    flag_values(["dp-fedemb train", *args])
+    return train.job_config({name: flag_values[name].value for name in flag_values})
+
+
+def test_old_and_new_flags_give_the_same_job_and_recipes_keep_their_counts():
+    old = _flag_job("--algorithm=fdml", "--virtual-clients-per-round=5", "--derivative-clip=0.3")
+    new = _flag_job("--algorithm=fdml", "--fdml-groups-per-round=5", "--fdml-derivative-clip=0.3")
+    assert old == new and new.virtual_clients_per_round == 5
+    assert new.settings == dataclasses.replace(fdml_fields.FdmlSettings(), derivative_clip=0.3)
+    # What each algorithm started from before: the recipe's counts, its own recipe's.
+    assert _flag_job("--algorithm=fdml").virtual_clients_per_round == 48
+    assert _flag_job("--algorithm=fdml", "--recipe=paper").virtual_clients_per_round == 32
+    assert _flag_job("--algorithm=logit-dp").virtual_clients_per_round == 32
+    assert _flag_job("--algorithm=dp-last-layer").virtual_clients_per_round == 1024
+    assert (
+        _flag_job("--algorithm=dp-sgd-centralized").settings
+        == algorithms.user_dp_sgd.DpSgdSettings()
+    )
+
+
+def test_help_lists_each_section_s_flags_with_their_defaults():
+    defaults = train.help_defaults()
+    assert defaults["fdml-groups-per-round"] == (
+        "48 (fdml --recipe=default), 32 (fdml --recipe=paper)"
+    )
+    assert defaults["dp-sgd-users-per-step"].startswith("256 (dp-sgd-centralized --recipe=default")
+    assert defaults["logit-dp-scale"] == "1.0"
+
+
+def test_a_section_name_is_one_set_of_settings():
+    @dataclasses.dataclass(frozen=True)
+    class Other:
+        pass
+
+    spec = dataclasses.replace(
+        algorithms.get(FDML), name="fdml-copy", section=algorithms.registry.Section("fdml", Other)
+    )
+    with pytest.raises(ValueError, match="section 'fdml' is another algorithm's") as e:
+        algorithms.register(spec)
+    assert "\n" not in str(e.value) and algorithms.find("fdml-copy") is None
+
+
+def test_a_schedule_the_users_cannot_fill_is_named_in_the_section_s_words():
+    config = job_config.TrainJobConfig.from_dict(
+        {"algorithm": DP_SGD, "noise_multiplier": 1.0, "dp_sgd": {"users_per_step": 20}}
+    )
+    with pytest.raises(ValueError) as e:
+        config.calibrated_for(5)
+    assert "set dp_sgd.users_per_step to at most 5 (or auto)" in str(e.value)
+    assert "virtual_clients_per_round" not in str(e.value) and "\n" not in str(e.value)
