@@ -12,7 +12,7 @@ import os
 import pytest
 
 from beam_jobs import synthetic
-from pipeline.commands import train
+from pipeline.commands import train_data
 from tests import support
 from tff_algorithms.base import job_files, owned_files
 from tff_algorithms.federated import training
@@ -94,7 +94,7 @@ def test_a_users_file_in_a_killed_preparation_is_refused_not_deleted(tmp_path):
     # Without the user's file the preparation's own leftovers are removed (the layout
     # matches what prepare_data writes).
     os.remove(mine)
-    owned_files.remove_tree(prepared, train.DATA_LAYOUT)
+    owned_files.remove_tree(prepared, train_data.DATA_LAYOUT)
     assert not os.path.exists(prepared)
 
 
@@ -102,9 +102,9 @@ def test_the_data_layout_matches_a_real_preparation(tmp_path):
     data = tmp_path / "images"
     synthetic.write_image_folder(str(data), support.TRAIN_CLI_DATA)
     split = {"validation_fraction": 0.2, "test_fraction": 0.2, "public_fraction": 0.0, "seed": 0}
-    prepared = train.prepare_data(str(data), str(tmp_path / "data"), split, 4, [])
+    prepared = train_data.prepare_data(str(data), str(tmp_path / "data"), split, 4, [])
     assert os.listdir(prepared.partition_dir)
-    assert train.DATA_LAYOUT.foreign_entry(str(tmp_path / "data")) is None
+    assert train_data.DATA_LAYOUT.foreign_entry(str(tmp_path / "data")) is None
 
 
 def test_a_users_file_in_an_old_checkpoint_stops_pruning_and_survives(tmp_path, tff_runtime):
