@@ -187,6 +187,7 @@ def test_a_dedup_removing_too_much_stops_in_one_line_unless_overridden(tmp_path,
     )
 
 
+@pytest.mark.slow
 def test_user_overlap_between_splits_is_an_error(tmp_path):
     evaluation = _evaluation_records()
     leaked = _record(
@@ -293,6 +294,7 @@ def _recall_and_matches(matched: list[tuple[str, str]], truth: dict[str, str]) -
     return round(len(matched) / len(copies), 2), wrong
 
 
+@pytest.mark.slow
 def test_real_copies_are_removed_and_distinct_real_images_kept():
     references, candidates, truth = _real_image_sets()
     distinct = sorted(user for user, original in truth.items() if not original)

@@ -224,6 +224,7 @@ def test_held_out_images_mode_evaluates_held_out_users_on_training_identities(tm
     assert users["test"] and users["validation"] and users["public"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [splits.IDENTITY, splits.HELD_OUT_IMAGES])
 def test_shared_synthetic_identities_keep_at_least_90_percent(tmp_path, mode):
     synth = synthetic.SyntheticConfig(
@@ -248,6 +249,7 @@ def test_auto_mode_picks_identity_and_user_for_disjoint_identities(tmp_path):
     assert summary["dropped_records"] == 0
 
 
+@pytest.mark.slow
 def test_auto_mode_stops_on_shared_identities_naming_each_mode_and_what_it_keeps(tmp_path):
     records = _shared_records(users=20, identities=10)
     config = splits.SplitConfig(0.2, 0.2, mode=splits.AUTO)

@@ -65,6 +65,7 @@ def test_beam_transform_equals_the_single_process_generator():
         assert_that(records, equal_to(expected))
 
 
+@pytest.mark.slow
 def test_raw_pixel_and_pca_baselines_are_far_from_perfect():
     """Recall@FAR=1e-3 of untrained embeddings stays near zero (measured: ~0.3-0.7%)."""
     config = synthetic.SyntheticConfig(identities=150, images_per_identity=8, seed=11)
@@ -111,6 +112,7 @@ def test_unknown_style_is_refused():
         synthetic.SyntheticConfig(style="oil")
 
 
+@pytest.mark.slow
 def test_users_sharing_identities_draw_popular_identities_from_one_pool(tmp_path):
     config = synthetic.SyntheticConfig(
         identities=30, images_per_identity=2, identities_per_user=4, users_sharing_identities=200

@@ -12,6 +12,9 @@ import pytest
 
 from tests import paths
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 ROOT = str(paths.REPO)
 # Below the session's pytest-timeout, so the benchmark is stopped here, not orphaned.
 _TIMEOUT_S = 800

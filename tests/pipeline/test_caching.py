@@ -8,6 +8,7 @@ component's parameters. This test runs one component on a real MLMD store three 
 import dataclasses
 import json
 
+import pytest
 from ml_metadata.metadata_store import metadata_store
 from ml_metadata.proto import metadata_store_pb2
 from tfx import v1 as tfx
@@ -59,6 +60,7 @@ def _run_example_gen(tmp_path, code: str) -> list[int]:
     return [e.last_known_state for e in sorted(store.get_executions(), key=lambda e: e.id)]
 
 
+@pytest.mark.slow
 def test_changed_code_fingerprint_invalidates_the_cache(tmp_path):
     code = fingerprint.code_fingerprint(data.__name__)
     complete, cached = metadata_store_pb2.Execution.COMPLETE, metadata_store_pb2.Execution.CACHED

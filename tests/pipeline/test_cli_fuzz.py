@@ -475,6 +475,7 @@ def test_flag_errors_come_before_tensorflow_in_a_fresh_process(sandbox):
     assert done.stderr.count("\n") == 1 and "--budget-ledger" in done.stderr
 
 
+@pytest.mark.slow
 def test_bench_cli_quick_answers_every_case_in_one_line():
     """bench/bench_cli.py's cases, one fresh process each: what BENCHMARKS.md times is
     what the contract says (help exits 0; a flag error exits non-zero in one line)."""

@@ -250,6 +250,7 @@ def test_a_second_run_on_the_same_output_directory_is_refused_on_one_line(tmp_pa
     assert not (tmp_path / "metadata.sqlite").exists()  # refused before anything ran
 
 
+@pytest.mark.slow
 def test_a_population_too_small_for_the_schedule_stops_right_after_the_split(tmp_path):
     """About 76 training users cannot fill the recipe's rounds of 48 x 8: the run stops
     before statistics and dedup, with one error line naming the setting and no traceback."""

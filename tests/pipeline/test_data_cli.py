@@ -16,6 +16,7 @@ def _run(capsys, *args: str) -> tuple[int, dict | None, str]:
     return code, json.loads(lines[-1]) if code == 0 and lines else None, captured.err
 
 
+@pytest.mark.slow
 def test_synth_ingest_split_dedup_partition(tmp_path, capsys):
     root = str(tmp_path)
     code, synth, _ = _run(
@@ -111,6 +112,7 @@ def test_synth_rejects_bad_shapes(tmp_path, capsys, flag):
     assert code == 1 and err.startswith("dp-fedemb data: error:")
 
 
+@pytest.mark.slow
 def test_users_sharing_identities_from_synth_to_split(tmp_path, capsys):
     """The issue's new-user path on handwriting-like data: auto stops in one line naming
     the modes; identity keeps every record instead of sending every user to test."""

@@ -34,7 +34,7 @@ from tff_algorithms.config import job_config
 from tff_algorithms.jobs import job_outputs, train_job
 
 # One xdist worker runs every module of the session's tiny pipeline run (conftest).
-pytestmark = pytest.mark.xdist_group("tiny_pipeline")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiny_pipeline")]
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=11)
 TRAIN_IDENTITIES = 20

@@ -15,6 +15,9 @@ from pipeline.commands import train
 from tests import support
 from tff_algorithms.base import job_files
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 TRAIN_FLAGS = support.train_cli_flags(rounds=3)
 
 

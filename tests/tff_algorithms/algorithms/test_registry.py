@@ -200,6 +200,7 @@ def test_the_scan_finds_a_branch_on_a_name():
     assert lines == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_an_algorithm_registered_by_a_test_trains_through_the_train_command(
     test_algorithm, tmp_path, capsys
 ):

@@ -16,6 +16,9 @@ from beam_jobs import synthetic
 from tests import small_fs, support
 from tff_algorithms.base import job_files
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 SYNTH = synthetic.SyntheticConfig(identities=40, images_per_identity=6, seed=5)
 _SYNTH_FLAGS = ("--identities=40", "--images-per-identity=6", "--seed=5")
 

@@ -76,6 +76,7 @@ def test_an_output_directory_holding_other_files_is_refused_naming_one(tmp_path)
     assert os.listdir(output) == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_a_users_file_in_a_killed_preparation_is_refused_not_deleted(tmp_path):
     """OUTPUT/data without prepared.json is restarted from scratch: only the files a
     preparation writes may go."""

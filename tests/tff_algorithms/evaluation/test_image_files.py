@@ -131,6 +131,7 @@ def _evaluate(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_evaluate_skips_and_counts_hostile_files_as_ingest_does(grey_model, tmp_path):
     root = str(tmp_path / "raw")
     good = _hostile_folder(root)
@@ -154,6 +155,7 @@ def test_evaluate_skips_and_counts_hostile_files_as_ingest_does(grey_model, tmp_
     assert "unreadable_file=4" in line
 
 
+@pytest.mark.slow
 def test_evaluate_checks_records_as_ingest_does(grey_model, tmp_path):
     # Canonical TFRecords with an empty and a corrupt image: counted, not a TF traceback.
     path = str(tmp_path / "records.tfrecord")
@@ -205,6 +207,7 @@ def test_every_accepted_image_decodes_for_the_model(kind, channels):
     assert decoded.shape == (12, 9, channels)
 
 
+@pytest.mark.slow
 def test_the_served_model_embeds_a_cmyk_jpeg_as_its_grey_luma(grey_model):
     encoded = _cmyk_jpeg()
     serve = tf.saved_model.load(grey_model).signatures[export.SIGNATURE]

@@ -326,6 +326,7 @@ def job_data(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_a_training_job_with_injected_failures_reports_them_and_is_charged_as_planned(
     tff_runtime, job_data, tmp_path
 ):

@@ -17,6 +17,9 @@ from tff_algorithms.federated import client_data, feature_cache
 from tff_algorithms.jobs import train_job
 from tff_algorithms.modeling import models
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 SMALL = model_config.BackboneConfig(embedding_size=16)
 
 

@@ -21,6 +21,9 @@ from tff_algorithms.config.client_config import ClientConfig
 from tff_algorithms.federated import aggregators, client_work, processes, runtime
 from tff_algorithms.jobs import train_job
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 SYNTH = synthetic.SyntheticConfig(identities=36, images_per_identity=5, seed=7)
 TRAIN_IDENTITIES = 28  # identities (= users) 0..27 train, 28..35 held out
 CONFIG = support.MULTI_WORKER_JOB

@@ -19,6 +19,9 @@ import pytest
 from beam_jobs import synthetic
 from tests import support
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 _TCP_LISTEN = "0A"
 
 

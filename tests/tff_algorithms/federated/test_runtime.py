@@ -14,6 +14,9 @@ import tensorflow_federated as tff
 from tests import paths, processes
 from tff_algorithms.federated import runtime
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 REPO = str(paths.REPO)
 CHILD = os.path.join(REPO, "tests", "runtime_child.py")
 

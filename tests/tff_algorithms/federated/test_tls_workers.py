@@ -31,6 +31,9 @@ from tests import support
 from tff_algorithms.federated import runtime
 from tff_algorithms.jobs import train_job
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=11)
 TRAIN_IDENTITIES = 20
 # Smaller than the multi-worker tests' job: what is tested is the connection.

@@ -17,6 +17,9 @@ from tests import support
 from tff_algorithms.config import job_config, loop_schedule
 from tff_algorithms.jobs import train_job
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=8)
 # Production noise. The schedule is fixed (its own testing flag, tests/pipeline/test_seed_secrecy.py)
 # so that runs can differ by their noise only.

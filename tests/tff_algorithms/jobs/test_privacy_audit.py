@@ -9,6 +9,9 @@ from scipy import stats
 from beam_jobs import canaries
 from tff_algorithms.jobs import audit
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 
 def test_without_delta_the_p_value_is_the_randomized_response_binomial_tail():
     for epsilon in (0.0, 0.5, 2.0):

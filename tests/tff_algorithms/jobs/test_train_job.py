@@ -15,6 +15,9 @@ from tff_algorithms.config import client_config, job_config
 from tff_algorithms.jobs import job_outputs, train_job
 from tff_algorithms.privacy import accounting, calibration
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 SYNTH = support.TRAIN_CLI_DATA
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES  # identities 32..39 are held out
 CONFIG = support.SMALL_JOB

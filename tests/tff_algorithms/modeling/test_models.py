@@ -37,6 +37,7 @@ def test_embedding_of_an_image_does_not_depend_on_the_rest_of_the_batch():
     np.testing.assert_allclose(alone, together, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture", [model_config.MOBILENET_V2, model_config.RESNET50])
 def test_large_backbones_use_group_norm_and_run_on_one_batch(architecture):
     config = model_config.BackboneConfig(architecture, (32, 32, 3), embedding_size=8)

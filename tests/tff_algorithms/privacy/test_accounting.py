@@ -67,6 +67,7 @@ def test_strict_is_the_default_convention():
     assert "strict convention (sensitivity 2 x clip)" in result["analysis"]
 
 
+@pytest.mark.slow
 def test_paper_dpftrl_table1():
     """Table 1 DP-FTRL-FedEmb: z = 0.26 x 64, 32 users per virtual client, no restart.
 
@@ -346,10 +347,12 @@ def assert_calibrated(spec: AccountingSpec, target: float, tolerance: float) -> 
         ]
     ),
 )
+@pytest.mark.slow
 def test_calibration_round_trip(target, analysis):
     assert_calibrated(AccountingSpec(3000, 30, 120, 1.0, 1e-5, **analysis), target, 1e-3)
 
 
+@pytest.mark.slow
 def test_calibration_round_trip_uniform_sampling():
     # The paper's analysis costs ~0.3 s per evaluation: one case, coarse tolerance; the
     # paper's z = 1.39 for epsilon 24.86 must lie within it, and the strict convention
@@ -423,6 +426,7 @@ def test_spec_dict_round_trip_and_defaults():
 # Extrapolation.
 
 
+@pytest.mark.slow
 def test_extrapolation_table_and_png(tmp_path):
     base = AccountingSpec(9047, 2048, 400, 0.015, 1e-7)
     users = [2048 * m for m in (8, 32, 64)]

@@ -274,6 +274,7 @@ def small_data(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_train_job_is_charged_once_and_a_second_job_over_budget_refused(
     tff_runtime, small_data, tmp_path
 ):

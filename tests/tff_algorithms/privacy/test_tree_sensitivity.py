@@ -22,6 +22,7 @@ from tff_algorithms.privacy import accounting, tree_sensitivity
     "total_steps, participations, separation",
     [(35, 4, 9), (64, 2, 31), (100, 10, 9), (200, 3, 66), (300, 30, 9), (77, 1, 76), (500, 7, 75)],
 )
+@pytest.mark.slow
 def test_tree_sensitivity_bound_is_above_the_exact_search(total_steps, participations, separation):
     """The closed-form bound used beyond accounting.EXACT_TREE_MAX_ROUNDS never undercuts TF
     Privacy's exact worst case, and stays within half again of it."""

@@ -442,6 +442,7 @@ def test_draw_failures_is_data_independent_and_disjoint():
     assert collections.Counter(a + b).most_common(1)[0][1] == 1
 
 
+@pytest.mark.slow
 def test_a_private_run_on_the_product_backbone_is_charged_per_release(tff_runtime):
     backbone = model_config.BackboneConfig(
         model_config.SMALL_CNN, (8, 8, 1), embedding_size=4, max_groups=4
@@ -501,6 +502,7 @@ def test_a_private_run_on_the_product_backbone_is_charged_per_release(tff_runtim
     assert fdml_privacy.compute_epsilon(non_private, 1e-5) == math.inf
 
 
+@pytest.mark.slow
 def test_one_and_two_workers_give_the_same_round(tff_runtime):
     """Two workers return the uploads in the order they finish: the round must not care."""
     config = fdml.FdmlConfig(
@@ -530,6 +532,7 @@ def test_one_and_two_workers_give_the_same_round(tff_runtime):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_run_fdml_samples_uniformly_and_charges_every_release(tff_runtime):
     config = fdml.FdmlConfig(
         samples_per_user=2,
