@@ -141,6 +141,10 @@ PROTOCOLS = {
 }
 
 SUMMARY_FILE = "split_summary.json"
+# Summary key: {distinct identities a training user holds: users holding that many}, the
+# partition's `identities_per_user` known at the split, so a local head too small for
+# them stops the run before dedup and pretraining (tff_algorithms.jobs.local_heads).
+TRAIN_IDENTITIES_PER_USER = "train_identities_per_user"
 METRICS_NAMESPACE = "dp_fedemb.split"
 
 
@@ -301,8 +305,16 @@ def _seen_in_training(item, split: str):
             yield beam.pvalue.TaggedOutput("dropped", (reason, count))
 
 
+def _user_and_identity(serialized: bytes) -> tuple[str, str]:
+    record = schema.parse(serialized)
+    return record.user_id, record.identity
+
+
 def _split_summary(
-    counts: dict[tuple[str, str], int], dropped: dict[str, int], config: SplitConfig
+    counts: dict[tuple[str, str], int],
+    dropped: dict[str, int],
+    identities_per_user: dict[str, int],
+    config: SplitConfig,
 ) -> dict:
     private_dropped = {r: n for r, n in dropped.items() if r != EVALUATION_UNSEEN_IDENTITY}
     return {
@@ -316,6 +328,9 @@ def _split_summary(
         "dropped_records": sum(private_dropped.values()),
         "dropped_by_reason": dropped,
         "dropped_cross_split_records": dropped.get("cross_split", 0),
+        TRAIN_IDENTITIES_PER_USER: dict(
+            sorted(identities_per_user.items(), key=lambda kv: int(kv[0]))
+        ),
     }
 
 
@@ -414,13 +429,26 @@ class SplitRecords(beam.PTransform):
             | "SumDroppedPerReason" >> beam.CombinePerKey(sum)
             | "DroppedDict" >> beam.combiners.ToDict()
         )
+        identities_per_user = (
+            outputs[TRAIN]
+            | "TrainUserIdentity" >> beam.Map(_user_and_identity)
+            | "DistinctTrainUserIdentity" >> beam.Distinct()
+            | "TrainUsers" >> beam.Keys()
+            | "IdentitiesPerTrainUser" >> beam.combiners.Count.PerElement()
+            | "KeyByIdentityCount" >> beam.Map(lambda user_count: (str(user_count[1]), 1))
+            | "UsersPerIdentityCount" >> beam.CombinePerKey(sum)
+            | "IdentitiesPerUserDict" >> beam.combiners.ToDict()
+        )
         summary = (
             counts
             | "AllCounts" >> beam.Flatten()
             | "CountsDict" >> beam.combiners.ToDict()
             | "Summary"
             >> beam.Map(
-                _split_summary, dropped=beam.pvalue.AsSingleton(dropped_by_reason), config=config
+                _split_summary,
+                dropped=beam.pvalue.AsSingleton(dropped_by_reason),
+                identities_per_user=beam.pvalue.AsSingleton(identities_per_user),
+                config=config,
             )
         )
         return {**outputs, "summary": summary}

@@ -164,7 +164,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("integer", "local-epochs", "local epochs per virtual client")
     define("integer", "batch-size", "local batch size")
     define("integer", "max-examples-per-client", "cap on examples per virtual client")
-    define("integer", "head-capacity", "local head rows (default: users per virtual client)")
+    define("integer", "head-capacity", "local head rows")
     define("string", "architecture", "small_cnn | mobilenet_v2 | resnet50")
     define("integer", "embedding-size", "embedding size")
     define("integer", "image-size", "backbone input side in pixels")
@@ -413,7 +413,6 @@ _UNSET_MEANS = {
     "noise_multiplier": "{z}",
     "target_epsilon": "unset",
     "head_lr_scale": "100, dp-fedavg 1",
-    "head_capacity": "users per virtual client",
     "delta": "training users ^ -1.1",
     "schedule_seed": "drawn from OS entropy",
     "noise_seed": "drawn from OS entropy",

@@ -85,7 +85,7 @@ def CanonicalExampleGen(
         private_dir, os.path.join(staging, "split"), config, arguments, public_dir, evaluation_dir
     )
     layout.publish_splits(os.path.join(staging, "split"), list(config.splits), examples)
-    with tf.io.gfile.GFile(os.path.join(examples.uri, "summary.json"), "w") as f:
+    with tf.io.gfile.GFile(os.path.join(examples.uri, layout.SUMMARY_FILE), "w") as f:
         f.write(json.dumps(summaries, indent=1, sort_keys=True))
     layout.remove_tree(staging)
     examples.set_int_custom_property("records", ingest_summary["records"])

@@ -18,6 +18,8 @@ SPLIT_MODE = "split_mode"
 # Records ingested from data.evaluation_inputs (the test split's source); absent when
 # the test split holds held-out private users.
 EVALUATION_INPUT_RECORDS = "evaluation_input_records"
+# The Examples artifact's file of ingest and split summaries ({"ingest": ..., "split": ...}).
+SUMMARY_FILE = "summary.json"
 
 
 def split_dir(examples: types.Artifact, split: str) -> str:

@@ -317,14 +317,19 @@ def CheckTrainingSchedule(
     code_fingerprint: tfx.dsl.components.Parameter[str],
 ) -> None:
     """Stops the run in seconds, with one line naming the setting to change, when the
-    training split's users cannot carry the private schedule (a round they cannot fill,
-    a target epsilon out of reach). Runs right after the split; dedup may still remove
-    users, and the partition and the training step check again with the final count."""
+    training split cannot train (`local_heads.check_split_can_train`: a round its users
+    cannot fill, a target epsilon out of reach, identities overflowing a local head).
+    Runs right after the split, before statistics, dedup and pretraining; dedup may still
+    remove users (and with them identities), and the training step checks again with the
+    partition's final counts."""
+    from tff_algorithms.jobs import local_heads
 
     del code_fingerprint
-    users = examples.get_int_custom_property("users_train")
+    with tf.io.gfile.GFile(os.path.join(examples.uri, layout.SUMMARY_FILE)) as f:
+        split_summary = json.load(f)["split"]
+    config = TrainJobConfig.from_dict(json.loads(train_job_config))
     try:
-        TrainJobConfig.from_dict(json.loads(train_job_config)).calibrated_for(users)
+        local_heads.check_split_can_train(config, split_summary)
     except ValueError as e:
         raise ValueError(f"train: {e}") from None
 

@@ -1,6 +1,9 @@
 """Splits by mode: disjointness, determinism, cross-split users, shared identities, and
 the stops of mode auto and of the drop guard."""
 
+import collections
+import dataclasses
+
 import apache_beam as beam
 import numpy as np
 import pytest
@@ -8,7 +11,9 @@ import tensorflow as tf
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from beam_jobs import records_io, schema, splits, synthetic
+from beam_jobs import partition, records_io, schema, splits, synthetic
+from tff_algorithms.config import job_config
+from tff_algorithms.jobs import local_heads
 
 _PNG = schema.encode_png(np.zeros((4, 4), dtype=np.uint8))
 
@@ -198,6 +203,13 @@ def test_identity_mode_keeps_every_record_and_keeps_evaluation_identities_out_of
     assert users["public"] and not users["public"] & users["train"]
     for r in out["test"] + out["validation"]:
         assert splits.identity_split(r.identity, config) != splits.TRAIN
+    # Each training user's count of training identities, known before dedup so that a
+    # local head too small for them stops the run here (pipeline CheckTrainingSchedule).
+    held = collections.defaultdict(set)
+    for r in out["train"]:
+        held[r.user_id].add(r.identity)
+    expected = collections.Counter(str(len(identities)) for identities in held.values())
+    assert summary[splits.TRAIN_IDENTITIES_PER_USER] == dict(expected)
 
 
 def test_held_out_images_mode_evaluates_held_out_users_on_training_identities(tmp_path):
@@ -239,6 +251,18 @@ def test_shared_synthetic_identities_keep_at_least_90_percent(tmp_path, mode):
     summary = splits.run_split(_write(records, str(tmp_path / "in")), str(tmp_path / "out"), config)
     kept = sum(summary["records"].values())
     assert kept >= 0.9 * len(records) and summary["records"]["test"] > 0
+    # Eight training users may hold more identities than a local head of one row per
+    # user: the pipeline stops right after this split, naming the rows needed.
+    needed = partition.most_identities_of_users(
+        {partition.IDENTITIES_PER_USER: summary[splits.TRAIN_IDENTITIES_PER_USER]}, 8
+    )
+    assert 8 < needed <= 8 * synth.identities_per_user
+    job = job_config.TrainJobConfig(
+        rounds=2, users_per_virtual_client=8, virtual_clients_per_round=2, noise_multiplier=1.0
+    )
+    with pytest.raises(ValueError, match=f"set head_capacity .* at least {needed}$"):
+        local_heads.check_split_can_train(dataclasses.replace(job, head_capacity=None), summary)
+    local_heads.check_split_can_train(job, summary)  # the default, 64 rows, fits
 
 
 def test_auto_mode_picks_identity_and_user_for_disjoint_identities(tmp_path):

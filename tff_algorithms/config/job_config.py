@@ -97,9 +97,11 @@ class TrainJobConfig:
         local, DP-FedAvg's and the oracle's (`client_config.HeadLossConfig`): `softmax`
         (the paper), `cosface` or `arcface`; scale s and margin m apply to the last two.
       local_epochs, batch_size, max_examples_per_client: local training (paper: 1, 32, 2048).
-      head_capacity: rows of the local head; None means users_per_virtual_client, exact
-        when every user holds one identity (faces). A round with examples beyond it stops
-        the job with an error naming this field.
+      head_capacity: rows of the local head, a public setting (never sized from the
+        data: docs/privacy.md); by default `ClientConfig`'s 64, room for 8 users of 8
+        identities each (the paper's EMNIST head). None means users_per_virtual_client,
+        exact when every user holds one identity (faces). A job whose virtual clients may
+        hold more identities is refused before training (`jobs.local_heads`).
       architecture, embedding_size, image_size, channels: the backbone and its input.
       trainable_layers: layer-name patterns of the backbone layers training updates
         (`model_config.BackboneConfig.trainable_layers`); the others keep their initial
@@ -196,7 +198,7 @@ class TrainJobConfig:
     local_epochs: int = 1
     batch_size: int = 32
     max_examples_per_client: int = 2048
-    head_capacity: int | None = None
+    head_capacity: int | None = client_config.ClientConfig.head_capacity
     architecture: str = model_config.SMALL_CNN
     embedding_size: int = 128
     image_size: int = 28

@@ -3,7 +3,8 @@ and metrics out.
 
 `train_job` (`run_train_job`: the budget check, the trainer from the registry, the
 outputs), `job_outputs` (what a job leaves in its output directory), `private_steps`
-(the checkpointed step loop an algorithm supplies one step to), `tensorboard_rounds`
-and `audit` (the one-run privacy audit). May import every lower package; algorithm
+(the checkpointed step loop an algorithm supplies one step to), `tensorboard_rounds`,
+`audit` (the one-run privacy audit) and `local_heads` (whether a virtual client's
+identities fit its local head; no TFF at import, the pipeline checks it after the split). May import every lower package; algorithm
 packages are reached through the registry (docs/design.md, "Layout").
 """

@@ -46,7 +46,7 @@ from tff_algorithms.evaluation.scoring import HeldOutEvaluator
 from tff_algorithms.federated import (
     runtime,
 )
-from tff_algorithms.jobs import job_outputs, tensorboard_rounds
+from tff_algorithms.jobs import job_outputs, local_heads, tensorboard_rounds
 from tff_algorithms.jobs.job_inputs import JobInputs
 from tff_algorithms.jobs.job_outputs import TrainJobResult
 from tff_algorithms.modeling import models
@@ -61,29 +61,6 @@ def _check_budget(config: TrainJobConfig, planned: accounting.PrivacyResult) -> 
             f"over budget: {config.rounds} rounds of {config.algorithm} cost epsilon {cost} at "
             f"delta {planned.delta:.3g}, more than max_epsilon {config.max_epsilon:g}; refusing "
             "to start"
-        )
-
-
-def check_local_heads_fit(config: TrainJobConfig, manifest: Mapping[str, Any]) -> None:
-    """Refuses, before any budget is charged, a DP-FedEmb job whose local head has fewer
-    rows than the identities a virtual client may hold: when users share identities a
-    user holds many, and a round drawing the users holding the most would stop the job
-    midway (`_head_capacity_check`), its budget spent. The bound is the sum of the
-    largest per-user identity counts (`partition.most_identities_of_users`), at most
-    `max_examples_per_client` (one identity per example)."""
-    if not algorithms.get(config.algorithm).local_heads:
-        return  # DP-FedAvg's head is global; the others have no federated head
-    most = partition.most_identities_of_users(manifest, config.users_per_virtual_client)
-    if most is None:
-        return  # a partition written before identity counts were kept: checked per round
-    needed = min(most, config.max_examples_per_client)
-    capacity = config.client_config().head_capacity
-    if needed > capacity:
-        raise ValueError(
-            f"a virtual client of {config.users_per_virtual_client} training users may hold "
-            f"{needed} identities (users hold several), more than the local head capacity "
-            f"{capacity}: set head_capacity (--head-capacity, train.head_capacity) to at "
-            f"least {needed}"
         )
 
 
@@ -160,7 +137,7 @@ def run_train_job(
     # epsilon is used: the budget checks, the ledger, metrics.json.
     planned = dplc_releases.composed_privacy(spec, releases)
     _check_budget(config, planned)
-    check_local_heads_fit(config, reader.manifest)
+    local_heads.check_local_heads_fit(config, reader.manifest.get(partition.IDENTITIES_PER_USER))
     evaluator = HeldOutEvaluator(config.backbone_config, eval_records, split_mode)
     pretrained = (
         models.backbone_weights(

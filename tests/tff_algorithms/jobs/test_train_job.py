@@ -12,7 +12,7 @@ import tensorflow as tf
 from tests import support
 from tff_algorithms.base import job_files
 from tff_algorithms.config import client_config, job_config
-from tff_algorithms.jobs import job_outputs, train_job
+from tff_algorithms.jobs import job_outputs, local_heads, train_job
 from tff_algorithms.privacy import accounting, calibration
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
@@ -268,9 +268,20 @@ def test_local_heads_too_small_for_shared_identities_are_refused_before_training
         with pytest.raises(ValueError, match="set head_capacity .* to at least 6$"):
             train_job.run_train_job(config, *inputs, output_dir)
         assert not os.path.exists(output_dir)  # nothing claimed, no budget charged
-    # Faces-like data (one identity a user) fits the default, users_per_virtual_client.
-    faces = {"users": 32, "identities_per_user": {"1": 32}}
-    train_job.check_local_heads_fit(dataclasses.replace(CONFIG, head_capacity=None), faces)
+    # Faces-like data (one identity a user) fits one row per user.
+    one_row_per_user = dataclasses.replace(CONFIG, head_capacity=None)
+    local_heads.check_local_heads_fit(one_row_per_user, {"1": 32})
     # DP-FedAvg's head is global: no local head to fit.
     fedavg = dataclasses.replace(CONFIG, algorithm=job_config.DP_FEDAVG, head_capacity=None)
-    train_job.check_local_heads_fit(fedavg, {"identities_per_user": {"3": 20}})
+    local_heads.check_local_heads_fit(fedavg, {"3": 20})
+
+
+def test_the_default_head_capacity_is_the_client_configs_and_fits_eight_of_eight():
+    """The job's default (the pipeline's too: no recipe sets it) is ClientConfig's 64 rows,
+    enough for 8 users holding 8 shared identities each; 9 each are refused."""
+    default = job_config.TrainJobConfig(client_learning_rate=0.01)
+    assert default.head_capacity == client_config.ClientConfig.head_capacity == 64
+    assert default.client_config().head_capacity == 64
+    local_heads.check_local_heads_fit(default, {"6": 100, "8": 700})
+    with pytest.raises(ValueError, match="set head_capacity .* to at least 72$"):
+        local_heads.check_local_heads_fit(default, {"9": 8})
