@@ -95,6 +95,14 @@ _TREES = "tests/test_tree_sensitivity.py::"
 _TIGHT = "tests/test_accounting_tight.py::"
 _LOGIT = "tests/test_logit_dp.py::"
 _ALIGNED_LOOKALIKE = "tests/test_beam_dedup_lookalikes.py::test_an_aligned_look_alike_is_kept_and_an_aligned_copy_is_not"
+_FRAME_FILLING_LOOKALIKE = (
+    "tests/test_beam_dedup_lookalikes.py::"
+    "test_a_noisy_frame_filling_look_alike_needs_the_shape_within_the_floor"
+)
+_CLIPPED_COPY = (
+    "tests/test_beam_dedup_lookalikes.py::"
+    "test_a_clipped_brightened_copy_shares_noise_at_the_whole_pixel_alignment"
+)
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- clip bounds -----------------------------------------------------------------
@@ -344,9 +352,24 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dedup-shared-noise",
         "beam_jobs/dedup_batches.py",
-        "return _SHARED if correlation >= config.min_shared_noise else _NOT_SHARED",
-        "return _SHARED",
+        "outcomes.append(_SHARED if correlation >= config.min_shared_noise else _NOT_SHARED)",
+        "outcomes.append(_SHARED)",
         (_ALIGNED_LOOKALIKE,),
+    ),
+    Mutant(
+        "dedup-few-pixels-floor",
+        "beam_jobs/dedup_batches.py",
+        'noise == _FEW_PIXELS and measured["residual"][i] <= config.max_residual',
+        "noise == _FEW_PIXELS",
+        (_FRAME_FILLING_LOOKALIKE,),
+    ),
+    # A copy taken for a look-alike: the whole-pixel alignment of clipped copies.
+    Mutant(
+        "dedup-whole-pixel-alignment",
+        "beam_jobs/dedup_batches.py",
+        "if whole is not None and whole != alignment:",
+        "if False:",
+        (_CLIPPED_COPY,),
     ),
     Mutant(
         "dedup-jpeg-reencode",
