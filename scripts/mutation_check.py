@@ -103,6 +103,10 @@ _CLIPPED_COPY = (
     "tests/test_beam_dedup_lookalikes.py::"
     "test_a_clipped_brightened_copy_shares_noise_at_the_whole_pixel_alignment"
 )
+_SHIFTED_FRAME_FILLING_COPY = (
+    "tests/test_beam_dedup_lookalikes.py::"
+    "test_a_shifted_brightened_copy_of_a_frame_filling_image_is_the_same_pixels"
+)
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- clip bounds -----------------------------------------------------------------
@@ -370,6 +374,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "if whole is not None and whole != alignment:",
         "if False:",
         (_CLIPPED_COPY,),
+    ),
+    # Both ways for the same_pixels evidence: a copy with few flat pixels kept, or any
+    # aligned look-alike taken for a copy.
+    Mutant(
+        "dedup-same-pixels-skipped",
+        "beam_jobs/dedup_batches.py",
+        "candidate is not None\n            and reference is not None\n            and copy_evidence.grey_map_spread(",
+        "False\n            and reference is not None\n            and copy_evidence.grey_map_spread(",
+        (_SHIFTED_FRAME_FILLING_COPY,),
+    ),
+    Mutant(
+        "dedup-same-pixels-tolerance",
+        "beam_jobs/dedup_batches.py",
+        "<= copy_evidence.SAME_PIXELS_TOLERANCE",
+        '<= float("inf")',
+        (_FRAME_FILLING_LOOKALIKE, _SHIFTED_FRAME_FILLING_COPY),
     ),
     Mutant(
         "dedup-jpeg-reencode",

@@ -123,9 +123,10 @@ def _aligned_pair_evidence(
     residual: float = 0.0,
     detail: float = 0.0,
     scale: float = 1.0,
+    shift: tuple[float, float] = (0.0, 0.0),
 ) -> str | None:
     """The copy evidence of one pair the shape test passed (at `residual` and `detail`),
-    aligned at no shift and `scale` by the thumbnails."""
+    aligned at `shift` (dx, dy thumbnail pixels) and `scale` by the thumbnails."""
     one = lambda value: np.array([value], dtype=np.float64)  # noqa: E731
     measured = {
         "residual": one(residual),
@@ -133,8 +134,8 @@ def _aligned_pair_evidence(
         "shared_noise": one(0.0),
         "reference_noise": one(0.0),
         "noise_pixels": one(0.0),
-        "dx": one(0.0),
-        "dy": one(0.0),
+        "dx": one(shift[0]),
+        "dy": one(shift[1]),
         "scale": one(scale),
     }
     candidate = np.asarray(Image.open(io.BytesIO(candidate_bytes)).convert("L"))
@@ -196,4 +197,26 @@ def test_a_noisy_frame_filling_look_alike_needs_the_shape_within_the_floor():
     assert config.max_residual < 0.35 < close_enough
     assert _aligned_pair_evidence(real_images.encode(other), original, 0.35, 0.1) is None
     copy = _aligned_pair_evidence(real_images.encode(original), original, 0.1, 0.1)
-    assert copy in ("shared_noise", "shape_only")
+    assert copy in ("shared_noise", "shape_only", "same_pixels")
+
+
+def test_a_shifted_brightened_copy_of_a_frame_filling_image_is_the_same_pixels():
+    # The few-pixels floor lost shifted copies in test_beam_dedup (synthetic faces with
+    # under 48 flat pixels, residual 0.22-0.29 over the floor): a copy re-cropped 2 pixels
+    # across and 1 down, then brightened until its paper clips, is the reference's pixels
+    # through one grey map; another render of the same bars, just as aligned, is not.
+    rng = np.random.default_rng(5)
+    canvas = np.full((32, 32), 200.0)
+    canvas[:, ::3] = 40
+    canvas = np.clip(np.round(canvas + rng.normal(0, 6, canvas.shape)), 0, 255)
+    reference = canvas[2:30, 2:30].astype(np.uint8)
+    # Candidate pixel (r, c) is reference pixel (r + 1, c - 2).
+    copy = np.clip(canvas[3:31, 0:28] + 60, 0, 255).astype(np.uint8)
+    assert (copy == 255).mean() > 0.3
+    shift = (-2 * 32 / 28, 32 / 28)
+    evidence = _aligned_pair_evidence(real_images.encode(copy), reference, 0.3, 0.1, 1.0, shift)
+    assert evidence == "same_pixels"
+    other = _bars(1)
+    assert (
+        _aligned_pair_evidence(real_images.encode(other), reference, 0.3, 0.1, 1.0, shift) is None
+    )
