@@ -381,7 +381,9 @@ def _copy_evidence(
 ) -> list[str | None]:
     """Per pair: why it is a copy (the copy_evidence module's names), or None. A pair
     aligned (past the coarse gate) whose candidate shares the reference's noise is a copy
-    even if resampling changed its shape more than the shape test allows; otherwise the
+    even if resampling changed its shape more than the shape test allows, and so is one
+    whose pixels are the reference's through one grey map at a whole-pixel shift
+    (`same_pixels`: a shifted or clipped copy, whatever its flat pixels); otherwise the
     shape test must pass, and then an exact JPEG re-encoding, or a reference with no
     noise to test (the shape alone), makes it a copy; a noisy reference with too few
     flat pixels to test (a frame-filling icon) needs the shape within `max_residual`
