@@ -27,12 +27,13 @@ The noise is compared at the thumbnails' alignment and, between images of one si
 whole pixels and scale 1 (`whole_pixel_alignment`), where a clipped copy sits exactly.
 
 - `same_pixels`, which needs no flat pixels: between images of one size, at a whole-pixel
-  shift, the candidate's grey level is one function of the reference's (`grey_map_spread`
-  under SAME_PIXELS_TOLERANCE, both ways). A shifted, re-cropped, brightened or
-  contrast-changed copy (clipped or not) is its reference's pixels through a fixed grey
-  map, so it leaves no spread; a separate render carries its own noise on every pixel,
-  which no grey map of the other image reproduces (spread about its noise level, >= 2
-  grey levels in bench/rendered_images.py), and a different pose adds its edges on top.
+  shift, the candidate's grey level is one function of the reference's, or a line of it
+  where few unclipped pixels are left (`grey_map_spread` under SAME_PIXELS_TOLERANCE,
+  both ways). A shifted, re-cropped, brightened or contrast-changed copy (clipped or not)
+  is its reference's pixels through a fixed grey map, so it leaves no spread; a separate
+  render carries its own noise on every pixel, which no grey map of the other image
+  reproduces (spread about its noise level, >= 2 grey levels in bench/rendered_images.py),
+  and a different pose adds its edges on top.
 
 bench/bench_dedup.py measures each on real images (BENCHMARKS.md, "Dedup: copies vs
 look-alikes"). Known gap: a copy both resized and strongly re-encoded (JPEG) shares
@@ -59,6 +60,9 @@ SAME_PIXELS_TOLERANCE = 1.0
 # Degrees of freedom (pixels tested less grey levels fitted) below which same_pixels
 # cannot tell: a map with a level per pixel fits anything.
 _MIN_SAME_PIXELS = 64
+# The same for a line: independent renders' noise (sigma >= 2) over 16 pixels stays
+# above 1 grey level RMS by far (bench_dedup's look-alikes: >= 6 at their best shift).
+_MIN_LINE_PIXELS = 16
 
 # Images up to this many pixels carry their own pixels to the verification (the JPEG
 # test needs them); larger ones rely on the thumbnail's tests: bounded memory per batch.
@@ -198,11 +202,13 @@ def whole_pixel_alignment(
 
 
 def grey_map_spread(candidate: np.ndarray, reference: np.ndarray, dx: float, dy: float) -> float:
-    """RMS grey levels by which the candidate's pixels spread around the best function of
-    the reference's grey level, and the reference's around the best function of the
-    candidate's (the larger), over their overlap at whole-pixel shifts within one of the
-    thumbnails' (dx, dy), the best shift; pixels clipped in either are left out (a clip
-    merges levels). inf between images of different sizes or with too few pixels left."""
+    """RMS grey levels by which the candidate's pixels spread around a grey map of the
+    reference's, and the reference's around one of the candidate's (the larger), over
+    their overlap at whole-pixel shifts within one of the thumbnails' (dx, dy), at the
+    best shift and the better map: any function of the grey level (gamma), or a line
+    (brightness, contrast: two parameters, so it tells with the few pixels a copy
+    brightened until its paper clips leaves). Pixels clipped in either are left out (a
+    clip merges levels). inf between images of different sizes or with too few pixels."""
     if candidate.shape[:2] != reference.shape[:2]:
         return float("inf")
     x, y = _grey(candidate), _grey(reference)
@@ -224,13 +230,13 @@ def grey_map_spread(candidate: np.ndarray, reference: np.ndarray, dx: float, dy:
                 max(0, shift_x) : width + min(0, shift_x),
             ]
             kept = (a > 1) & (a < 254) & (b > 1) & (b < 254)
-            best = min(
-                best, _spread_around_map(a[kept], b[kept]), _spread_around_map(b[kept], a[kept])
-            )
+            a, b = a[kept], b[kept]
+            for spread in (_spread_around_levels, _spread_around_line):
+                best = min(best, max(spread(a, b), spread(b, a)))
     return best
 
 
-def _spread_around_map(values: np.ndarray, levels: np.ndarray) -> float:
+def _spread_around_levels(values: np.ndarray, levels: np.ndarray) -> float:
     """RMS of `values` around their mean per grey level of `levels` (uint8), with the
     levels fitted taken out of the count; inf with fewer than _MIN_SAME_PIXELS left."""
     count = np.bincount(levels, minlength=256).astype(np.float64)
@@ -242,6 +248,19 @@ def _spread_around_map(values: np.ndarray, levels: np.ndarray) -> float:
     used = count > 0
     within = squares.sum() - (total[used] ** 2 / count[used]).sum()
     return float(np.sqrt(max(within, 0.0) / freedom))
+
+
+def _spread_around_line(values: np.ndarray, levels: np.ndarray) -> float:
+    """RMS of `values` around their least-squares line in `levels`, two parameters out of
+    the count; inf with fewer than _MIN_LINE_PIXELS left."""
+    freedom = len(values) - 2
+    if freedom < _MIN_LINE_PIXELS:
+        return float("inf")
+    v, u = values.astype(np.float64), levels.astype(np.float64)
+    u_centred = u - u.mean()
+    slope = (u_centred * v).sum() / max((u_centred * u_centred).sum(), 1e-9)
+    residual = v - v.mean() - slope * u_centred
+    return float(np.sqrt((residual * residual).sum() / freedom))
 
 
 def native_shared_noise(
