@@ -16,12 +16,10 @@ the other's. So a pair that passed the shape test is a copy only when one of:
   shift and re-encoded with the candidate's own quantization tables, decodes to the
   candidate within `jpeg_tolerance` grey levels: strong re-encoding (JPEG quality 30 of
   a small image) wipes the noise out, but re-encoding is deterministic;
-- `shape_only`: the test cannot apply, and the shape verification decides: the
+- `shape_only`: the test cannot apply, and the shape verification decides alone: the
   reference has no fine detail to share (band-pass level under `min_reference_noise`,
-  e.g. a digit scan scaled up from 8x8, flat graphics): as before; or fewer than
-  `min_noise_pixels` flat, unclipped pixels are left (a frame-filling icon, a copy
-  brightened until its paper clips white): then the shape must match within the
-  residual floor alone, since that reference's detail is noise, not structure.
+  e.g. a digit scan scaled up from 8x8, flat graphics), or fewer than `min_noise_pixels`
+  flat, unclipped pixels are left (a frame-filling icon, a busy photo).
 
 The noise is compared at the thumbnails' alignment and, between images of one size, at
 whole pixels and scale 1 (`whole_pixel_alignment`), where a clipped copy sits exactly.

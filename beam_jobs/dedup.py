@@ -78,9 +78,9 @@ class DedupConfig:
     # within jpeg_tolerance grey levels, or a same-size candidate whose pixels are the
     # reference's through one grey map at a whole-pixel shift (a constant tolerance,
     # copy_evidence.SAME_PIXELS_TOLERANCE: a grey map leaves no spread). Not testable: a
-    # reference whose band-pass level is under min_reference_noise grey levels (the shape
-    # decides alone), or fewer than min_noise_pixels flat unclipped pixels (the shape
-    # within max_residual decides). Chosen on bench_dedup.py.
+    # reference whose band-pass level is under min_reference_noise grey levels, or fewer
+    # than min_noise_pixels flat unclipped pixels: the shape decides alone. Chosen on
+    # bench_dedup.py.
     min_shared_noise: float = copy_evidence.MIN_SHARED_NOISE
     min_reference_noise: float = copy_evidence.MIN_REFERENCE_NOISE
     min_noise_pixels: int = copy_evidence.MIN_NOISE_PIXELS

@@ -384,11 +384,9 @@ def _copy_evidence(
     even if resampling changed its shape more than the shape test allows, and so is one
     whose pixels are the reference's through one grey map at a whole-pixel shift
     (`same_pixels`: a shifted or clipped copy, whatever its flat pixels); otherwise the
-    shape test must pass, and then an exact JPEG re-encoding, or a reference with no
-    noise to test (the shape alone), makes it a copy; a noisy reference with too few
-    flat pixels to test (a frame-filling icon) needs the shape within `max_residual`
-    with no allowance for detail (its detail is noise) or the JPEG re-encoding. Else
-    it is a look-alike, kept."""
+    shape test must pass, and then an exact JPEG re-encoding, or noise that cannot be
+    tested (none in the reference, or too few flat pixels: the shape alone), makes it a
+    copy. Else it is a look-alike, kept."""
     shape = (
         measured["residual"]
         <= config.max_residual + config.residual_per_detail * (measured["detail"])
@@ -415,11 +413,9 @@ def _copy_evidence(
             evidence.append("same_pixels")
         elif not shape[i]:
             evidence.append(None)
-        elif noise == _NO_NOISE or (
-            noise == _FEW_PIXELS and measured["residual"][i] <= config.max_residual
-        ):
-            # A noisy reference whose noise cannot be tested here: its detail is render
-            # noise, not structure, so the shape must match within the floor alone.
+        elif noise in (_NO_NOISE, _FEW_PIXELS):
+            # No floor without the detail allowance here: it lost resized photo copies
+            # (busy, few flat pixels; BENCHMARKS.md, "Same pixels").
             evidence.append("shape_only")
         else:
             form = candidate_jpeg[pairs[i, 0]]

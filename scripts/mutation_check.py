@@ -95,10 +95,6 @@ _TREES = "tests/test_tree_sensitivity.py::"
 _TIGHT = "tests/test_accounting_tight.py::"
 _LOGIT = "tests/test_logit_dp.py::"
 _ALIGNED_LOOKALIKE = "tests/test_beam_dedup_lookalikes.py::test_an_aligned_look_alike_is_kept_and_an_aligned_copy_is_not"
-_FRAME_FILLING_LOOKALIKE = (
-    "tests/test_beam_dedup_lookalikes.py::"
-    "test_a_noisy_frame_filling_look_alike_needs_the_shape_within_the_floor"
-)
 _CLIPPED_COPY = (
     "tests/test_beam_dedup_lookalikes.py::"
     "test_a_clipped_brightened_copy_shares_noise_at_the_whole_pixel_alignment"
@@ -360,13 +356,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "outcomes.append(_SHARED)",
         (_ALIGNED_LOOKALIKE,),
     ),
-    Mutant(
-        "dedup-few-pixels-floor",
-        "beam_jobs/dedup_batches.py",
-        'noise == _FEW_PIXELS and measured["residual"][i] <= config.max_residual',
-        "noise == _FEW_PIXELS",
-        (_FRAME_FILLING_LOOKALIKE,),
-    ),
     # A copy taken for a look-alike: the whole-pixel alignment of clipped copies.
     Mutant(
         "dedup-whole-pixel-alignment",
@@ -389,7 +378,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "beam_jobs/dedup_batches.py",
         "<= copy_evidence.SAME_PIXELS_TOLERANCE",
         '<= float("inf")',
-        (_FRAME_FILLING_LOOKALIKE, _SHIFTED_FRAME_FILLING_COPY),
+        (_SHIFTED_FRAME_FILLING_COPY,),
     ),
     Mutant(
         "dedup-jpeg-reencode",

@@ -186,25 +186,12 @@ def _bars(seed: int) -> np.ndarray:
     return np.clip(np.round(pixels + rng.normal(0, 6, pixels.shape)), 0, 255).astype(np.uint8)
 
 
-def test_a_noisy_frame_filling_look_alike_needs_the_shape_within_the_floor():
-    # Another render of a frame-filling icon whose noise cannot be tested: its residual
-    # (0.35) is within the allowance for detail (0.2 + 2.5 x 0.1) but the detail is
-    # noise, so only the floor (max_residual 0.2) counts, and it is kept; a copy as
-    # close as that floor goes.
-    original, other = _bars(0), _bars(1)
-    config = dedup.DedupConfig()
-    close_enough = config.max_residual + config.residual_per_detail * 0.1
-    assert config.max_residual < 0.35 < close_enough
-    assert _aligned_pair_evidence(real_images.encode(other), original, 0.35, 0.1) is None
-    copy = _aligned_pair_evidence(real_images.encode(original), original, 0.1, 0.1)
-    assert copy in ("shared_noise", "shape_only", "same_pixels")
-
-
 def test_a_shifted_brightened_copy_of_a_frame_filling_image_is_the_same_pixels():
-    # The few-pixels floor lost shifted copies in test_beam_dedup (synthetic faces with
-    # under 48 flat pixels, residual 0.22-0.29 over the floor): a copy re-cropped 2 pixels
-    # across and 1 down, then brightened until its paper clips, is the reference's pixels
-    # through one grey map; another render of the same bars, just as aligned, is not.
+    # A copy re-cropped 2 pixels across and 1 down, then brightened until its paper clips,
+    # with too few flat pixels to test its noise and a shape the clip moved past the
+    # allowance (residual 0.5 > 0.2 + 2.5 x 0.1), is the reference's pixels through one
+    # grey map: a copy. Another render of the same bars, just as aligned, is not. (A floor
+    # on such shapes lost shifted copies in test_beam_dedup; this evidence needs none.)
     rng = np.random.default_rng(5)
     canvas = np.full((32, 32), 200.0)
     canvas[:, ::3] = 40
@@ -214,9 +201,7 @@ def test_a_shifted_brightened_copy_of_a_frame_filling_image_is_the_same_pixels()
     copy = np.clip(canvas[3:31, 0:28] + 60, 0, 255).astype(np.uint8)
     assert (copy == 255).mean() > 0.3
     shift = (-2 * 32 / 28, 32 / 28)
-    evidence = _aligned_pair_evidence(real_images.encode(copy), reference, 0.3, 0.1, 1.0, shift)
+    evidence = _aligned_pair_evidence(real_images.encode(copy), reference, 0.5, 0.1, 1.0, shift)
     assert evidence == "same_pixels"
-    other = _bars(1)
-    assert (
-        _aligned_pair_evidence(real_images.encode(other), reference, 0.3, 0.1, 1.0, shift) is None
-    )
+    other = real_images.encode(_bars(1))
+    assert _aligned_pair_evidence(other, reference, 0.5, 0.1, 1.0, shift) is None
