@@ -16,10 +16,22 @@ the other's. So a pair that passed the shape test is a copy only when one of:
   shift and re-encoded with the candidate's own quantization tables, decodes to the
   candidate within `jpeg_tolerance` grey levels: strong re-encoding (JPEG quality 30 of
   a small image) wipes the noise out, but re-encoding is deterministic;
-- `shape_only`: the test cannot apply, and the shape verification decides as before:
-  the reference has no fine detail to share (band-pass level under `min_reference_noise`,
+- `shape_only`: the test cannot apply, and the shape verification decides alone: the
+  reference has no fine detail to share (band-pass level under `min_reference_noise`,
   e.g. a digit scan scaled up from 8x8, flat graphics), or fewer than `min_noise_pixels`
-  flat, unclipped pixels are left (e.g. a copy brightened until its paper clips white).
+  flat, unclipped pixels are left (a frame-filling icon, a busy photo).
+
+The noise is compared at the thumbnails' alignment and, between images of one size, at
+whole pixels and scale 1 (`whole_pixel_alignment`), where a clipped copy sits exactly.
+
+- `same_pixels`, which needs no flat pixels: between images of one size, at a whole-pixel
+  shift, the candidate's grey level is one function of the reference's, or a line of it
+  where few unclipped pixels are left (`grey_map_spread` under SAME_PIXELS_TOLERANCE,
+  both ways). A shifted, re-cropped, brightened or contrast-changed copy (clipped or not)
+  is its reference's pixels through a fixed grey map, so it leaves no spread; a separate
+  render carries its own noise on every pixel, which no grey map of the other image
+  reproduces (spread about its noise level, >= 2 grey levels in bench/rendered_images.py),
+  and a different pose adds its edges on top.
 
 bench/bench_dedup.py measures each on real images (BENCHMARKS.md, "Dedup: copies vs
 look-alikes"). Known gap: a copy both resized and strongly re-encoded (JPEG) shares
@@ -40,6 +52,15 @@ MIN_SHARED_NOISE = 0.45
 MIN_REFERENCE_NOISE = 0.3
 MIN_NOISE_PIXELS = 48
 JPEG_TOLERANCE = 1.0
+# Grey levels (RMS) a same_pixels copy may spread around one grey map: a grey map leaves
+# none, a colour copy's luma rounding about 0.5; independent renders leave their noise.
+SAME_PIXELS_TOLERANCE = 1.0
+# Degrees of freedom (pixels tested less grey levels fitted) below which same_pixels
+# cannot tell: a map with a level per pixel fits anything.
+_MIN_SAME_PIXELS = 64
+# The same for a line: independent renders' noise (sigma >= 2) over 16 pixels stays
+# above 1 grey level RMS by far (bench_dedup's look-alikes: >= 6 at their best shift).
+_MIN_LINE_PIXELS = 16
 
 # Images up to this many pixels carry their own pixels to the verification (the JPEG
 # test needs them); larger ones rely on the thumbnail's tests: bounded memory per batch.
@@ -161,6 +182,83 @@ def _bilinear(image: np.ndarray, rows: np.ndarray, columns: np.ndarray):
     top = image[r0][:, c0] * (1 - wc) + image[r0][:, c1] * wc
     bottom = image[r1][:, c0] * (1 - wc) + image[r1][:, c1] * wc
     return top * (1 - wr) + bottom * wr, inside
+
+
+def whole_pixel_alignment(
+    candidate_shape: tuple[int, ...], reference_shape: tuple[int, ...], dx: float, dy: float
+) -> tuple[float, float, float] | None:
+    """Between images of one size, the thumbnails' shift rounded to whole image pixels at
+    scale 1 (dx, dy, scale), the second alignment the noise test tries; else None. A
+    copy whose shape a clip changed (brightened until its paper is white) is aligned by
+    the thumbnails a few per cent off scale, which at 112 pixels moves its noise by
+    pixels; re-encoded, shifted or brightened copies sit exactly there."""
+    if candidate_shape[:2] != reference_shape[:2]:
+        return None
+    t = near_duplicates.THUMBNAIL
+    height, width = candidate_shape[:2]
+    return (round(dx * width / t) * t / width, round(dy * height / t) * t / height, 1.0)
+
+
+def grey_map_spread(candidate: np.ndarray, reference: np.ndarray, dx: float, dy: float) -> float:
+    """RMS grey levels by which the candidate's pixels spread around a grey map of the
+    reference's, and the reference's around one of the candidate's (the larger), over
+    their overlap at whole-pixel shifts within one of the thumbnails' (dx, dy), at the
+    best shift and the better map: any function of the grey level (gamma), or a line
+    (brightness, contrast: two parameters, so it tells with the few pixels a copy
+    brightened until its paper clips leaves). Pixels clipped in either are left out (a
+    clip merges levels). inf between images of different sizes or with too few pixels."""
+    if candidate.shape[:2] != reference.shape[:2]:
+        return float("inf")
+    x, y = _grey(candidate), _grey(reference)
+    height, width = x.shape
+    t = near_duplicates.THUMBNAIL
+    centre_x, centre_y = round(dx * width / t), round(dy * height / t)
+    best = float("inf")
+    for shift_y in range(centre_y - 1, centre_y + 2):
+        for shift_x in range(centre_x - 1, centre_x + 2):
+            if abs(shift_x) >= width // 2 or abs(shift_y) >= height // 2:
+                continue
+            # Candidate pixel (r, c) shows reference pixel (r + shift_y, c + shift_x).
+            a = x[
+                max(0, -shift_y) : height - max(0, shift_y),
+                max(0, -shift_x) : width - max(0, shift_x),
+            ]
+            b = y[
+                max(0, shift_y) : height + min(0, shift_y),
+                max(0, shift_x) : width + min(0, shift_x),
+            ]
+            kept = (a > 1) & (a < 254) & (b > 1) & (b < 254)
+            a, b = a[kept], b[kept]
+            for spread in (_spread_around_levels, _spread_around_line):
+                best = min(best, max(spread(a, b), spread(b, a)))
+    return best
+
+
+def _spread_around_levels(values: np.ndarray, levels: np.ndarray) -> float:
+    """RMS of `values` around their mean per grey level of `levels` (uint8), with the
+    levels fitted taken out of the count; inf with fewer than _MIN_SAME_PIXELS left."""
+    count = np.bincount(levels, minlength=256).astype(np.float64)
+    total = np.bincount(levels, values.astype(np.float64), minlength=256)
+    squares = np.bincount(levels, values.astype(np.float64) ** 2, minlength=256)
+    freedom = len(values) - np.count_nonzero(count)
+    if freedom < _MIN_SAME_PIXELS:
+        return float("inf")
+    used = count > 0
+    within = squares.sum() - (total[used] ** 2 / count[used]).sum()
+    return float(np.sqrt(max(within, 0.0) / freedom))
+
+
+def _spread_around_line(values: np.ndarray, levels: np.ndarray) -> float:
+    """RMS of `values` around their least-squares line in `levels`, two parameters out of
+    the count; inf with fewer than _MIN_LINE_PIXELS left."""
+    freedom = len(values) - 2
+    if freedom < _MIN_LINE_PIXELS:
+        return float("inf")
+    v, u = values.astype(np.float64), levels.astype(np.float64)
+    u_centred = u - u.mean()
+    slope = (u_centred * v).sum() / max((u_centred * u_centred).sum(), 1e-9)
+    residual = v - v.mean() - slope * u_centred
+    return float(np.sqrt((residual * residual).sum() / freedom))
 
 
 def native_shared_noise(

@@ -75,9 +75,12 @@ class DedupConfig:
     # A pair that passes is a copy only with evidence that the candidate carries the
     # reference's own fine detail (beam_jobs/copy_evidence.py): shared noise correlating
     # >= min_shared_noise, or a JPEG candidate that re-encoding the reference reproduces
-    # within jpeg_tolerance grey levels. Not testable (the shape decides alone): a
+    # within jpeg_tolerance grey levels, or a same-size candidate whose pixels are the
+    # reference's through one grey map at a whole-pixel shift (a constant tolerance,
+    # copy_evidence.SAME_PIXELS_TOLERANCE: a grey map leaves no spread). Not testable: a
     # reference whose band-pass level is under min_reference_noise grey levels, or fewer
-    # than min_noise_pixels flat unclipped thumbnail pixels. Chosen on bench_dedup.py.
+    # than min_noise_pixels flat unclipped pixels: the shape decides alone. Chosen on
+    # bench_dedup.py.
     min_shared_noise: float = copy_evidence.MIN_SHARED_NOISE
     min_reference_noise: float = copy_evidence.MIN_REFERENCE_NOISE
     min_noise_pixels: int = copy_evidence.MIN_NOISE_PIXELS

@@ -322,7 +322,10 @@ def attach_references(joined: tuple[Any, Any]) -> Iterator[Any]:
         yield candidate_key, (references, request)
 
 
-_UNTESTABLE, _SHARED, _NOT_SHARED = "untestable", "shared", "not shared"
+_SHARED, _NOT_SHARED = "shared", "not shared"
+# Untestable: the reference has no noise to share (digit scans scaled up, flat graphics),
+# or too few flat unclipped pixels are left to tell (frame-filling icons, clipped copies).
+_NO_NOISE, _FEW_PIXELS = "no noise", "few pixels"
 
 
 def _noise_test(
@@ -334,21 +337,38 @@ def _noise_test(
 ) -> str:
     """Pair i's shared-noise test: at the images' own resolution when both carry their
     pixels (a thumbnail averages a large image's noise away), else on the thumbnails.
-    Writes the correlation it used back into `measured` (the pair's report)."""
-    correlation = measured["shared_noise"][i]
-    level, pixels = measured["reference_noise"][i], measured["noise_pixels"][i]
+    At their own resolution both the thumbnails' alignment and, for images of one size,
+    the whole-pixel one (copy_evidence.whole_pixel_alignment) are tried: shared if
+    either shares, untestable if either cannot be tested. Writes the correlation it
+    used back into `measured` (the pair's report)."""
+    tested = [
+        (measured["shared_noise"][i], measured["reference_noise"][i], measured["noise_pixels"][i])
+    ]
     if candidate is not None and reference is not None:
-        correlation, level, pixels = copy_evidence.native_shared_noise(
-            candidate,
-            reference,
+        alignment = (
             float(measured["dx"][i]),
             float(measured["dy"][i]),
             float(measured["scale"][i]),
         )
-        measured["shared_noise"][i] = correlation
-    if level < config.min_reference_noise or pixels < config.min_noise_pixels:
-        return _UNTESTABLE
-    return _SHARED if correlation >= config.min_shared_noise else _NOT_SHARED
+        tested = [copy_evidence.native_shared_noise(candidate, reference, *alignment)]
+        whole = copy_evidence.whole_pixel_alignment(
+            candidate.shape, reference.shape, *alignment[:2]
+        )
+        if whole is not None and whole != alignment:
+            tested.append(copy_evidence.native_shared_noise(candidate, reference, *whole))
+    outcomes = []
+    for correlation, level, pixels in tested:
+        if pixels < config.min_noise_pixels:
+            outcomes.append(_FEW_PIXELS)
+        elif level < config.min_reference_noise:
+            outcomes.append(_NO_NOISE)
+        else:
+            outcomes.append(_SHARED if correlation >= config.min_shared_noise else _NOT_SHARED)
+    measured["shared_noise"][i] = max(correlation for correlation, _, _ in tested)
+    for outcome in (_SHARED, _NO_NOISE, _FEW_PIXELS):
+        if outcome in outcomes:
+            return outcome
+    return _NOT_SHARED
 
 
 def _copy_evidence(
@@ -361,9 +381,12 @@ def _copy_evidence(
 ) -> list[str | None]:
     """Per pair: why it is a copy (the copy_evidence module's names), or None. A pair
     aligned (past the coarse gate) whose candidate shares the reference's noise is a copy
-    even if resampling changed its shape more than the shape test allows; otherwise the
-    shape test must pass, and then an exact JPEG re-encoding, or a reference with no
-    testable noise (the shape alone), makes it a copy. Else it is a look-alike, kept."""
+    even if resampling changed its shape more than the shape test allows, and so is one
+    whose pixels are the reference's through one grey map at a whole-pixel shift
+    (`same_pixels`: a shifted or clipped copy, whatever its flat pixels); otherwise the
+    shape test must pass, and then an exact JPEG re-encoding, or noise that cannot be
+    tested (none in the reference, or too few flat pixels: the shape alone), makes it a
+    copy. Else it is a look-alike, kept."""
     shape = (
         measured["residual"]
         <= config.max_residual + config.residual_per_detail * (measured["detail"])
@@ -377,9 +400,22 @@ def _copy_evidence(
         noise = _noise_test(measured, i, candidate, reference, config)
         if noise == _SHARED:
             evidence.append("shared_noise")
+        elif (
+            candidate is not None
+            and reference is not None
+            and copy_evidence.grey_map_spread(
+                candidate, reference, float(measured["dx"][i]), float(measured["dy"][i])
+            )
+            <= copy_evidence.SAME_PIXELS_TOLERANCE
+        ):
+            # The reference's own pixels through a grey map: a copy whatever its shape
+            # or flat pixels (a shifted or clipped copy of a frame-filling image).
+            evidence.append("same_pixels")
         elif not shape[i]:
             evidence.append(None)
-        elif noise == _UNTESTABLE:
+        elif noise in (_NO_NOISE, _FEW_PIXELS):
+            # No floor without the detail allowance here: it lost resized photo copies
+            # (busy, few flat pixels; BENCHMARKS.md, "Same pixels").
             evidence.append("shape_only")
         else:
             form = candidate_jpeg[pairs[i, 0]]

@@ -95,6 +95,14 @@ _TREES = "tests/tff_algorithms/privacy/test_tree_sensitivity.py::"
 _TIGHT = "tests/tff_algorithms/privacy/test_accounting_tight.py::"
 _LOGIT = "tests/tff_algorithms/algorithms/logit_dp/test_logit_dp.py::"
 _ALIGNED_LOOKALIKE = "tests/beam_jobs/test_dedup_lookalikes.py::test_an_aligned_look_alike_is_kept_and_an_aligned_copy_is_not"
+_CLIPPED_COPY = (
+    "tests/beam_jobs/test_dedup_lookalikes.py::"
+    "test_a_clipped_brightened_copy_shares_noise_at_the_whole_pixel_alignment"
+)
+_SHIFTED_FRAME_FILLING_COPY = (
+    "tests/beam_jobs/test_dedup_lookalikes.py::"
+    "test_a_shifted_brightened_copy_of_a_frame_filling_image_is_the_same_pixels"
+)
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- clip bounds -----------------------------------------------------------------
@@ -352,9 +360,33 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dedup-shared-noise",
         "beam_jobs/dedup_batches.py",
-        "return _SHARED if correlation >= config.min_shared_noise else _NOT_SHARED",
-        "return _SHARED",
+        "outcomes.append(_SHARED if correlation >= config.min_shared_noise else _NOT_SHARED)",
+        "outcomes.append(_SHARED)",
         (_ALIGNED_LOOKALIKE,),
+    ),
+    # A copy taken for a look-alike: the whole-pixel alignment of clipped copies.
+    Mutant(
+        "dedup-whole-pixel-alignment",
+        "beam_jobs/dedup_batches.py",
+        "if whole is not None and whole != alignment:",
+        "if False:",
+        (_CLIPPED_COPY,),
+    ),
+    # Both ways for the same_pixels evidence: a copy with few flat pixels kept, or any
+    # aligned look-alike taken for a copy.
+    Mutant(
+        "dedup-same-pixels-skipped",
+        "beam_jobs/dedup_batches.py",
+        "candidate is not None\n            and reference is not None\n            and copy_evidence.grey_map_spread(",
+        "False\n            and reference is not None\n            and copy_evidence.grey_map_spread(",
+        (_SHIFTED_FRAME_FILLING_COPY,),
+    ),
+    Mutant(
+        "dedup-same-pixels-tolerance",
+        "beam_jobs/dedup_batches.py",
+        "<= copy_evidence.SAME_PIXELS_TOLERANCE",
+        '<= float("inf")',
+        (_SHIFTED_FRAME_FILLING_COPY,),
     ),
     Mutant(
         "dedup-jpeg-reencode",

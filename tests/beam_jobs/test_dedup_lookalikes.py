@@ -117,18 +117,26 @@ def test_a_jpeg_copy_is_its_reference_re_encoded_and_a_look_alike_is_not():
     assert copy_evidence.jpeg_form(real_images.encode(original)) is None  # a PNG
 
 
-def _aligned_pair_evidence(candidate_bytes: bytes, reference: np.ndarray) -> str | None:
-    """The copy evidence of one pair the shape test passed, aligned at no shift."""
+def _aligned_pair_evidence(
+    candidate_bytes: bytes,
+    reference: np.ndarray,
+    residual: float = 0.0,
+    detail: float = 0.0,
+    scale: float = 1.0,
+    shift: tuple[float, float] = (0.0, 0.0),
+) -> str | None:
+    """The copy evidence of one pair the shape test passed (at `residual` and `detail`),
+    aligned at `shift` (dx, dy thumbnail pixels) and `scale` by the thumbnails."""
     one = lambda value: np.array([value], dtype=np.float64)  # noqa: E731
     measured = {
-        "residual": one(0.0),
-        "detail": one(0.0),
+        "residual": one(residual),
+        "detail": one(detail),
         "shared_noise": one(0.0),
         "reference_noise": one(0.0),
         "noise_pixels": one(0.0),
-        "dx": one(0.0),
-        "dy": one(0.0),
-        "scale": one(1.0),
+        "dx": one(shift[0]),
+        "dy": one(shift[1]),
+        "scale": one(scale),
     }
     candidate = np.asarray(Image.open(io.BytesIO(candidate_bytes)).convert("L"))
     [evidence] = dedup_batches._copy_evidence(
@@ -149,3 +157,51 @@ def test_an_aligned_look_alike_is_kept_and_an_aligned_copy_is_not():
     assert _aligned_pair_evidence(real_images.encode(other, "JPEG", 30), original) is None
     copy = _aligned_pair_evidence(real_images.encode(original, "JPEG", 30), original)
     assert copy in ("shared_noise", "jpeg_reencode")
+
+
+def test_a_clipped_brightened_copy_shares_noise_at_the_whole_pixel_alignment():
+    # A 112x112 copy brightened until its paper clips white: the clip changes its shape,
+    # the thumbnails align it 4% off scale (as they did 112x112 characters' in
+    # bench_dedup), and there its noise misses the reference's by a pixel or two. The
+    # same pixels at scale 1 share it.
+    rng = np.random.default_rng(3)
+    original = np.full((112, 112), 225.0)
+    original[60:108, 60:108] = 60  # ink off centre, where a scale error moves it most
+    original = np.clip(np.round(original + rng.normal(0, 6, original.shape)), 0, 255)
+    original = original.astype(np.uint8)
+    brighter = np.clip(original.astype(np.int32) + 40, 0, 255).astype(np.uint8)
+    assert (brighter == 255).mean() > 0.5
+    evidence = _aligned_pair_evidence(
+        real_images.encode(brighter), original, residual=0.05, detail=0.1, scale=1.04
+    )
+    assert evidence == "shared_noise"
+
+
+def _bars(seed: int) -> np.ndarray:
+    """A frame-filling 28x28 graphic (bars every 3 pixels) with render noise: too few flat
+    pixels are left to test the noise."""
+    rng = np.random.default_rng(seed)
+    pixels = np.full((28, 28), 200.0)
+    pixels[:, ::3] = 40
+    return np.clip(np.round(pixels + rng.normal(0, 6, pixels.shape)), 0, 255).astype(np.uint8)
+
+
+def test_a_shifted_brightened_copy_of_a_frame_filling_image_is_the_same_pixels():
+    # A copy re-cropped 2 pixels across and 1 down, then brightened until its paper clips,
+    # with too few flat pixels to test its noise and a shape the clip moved past the
+    # allowance (residual 0.5 > 0.2 + 2.5 x 0.1), is the reference's pixels through one
+    # grey map: a copy. Another render of the same bars, just as aligned, is not. (A floor
+    # on such shapes lost shifted copies in test_beam_dedup; this evidence needs none.)
+    rng = np.random.default_rng(5)
+    canvas = np.full((32, 32), 200.0)
+    canvas[:, ::3] = 40
+    canvas = np.clip(np.round(canvas + rng.normal(0, 6, canvas.shape)), 0, 255)
+    reference = canvas[2:30, 2:30].astype(np.uint8)
+    # Candidate pixel (r, c) is reference pixel (r + 1, c - 2).
+    copy = np.clip(canvas[3:31, 0:28] + 60, 0, 255).astype(np.uint8)
+    assert (copy == 255).mean() > 0.3
+    shift = (-2 * 32 / 28, 32 / 28)
+    evidence = _aligned_pair_evidence(real_images.encode(copy), reference, 0.5, 0.1, 1.0, shift)
+    assert evidence == "same_pixels"
+    other = real_images.encode(_bars(1))
+    assert _aligned_pair_evidence(other, reference, 0.5, 0.1, 1.0, shift) is None
