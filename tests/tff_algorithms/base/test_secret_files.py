@@ -14,6 +14,9 @@ from tff_algorithms.config import job_config
 from tff_algorithms.jobs import train_job
 from tff_algorithms.privacy import budget
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=9)
 TRAIN_IDENTITIES = 18
 CONFIG = job_config.TrainJobConfig(

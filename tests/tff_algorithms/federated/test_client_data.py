@@ -190,6 +190,7 @@ def test_a_user_deep_in_a_part_file_is_reached_by_a_seek_not_a_read_through(tmp_
     assert records == [b"first", b"second"]
 
 
+@pytest.mark.slow
 def test_the_workers_partition_reader_loads_no_beam():
     # A TFF worker imports client_data to read users; Beam belongs to the jobs that write.
     check = "import sys, tff_algorithms.federated.client_data; print('apache_beam' in sys.modules)"

@@ -26,6 +26,9 @@ from tff_algorithms.jobs import train_job
 from tff_algorithms.privacy import accounting, budget, calibration, dplc_releases
 from tff_algorithms.privacy.ledger import PrivacyLedger
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 # ---------------------------------------------------------------------------------------
 # Independent accounting: dp_accounting's RDP accountant on events written out here.
 
@@ -501,7 +504,6 @@ def test_pipeline_config_takes_shared_negatives_through_set():
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.slow
 def test_dp_fedemb_train_trains_with_shared_negatives(tmp_path):
     import subprocess
 
@@ -556,7 +558,6 @@ def test_report_shows_the_releases_in_the_accounting_rows():
     )
 
 
-@pytest.mark.slow
 def test_dp_ftrl_fedemb_trains_with_shared_negatives(tff_runtime, data, tmp_path):
     config = dataclasses.replace(
         CONFIG, algorithm=job_config.DP_FTRL_FEDEMB, rounds=2, evaluate_every=0

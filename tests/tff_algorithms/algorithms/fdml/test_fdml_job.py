@@ -23,6 +23,9 @@ from tff_algorithms.config import job_config
 from tff_algorithms.jobs import train_job
 from tff_algorithms.privacy import accounting, budget
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES  # one user each, 6 images
 # Two groups of two users a round, four images each.
 CONFIG = job_config.TrainJobConfig(

@@ -17,6 +17,9 @@ from tff_algorithms.federated import client_data
 from tff_algorithms.jobs import train_job
 from tff_algorithms.privacy import accounting
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES
 # 14 users a step is the smallest batch whose sensitivity at logit scale 1 is below n·B.
 CONFIG = job_config.TrainJobConfig(

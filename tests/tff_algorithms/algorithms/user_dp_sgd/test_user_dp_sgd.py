@@ -20,6 +20,9 @@ from tff_algorithms.config.client_config import HeadLossConfig
 from tff_algorithms.jobs import train_job
 from tff_algorithms.modeling import models
 
+# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
+pytestmark = pytest.mark.slow
+
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES
 USERS_PER_STEP = 8
 CONFIG = job_config.TrainJobConfig(
