@@ -1,6 +1,6 @@
 """Child process for the runtime tests: starts the runtime, reports, then ends as told.
 
-usage: runtime_child.py normal|exception|wait|stopped|session|session-exception
+usage: python -m tests.runtime_child normal|exception|wait|stopped|session|session-exception
 
 The session modes start the runtime by `runtime.session`, with none active, and print a
 second line once its block has ended: whether a runtime is still active and the

@@ -18,7 +18,9 @@ from tff_algorithms.federated import runtime
 pytestmark = pytest.mark.slow
 
 REPO = str(paths.REPO)
-CHILD = os.path.join(REPO, "tests", "runtime_child.py")
+# Run as a module from the repository root: run by path, its folder (tests/) would come first
+# on sys.path, where tests/tff_algorithms would hide the product package.
+CHILD = "tests.runtime_child"
 
 
 def _alive(pid: int) -> bool:
@@ -44,7 +46,7 @@ def _ignore_sigint() -> None:
 
 def _start_child(mode: str, ignore_sigint: bool = False) -> tuple[subprocess.Popen, int, str]:
     child = subprocess.Popen(
-        [sys.executable, CHILD, mode],
+        [sys.executable, "-m", CHILD, mode],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
