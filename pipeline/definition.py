@@ -20,7 +20,7 @@ from tfx import v1 as tfx
 from tfx.types import standard_artifacts
 
 from pipeline import config as config_lib
-from pipeline import fingerprint
+from pipeline import config_checks, fingerprint
 from pipeline.components import data, evaluation, reporting, training
 from tff_algorithms.config import job_config
 
@@ -144,7 +144,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         ).with_id(PRETRAIN)
         components.append(pretrain)
         backbone = pretrain.outputs["backbone"]
-    elif config.pretrain.source == config_lib.PRIVATE_CONTRASTIVE:
+    elif config.pretrain.source == config_checks.PRIVATE_CONTRASTIVE:
         # On the private training users: after their partition, charged to their budget.
         private_pretrain = training.PrivatePretrain(
             partition=partition.outputs["partition"],
