@@ -51,7 +51,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     hooks: xdist's own (xdist/remote.py) turns the marker into the `@group` node-id suffix
     its scheduler reads, so a marker added after it would group nothing."""
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
+        # Slow tests are left to spread over the workers test by test (a module fixture
+        # may then be built on both): their modules are few and long, and one worker
+        # holding each whole would leave the other idle at the end of `make test-slow`.
+        if (
+            item.get_closest_marker("xdist_group") is None
+            and item.get_closest_marker("slow") is None
+        ):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
