@@ -9,6 +9,12 @@ SMALL_CNN = "small_cnn"
 MOBILENET_V2 = "mobilenet_v2"
 RESNET50 = "resnet50"
 ARCHITECTURES = (SMALL_CNN, MOBILENET_V2, RESNET50)
+# The optimizers a private step loop applies its noised gradient with
+# (`tff_algorithms.modeling.optimizers`): momentum SGD, Adam, LAMB.
+SGD = "sgd"
+ADAM = "adam"
+LAMB = "lamb"
+OPTIMIZERS = (SGD, ADAM, LAMB)
 # `BackboneConfig.trainable_layers` that trains every layer.
 ALL_LAYERS = ("*",)
 

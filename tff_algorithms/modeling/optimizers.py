@@ -30,10 +30,9 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-SGD = "sgd"
-ADAM = "adam"
-LAMB = "lamb"
-OPTIMIZERS = (SGD, ADAM, LAMB)
+from tff_algorithms.config.model_config import ADAM, LAMB, OPTIMIZERS, SGD
+
+__all__ = ["ADAM", "LAMB", "OPTIMIZERS", "SGD", "AdamLamb", "build_optimizer"]
 
 
 class AdamLamb(tf.keras.optimizers.Optimizer):

@@ -5,16 +5,23 @@ TensorFlow-free, so `job_config` can check a job before anything is built (their
 `user_dp_sgd`. Their own settings are the `dp_sgd` section (`DpSgdSettings`, its
 `users_per_step` the shared schedule's count): `rounds` steps, each sampling
 `dp_sgd.users_per_step` users (n) without
-replacement by DP-FedEmb's schedule with one user per virtual client, each user's
-clipped gradient (`clip_norm`), noise `noise_multiplier`·clip_norm on the sum, momentum
-SGD at `server_learning_rate` / `server_momentum` on the noised sum over n. Local
-training, local-head and dropout fields do not apply.
+replacement by DP-FedEmb's schedule with one user per virtual client (or, with
+`dp_sgd.full_batch`, every training user), each user's clipped gradient (`clip_norm`),
+noise `noise_multiplier`·clip_norm on the sum, the noised sum over n applied at
+`server_learning_rate` by `dp_sgd.optimizer` (momentum SGD with `server_momentum`,
+Adam or LAMB; issue 42). Local training, local-head and dropout fields do not apply.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
+
+from beam_jobs import schedule
+from tff_algorithms.algorithms import rules
+from tff_algorithms.base import validation
+from tff_algorithms.config.model_config import OPTIMIZERS, SGD
 
 # The layer dp-last-layer trains (both backbone families end in it; `models`).
 EMBEDDING_LAYER = "embedding"
@@ -25,13 +32,65 @@ ZERO_INIT_HEAD_LOSS = "softmax"
 @dataclasses.dataclass(frozen=True)
 class DpSgdSettings:
     """The `dp_sgd` section's settings beside its `users_per_step` (the shared
-    schedule's count, `TrainJobConfig.virtual_clients_per_round`): none yet."""
+    schedule's count, `TrainJobConfig.virtual_clients_per_round`).
+
+    Attributes:
+      optimizer: what applies the noised mean gradient (`OPTIMIZERS`): sgd (momentum
+        `server_momentum`), adam or lamb (`tff_algorithms.modeling.optimizers`);
+        post-processing, so the accounting is the same for each.
+      adam_beta1, adam_beta2, adam_epsilon: Adam's and LAMB's moment decays and the
+        ε added to √v̂ (Kingma and Ba's defaults).
+      weight_decay: λ·w added to Adam's and LAMB's update (before LAMB's trust ratio).
+      full_batch: every training user in every step instead of a sample of
+        `users_per_step` (which must then be auto); accounted as that many Gaussian
+        mechanisms without amplification (`accounting.Sampling.FULL`).
+    """
+
+    optimizer: str = SGD
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    weight_decay: float = 0.0
+    full_batch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"dp_sgd.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        for key in ("adam_beta1", "adam_beta2"):
+            validation.check_number(f"dp_sgd.{key}", getattr(self, key), 0, 1, low_open=False)
+        validation.check_number("dp_sgd.adam_epsilon", self.adam_epsilon, 0, 1, low_open=True)
+        validation.check_number(
+            "dp_sgd.weight_decay", self.weight_decay, 0, math.inf, low_open=False
+        )
+        validation.check_bool("dp_sgd.full_batch", self.full_batch)
+        if self.optimizer == SGD:
+            changed = [
+                f"dp_sgd.{f.name}"
+                for f in dataclasses.fields(self)
+                if f.name.startswith("adam_") or f.name == "weight_decay"
+                if getattr(self, f.name) != f.default
+            ]
+            if changed:
+                raise ValueError(
+                    f"{changed[0]} applies to the adam and lamb optimizers: set "
+                    "dp_sgd.optimizer to adam or lamb, or leave it unset"
+                )
 
 
 # What each key of the `dp_sgd` section means (--help, docs/config.md).
 DESCRIBE = {
     "users_per_step": "users a step, each user's gradient clipped (n; or auto: the most "
     "the users fill)",
+    "optimizer": "what applies the noised mean gradient: sgd (momentum server_momentum), "
+    "adam or lamb",
+    "adam_beta1": "Adam's and LAMB's first-moment decay",
+    "adam_beta2": "Adam's and LAMB's second-moment decay",
+    "adam_epsilon": "the epsilon added to Adam's and LAMB's sqrt of the second moment",
+    "weight_decay": "Adam's and LAMB's decay lambda·w in the update",
+    "full_batch": "every training user in every step (no sampling; users_per_step auto), "
+    "accounted without amplification",
 }
 
 
@@ -47,6 +106,24 @@ def check_user_dp_sgd_job(config: Any) -> None:
     for field in ("over_selection", "failure_injection_rate"):
         if getattr(config, field):
             raise ValueError(f"{field} applies to federated rounds, not to {name}: set it to 0")
+    settings = config.settings
+    if settings.optimizer != SGD and config.server_momentum:
+        raise ValueError(
+            f"server_momentum applies to the sgd optimizer, not to {settings.optimizer} "
+            "(its momentum is dp_sgd.adam_beta1): set server_momentum to 0"
+        )
+
+
+def check_full_batch_fills(config: Any, num_users: int) -> None:
+    """One line when `num_users` cannot fill a step of the job's schedule, or when a
+    full-batch job's users a step is not every training user (`auto` resolves to it)."""
+    rules.check_schedule_fills(config, num_users)
+    steps_users = config.virtual_clients_per_round
+    if config.settings.full_batch and steps_users not in (schedule.AUTO, num_users):
+        raise ValueError(
+            f"dp_sgd.full_batch takes every one of the {num_users} training users each "
+            f"step: set dp_sgd.users_per_step to auto (got {steps_users})"
+        )
 
 
 def check_last_layer_job(config: Any) -> None:
