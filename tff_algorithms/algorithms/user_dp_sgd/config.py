@@ -44,6 +44,11 @@ class DpSgdSettings:
       full_batch: every training user in every step instead of a sample of
         `users_per_step` (which must then be auto); accounted as that many Gaussian
         mechanisms without amplification (`accounting.Sampling.FULL`).
+      sigmoid_head: score the softmax head's logits eᵀω plus a trained per-identity
+        bias with sigmoid cross-entropy (one-vs-all, summed over identities) instead of
+        softmax, the seed paper's loss.
+      head_bias: that bias's start (the paper's −10: every identity's probability
+        starts near 0); only with `sigmoid_head`.
     """
 
     optimizer: str = SGD
@@ -52,6 +57,8 @@ class DpSgdSettings:
     adam_epsilon: float = 1e-8
     weight_decay: float = 0.0
     full_batch: bool = False
+    sigmoid_head: bool = False
+    head_bias: float = -10.0
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -65,6 +72,13 @@ class DpSgdSettings:
             "dp_sgd.weight_decay", self.weight_decay, 0, math.inf, low_open=False
         )
         validation.check_bool("dp_sgd.full_batch", self.full_batch)
+        validation.check_bool("dp_sgd.sigmoid_head", self.sigmoid_head)
+        validation.check_number("dp_sgd.head_bias", self.head_bias, -100, 100, low_open=True)
+        if not self.sigmoid_head and self.head_bias != DpSgdSettings.head_bias:
+            raise ValueError(
+                "dp_sgd.head_bias applies to the sigmoid head: set dp_sgd.sigmoid_head to "
+                "true, or leave dp_sgd.head_bias unset"
+            )
         if self.optimizer == SGD:
             changed = [
                 f"dp_sgd.{f.name}"
@@ -91,6 +105,9 @@ DESCRIBE = {
     "weight_decay": "Adam's and LAMB's decay lambda·w in the update",
     "full_batch": "every training user in every step (no sampling; users_per_step auto), "
     "accounted without amplification",
+    "sigmoid_head": "sigmoid cross-entropy over the identities, with a trained bias, "
+    "instead of softmax (head_loss softmax)",
+    "head_bias": "the sigmoid head's starting bias (the paper's -10)",
 }
 
 
@@ -107,6 +124,11 @@ def check_user_dp_sgd_job(config: Any) -> None:
         if getattr(config, field):
             raise ValueError(f"{field} applies to federated rounds, not to {name}: set it to 0")
     settings = config.settings
+    if settings.sigmoid_head and config.head_loss != ZERO_INIT_HEAD_LOSS:
+        raise ValueError(
+            f"dp_sgd.sigmoid_head scores the {ZERO_INIT_HEAD_LOSS} head's logits: set "
+            f"head_loss to {ZERO_INIT_HEAD_LOSS} (got {config.head_loss})"
+        )
     if settings.optimizer != SGD and config.server_momentum:
         raise ValueError(
             f"server_momentum applies to the sgd optimizer, not to {settings.optimizer} "

@@ -220,8 +220,12 @@ class UserDpSgd:
     model: image (or features) -> embedding; its trainable variables train.
     head: the global head kernel [embedding_size, identities].
     vocabulary: `local_training.training_identity_vocabulary`.
-    settings: the `dp_sgd` section: which optimizer applies the noised gradient (None:
-      its defaults, momentum SGD).
+    settings: the `dp_sgd` section: which optimizer applies the noised gradient, and
+      the sigmoid head (None: its defaults, momentum SGD and softmax).
+
+    With `settings.sigmoid_head` the logits are eᵀω + b, b a trained per-identity bias
+    (`head_bias`, starting at `settings.head_bias`), each scored by sigmoid
+    cross-entropy against its one-hot label and summed over identities.
     """
 
     def __init__(
@@ -241,7 +245,14 @@ class UserDpSgd:
         settings = settings if settings is not None else DpSgdSettings()
         self.model = model
         self.head = head
+        self.head_bias = (
+            tf.Variable(tf.fill([len(vocabulary)], float(settings.head_bias)))
+            if settings.sigmoid_head
+            else None
+        )
         self.variables = [*model.trainable_variables, head]
+        if self.head_bias is not None:
+            self.variables.append(self.head_bias)
         self.optimizer = optimizers.build_optimizer(
             settings.optimizer,
             learning_rate,
@@ -268,16 +279,26 @@ class UserDpSgd:
         )
         with tf.GradientTape() as tape:
             embeddings = self.model(x, training=False)  # per example: no batch statistics
-            loss = local_training.head_loss(
-                local_training.head_logits(embeddings, self.head, labels, self._loss),
-                labels,
-                tf.logical_and(real, usable),
-            )
+            weights = tf.cast(tf.logical_and(real, usable), tf.float32)
+            per_example = self._example_loss(labels, self._logits(embeddings, labels))
+            loss = tf.reduce_sum(per_example * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
         gradients = tape.gradient(
             loss, self.variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
         gradients, _ = local_training.zero_if_not_finite(gradients)
         return clip_by_global_norm(gradients, self._clip)
+
+    def _logits(self, embeddings: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+        logits = local_training.head_logits(embeddings, self.head, labels, self._loss)
+        return logits if self.head_bias is None else logits + self.head_bias
+
+    def _example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+        """Each example's loss: softmax cross-entropy, or the sigmoid head's summed
+        one-vs-all sigmoid cross-entropy."""
+        if self.head_bias is None:
+            return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+        targets = tf.one_hot(labels, self._rows, dtype=logits.dtype)
+        return tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(targets, logits), 1)
 
     def clipped_sum(self, x: tf.Tensor, identity: tf.Tensor, real: tf.Tensor) -> list[tf.Tensor]:
         """Σ_users clip(∇ user loss): one tape per user in a while loop, or for a
@@ -301,12 +322,12 @@ class UserDpSgd:
         self, x: tf.Tensor, identity: tf.Tensor, real: tf.Tensor
     ) -> list[tf.Tensor]:
         """`clipped_sum` of a model that is one dense layer e = Wᵀf + b under the softmax
-        head (logits eᵀH), from one batched backward pass.
+        head (logits eᵀH, plus the sigmoid head's bias c), from one batched backward pass.
 
         Per example i the gradients are rank one: f_i δ_iᵀ (W), δ_i (b) and e_i g_iᵀ (H),
-        with δ_i = ∂L/∂e_i and g_i = ∂L/∂logits_i of the user's mean loss. A user's
-        squared norm is then Σ_ij (f_i·f_j)(δ_i·δ_j) + ‖Σ_i δ_i‖² + Σ_ij (e_i·e_j)(g_i·g_j)
-        (its examples' Gram matrices), and the sum of the clipped gradients is those
+        with δ_i = ∂L/∂e_i and g_i = ∂L/∂logits_i of the user's mean loss, and g_i (c). A
+        user's squared norm is then Σ_ij (f_i·f_j)(δ_i·δ_j) + ‖Σ_i δ_i‖² + Σ_ij (e_i·e_j)
+        (g_i·g_j) + ‖Σ_i g_i‖² (its examples' Gram matrices), and the sum of the clipped gradients is those
         outer products with each user's rows scaled by its clip factor: no per-user
         gradient is materialised (dp-last-layer's steps of a thousand users).
         """
@@ -323,10 +344,8 @@ class UserDpSgd:
         weight = tf.reshape(weight / tf.maximum(tf.reduce_sum(weight, 1, keepdims=True), 1.0), [-1])
         with tf.GradientTape() as tape:
             embeddings = dense(features)
-            logits = local_training.head_logits(embeddings, self.head, labels, self._loss)
-            total = tf.reduce_sum(
-                weight * tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
-            )
+            logits = self._logits(embeddings, labels)
+            total = tf.reduce_sum(weight * self._example_loss(labels, logits))
         delta, g = tape.gradient(total, [embeddings, logits])
 
         def per_user(t: tf.Tensor) -> tf.Tensor:
@@ -340,6 +359,8 @@ class UserDpSgd:
         )
         if dense.use_bias:
             squared += tf.reduce_sum(tf.square(tf.reduce_sum(per_user(delta), 1)), 1)
+        if self.head_bias is not None:
+            squared += tf.reduce_sum(tf.square(tf.reduce_sum(per_user(g), 1)), 1)
         norm = tf.sqrt(squared)
         finite = tf.math.is_finite(norm)
         scale = tf.where(finite, tf.minimum(1.0, self._clip / tf.maximum(norm, 1e-30)), 0.0)
@@ -356,6 +377,8 @@ class UserDpSgd:
         }
         if dense.use_bias:
             sums[id(dense.bias)] = tf.reduce_sum(delta, 0)
+        if self.head_bias is not None:
+            sums[id(self.head_bias)] = tf.reduce_sum(g, 0)
         return [sums[id(v)] for v in self.variables]
 
     def _step(self, x: tf.Tensor, identity: tf.Tensor, real: tf.Tensor, seed: tf.Tensor) -> None:
@@ -458,9 +481,12 @@ def train_user_dp_sgd(inputs: JobInputs, schedule_seed: int, *, last_layer: bool
     def step(t: int, seed: tf.Tensor) -> None:
         trainer.step(*source.batch(t), seed)
 
+    trained_state = {"model": backbone, "head": head, "optimizer": trainer.optimizer}
+    if trainer.head_bias is not None:
+        trained_state["head_bias"] = trainer.head_bias
     outcome = private_steps.run_steps(
         inputs,
-        {"model": backbone, "head": head, "optimizer": trainer.optimizer},
+        trained_state,
         step,
         lambda: models.backbone_weights(backbone),
     )

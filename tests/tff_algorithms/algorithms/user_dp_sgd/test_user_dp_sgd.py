@@ -270,6 +270,12 @@ def test_dp_last_layer_trains_the_zero_initialised_embedding_on_cached_features(
             "dp_sgd.adam_beta2 must be finite and in .0, 1., got 1.0",
         ),
         (CONFIG, {"settings": {"full_batch": 1}}, "dp_sgd.full_batch must be a boolean"),
+        (CONFIG, {"settings": {"head_bias": -5.0}}, "dp_sgd.head_bias applies to the sigmoid head"),
+        (
+            CONFIG,
+            {"settings": {"sigmoid_head": True}, "head_loss": "cosface"},
+            "dp_sgd.sigmoid_head scores the softmax head's logits: set head_loss to softmax",
+        ),
     ],
 )
 def test_config_refusals_are_one_line(config, changes, message):
@@ -349,6 +355,41 @@ def test_noiseless_adam_and_lamb_steps_take_the_mean_clipped_gradient(optimizer)
         if optimizer == "lamb" and np.linalg.norm(w) > 0:
             ratio = np.linalg.norm(w) / np.linalg.norm(r)
         np.testing.assert_allclose(got.numpy(), w - lr * ratio * r, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("shortcut", [True, False])
+def test_sigmoid_head_step_is_sgd_on_the_papers_loss_from_bias_minus_ten(shortcut):
+    """The seed paper's loss: logits eᵀω + c, c starting at -10, each identity's sigmoid
+    cross-entropy -y log σ(z) - (1-y) log(1-σ(z)) summed, written out here; one
+    noiseless SGD step on the mean of the users' clipped gradients."""
+    users, clip, lr = 4, 0.5, 0.1
+    settings = DpSgdSettings(sigmoid_head=True)
+    trainer, names, vocabulary = _dense_trainer(settings, clip, users, learning_rate=lr)
+    assert trainer.variables[-1] is trainer.head_bias
+    np.testing.assert_array_equal(trainer.head_bias.numpy(), np.full(7, -10.0))
+    if not shortcut:
+        trainer._dense = None  # one tape per user
+    rng = np.random.default_rng(3)
+    x = tf.constant(rng.normal(size=(users, 3, 20)).astype(np.float32))
+    identity = tf.constant(rng.choice(names, (users, 3)))
+    labels = np.searchsorted(vocabulary, tf.strings.to_hash_bucket_fast(identity, 2**62).numpy())
+    variables = trainer.variables
+    before = [v.numpy() for v in variables]
+    total = [np.zeros(v.shape) for v in before]
+    for k in range(users):
+        with tf.GradientTape() as tape:
+            z = tf.matmul(trainer.model(x[k]), trainer.head) + trainer.head_bias
+            y = tf.constant(np.eye(7)[labels[k]], tf.float32)
+            p = 1 / (1 + tf.exp(-z))
+            loss = tf.reduce_mean(
+                tf.reduce_sum(-y * tf.math.log(p) - (1 - y) * tf.math.log(1 - p), 1)
+            )
+        gradient = [g.numpy().astype(np.float64) for g in tape.gradient(loss, variables)]
+        norm = np.sqrt(sum(np.sum(g**2) for g in gradient))
+        total = [t + min(1.0, clip / norm) * g for t, g in zip(total, gradient, strict=True)]
+    trainer.step(x, identity, tf.constant(np.ones((users, 3), bool)), tf.constant([1, 0], tf.int64))
+    for w, t, got in zip(before, total, variables, strict=True):
+        np.testing.assert_allclose(got.numpy(), w - lr * t / users, rtol=1e-4, atol=1e-6)
 
 
 def test_dense_layer_shortcut_equals_one_tape_per_user(clip=0.1):
