@@ -27,12 +27,13 @@ zero, such as a bias at −10, LAMB scales its step by ‖w‖/‖r‖).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from tff_algorithms.config.model_config import ADAM, LAMB, OPTIMIZERS, SGD
 
-__all__ = ["ADAM", "LAMB", "OPTIMIZERS", "SGD", "AdamLamb", "build_optimizer"]
+__all__ = ["ADAM", "LAMB", "OPTIMIZERS", "SGD", "AdamLamb", "build_optimizer", "from_settings"]
 
 
 class AdamLamb(tf.keras.optimizers.Optimizer):
@@ -123,4 +124,20 @@ def build_optimizer(
         epsilon=epsilon,
         weight_decay=weight_decay,
         layerwise=name == LAMB,
+    )
+
+
+def from_settings(
+    settings: Any, learning_rate: float, momentum: float
+) -> tf.keras.optimizers.Optimizer:
+    """`build_optimizer` from a section's settings (`optimizer` and the Adam keys,
+    `tff_algorithms.config.model_config.ADAM_KEYS`)."""
+    return build_optimizer(
+        settings.optimizer,
+        learning_rate,
+        momentum=momentum,
+        beta1=settings.adam_beta1,
+        beta2=settings.adam_beta2,
+        epsilon=settings.adam_epsilon,
+        weight_decay=settings.weight_decay,
     )

@@ -15,13 +15,18 @@ Adam or LAMB; issue 42). Local training, local-head and dropout fields do not ap
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from beam_jobs import schedule
 from tff_algorithms.algorithms import rules
 from tff_algorithms.base import validation
-from tff_algorithms.config.model_config import OPTIMIZERS, SGD
+from tff_algorithms.config.model_config import (
+    ADAM_KEYS,
+    OPTIMIZER_DESCRIBE,
+    SGD,
+    check_optimizer_momentum,
+    check_optimizer_settings,
+)
 
 # The layer dp-last-layer trains (both backbone families end in it; `models`).
 EMBEDDING_LAYER = "embedding"
@@ -52,25 +57,16 @@ class DpSgdSettings:
     """
 
     optimizer: str = SGD
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    weight_decay: float = 0.0
+    adam_beta1: float = ADAM_KEYS["adam_beta1"]
+    adam_beta2: float = ADAM_KEYS["adam_beta2"]
+    adam_epsilon: float = ADAM_KEYS["adam_epsilon"]
+    weight_decay: float = ADAM_KEYS["weight_decay"]
     full_batch: bool = False
     sigmoid_head: bool = False
     head_bias: float = -10.0
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"dp_sgd.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
-            )
-        for key in ("adam_beta1", "adam_beta2"):
-            validation.check_number(f"dp_sgd.{key}", getattr(self, key), 0, 1, low_open=False)
-        validation.check_number("dp_sgd.adam_epsilon", self.adam_epsilon, 0, 1, low_open=True)
-        validation.check_number(
-            "dp_sgd.weight_decay", self.weight_decay, 0, math.inf, low_open=False
-        )
+        check_optimizer_settings("dp_sgd", self)
         validation.check_bool("dp_sgd.full_batch", self.full_batch)
         validation.check_bool("dp_sgd.sigmoid_head", self.sigmoid_head)
         validation.check_number("dp_sgd.head_bias", self.head_bias, -100, 100, low_open=True)
@@ -79,30 +75,13 @@ class DpSgdSettings:
                 "dp_sgd.head_bias applies to the sigmoid head: set dp_sgd.sigmoid_head to "
                 "true, or leave dp_sgd.head_bias unset"
             )
-        if self.optimizer == SGD:
-            changed = [
-                f"dp_sgd.{f.name}"
-                for f in dataclasses.fields(self)
-                if f.name.startswith("adam_") or f.name == "weight_decay"
-                if getattr(self, f.name) != f.default
-            ]
-            if changed:
-                raise ValueError(
-                    f"{changed[0]} applies to the adam and lamb optimizers: set "
-                    "dp_sgd.optimizer to adam or lamb, or leave it unset"
-                )
 
 
 # What each key of the `dp_sgd` section means (--help, docs/config.md).
 DESCRIBE = {
     "users_per_step": "users a step, each user's gradient clipped (n; or auto: the most "
     "the users fill)",
-    "optimizer": "what applies the noised mean gradient: sgd (momentum server_momentum), "
-    "adam or lamb",
-    "adam_beta1": "Adam's and LAMB's first-moment decay",
-    "adam_beta2": "Adam's and LAMB's second-moment decay",
-    "adam_epsilon": "the epsilon added to Adam's and LAMB's sqrt of the second moment",
-    "weight_decay": "Adam's and LAMB's decay lambda·w in the update",
+    **OPTIMIZER_DESCRIBE,
     "full_batch": "every training user in every step (no sampling; users_per_step auto), "
     "accounted without amplification",
     "sigmoid_head": "sigmoid cross-entropy over the identities, with a trained bias, "
@@ -129,11 +108,7 @@ def check_user_dp_sgd_job(config: Any) -> None:
             f"dp_sgd.sigmoid_head scores the {ZERO_INIT_HEAD_LOSS} head's logits: set "
             f"head_loss to {ZERO_INIT_HEAD_LOSS} (got {config.head_loss})"
         )
-    if settings.optimizer != SGD and config.server_momentum:
-        raise ValueError(
-            f"server_momentum applies to the sgd optimizer, not to {settings.optimizer} "
-            "(its momentum is dp_sgd.adam_beta1): set server_momentum to 0"
-        )
+    check_optimizer_momentum("dp_sgd", settings, config.server_momentum)
 
 
 def check_full_batch_fills(config: Any, num_users: int) -> None:

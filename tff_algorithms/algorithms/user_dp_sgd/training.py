@@ -253,15 +253,7 @@ class UserDpSgd:
         self.variables = [*model.trainable_variables, head]
         if self.head_bias is not None:
             self.variables.append(self.head_bias)
-        self.optimizer = optimizers.build_optimizer(
-            settings.optimizer,
-            learning_rate,
-            momentum=momentum,
-            beta1=settings.adam_beta1,
-            beta2=settings.adam_beta2,
-            epsilon=settings.adam_epsilon,
-            weight_decay=settings.weight_decay,
-        )
+        self.optimizer = optimizers.from_settings(settings, learning_rate, momentum)
         self.optimizer.build(self.variables)
         self._vocabulary = tf.constant(vocabulary, tf.int64)
         self._rows = len(vocabulary)

@@ -15,6 +15,7 @@ from tff_algorithms.algorithms.logit_dp import training as contrastive_training
 from tff_algorithms.config import job_config
 from tff_algorithms.federated import client_data
 from tff_algorithms.jobs import train_job
+from tff_algorithms.modeling import models
 from tff_algorithms.privacy import accounting
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
@@ -115,6 +116,31 @@ def test_the_model_moves(straight_run, data):
         )
     ]
     assert max(moved) > 1e-3
+
+
+def test_dp_adam_first_step_moves_every_trained_weight_by_the_learning_rate(data, tmp_path):
+    """logit_dp.optimizer adam (issue 42): from zero moments the noised gradient's step
+    is lr·g/(|g|+ε) per coordinate, so every trained weight moves by lr up to ε/|g|
+    (the noise keeps |g| far above ε), whatever its gradient's size, unlike SGD's lr·g."""
+    lr = 1e-3
+    config = dataclasses.replace(
+        CONFIG, rounds=1, evaluate_every=0, server_learning_rate=lr, settings={"optimizer": "adam"}
+    )
+    result = train_job.run_train_job(config, *data, str(tmp_path / "adam"))
+    trained = models.load_pretrained_backbone(config.backbone_config, result.saved_model_dir)
+    start = models.build_backbone(config.backbone_config, seed=config.seed)
+    moved = np.concatenate(
+        [
+            np.abs(got.numpy() - before.numpy()).ravel()
+            for layer in models.all_layers(trained)
+            for got, before in zip(
+                layer.trainable_weights, start.get_layer(layer.name).trainable_weights, strict=True
+            )
+        ]
+    )
+    steps = moved[moved > 0]
+    assert steps.size > 1000
+    np.testing.assert_allclose(steps, lr, rtol=1e-3)
 
 
 def test_each_step_takes_one_pair_from_each_of_n_distinct_users(data):
