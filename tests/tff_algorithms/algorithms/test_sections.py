@@ -120,6 +120,11 @@ def test_a_record_of_the_release_before_reads_as_the_same_job():
     flat.update(users_per_virtual_client=1, virtual_clients_per_round=20, logit_scale=0.5)
     assert job_config.current_layout(flat) == record
     assert job_config.TrainJobConfig.from_dict(flat) == config
+    # A section recorded before its optimizer keys existed (issue 42) is the same job.
+    dp_sgd = job_config.TrainJobConfig.from_dict({"algorithm": DP_SGD, "noise_multiplier": 1.0})
+    record = dp_sgd.to_dict()
+    before = {**record, "dp_sgd": {"users_per_step": record["dp_sgd"]["users_per_step"]}}
+    assert job_config.current_layout(before) == record
 
 
 # The pipeline's config file.
