@@ -62,6 +62,7 @@ SAMPLING_LABELS = {
     accounting.Sampling.UNIFORM.value: "a fixed number of users drawn without replacement each round",
     accounting.Sampling.POISSON.value: "each user independently with probability M / N",
     accounting.Sampling.EPOCH.value: "each user at most once per epoch",
+    accounting.Sampling.FULL.value: "every user in every round (no sampling)",
 }
 CONVENTION_LABELS = {
     accounting.Convention.STRICT.value: "strict",

@@ -557,11 +557,18 @@ def current_layout(record: Mapping[str, Any]) -> dict[str, Any]:
     """A recorded job config (`to_dict` or `public_dict`, in OUTPUT/train_job.json or
     metrics.json) in this release's layout, unvalidated: the flat keys of the release
     before moved into its algorithm's section (`registry.product_layer`), so an output
-    directory written before sections resumes, and a finished one is recognised."""
+    directory written before sections resumes, and a finished one is recognised. A
+    section's settings the record lacks (keys added since, such as `dp_sgd.optimizer`)
+    read as their defaults, which is what that release ran."""
     algorithm = algorithms.find(record.get("algorithm"))
     if algorithm is None:
         return dict(record)
-    return algorithms.registry.product_layer(record, algorithm)
+    values = algorithms.registry.product_layer(record, algorithm)
+    section = algorithm.section
+    if section is not None:
+        defaults = dataclasses.asdict(section.settings())
+        values[section.name] = {**defaults, **values[section.name]}
+    return values
 
 
 def fresh_schedule_seed() -> int:

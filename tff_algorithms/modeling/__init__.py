@@ -1,3 +1,4 @@
-"""The models: backbones and identity heads (`models`) and the serving SavedModel
-(`export`). May import `base` and `config` (docs/design.md, "Layout").
+"""The models: backbones and identity heads (`models`), the serving SavedModel
+(`export`) and the optimizers the private step loops apply their noised gradient with
+(`optimizers`). May import `base` and `config` (docs/design.md, "Layout").
 """

@@ -14,6 +14,13 @@ Schedules (paper appendix C):
     "Tight accounting of fixed-size sampling"). What training does.
   * ``poisson`` sampling under add-or-remove-one, RDP or PLD. Training does not enforce
     Poisson sampling; this option exists to compare with work that reports it.
+  * ``full`` (no sampling: every user in every round, the full-batch steps of
+    dp-sgd-centralized and dp-last-layer, issue 42) under substitute-one and the strict
+    convention only: each round is the Gaussian mechanism with no amplification, so
+    ``rounds`` rounds compose to one Gaussian of noise multiplier
+    z / (2·sqrt(rounds)) (sensitivity 2γ, as for uniform sampling: one user's clipped
+    update replaced by another's moves the sum by up to 2γ). PLD (exact for a Gaussian
+    up to its pessimistic grid) or RDP.
 - ``dpftrl`` (DP-FTRL-FedEmb): tree-aggregated noise, users assigned epoch-wise (each
   user at most once per epoch, no amplification), add-or-remove-with-special-element
   relation. ``rounds_per_epoch = floor(population / users_per_round)``.
@@ -141,6 +148,7 @@ class Sampling(str, enum.Enum):
     UNIFORM = "uniform"  # fixed-size sample without replacement, fresh each round
     POISSON = "poisson"  # each user independently with probability M / N
     EPOCH = "epoch"  # each user at most once per epoch of floor(N / M) rounds
+    FULL = "full"  # every user in every round: no sampling, no amplification (M = N)
 
 
 class NeighboringRelation(str, enum.Enum):
@@ -180,6 +188,10 @@ _SUPPORTED = {
         Accountant.RDP,
         Accountant.PLD,
     ),
+    (Mechanism.DPSGD, Sampling.FULL, NeighboringRelation.REPLACE_ONE): (
+        Accountant.RDP,
+        Accountant.PLD,
+    ),
     (Mechanism.DPFTRL, Sampling.EPOCH, NeighboringRelation.REPLACE_SPECIAL): (
         Accountant.RDP,
         Accountant.PLD,
@@ -208,6 +220,7 @@ _DEFAULT_RELATION = {
     Sampling.UNIFORM: NeighboringRelation.REPLACE_ONE,
     Sampling.POISSON: NeighboringRelation.ADD_OR_REMOVE_ONE,
     Sampling.EPOCH: NeighboringRelation.REPLACE_SPECIAL,
+    Sampling.FULL: NeighboringRelation.REPLACE_ONE,
 }
 
 # dp_accounting's DEFAULT_RDP_ORDERS, spelled out so that importing this module (config,
@@ -368,6 +381,17 @@ class AccountingSpec:
                     "the logit_dp mechanism samples single users (one positive pair each): "
                     "users per virtual client must be 1"
                 )
+        if self.sampling is Sampling.FULL:
+            if self.users_per_round != self.population:
+                raise ValueError(
+                    f"full sampling takes every user each round: users per round "
+                    f"({self.users_per_round}) must equal the population ({self.population})"
+                )
+            if self.convention is not Convention.STRICT:
+                raise ValueError(
+                    "full sampling has no paper convention (no published number to "
+                    "reproduce): use the strict convention"
+                )
         if self.mechanism is Mechanism.FDML and self.users_per_virtual_client != 1:
             raise ValueError(
                 "the fdml mechanism's noise multiplier already counts the triplet group "
@@ -454,8 +478,11 @@ def default_accountant(
     convention: Convention,
 ) -> Accountant:
     """PLD where the tight analysis of fixed-size sampling applies (`wor_pld`: sampled
-    Gaussians, uniform sampling, substitute-one, strict convention); RDP elsewhere (the
-    paper convention reproduces published RDP numbers; trees and Poisson as before)."""
+    Gaussians, uniform sampling, substitute-one, strict convention) and for full
+    sampling (the composed Gaussian, exact); RDP elsewhere (the paper convention
+    reproduces published RDP numbers; trees and Poisson as before)."""
+    if sampling is Sampling.FULL:
+        return Accountant.PLD
     if (
         mechanism in _SAMPLED_GAUSSIAN
         and sampling is Sampling.UNIFORM
@@ -536,6 +563,8 @@ def dp_event_for(spec: AccountingSpec) -> dp_accounting.DpEvent:
     z = spec.effective_noise_multiplier
     if spec.mechanism in _SAMPLED_GAUSSIAN:
         gaussian = dp_accounting.GaussianDpEvent(z)
+        if spec.sampling is Sampling.FULL:  # no sampling: the Gaussian itself each round
+            return dp_accounting.SelfComposedDpEvent(gaussian, spec.rounds)
         if spec.sampling is Sampling.UNIFORM:
             round_event = dp_accounting.SampledWithoutReplacementDpEvent(
                 source_dataset_size=spec.population,
@@ -602,12 +631,15 @@ def rdp_curve(spec: AccountingSpec) -> np.ndarray:
 
 def _analysis_name(spec: AccountingSpec) -> str:
     if spec.mechanism in _SAMPLED_GAUSSIAN:
-        sampling = (
-            "uniform sampling without replacement"
-            if spec.sampling is Sampling.UNIFORM
-            else "Poisson sampling"
+        sampling = {
+            Sampling.UNIFORM: "uniform sampling without replacement",
+            Sampling.POISSON: "Poisson sampling",
+        }.get(spec.sampling)
+        what = (
+            f"sampled Gaussian ({sampling})"
+            if sampling
+            else "Gaussian composed over the rounds (every user each round, no amplification)"
         )
-        what = f"sampled Gaussian ({sampling})"
         if spec.sampling is Sampling.UNIFORM and spec.accountant is Accountant.PLD:
             what += ", symmetric dominating pair (tight)"
         if spec.mechanism is Mechanism.LOGIT_DP:
@@ -723,7 +755,12 @@ def _compute_privacy(spec: AccountingSpec) -> PrivacyResult:
         if is_tree:
             # PLD has no tree event; the whole release is Gaussian with sensitivity sqrt(S).
             event = dp_accounting.GaussianDpEvent(1 / math.sqrt(2 * zcdp_rho))
-        _check_pld_noise(event.noise_multiplier if is_tree else z)
+        if is_tree:
+            _check_pld_noise(event.noise_multiplier)
+        elif spec.sampling is Sampling.FULL:  # the rounds compose to one narrower Gaussian
+            _check_pld_noise(z / math.sqrt(spec.rounds))
+        else:
+            _check_pld_noise(z)
         pld_accountant.compose(event)
         epsilon, rdp_order = pld_accountant.get_epsilon(spec.delta), None
     return PrivacyResult(

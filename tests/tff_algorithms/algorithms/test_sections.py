@@ -70,6 +70,10 @@ def test_a_section_sets_the_settings_and_the_schedule_counts_and_is_recorded(
         (FDML, {"group_per_round": 3}, "unknown setting fdml.group_per_round (did you mean"),
         (LOGIT_DP, {"scale": 0}, "logit_dp.scale must be finite and in (0, 100)"),
         (LOGIT_DP, {"users_per_step": 8}, "(logit_dp.users_per_step): Logit-DP sensitivity"),
+        (LOGIT_DP, {"optimizer": "nadam"}, "logit_dp.optimizer must be one of sgd, adam, lamb"),
+        (LOGIT_DP, {"adam_epsilon": 0}, "logit_dp.adam_epsilon must be finite and in (0, 1)"),
+        (LOGIT_DP, {"weight_decay": 0.1}, "logit_dp.weight_decay applies to the adam and lamb"),
+        (DP_SGD, {"optimizer": "lamb", "adam_beta1": -0.1}, "dp_sgd.adam_beta1 must be finite"),
         (DP_SGD, {"users_per_step": 0}, "virtual_clients_per_round must be >= 1"),
     ],
 )
@@ -116,6 +120,11 @@ def test_a_record_of_the_release_before_reads_as_the_same_job():
     flat.update(users_per_virtual_client=1, virtual_clients_per_round=20, logit_scale=0.5)
     assert job_config.current_layout(flat) == record
     assert job_config.TrainJobConfig.from_dict(flat) == config
+    # A section recorded before its optimizer keys existed (issue 42) is the same job.
+    dp_sgd = job_config.TrainJobConfig.from_dict({"algorithm": DP_SGD, "noise_multiplier": 1.0})
+    record = dp_sgd.to_dict()
+    before = {**record, "dp_sgd": {"users_per_step": record["dp_sgd"]["users_per_step"]}}
+    assert job_config.current_layout(before) == record
 
 
 # The pipeline's config file.
@@ -194,7 +203,8 @@ def test_the_pretraining_job_reads_logit_dp_s_section(capsys):
         ],
     )
     job = config.pretrain_job_dict()
-    assert job["logit_dp"] == {"users_per_step": 40, "scale": 0.5}
+    assert job["logit_dp"]["users_per_step"] == 40 and job["logit_dp"]["scale"] == 0.5
+    assert job["logit_dp"]["optimizer"] == "sgd"
     assert _stderr_lines(capsys) == [
         "dp-fedemb: warning: config pretrain.job.logit_scale is deprecated for logit-dp: use "
         "pretrain.job.logit_dp.scale (the old name is refused after release 0.1.0)"

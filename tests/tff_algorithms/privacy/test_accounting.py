@@ -11,6 +11,7 @@ test_paper_figure_2_single_digit_claims (the accounting module docstring has the
 
 import dataclasses
 import math
+import re
 import struct
 
 import numpy as np
@@ -500,3 +501,54 @@ def test_job_config_imports_neither_dp_accounting_nor_tensorflow():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _composed_gaussian_epsilon(rounds: int, noise_multiplier: float, delta: float) -> float:
+    """Full batch from first principles: each round one user's clipped update can be
+    replaced (sum moves by up to 2 clips) under N(0, (z·clip)²), so `rounds` rounds are one
+    Gaussian mechanism with μ = sqrt(rounds)·2/z; ε solves the analytic Gaussian's
+    δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Balle and Wang 2018)."""
+    from scipy import optimize, stats
+
+    mu = math.sqrt(rounds) * 2 / noise_multiplier
+
+    def excess(eps: float) -> float:
+        tail = stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(
+            -eps / mu - mu / 2
+        )
+        return tail - delta
+
+    return optimize.brentq(excess, 0.0, 100.0, xtol=1e-12)
+
+
+@pytest.mark.parametrize("rounds, noise, delta", [(1, 2.0, 1e-5), (3, 5.0, 1e-6), (10, 8.0, 1e-4)])
+def test_full_batch_is_the_composed_gaussian_without_amplification(rounds, noise, delta):
+    spec = AccountingSpec(500, 500, rounds, noise, delta, sampling="full")
+    assert spec.neighboring_relation is accounting.NeighboringRelation.REPLACE_ONE
+    assert spec.accountant is accounting.Accountant.PLD and spec.sensitivity_in_clips == 2
+    exact = _composed_gaussian_epsilon(rounds, noise, delta)
+    pld = accounting.compute_privacy(spec, rdp_cross_check=True)
+    # PLD's pessimistic grid (PLD_DISCRETIZATION) sits just above the exact value; RDP
+    # is an upper bound.
+    assert exact <= pld.epsilon <= exact + 1e-4
+    assert pld.epsilon_rdp > exact
+    assert "no amplification" in pld.analysis
+    # Sampling a strict subset each round would be cheaper: the amplification full
+    # batch does not get.
+    sampled = AccountingSpec(500, 250, rounds, noise, delta)
+    assert accounting.compute_privacy(sampled).epsilon < exact
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"users_per_round": 499}, "users per round (499) must equal the population (500)"),
+        ({"convention": "paper"}, "full sampling has no paper convention"),
+        ({"neighboring_relation": "add_or_remove_one"}, "no privacy analysis for mechanism"),
+    ],
+)
+def test_full_batch_refusals_are_one_line(changes, message):
+    values = {"population": 500, "users_per_round": 500, "rounds": 1, "noise_multiplier": 2.0}
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        AccountingSpec(**{**values, "delta": 1e-5, "sampling": "full", **changes})
+    assert "\n" not in str(e.value)

@@ -18,7 +18,7 @@ from beam_jobs import schedule
 from tff_algorithms.algorithms import registry, rules
 from tff_algorithms.algorithms.logit_dp.sensitivity import MAX_SCALE, check_logit_dp_config
 from tff_algorithms.base import validation
-from tff_algorithms.config import recipes
+from tff_algorithms.config import model_config, recipes
 from tff_algorithms.privacy import accounting
 
 
@@ -29,12 +29,21 @@ class LogitDpSettings:
     Attributes:
       scale: s, the scale of its cosine logits (1/temperature); the sensitivity
         C(n, s, B) grows with it (`logit_dp_sensitivity`).
+      optimizer, adam_beta1, adam_beta2, adam_epsilon, weight_decay: what applies the
+        noised mean gradient (issue 42; `model_config.check_optimizer_settings`):
+        momentum SGD (`server_momentum`), Adam or LAMB; post-processing.
     """
 
     scale: float = 1.0
+    optimizer: str = model_config.SGD
+    adam_beta1: float = model_config.ADAM_KEYS["adam_beta1"]
+    adam_beta2: float = model_config.ADAM_KEYS["adam_beta2"]
+    adam_epsilon: float = model_config.ADAM_KEYS["adam_epsilon"]
+    weight_decay: float = model_config.ADAM_KEYS["weight_decay"]
 
     def __post_init__(self) -> None:
         validation.check_number("logit_dp.scale", self.scale, 0, MAX_SCALE, low_open=True)
+        model_config.check_optimizer_settings("logit_dp", self)
 
 
 SECTION = registry.Section(
@@ -48,6 +57,7 @@ SECTION = registry.Section(
         "users_per_step": "users a step, one positive pair each (n; or auto: the most the "
         "users fill)",
         "scale": "scale s of its cosine logits (1/temperature)",
+        **model_config.OPTIMIZER_DESCRIBE,
     },
 )
 
@@ -65,6 +75,7 @@ def _check_logit_dp_job(config: Any) -> None:
     for name in ("over_selection", "failure_injection_rate"):
         if getattr(config, name):
             raise ValueError(f"{name} applies to federated rounds, not to logit-dp: set it to 0")
+    model_config.check_optimizer_momentum("logit_dp", config.settings, config.server_momentum)
     if config.virtual_clients_per_round != schedule.AUTO:
         try:
             check_logit_dp_config(

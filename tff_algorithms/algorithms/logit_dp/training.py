@@ -20,8 +20,9 @@ The privacy unit is the user. Each step t:
    substitute-one neighbour of a step's batch replaces one pair: the relation
    `logit_dp_sensitivity.logit_dp_sensitivity` bounds.
 3. The clipped sum Σ τ_ij·clip_B(∇S_ij) (`logit_dp.clipped_gradient_by_rows`) plus
-   N(0, (σ·C(n, s, B))²) (`logit_dp.logit_dp_noised_gradient`), divided by n, is one
-   momentum-SGD step (post-processing of the release).
+   N(0, (σ·C(n, s, B))²) (`logit_dp.logit_dp_noised_gradient`), divided by n, is the
+   gradient of one step of `logit_dp.optimizer`: momentum SGD, Adam or LAMB
+   (`tff_algorithms.modeling.optimizers`; post-processing of the release).
 
 Which images form a pair is drawn from the secret schedule seed and the step (as the
 users are); the noise from the noise seed and the step. Both seeds are in the
@@ -45,7 +46,7 @@ from tff_algorithms.config.job_config import schedule_for
 from tff_algorithms.federated import client_data
 from tff_algorithms.jobs import private_steps
 from tff_algorithms.jobs.job_outputs import JobOutcome
-from tff_algorithms.modeling import models
+from tff_algorithms.modeling import models, optimizers
 
 if TYPE_CHECKING:
     from tff_algorithms.jobs.job_inputs import JobInputs
@@ -126,8 +127,8 @@ def train_logit_dp(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     model = models.build_backbone(config.backbone_config, seed=config.seed)
     if inputs.pretrained is not None:
         models.assign_backbone_weights(model, inputs.pretrained)
-    optimizer = tf.keras.optimizers.SGD(
-        learning_rate=config.server_learning_rate, momentum=config.server_momentum
+    optimizer = optimizers.from_settings(
+        config.settings, config.server_learning_rate, config.server_momentum
     )
     variables = list(model.trainable_variables)
     n = int(config.virtual_clients_per_round)

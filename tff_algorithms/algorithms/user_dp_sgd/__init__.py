@@ -3,7 +3,10 @@ item 2; `registry.Algorithm`s), and their recipes.
 
 Both read their `dp_sgd` section (`SECTION`, `config`): `rounds`
 steps of `dp_sgd.users_per_step` single users, each user's gradient clipped,
-noise on the sum, accounted as DP-FedEmb with one user per virtual client.
+noise on the sum, accounted as DP-FedEmb with one user per virtual client; with
+`dp_sgd.full_batch` every training user each step, accounted as that many Gaussian
+mechanisms without amplification (`accounting.Sampling.FULL`, `_accounting`).
+The noised mean gradient goes to `dp_sgd.optimizer` (sgd, adam, lamb).
 dp-last-layer trains the zero-initialised embedding layer alone on cached features of
 the frozen prefix. Each takes its recipe over the private recipe when chosen
 (`recipes.own_recipe_values`). The trainers (below) import `tff_algorithms.algorithms.user_dp_sgd.training`
@@ -19,12 +22,14 @@ from tff_algorithms.algorithms import registry, rules
 from tff_algorithms.algorithms.user_dp_sgd.config import (
     DESCRIBE,
     DpSgdSettings,
+    check_full_batch_fills,
     check_last_layer_job,
     check_user_dp_sgd_job,
 )
 from tff_algorithms.privacy import accounting
 
-# Both algorithms' own settings: a step samples single users by the shared schedule.
+# Both algorithms' own settings: a step samples single users by the shared schedule
+# (or takes them all, `full_batch`).
 SECTION = registry.Section(
     name="dp_sgd",
     settings=DpSgdSettings,
@@ -67,6 +72,22 @@ DP_LAST_LAYER_RECIPE: Mapping[str, Any] = {
 }
 
 
+def _accounting(config: Any, num_users: int, delta: float) -> accounting.AccountingSpec:
+    """Full batch: every user in each of `rounds` steps, no sampling to amplify by
+    (`accounting.Sampling.FULL`); else the sampled schedule's (`rules`)."""
+    if not config.settings.full_batch:
+        return rules.scheduled_accounting(config, num_users, delta)
+    return accounting.AccountingSpec(
+        population=num_users,
+        users_per_round=num_users,
+        rounds=config.rounds,
+        noise_multiplier=config.noise_multiplier,
+        delta=delta,
+        mechanism=accounting.Mechanism.DPSGD,
+        sampling=accounting.Sampling.FULL,
+    )
+
+
 def train_dp_sgd_centralized(inputs: Any, schedule_seed: int) -> Any:
     """dp-sgd-centralized's trainer (`user_dp_sgd.train_user_dp_sgd`)."""
     from tff_algorithms.algorithms.user_dp_sgd import (
@@ -92,12 +113,12 @@ DP_SGD_CENTRALIZED = registry.register(
         "gradient clipped; takes its recipe over --recipe",
         private=True,
         trainer="tff_algorithms.algorithms.user_dp_sgd:train_dp_sgd_centralized",
-        accounting_rule=rules.scheduled_accounting,
+        accounting_rule=_accounting,
         mechanism=accounting.Mechanism.DPSGD,
         recipe=DP_SGD_CENTRALIZED_RECIPE,
         section=SECTION,
         check_job=check_user_dp_sgd_job,
-        check_round_fill=rules.check_schedule_fills,
+        check_round_fill=check_full_batch_fills,
         rounds_are="user-level DP-SGD steps (one clipped gradient per sampled user)",
         pipeline_trains=True,
     )
@@ -109,14 +130,14 @@ DP_LAST_LAYER = registry.register(
         "features of the frozen prefix; takes its recipe over --recipe",
         private=True,
         trainer="tff_algorithms.algorithms.user_dp_sgd:train_dp_last_layer",
-        accounting_rule=rules.scheduled_accounting,
+        accounting_rule=_accounting,
         mechanism=accounting.Mechanism.DPSGD,
         recipe=DP_LAST_LAYER_RECIPE,
         # It trains the embedding layer alone whatever the prefix holds.
         keeps_recipe_layers=True,
         section=SECTION,
         check_job=check_last_layer_job,
-        check_round_fill=rules.check_schedule_fills,
+        check_round_fill=check_full_batch_fills,
         rounds_are="user-level DP-SGD steps of the embedding layer on cached features",
         # Always on the cache of its frozen prefix (`user_dp_sgd`).
         cacheable=True,

@@ -7,15 +7,18 @@ job's, as for the other algorithms. The privacy unit is the user. Each step t:
 
 1. The job's schedule (`job_config.schedule_for`, sampled mode, one user per virtual
    client) draws n = `virtual_clients_per_round` users uniformly without replacement,
-   the sampling DP-FedEmb's rounds use.
+   the sampling DP-FedEmb's rounds use; with `dp_sgd.full_batch` the step takes every
+   training user instead (n = all of them, no sampling; issue 42).
 2. Each sampled user's examples (at most `max_examples_per_client`, a subset drawn from
    the secret schedule seed and the step when it holds more) give one gradient: of the
    mean head loss over them, with respect to every trained variable (the trained
    model's trainable variables and the global head, one row per training identity, as
    DP-FedAvg's and the oracle's). It is clipped to L2 norm `clip_norm` over all of them
    together; a gradient that is not finite counts as zero.
-3. The clipped sum plus N(0, (z·clip_norm)²) on every coordinate, divided by n, is one
-   momentum-SGD step (`server_learning_rate`, `server_momentum`): post-processing.
+3. The clipped sum plus N(0, (z·clip_norm)²) on every coordinate, divided by n, is the
+   gradient of one step of `dp_sgd.optimizer` at `server_learning_rate`: momentum SGD
+   (`server_momentum`), Adam or LAMB (`tff_algorithms.modeling.optimizers`; the seed
+   paper's Algorithm 1). Post-processing: the accounting is the same for each.
 
 Accounting: a user is in at most one row of a step, and its whole part in the step is
 one clipped gradient, so the sum is DP-FedEmb's with one user per virtual client:
@@ -23,6 +26,9 @@ one clipped gradient, so the sum is DP-FedEmb's with one user per virtual client
 sensitivity 2·clip_norm under the strict convention (dp_accounting is given z/2;
 `job_config.accounting_spec_for`, the same spec `dp-fedemb privacy --mechanism dpsgd`
 accounts).
+Full batch (`dp_sgd.full_batch`): every user in every step, so no amplification:
+`accounting.Sampling.FULL`, the Gaussian mechanism composed over the steps, same
+sensitivity (docs/privacy.md, "Full-batch steps").
 The global head's rows are the training identities, listed from the data: the caveat of
 DP-FedAvg's global head (which rows exist, and in which order, is not privatised; the
 head is never exported), which the accounting above does not cover.
@@ -73,13 +79,13 @@ import numpy as np
 import tensorflow as tf
 
 from beam_jobs import partition
-from tff_algorithms.algorithms.user_dp_sgd.config import EMBEDDING_LAYER
+from tff_algorithms.algorithms.user_dp_sgd.config import EMBEDDING_LAYER, DpSgdSettings
 from tff_algorithms.config.client_config import SOFTMAX, HeadLossConfig
 from tff_algorithms.config.job_config import schedule_for
 from tff_algorithms.federated import client_data, feature_cache, local_training
 from tff_algorithms.jobs import private_steps
 from tff_algorithms.jobs.job_outputs import JobOutcome
-from tff_algorithms.modeling import models
+from tff_algorithms.modeling import models, optimizers
 
 if TYPE_CHECKING:
     from tff_algorithms.jobs.job_inputs import JobInputs
@@ -122,7 +128,8 @@ def _example_subsets(
 
 class StepSource:
     """The users and examples of each step (module docstring, steps 1-2): a user's
-    records come from its byte range of the partition (the reader's shard index)."""
+    records come from its byte range of the partition (the reader's shard index).
+    `full_batch`: every user of `user_ids` each step."""
 
     def __init__(
         self,
@@ -130,8 +137,10 @@ class StepSource:
         examples: UserExamples,
         user_ids: Sequence[str],
         schedule_seed: int,
+        *,
+        full_batch: bool = False,
     ) -> None:
-        self._plan = schedule_for(config, len(user_ids), schedule_seed)
+        self._plan = None if full_batch else schedule_for(config, len(user_ids), schedule_seed)
         self._reader = partition.PartitionReader(examples.partition_dir)
         self._user_ids = list(user_ids)
         self._seed = schedule_seed
@@ -154,7 +163,10 @@ class StepSource:
         self._decode = decode
 
     def users(self, step: int) -> list[str]:
-        """The step's sampled users (the schedule's round `step`, one user per group)."""
+        """The step's sampled users (the schedule's round `step`, one user per group), or
+        every user in full batch."""
+        if self._plan is None:
+            return list(self._user_ids)
         return [self._user_ids[int(i)] for i in np.ravel(self._plan.round_user_indices(step))]
 
     def batch(self, step: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -208,6 +220,12 @@ class UserDpSgd:
     model: image (or features) -> embedding; its trainable variables train.
     head: the global head kernel [embedding_size, identities].
     vocabulary: `local_training.training_identity_vocabulary`.
+    settings: the `dp_sgd` section: which optimizer applies the noised gradient, and
+      the sigmoid head (None: its defaults, momentum SGD and softmax).
+
+    With `settings.sigmoid_head` the logits are eᵀω + b, b a trained per-identity bias
+    (`head_bias`, starting at `settings.head_bias`), each scored by sigmoid
+    cross-entropy against its one-hot label and summed over identities.
     """
 
     def __init__(
@@ -222,11 +240,20 @@ class UserDpSgd:
         users_per_step: int,
         learning_rate: float,
         momentum: float,
+        settings: DpSgdSettings | None = None,
     ) -> None:
+        settings = settings if settings is not None else DpSgdSettings()
         self.model = model
         self.head = head
+        self.head_bias = (
+            tf.Variable(tf.fill([len(vocabulary)], float(settings.head_bias)))
+            if settings.sigmoid_head
+            else None
+        )
         self.variables = [*model.trainable_variables, head]
-        self.optimizer = tf.keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum)
+        if self.head_bias is not None:
+            self.variables.append(self.head_bias)
+        self.optimizer = optimizers.from_settings(settings, learning_rate, momentum)
         self.optimizer.build(self.variables)
         self._vocabulary = tf.constant(vocabulary, tf.int64)
         self._rows = len(vocabulary)
@@ -244,16 +271,26 @@ class UserDpSgd:
         )
         with tf.GradientTape() as tape:
             embeddings = self.model(x, training=False)  # per example: no batch statistics
-            loss = local_training.head_loss(
-                local_training.head_logits(embeddings, self.head, labels, self._loss),
-                labels,
-                tf.logical_and(real, usable),
-            )
+            weights = tf.cast(tf.logical_and(real, usable), tf.float32)
+            per_example = self._example_loss(labels, self._logits(embeddings, labels))
+            loss = tf.reduce_sum(per_example * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
         gradients = tape.gradient(
             loss, self.variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
         gradients, _ = local_training.zero_if_not_finite(gradients)
         return clip_by_global_norm(gradients, self._clip)
+
+    def _logits(self, embeddings: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+        logits = local_training.head_logits(embeddings, self.head, labels, self._loss)
+        return logits if self.head_bias is None else logits + self.head_bias
+
+    def _example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+        """Each example's loss: softmax cross-entropy, or the sigmoid head's summed
+        one-vs-all sigmoid cross-entropy."""
+        if self.head_bias is None:
+            return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+        targets = tf.one_hot(labels, self._rows, dtype=logits.dtype)
+        return tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(targets, logits), 1)
 
     def clipped_sum(self, x: tf.Tensor, identity: tf.Tensor, real: tf.Tensor) -> list[tf.Tensor]:
         """Σ_users clip(∇ user loss): one tape per user in a while loop, or for a
@@ -277,12 +314,12 @@ class UserDpSgd:
         self, x: tf.Tensor, identity: tf.Tensor, real: tf.Tensor
     ) -> list[tf.Tensor]:
         """`clipped_sum` of a model that is one dense layer e = Wᵀf + b under the softmax
-        head (logits eᵀH), from one batched backward pass.
+        head (logits eᵀH, plus the sigmoid head's bias c), from one batched backward pass.
 
         Per example i the gradients are rank one: f_i δ_iᵀ (W), δ_i (b) and e_i g_iᵀ (H),
-        with δ_i = ∂L/∂e_i and g_i = ∂L/∂logits_i of the user's mean loss. A user's
-        squared norm is then Σ_ij (f_i·f_j)(δ_i·δ_j) + ‖Σ_i δ_i‖² + Σ_ij (e_i·e_j)(g_i·g_j)
-        (its examples' Gram matrices), and the sum of the clipped gradients is those
+        with δ_i = ∂L/∂e_i and g_i = ∂L/∂logits_i of the user's mean loss, and g_i (c). A
+        user's squared norm is then Σ_ij (f_i·f_j)(δ_i·δ_j) + ‖Σ_i δ_i‖² + Σ_ij (e_i·e_j)
+        (g_i·g_j) + ‖Σ_i g_i‖² (its examples' Gram matrices), and the sum of the clipped gradients is those
         outer products with each user's rows scaled by its clip factor: no per-user
         gradient is materialised (dp-last-layer's steps of a thousand users).
         """
@@ -299,10 +336,8 @@ class UserDpSgd:
         weight = tf.reshape(weight / tf.maximum(tf.reduce_sum(weight, 1, keepdims=True), 1.0), [-1])
         with tf.GradientTape() as tape:
             embeddings = dense(features)
-            logits = local_training.head_logits(embeddings, self.head, labels, self._loss)
-            total = tf.reduce_sum(
-                weight * tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
-            )
+            logits = self._logits(embeddings, labels)
+            total = tf.reduce_sum(weight * self._example_loss(labels, logits))
         delta, g = tape.gradient(total, [embeddings, logits])
 
         def per_user(t: tf.Tensor) -> tf.Tensor:
@@ -316,6 +351,8 @@ class UserDpSgd:
         )
         if dense.use_bias:
             squared += tf.reduce_sum(tf.square(tf.reduce_sum(per_user(delta), 1)), 1)
+        if self.head_bias is not None:
+            squared += tf.reduce_sum(tf.square(tf.reduce_sum(per_user(g), 1)), 1)
         norm = tf.sqrt(squared)
         finite = tf.math.is_finite(norm)
         scale = tf.where(finite, tf.minimum(1.0, self._clip / tf.maximum(norm, 1e-30)), 0.0)
@@ -332,6 +369,8 @@ class UserDpSgd:
         }
         if dense.use_bias:
             sums[id(dense.bias)] = tf.reduce_sum(delta, 0)
+        if self.head_bias is not None:
+            sums[id(self.head_bias)] = tf.reduce_sum(g, 0)
         return [sums[id(v)] for v in self.variables]
 
     def _step(self, x: tf.Tensor, identity: tf.Tensor, real: tf.Tensor, seed: tf.Tensor) -> None:
@@ -420,15 +459,26 @@ def train_user_dp_sgd(inputs: JobInputs, schedule_seed: int, *, last_layer: bool
         users_per_step=config.virtual_clients_per_round,
         learning_rate=config.server_learning_rate,
         momentum=config.server_momentum,
+        settings=config.settings,
     )
-    source = StepSource(config, examples, inputs.user_ids, schedule_seed)
+    full_batch = config.settings.full_batch
+    if full_batch and config.virtual_clients_per_round != len(inputs.user_ids):
+        # `calibrated_for` resolves auto to every user; anything else is a planning bug.
+        raise ValueError(
+            f"dp_sgd.full_batch: {config.virtual_clients_per_round} users a step planned, "
+            f"{len(inputs.user_ids)} training users"
+        )
+    source = StepSource(config, examples, inputs.user_ids, schedule_seed, full_batch=full_batch)
 
     def step(t: int, seed: tf.Tensor) -> None:
         trainer.step(*source.batch(t), seed)
 
+    trained_state = {"model": backbone, "head": head, "optimizer": trainer.optimizer}
+    if trainer.head_bias is not None:
+        trained_state["head_bias"] = trainer.head_bias
     outcome = private_steps.run_steps(
         inputs,
-        {"model": backbone, "head": head, "optimizer": trainer.optimizer},
+        trained_state,
         step,
         lambda: models.backbone_weights(backbone),
     )

@@ -15,6 +15,7 @@ from tff_algorithms.algorithms.logit_dp import training as contrastive_training
 from tff_algorithms.config import job_config
 from tff_algorithms.federated import client_data
 from tff_algorithms.jobs import train_job
+from tff_algorithms.modeling import models
 from tff_algorithms.privacy import accounting
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
@@ -100,21 +101,43 @@ def test_history_releases_nothing_but_epsilon_time_and_held_out_evaluation(strai
         assert set(record) <= {"round", "epsilon", "round_seconds", "eval"}
 
 
-def test_the_model_moves(straight_run, data):
-    fresh = train_job.run_train_job(
-        dataclasses.replace(CONFIG, rounds=1, server_learning_rate=1e-12),
-        *data,
-        os.path.join(os.path.dirname(straight_run.output_dir), "barely"),
+def test_the_model_moves_and_dp_adam_first_step_moves_each_weight_by_lr(straight_run, data):
+    """The straight run moves the model; and with logit_dp.optimizer adam (issue 42) one
+    step from zero moments is lr·g/(|g|+ε) per coordinate of the noised gradient g, so
+    every trained weight moves by lr (up to ε/|g|, the noise keeping |g| far above ε)
+    whatever its gradient's size, unlike SGD's lr·g."""
+    lr = 1e-3
+    config = dataclasses.replace(
+        CONFIG, rounds=1, evaluate_every=0, server_learning_rate=lr, settings={"optimizer": "adam"}
     )
-    moved = [
+    one_step = train_job.run_train_job(
+        config, *data, os.path.join(os.path.dirname(straight_run.output_dir), "adam")
+    )
+    trained = models.load_pretrained_backbone(config.backbone_config, one_step.saved_model_dir)
+    start = models.build_backbone(config.backbone_config, seed=config.seed)
+    moved = np.concatenate(
+        [
+            np.abs(got.numpy() - before.numpy()).ravel()
+            for layer in models.all_layers(trained)
+            if layer.trainable_weights
+            for got, before in zip(
+                layer.trainable_weights, start.get_layer(layer.name).trainable_weights, strict=True
+            )
+        ]
+    )
+    steps = moved[moved > 0]
+    assert steps.size > 1000
+    np.testing.assert_allclose(steps, lr, rtol=1e-2)  # float32 rounding of w - lr
+    assert np.median(np.abs(steps / lr - 1)) < 1e-4
+    apart = [
         np.max(np.abs(a - b))
         for a, b in zip(
-            support.saved_backbone(fresh.saved_model_dir),
+            support.saved_backbone(one_step.saved_model_dir),
             support.saved_backbone(straight_run.saved_model_dir),
             strict=True,
         )
     ]
-    assert max(moved) > 1e-3
+    assert max(apart) > 1e-2  # 4 steps at lr 0.5 moved it much further than lr
 
 
 def test_each_step_takes_one_pair_from_each_of_n_distinct_users(data):

@@ -1,6 +1,6 @@
 """User-level DP-SGD baselines as jobs (issue 21 item 2): dp-sgd-centralized and
 dp-last-layer. Epsilon against dp_accounting, serving, the step against plain
-SGD computed here, refusals."""
+SGD and Adam computed here, full batch (issue 42), refusals."""
 
 import dataclasses
 import io
@@ -13,12 +13,14 @@ import tensorflow as tf
 from PIL import Image
 
 from tests import support
+from tff_algorithms.algorithms.user_dp_sgd import DpSgdSettings
 from tff_algorithms.algorithms.user_dp_sgd import training as user_dp_sgd
 from tff_algorithms.base import job_files
 from tff_algorithms.config import job_config
 from tff_algorithms.config.client_config import HeadLossConfig
 from tff_algorithms.jobs import train_job
 from tff_algorithms.modeling import models
+from tff_algorithms.privacy import accounting
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
 pytestmark = pytest.mark.slow
@@ -208,12 +210,26 @@ def test_a_user_with_fewer_examples_is_padded_and_masked():
 
 
 def test_dp_last_layer_trains_the_zero_initialised_embedding_on_cached_features(data, tmp_path):
-    result = train_job.run_train_job(LAST_LAYER, *data, str(tmp_path / "last"))
+    # The seed's form (issue 42): every user in each of 2 steps, DP-Adam. (The sampled
+    # schedule's accounting is `straight_run`'s.)
+    config = dataclasses.replace(
+        LAST_LAYER,
+        virtual_clients_per_round="auto",
+        server_momentum=0.0,
+        server_learning_rate=1e-3,
+        settings={"optimizer": "adam", "full_batch": True},
+    )
+    result = train_job.run_train_job(config, *data, str(tmp_path / "last"))
     delta = TRAIN_IDENTITIES**-1.1
-    # dp_accounting's own RDP is the cross-check; the default (tight PLD) lies below it.
-    independent = _independent_epsilon(2, 1.0, delta)
-    assert result.metrics["epsilon_rdp"] == pytest.approx(independent, rel=1e-9)
-    assert result.metrics["epsilon"] < independent
+    # No amplification: 2 Gaussians of sensitivity 2·clip composed, the full-batch spec
+    # (tests/tff_algorithms/privacy/test_accounting.py checks it against the closed form).
+    full = accounting.AccountingSpec(
+        TRAIN_IDENTITIES, TRAIN_IDENTITIES, 2, 1.0, delta, sampling="full"
+    )
+    assert result.metrics["epsilon"] == pytest.approx(accounting.compute_privacy(full).epsilon)
+    ledger = json.loads(open(result.ledger_path).read())
+    assert ledger["spec"]["sampling"] == "full"
+    assert ledger["spec"]["users_per_round"] == ledger["spec"]["population"] == TRAIN_IDENTITIES
     trained = models.load_pretrained_backbone(LAST_LAYER.backbone_config, result.saved_model_dir)
     initial = models.build_backbone(LAST_LAYER.backbone_config, seed=LAST_LAYER.seed)
     for layer in (layer for layer in models.all_layers(trained) if layer.weights):
@@ -236,12 +252,147 @@ def test_dp_last_layer_trains_the_zero_initialised_embedding_on_cached_features(
         (LAST_LAYER, {"trainable_layers": ("conv*", "embedding")}, "trains the embedding layer"),
         (LAST_LAYER, {"head_loss": "cosface"}, "set head_loss to softmax"),
         (LAST_LAYER, {"cache_features": False}, "set cache_features to null or true"),
+        (
+            CONFIG,
+            {"settings": {"optimizer": "adagrad"}},
+            "dp_sgd.optimizer must be one of sgd, adam, lamb",
+        ),
+        (
+            CONFIG,
+            {"settings": {"adam_beta1": 0.5}},
+            "dp_sgd.adam_beta1 applies to the adam and lamb",
+        ),
+        (
+            CONFIG,
+            {"settings": {"optimizer": "lamb"}},
+            "server_momentum applies to the sgd optimizer",
+        ),
+        (
+            CONFIG,
+            {"settings": {"optimizer": "adam", "adam_beta2": 1.0}, "server_momentum": 0.0},
+            "dp_sgd.adam_beta2 must be finite and in .0, 1., got 1.0",
+        ),
+        (CONFIG, {"settings": {"full_batch": 1}}, "dp_sgd.full_batch must be a boolean"),
+        (CONFIG, {"settings": {"head_bias": -5.0}}, "dp_sgd.head_bias applies to the sigmoid head"),
+        (
+            CONFIG,
+            {"settings": {"sigmoid_head": True}, "head_loss": "cosface"},
+            "dp_sgd.sigmoid_head scores the softmax head's logits: set head_loss to softmax",
+        ),
     ],
 )
 def test_config_refusals_are_one_line(config, changes, message):
     with pytest.raises(ValueError, match=message) as e:
         dataclasses.replace(config, **changes)
     assert "\n" not in str(e.value)
+
+
+def test_full_batch_takes_every_user_each_step_and_is_accounted_without_sampling(data):
+    full = dataclasses.replace(
+        CONFIG, virtual_clients_per_round="auto", settings={"full_batch": True}
+    )
+    with pytest.raises(ValueError, match="set dp_sgd.users_per_step to auto") as e:
+        dataclasses.replace(full, virtual_clients_per_round=8).calibrated_for(TRAIN_IDENTITIES)
+    assert "\n" not in str(e.value)
+    planned, _ = full.calibrated_for(TRAIN_IDENTITIES)
+    assert planned.virtual_clients_per_round == TRAIN_IDENTITIES
+    spec = job_config.accounting_spec_for(planned, TRAIN_IDENTITIES)
+    # Not the sampled schedule at q = 1: the explicit no-sampling analysis.
+    assert spec.sampling.value == "full" and spec.population == spec.users_per_round == 32
+    from beam_jobs import partition
+
+    users = partition.PartitionReader(data[0]).user_ids()
+    source = user_dp_sgd.StepSource(
+        planned,
+        user_dp_sgd.image_examples(data[0], planned.image_shape),
+        users,
+        5,
+        full_batch=True,
+    )
+    assert source.users(0) == source.users(3) == list(users)
+
+
+def _dense_trainer(settings, clip, users, rows=7, width=20, size=5, learning_rate=0.1):
+    inputs = tf.keras.Input([width])
+    dense = tf.keras.layers.Dense(
+        size, kernel_initializer=tf.keras.initializers.GlorotUniform(1), bias_initializer="ones"
+    )
+    model = tf.keras.Model(inputs, dense(inputs))
+    names = [f"id{i}" for i in range(rows)]
+    vocabulary = np.unique(tf.strings.to_hash_bucket_fast(names, 2**62).numpy())
+    head = tf.Variable(models.initial_head_kernel(tf.constant([0, -1], tf.int64), size, rows))
+    trainer = user_dp_sgd.UserDpSgd(
+        model,
+        head,
+        vocabulary,
+        HeadLossConfig("softmax"),
+        clip_norm=clip,
+        noise_multiplier=0.0,
+        users_per_step=users,
+        learning_rate=learning_rate,
+        momentum=0.0,
+        settings=settings,
+    )
+    return trainer, names, vocabulary
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "lamb"])
+def test_noiseless_adam_and_lamb_steps_take_the_mean_clipped_gradient(optimizer):
+    """One step of DP-Adam / DP-LAMB (the paper's Algorithm 1): lr·ḡ/(|ḡ|+ε) from zero
+    moments, ḡ the mean of the users' clipped gradients computed here; LAMB scales each
+    non-zero variable's step by ‖w‖/‖r‖."""
+    users, clip, lr, eps = 5, 0.1, 1e-3, 1e-8
+    settings = DpSgdSettings(optimizer=optimizer, adam_epsilon=eps)
+    trainer, names, vocabulary = _dense_trainer(settings, clip, users, learning_rate=lr)
+    rng = np.random.default_rng(2)
+    x = tf.constant(rng.normal(size=(users, 3, 20)).astype(np.float32))
+    identity = tf.constant(rng.choice(names, (users, 3)))
+    real = tf.constant(np.ones((users, 3), bool))
+    before = [v.numpy() for v in trainer.variables]
+    sgd = _reference_step(trainer.model, trainer.head, x, identity, real, vocabulary, clip, 1.0)
+    mean = [b - a for b, a in zip(before, sgd, strict=True)]
+    trainer.step(x, identity, real, tf.constant([1, 0], tf.int64))
+    for w, g, got in zip(before, mean, trainer.variables, strict=True):
+        r = g / (np.abs(g) + eps)
+        ratio = 1.0
+        if optimizer == "lamb" and np.linalg.norm(w) > 0:
+            ratio = np.linalg.norm(w) / np.linalg.norm(r)
+        np.testing.assert_allclose(got.numpy(), w - lr * ratio * r, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("shortcut", [True, False])
+def test_sigmoid_head_step_is_sgd_on_the_papers_loss_from_bias_minus_ten(shortcut):
+    """The seed paper's loss: logits eᵀω + c, c starting at -10, each identity's sigmoid
+    cross-entropy -y log σ(z) - (1-y) log(1-σ(z)) summed, written out here; one
+    noiseless SGD step on the mean of the users' clipped gradients."""
+    users, clip, lr = 4, 0.5, 0.1
+    settings = DpSgdSettings(sigmoid_head=True)
+    trainer, names, vocabulary = _dense_trainer(settings, clip, users, learning_rate=lr)
+    assert trainer.variables[-1] is trainer.head_bias
+    np.testing.assert_array_equal(trainer.head_bias.numpy(), np.full(7, -10.0))
+    if not shortcut:
+        trainer._dense = None  # one tape per user
+    rng = np.random.default_rng(3)
+    x = tf.constant(rng.normal(size=(users, 3, 20)).astype(np.float32))
+    identity = tf.constant(rng.choice(names, (users, 3)))
+    labels = np.searchsorted(vocabulary, tf.strings.to_hash_bucket_fast(identity, 2**62).numpy())
+    variables = trainer.variables
+    before = [v.numpy() for v in variables]
+    total = [np.zeros(v.shape) for v in before]
+    for k in range(users):
+        with tf.GradientTape() as tape:
+            z = tf.matmul(trainer.model(x[k]), trainer.head) + trainer.head_bias
+            y = tf.constant(np.eye(7)[labels[k]], tf.float32)
+            p = 1 / (1 + tf.exp(-z))
+            loss = tf.reduce_mean(
+                tf.reduce_sum(-y * tf.math.log(p) - (1 - y) * tf.math.log(1 - p), 1)
+            )
+        gradient = [g.numpy().astype(np.float64) for g in tape.gradient(loss, variables)]
+        norm = np.sqrt(sum(np.sum(g**2) for g in gradient))
+        total = [t + min(1.0, clip / norm) * g for t, g in zip(total, gradient, strict=True)]
+    trainer.step(x, identity, tf.constant(np.ones((users, 3), bool)), tf.constant([1, 0], tf.int64))
+    for w, t, got in zip(before, total, variables, strict=True):
+        np.testing.assert_allclose(got.numpy(), w - lr * t / users, rtol=1e-4, atol=1e-6)
 
 
 def test_dense_layer_shortcut_equals_one_tape_per_user(clip=0.1):
@@ -325,9 +476,19 @@ def test_the_cli_and_the_pipeline_take_each_baseline_recipe():
     for job in (cli.to_dict(), pipeline):
         assert job["algorithm"] == "dp-last-layer" and job["rounds"] == 7
         assert job["trainable_layers"] == ("embedding",) or job["trainable_layers"] == ["embedding"]
-        assert (job["dp_sgd"], job["head_loss"]) == ({"users_per_step": 1024}, "softmax")
+        defaults = dataclasses.asdict(DpSgdSettings())
+        assert (job["dp_sgd"], job["head_loss"]) == (
+            {"users_per_step": 1024, **defaults},
+            "softmax",
+        )
     job = config_lib.load_config(
-        None, ["train.algorithm=dp-sgd-centralized", "train.dp_sgd.users_per_step=64"]
+        None,
+        [
+            "train.algorithm=dp-sgd-centralized",
+            "train.dp_sgd.users_per_step=64",
+            "train.dp_sgd.optimizer=adam",
+            "train.server_momentum=0",
+        ],
     ).train_job_dict()
-    assert job["dp_sgd"] == {"users_per_step": 64}
+    assert job["dp_sgd"] == {**defaults, "users_per_step": 64, "optimizer": "adam"}
     assert job_config.TrainJobConfig.from_dict(job).users_per_virtual_client == 1
