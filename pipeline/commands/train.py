@@ -227,9 +227,12 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "cluster_size": "class centers averaged per released center (T)",
         "margin": "cluster margin rho, radians in (0, pi]",
         "noise_multiplier": "DPLC noise std / the cluster mean's sensitivity (sigma)",
+        "logit": "how local heads score a released center: cap (s*cos(max(theta - margin, "
+        "0)), PrivacyFace's cap margin) or row (s*cos(theta), one more head row)",
     }
+    kinds = {"margin": "float", "noise_multiplier": "float", "logit": "string"}
     for flag, field in _SHARED_NEGATIVES_FLAGS.items():
-        kind = "float" if field in ("margin", "noise_multiplier") else "integer"
+        kind = kinds.get(field, "integer")
         define(
             kind,
             flag,
