@@ -9,8 +9,11 @@ row releases every `every_rounds` rounds and its training noise multiplier is ca
 releases together cost the baseline's ε: the releases are paid for with training noise.
 Two release settings: many noisy centers of clusters of 128, and a few cleaner ones of
 clusters of 512 (noise norm per released center about 1.5 and 0.37 of a unit center
-before normalisation). The noiseless pair (z = 0, ε ∞) tells whether the negatives help
-the local heads at all, apart from the privacy trade.
+before normalisation). The local heads score the released centers with PrivacyFace's cap
+margin, s·cos(max(θ − ρ, 0)) at the release's ρ (`shared_negatives.logit: cap`, the
+default). The noiseless rows (z = 0, ε ∞) tell whether the negatives help the local
+heads at all, apart from the privacy trade, under the cap margin and under the plain
+head-row scoring s·cos θ (`logit: row`, the scoring before issue 42).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def _describe(config: job_config.TrainJobConfig, result: job_outputs.TrainJobRes
         row["shared_negatives"] = {
             **{k: shared[k] for k in ("every_rounds", "pool_users", "num_clusters")},
             **{k: shared[k] for k in ("cluster_size", "margin", "noise_multiplier")},
+            "logit": config.shared_negatives.logit,
             "releases": shared["releases"],
             "releases_epsilon": shared["releases_epsilon"],
             # Per released center, before normalisation: noise std x sqrt(d) vs norm <= 1.
@@ -99,6 +103,9 @@ def run(out_dir: str, quick: bool) -> dict:
     configs["dp-fedemb@z=0"] = dataclasses.replace(base, noise_multiplier=0.0)
     configs["dp-fedemb + shared negatives Q2 T512 @z=0"] = dataclasses.replace(
         base, noise_multiplier=0.0, shared_negatives=dict(noiseless_setting)
+    )
+    configs["dp-fedemb + shared negatives Q2 T512 @z=0, plain-row logit"] = dataclasses.replace(
+        base, noise_multiplier=0.0, shared_negatives=dict(noiseless_setting, logit="row")
     )
     rows = bench_training.train_each(
         "bench_shared_negatives", configs, data, work, _describe, pretrained.saved_model_dir

@@ -561,7 +561,14 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     for name in ("client-momentum", "server-momentum"):
         checks.number(name, value[name], 0, 1, high_open=True)
     for flag, field in _SHARED_NEGATIVES_FLAGS.items():
-        if field in ("margin", "noise_multiplier"):
+        if field == "logit":
+            logits = shared_negatives_config.LOGITS
+            if value[flag] is not None and value[flag] not in logits:
+                raise ValueError(
+                    f"--{flag} must be one of {', '.join(logits)}, got {checks.shown(value[flag])}"
+                    + checks.did_you_mean(value[flag], logits)
+                )
+        elif field in ("margin", "noise_multiplier"):
             checks.number(flag, value[flag], 0, low_open=True)
         else:
             checks.number(flag, value[flag], 1)

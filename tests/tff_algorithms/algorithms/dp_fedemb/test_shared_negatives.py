@@ -487,6 +487,7 @@ def test_bad_shared_negatives_flags_give_one_error_line(tmp_path, capsys):
     for extra, message in [
         (["--shared-negatives-pool-users=0"], "--shared-negatives-pool-users must be >= 1"),
         (["--shared-negatives-margin=-1"], "--shared-negatives-margin must be > 0"),
+        (["--shared-negatives-logit=arc"], "--shared-negatives-logit must be one of cap, row"),
         (
             ["--shared-negatives", "--algorithm=dp-fedavg"],
             "shared_negatives applies to dp-fedemb and dp-ftrl-fedemb",
