@@ -189,9 +189,9 @@ class _Silos:
         round_num: int,
         negatives: np.ndarray,
         negative_cap: float,
-    ) -> list[np.ndarray]:
+    ) -> tuple[list[np.ndarray], float]:
         """The silo's backbone update (initial − final) from the product's client loop,
-        the negatives' logits capped at angle `negative_cap`."""
+        the negatives' logits capped at angle `negative_cap`, and its mean local loss."""
         data = self.data[silo]
         examples = tf.data.Dataset.from_tensor_slices(
             {"image": data["images"], "identity": data["identities"]}
@@ -211,7 +211,7 @@ class _Silos:
         result, measurements = self._train(negative_cap)(initial, dataset, state)
         if int(measurements["reported"]) != 1:
             raise RuntimeError(f"silo {silo} dropped in round {round_num}: {measurements}")
-        return [t.numpy() for t in result.update]
+        return [t.numpy() for t in result.update], float(measurements["loss"])
 
 
 def _release_diagnostics(
@@ -262,15 +262,15 @@ def train(
     noise_multiplier: float | None,
     margin: float,
     cap_margin: bool = True,
-) -> tuple[tff.learning.models.ModelWeights, list[dict]]:
+) -> tuple[tff.learning.models.ModelWeights, list[dict], list[float]]:
     """M rounds of FedAvg over all silos; with `noise_multiplier` (None: FedAvg alone)
     each silo releases DPLC centers of margin `margin` before every round, which the
     other silos score with the cap margin at that ρ (`cap_margin`; else as plain head
-    rows). Returns (weights, diagnostics)."""
+    rows). Returns (weights, diagnostics, the silos' mean local loss by round)."""
     c, q, d = len(silos.data), sizes["num_clusters"], silos.backbone_config.embedding_size
     weights = initial
     previous: list[np.ndarray | None] = [None] * c
-    diagnostics = []
+    diagnostics, losses = [], []
     for round_num in range(sizes["silo_rounds"]):
         released = np.zeros((c, q, d))
         if noise_multiplier is not None:
@@ -305,17 +305,20 @@ def train(
             diagnostics.append(
                 {k: float(np.mean([r[k] for r in round_diag])) for k in round_diag[0]}
             )
-        updates = []
+        updates, round_losses = [], []
         for s in range(c):
             negatives = np.concatenate([released[k] for k in range(c) if k != s])
             cap = margin if cap_margin and noise_multiplier is not None else 0.0
-            updates.append(silos.local_update(weights, s, round_num, negatives, cap))
+            update, loss = silos.local_update(weights, s, round_num, negatives, cap)
+            updates.append(update)
+            round_losses.append(loss)
+        losses.append(float(np.mean(round_losses)))
         mean_update = [np.mean(parts, axis=0) for parts in zip(*updates)]
         weights = type(weights)(
             trainable=[w - u for w, u in zip(weights.trainable, mean_update, strict=True)],
             non_trainable=list(weights.non_trainable),
         )
-    return weights, diagnostics
+    return weights, diagnostics, losses
 
 
 def run(out_dir: str, quick: bool) -> dict:
@@ -342,9 +345,11 @@ def run(out_dir: str, quick: bool) -> dict:
         PAPER_MARGIN: (z, 1.3, True),
         PLAIN_ROW: (z, sizes["margin"], False),
     }
-    models_dirs, diagnostics, coverage_at_end = {}, {}, {}
+    models_dirs, diagnostics, coverage_at_end, losses = {}, {}, {}, {}
     for name, (noise, margin, cap_margin) in arms.items():
-        weights, diagnostics[name] = train(silos, start, sizes, noise, margin, cap_margin)
+        weights, diagnostics[name], losses[name] = train(
+            silos, start, sizes, noise, margin, cap_margin
+        )
         coverage_at_end[name] = _mean_coverage(silos, weights)
         models_dirs[name] = export.export_serving_model(
             config.backbone_config, weights, os.path.join(work, name.replace(" ", "_"))
@@ -419,6 +424,8 @@ def run(out_dir: str, quick: bool) -> dict:
         "margin_coverage_at_start": coverage,
         "margin_coverage_at_end": coverage_at_end,
         "release_diagnostics_by_round": diagnostics,
+        # The local loss includes the negatives' terms: it shows how much they weigh.
+        "client_loss_by_round": losses,
         "recall": {
             name: {
                 "recall_at_far": r["recall_at_far"],
