@@ -399,6 +399,28 @@ def test_shared_negatives_take_the_cap_margin_of_privacyface(loss):
     assert float(plain) < float(value)
 
 
+def test_softmax_heads_cap_the_negatives_on_their_own_scale():
+    """Softmax has no s: a negative scores ‖f‖·L·cos(max(θ − ρ, 0)), L the mean norm of
+    the active head rows (the length a plain row had)."""
+    rng = np.random.default_rng(3)
+    rho = 0.8
+    negatives = rng.normal(size=(2, 8))
+    units = negatives / np.linalg.norm(negatives, axis=1, keepdims=True)
+    embeddings = _at_angles(units[[0, 0, 1]], [0.3, 1.5, 2.9], rng) * [[2.0], [0.5], [4.0]]
+    kernel = rng.normal(size=(8, 4))
+    logits = local_training.head_logits(
+        tf.constant(embeddings, tf.float32), tf.constant(kernel, tf.float32),
+        tf.constant([0, 1, 2]), client_config.HeadLossConfig(), 3,
+        tf.constant(negatives, tf.float32), negative_cap=rho,
+    )  # fmt: skip
+    lengths = np.linalg.norm(embeddings, axis=1, keepdims=True)
+    theta = np.arccos(np.clip(embeddings / lengths @ units.T, -1, 1))
+    row_length = np.linalg.norm(kernel[:, :3], axis=0).mean()
+    expected = lengths * row_length * np.cos(np.maximum(theta - rho, 0.0))
+    np.testing.assert_allclose(logits[:, 4:], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits[0, 4], lengths[0, 0] * row_length, rtol=1e-5)
+
+
 def test_client_loss_takes_the_cap_of_its_config(initial_weights):
     """`ClientConfig.shared_negative_cap` reaches a real client's loss: its first (only)
     batch's loss, before any step, against the numpy formula on the same embeddings."""
