@@ -17,7 +17,9 @@ records it), so a released center would be the population's mean direction. ρ =
 covers about a quarter (the densest cap at the start), and T = 128 of 400 is that
 cap's size, as the paper's T = 512 is below its cluster's; the released center's noise
 norm σ·Δ·√d is then close to the paper's. One more arm keeps the paper's ρ = 1.3 as it
-is (same T and σ, so the same ε). `margin_coverage_at_end` records the same reach
+is (same T and σ, so the same ε), and one more scores the released centers as plain head
+rows, s·cos θ (`shared_negatives.logit: row`, the product's scoring before issue 42),
+for comparison with the cap margin. `margin_coverage_at_end` records the same reach
 under each arm's trained backbone.
 
 Each round, for every silo, from the same global backbone:
@@ -31,14 +33,15 @@ Each round, for every silo, from the same global backbone:
   product's public queries (`shared_negatives`: directions from a public seed at the
   first release, the silo's previous release after it) and exactly T members clipped onto
   the cap; the noisy centers are normalised and every OTHER silo passes them to its local
-  training as the fixed negative rows (`ClientConfig.shared_negative_rows`). FedAvg runs
-  the same trainer with those rows all zero, which the loss masks out exactly.
+  training as the fixed negative rows (`ClientConfig.shared_negative_rows`), scored with
+  the paper's cap margin μ = s·cos(max(θ − ρ, 0)) at the release's ρ
+  (`ClientConfig.shared_negative_cap`). FedAvg runs the same trainer with those rows all
+  zero, which the loss masks out exactly.
 
 The server averages the silos' backbone updates (FedAvg, server learning rate 1, as the
-paper). Differences from the paper, kept because they are the product's: the negative
-rows' logit is s·cos θ (the product's consensus term), not the paper's s·cos(max(θ − ρ,
-0)) that pushes a whole cap of angle ρ away; the queries are public (Alg. 1's selected
-query has sensitivity 2, `dplc.py`); heads restart at class means every round.
+paper). Differences from the paper, kept because they are the product's: the queries are
+public (Alg. 1's selected query has sensitivity 2, `dplc.py`); heads restart at class
+means every round.
 
 Privacy unit: ONE IDENTITY (one class center, one row of a silo's W), as in the paper's
 cross-silo setting. Neighbouring silo data sets differ in one identity's center
@@ -104,6 +107,7 @@ FEDAVG = "fedavg"
 PRIVACYFACE = "privacyface"
 NOISELESS = "privacyface, no noise"
 PAPER_MARGIN = "privacyface, paper's margin 1.3"
+PLAIN_ROW = "privacyface, plain-row logit"
 _QUERY_SEED, _NOISE_SEED = 11, 12
 _MARGINS = (0.5, 0.7, 1.0, 1.3)
 
@@ -150,11 +154,18 @@ class _Silos:
             shuffle_buffer=largest,
             shared_negative_rows=negative_rows,
         )
-        self._trainer = local_training.LocalTrainer(
-            lambda: models.build_backbone(self.backbone_config), self.client_config, None
-        )
-        self._train = tf.function(self._trainer.train)
+        # One traced trainer per cap angle ρ of the negatives' logits (0: plain rows).
+        self._trains: dict[float, object] = {}
         self._backbone = models.build_backbone(self.backbone_config)
+
+    def _train(self, negative_cap: float):  # noqa: ANN202 - a tf.function
+        if negative_cap not in self._trains:
+            config = dataclasses.replace(self.client_config, shared_negative_cap=negative_cap)
+            trainer = local_training.LocalTrainer(
+                lambda: models.build_backbone(self.backbone_config), config, None
+            )
+            self._trains[negative_cap] = tf.function(trainer.train)
+        return self._trains[negative_cap]
 
     def class_centers(self, weights: tff.learning.models.ModelWeights, silo: int) -> np.ndarray:
         """[identities, d]: each identity's mean unit embedding, normalised (sorted names)."""
@@ -177,8 +188,10 @@ class _Silos:
         silo: int,
         round_num: int,
         negatives: np.ndarray,
-    ) -> list[np.ndarray]:
-        """The silo's backbone update (initial − final) from the product's client loop."""
+        negative_cap: float,
+    ) -> tuple[list[np.ndarray], float]:
+        """The silo's backbone update (initial − final) from the product's client loop,
+        the negatives' logits capped at angle `negative_cap`, and its mean local loss."""
         data = self.data[silo]
         examples = tf.data.Dataset.from_tensor_slices(
             {"image": data["images"], "identity": data["identities"]}
@@ -195,10 +208,10 @@ class _Silos:
             trainable=[tf.constant(w) for w in weights.trainable],
             non_trainable=[tf.constant(w) for w in weights.non_trainable],
         )
-        result, measurements = self._train(initial, dataset, state)
+        result, measurements = self._train(negative_cap)(initial, dataset, state)
         if int(measurements["reported"]) != 1:
             raise RuntimeError(f"silo {silo} dropped in round {round_num}: {measurements}")
-        return [t.numpy() for t in result.update]
+        return [t.numpy() for t in result.update], float(measurements["loss"])
 
 
 def _release_diagnostics(
@@ -248,14 +261,16 @@ def train(
     sizes: Mapping,
     noise_multiplier: float | None,
     margin: float,
-) -> tuple[tff.learning.models.ModelWeights, list[dict]]:
+    cap_margin: bool = True,
+) -> tuple[tff.learning.models.ModelWeights, list[dict], list[float]]:
     """M rounds of FedAvg over all silos; with `noise_multiplier` (None: FedAvg alone)
-    each silo releases DPLC centers of margin `margin` before every round. Returns
-    (weights, diagnostics)."""
+    each silo releases DPLC centers of margin `margin` before every round, which the
+    other silos score with the cap margin at that ρ (`cap_margin`; else as plain head
+    rows). Returns (weights, diagnostics, the silos' mean local loss by round)."""
     c, q, d = len(silos.data), sizes["num_clusters"], silos.backbone_config.embedding_size
     weights = initial
     previous: list[np.ndarray | None] = [None] * c
-    diagnostics = []
+    diagnostics, losses = [], []
     for round_num in range(sizes["silo_rounds"]):
         released = np.zeros((c, q, d))
         if noise_multiplier is not None:
@@ -290,16 +305,20 @@ def train(
             diagnostics.append(
                 {k: float(np.mean([r[k] for r in round_diag])) for k in round_diag[0]}
             )
-        updates = []
+        updates, round_losses = [], []
         for s in range(c):
             negatives = np.concatenate([released[k] for k in range(c) if k != s])
-            updates.append(silos.local_update(weights, s, round_num, negatives))
+            cap = margin if cap_margin and noise_multiplier is not None else 0.0
+            update, loss = silos.local_update(weights, s, round_num, negatives, cap)
+            updates.append(update)
+            round_losses.append(loss)
+        losses.append(float(np.mean(round_losses)))
         mean_update = [np.mean(parts, axis=0) for parts in zip(*updates)]
         weights = type(weights)(
             trainable=[w - u for w, u in zip(weights.trainable, mean_update, strict=True)],
             non_trainable=list(weights.non_trainable),
         )
-    return weights, diagnostics
+    return weights, diagnostics, losses
 
 
 def run(out_dir: str, quick: bool) -> dict:
@@ -320,14 +339,17 @@ def run(out_dir: str, quick: bool) -> dict:
     coverage = _mean_coverage(silos, start)
     z = noise_multiplier_for(PAPER_EPSILON_PER_RELEASE, DELTA)
     arms = {
-        FEDAVG: (None, sizes["margin"]),
-        PRIVACYFACE: (z, sizes["margin"]),
-        NOISELESS: (0.0, sizes["margin"]),
-        PAPER_MARGIN: (z, 1.3),
+        FEDAVG: (None, sizes["margin"], True),
+        PRIVACYFACE: (z, sizes["margin"], True),
+        NOISELESS: (0.0, sizes["margin"], True),
+        PAPER_MARGIN: (z, 1.3, True),
+        PLAIN_ROW: (z, sizes["margin"], False),
     }
-    models_dirs, diagnostics, coverage_at_end = {}, {}, {}
-    for name, (noise, margin) in arms.items():
-        weights, diagnostics[name] = train(silos, start, sizes, noise, margin)
+    models_dirs, diagnostics, coverage_at_end, losses = {}, {}, {}, {}
+    for name, (noise, margin, cap_margin) in arms.items():
+        weights, diagnostics[name], losses[name] = train(
+            silos, start, sizes, noise, margin, cap_margin
+        )
         coverage_at_end[name] = _mean_coverage(silos, weights)
         models_dirs[name] = export.export_serving_model(
             config.backbone_config, weights, os.path.join(work, name.replace(" ", "_"))
@@ -370,6 +392,10 @@ def run(out_dir: str, quick: bool) -> dict:
             "num_clusters": q,
             "margin": sizes["margin"],
             "queries": "public: public-seed directions, then the silo's previous release",
+            "negative_logit": (
+                "s*cos(max(theta - rho, 0)) at the release's rho (PrivacyFace's cap margin); "
+                f"{PLAIN_ROW!r}: s*cos(theta)"
+            ),
             "sensitivity": sensitivity,
             "noise_multiplier": z,
             "noise_norm": z * sensitivity * math.sqrt(d),
@@ -398,6 +424,8 @@ def run(out_dir: str, quick: bool) -> dict:
         "margin_coverage_at_start": coverage,
         "margin_coverage_at_end": coverage_at_end,
         "release_diagnostics_by_round": diagnostics,
+        # The local loss includes the negatives' terms: it shows how much they weigh.
+        "client_loss_by_round": losses,
         "recall": {
             name: {
                 "recall_at_far": r["recall_at_far"],

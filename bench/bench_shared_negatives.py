@@ -9,8 +9,12 @@ row releases every `every_rounds` rounds and its training noise multiplier is ca
 releases together cost the baseline's ε: the releases are paid for with training noise.
 Two release settings: many noisy centers of clusters of 128, and a few cleaner ones of
 clusters of 512 (noise norm per released center about 1.5 and 0.37 of a unit center
-before normalisation). The noiseless pair (z = 0, ε ∞) tells whether the negatives help
-the local heads at all, apart from the privacy trade.
+before normalisation). The local heads score the released centers with PrivacyFace's cap
+margin, s·cos(max(θ − ρ, 0)) at the release's ρ (`shared_negatives.logit: cap`, the
+default). The rows without training noise (z = 0, ε ∞) tell whether the negatives help
+the local heads at all, apart from the privacy trade; the last two also release with
+σ = 1e-3 (centers all but noiseless), under the cap margin and under the plain head-row
+scoring s·cos θ (`logit: row`, the scoring before issue 42).
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ import shutil
 from collections.abc import Mapping
 
 from bench import bench_training
+from tff_algorithms.algorithms.dp_fedemb import shared_negatives_config
 from tff_algorithms.config import job_config
 from tff_algorithms.jobs import job_outputs
 from tff_algorithms.privacy import accounting, calibration, dplc
 
 FULL = {**bench_training.FULL, "baseline_noise": 2.0}
+# The release noise multiplier of the nearly noiseless releases (noise norm ~1e-3).
+CLEAN_RELEASE_NOISE = 1e-3
 QUICK = {**bench_training.QUICK, "baseline_noise": 2.0}
 
 # name -> SharedNegativesConfig fields, at full and quick size (64 training users).
@@ -58,6 +65,7 @@ def _describe(config: job_config.TrainJobConfig, result: job_outputs.TrainJobRes
         row["shared_negatives"] = {
             **{k: shared[k] for k in ("every_rounds", "pool_users", "num_clusters")},
             **{k: shared[k] for k in ("cluster_size", "margin", "noise_multiplier")},
+            "logit": config.shared_negatives.logit,
             "releases": shared["releases"],
             "releases_epsilon": shared["releases_epsilon"],
             # Per released center, before normalisation: noise std x sqrt(d) vs norm <= 1.
@@ -100,6 +108,13 @@ def run(out_dir: str, quick: bool) -> dict:
     configs["dp-fedemb + shared negatives Q2 T512 @z=0"] = dataclasses.replace(
         base, noise_multiplier=0.0, shared_negatives=dict(noiseless_setting)
     )
+    # Releases all but noiseless (σ must be > 0): the negatives at their most informative.
+    clean = dict(noiseless_setting, noise_multiplier=CLEAN_RELEASE_NOISE)
+    for logit in (shared_negatives_config.CAP_LOGIT, shared_negatives_config.ROW_LOGIT):
+        name = f"dp-fedemb + shared negatives Q2 T512 @z=0, release σ {CLEAN_RELEASE_NOISE:g}"
+        configs[f"{name}, {logit} logit"] = dataclasses.replace(
+            base, noise_multiplier=0.0, shared_negatives=dict(clean, logit=logit)
+        )
     rows = bench_training.train_each(
         "bench_shared_negatives", configs, data, work, _describe, pretrained.saved_model_dir
     )

@@ -227,9 +227,12 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "cluster_size": "class centers averaged per released center (T)",
         "margin": "cluster margin rho, radians in (0, pi]",
         "noise_multiplier": "DPLC noise std / the cluster mean's sensitivity (sigma)",
+        "logit": "how local heads score a released center: cap (s*cos(max(theta - margin, "
+        "0)), PrivacyFace's cap margin) or row (s*cos(theta), one more head row)",
     }
+    kinds = {"margin": "float", "noise_multiplier": "float", "logit": "string"}
     for flag, field in _SHARED_NEGATIVES_FLAGS.items():
-        kind = "float" if field in ("margin", "noise_multiplier") else "integer"
+        kind = kinds.get(field, "integer")
         define(
             kind,
             flag,
@@ -558,7 +561,14 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     for name in ("client-momentum", "server-momentum"):
         checks.number(name, value[name], 0, 1, high_open=True)
     for flag, field in _SHARED_NEGATIVES_FLAGS.items():
-        if field in ("margin", "noise_multiplier"):
+        if field == "logit":
+            logits = shared_negatives_config.LOGITS
+            if value[flag] is not None and value[flag] not in logits:
+                raise ValueError(
+                    f"--{flag} must be one of {', '.join(logits)}, got {checks.shown(value[flag])}"
+                    + checks.did_you_mean(value[flag], logits)
+                )
+        elif field in ("margin", "noise_multiplier"):
             checks.number(flag, value[flag], 0, low_open=True)
         else:
             checks.number(flag, value[flag], 1)

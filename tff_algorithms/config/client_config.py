@@ -66,6 +66,11 @@ class ClientConfig:
         (deterministic per virtual-client id); for tests and benchmarks only.
       shared_negative_rows: Q, the broadcast shared-negative rows (issue 22) each local
         head appends as fixed negatives; 0: none (the client state has no such field).
+      shared_negative_cap: ρ, the cap angle (radians, [0, π]) of the shared negatives'
+        logits (issue 42): a released center p̂ at angle θ from the embedding scores
+        s·cos(max(θ − ρ, 0)), PrivacyFace's consensus-aware term, so every embedding
+        within ρ of p̂ gets the full logit s. 0 scores p̂ as one more head row, s·cos θ.
+        The job sets it to the DPLC release's margin (`shared_negatives.logit`).
     """
 
     client_learning_rate: float
@@ -84,6 +89,7 @@ class ClientConfig:
     max_seconds: float | None = None
     failure_injection_rate: float = 0.0
     shared_negative_rows: int = 0
+    shared_negative_cap: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("client_learning_rate", "head_learning_rate_scale"):
@@ -110,6 +116,10 @@ class ClientConfig:
             raise ValueError(f"max_seconds must be positive, got {self.max_seconds}")
         if self.shared_negative_rows < 0:
             raise ValueError(f"shared_negative_rows must be >= 0, got {self.shared_negative_rows}")
+        if not 0 <= self.shared_negative_cap <= math.pi:
+            raise ValueError(
+                f"shared_negative_cap must be in [0, pi] radians, got {self.shared_negative_cap}"
+            )
         if not 0 <= self.failure_injection_rate <= 1:
             raise ValueError(
                 f"failure_injection_rate must be in [0, 1], got {self.failure_injection_rate}"

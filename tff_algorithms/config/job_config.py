@@ -496,6 +496,9 @@ class TrainJobConfig:
             shared_negative_rows=(
                 0 if self.shared_negatives is None else self.shared_negatives.num_clusters
             ),
+            shared_negative_cap=(
+                0.0 if self.shared_negatives is None else self.shared_negatives.negative_cap
+            ),
         )
 
     def report_policy(self) -> report_policy.ReportPolicy:

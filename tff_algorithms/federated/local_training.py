@@ -16,6 +16,10 @@ state carries the server's released cluster centers ([Q, d], `shared_negatives`)
 `head_logits` appends one logit per center after the local rows: fixed negatives (no
 label points at them), built from constants, so no gradient reaches them and they are
 neither trained nor part of the update. All-zero rows (nothing released yet) are masked.
+Each center's logit has PrivacyFace's cap margin (issue 42): with θ the angle between
+the embedding and the center and ρ = `ClientConfig.shared_negative_cap`, the cosine
+becomes cos(max(θ − ρ, 0)), so the whole cap of angle ρ around a released center (the
+region its cluster covered) scores as if it were the center itself.
 """
 
 from __future__ import annotations
@@ -96,13 +100,17 @@ def head_logits(
     loss_config: HeadLossConfig,
     num_active_rows: tf.Tensor | int | None = None,
     negatives: tf.Tensor | None = None,
+    negative_cap: float = 0.0,
 ) -> tf.Tensor:
     """Logits [B, rows (+ Q)] of the head loss; rows >= `num_active_rows` are masked out.
 
     `negatives` [Q, d]: fixed negative rows appended after the head's columns (module
-    docstring), never a label; their logits are those of a unit row under the margin
-    losses, and of a row as long as the mean active head row under softmax, so they
-    compete with the local identities on the same scale.
+    docstring), never a label. Under the margin losses a negative at angle θ from the
+    embedding scores s·cos(max(θ − ρ, 0)), ρ = `negative_cap` (PrivacyFace's μ; ρ = 0:
+    s·cos θ, a unit head row). Softmax has no scale s: there the same capped cosine is
+    multiplied by the embedding's norm and the mean active head row's norm (ρ = 0: the
+    logit of a row that long), so the negatives compete with the local identities on
+    the same scale.
     """
     if loss_config.loss == SOFTMAX:
         logits = tf.matmul(embeddings, kernel)
@@ -131,7 +139,12 @@ def head_logits(
     if negatives is None:
         return logits
     return tf.concat(
-        [logits, _negative_logits(embeddings, kernel, loss_config, num_active_rows, negatives)],
+        [
+            logits,
+            _negative_logits(
+                embeddings, kernel, loss_config, num_active_rows, negatives, negative_cap
+            ),
+        ],
         axis=1,
     )
 
@@ -142,12 +155,16 @@ def _negative_logits(
     loss_config: HeadLossConfig,
     num_active_rows: tf.Tensor | int | None,
     negatives: tf.Tensor,
+    negative_cap: float,
 ) -> tf.Tensor:
     # The released centers are inputs, not weights: stop_gradient makes that explicit
     # even when a caller passes a variable.
     negatives = tf.stop_gradient(tf.cast(negatives, embeddings.dtype))
     present = tf.reduce_sum(tf.square(negatives), axis=1) > 0
     directions = tf.math.l2_normalize(negatives, axis=1)
+    cosine = tf.matmul(tf.math.l2_normalize(embeddings, axis=1), directions, transpose_b=True)
+    if negative_cap > 0:
+        cosine = _cap_margin_cosine(cosine, negative_cap)
     if loss_config.loss == SOFTMAX:
         norms = tf.norm(kernel, axis=0)
         if num_active_rows is not None:
@@ -155,12 +172,22 @@ def _negative_logits(
             norms = tf.boolean_mask(norms, active)
         # Scale only: the head's rows get no gradient through their negatives' length.
         length = tf.stop_gradient(tf.reduce_mean(norms))
-        logits = tf.matmul(embeddings, directions, transpose_b=True) * length
+        logits = cosine * tf.norm(embeddings, axis=1, keepdims=True) * length
     else:
-        logits = loss_config.scale * tf.matmul(
-            tf.math.l2_normalize(embeddings, axis=1), directions, transpose_b=True
-        )
+        logits = loss_config.scale * cosine
     return tf.where(present[tf.newaxis, :], logits, MASKED_LOGIT)
+
+
+def _cap_margin_cosine(cosine: tf.Tensor, cap: float) -> tf.Tensor:
+    """cos(max(θ − cap, 0)) of cos θ, θ in [0, π]: 1 inside the cap, else
+    cos θ·cos(cap) + sin θ·sin(cap)."""
+    outside = cosine < math.cos(cap)
+    # The sine only of cosines outside the cap (double where): at cos θ = 1, inside the
+    # cap, the untaken branch's gradient would otherwise be 0·∞ = NaN. The floor keeps it
+    # finite at cos θ = −1 (value off by at most 1e-6·sin(cap) there).
+    safe = tf.where(outside, cosine, tf.zeros_like(cosine))
+    sine = tf.sqrt(tf.maximum(1.0 - tf.square(safe), 1e-12))
+    return tf.where(outside, safe * math.cos(cap) + sine * math.sin(cap), tf.ones_like(cosine))
 
 
 def head_loss(logits: tf.Tensor, labels: tf.Tensor, example_mask: tf.Tensor) -> tf.Tensor:
@@ -331,6 +358,7 @@ class LocalTrainer:
                     self.config.head_loss,
                     num_active_rows,
                     negatives=negatives,
+                    negative_cap=self.config.shared_negative_cap,
                 )
                 loss = head_loss(logits, labels, usable)
             backbone_grads, head_grad = tape.gradient(loss, (backbone_variables, self.head))

@@ -299,3 +299,163 @@ def test_nonsense_client_config_is_rejected(kwargs):
 def test_identity_vocabulary_is_sorted_and_distinct():
     vocabulary = local_training.identity_keys_vocabulary(["x", "y", "z", "x"])
     assert len(vocabulary) == 3 and np.all(np.diff(vocabulary) > 0)
+
+
+# ---------------------------------------------------------------------------------------
+# Shared negatives with PrivacyFace's cap margin (issue 42), against numpy written here.
+
+
+def _numpy_margin_logits(embeddings, kernel, labels, loss, scale, margin):
+    """CosFace / ArcFace logits of the local rows, by their definitions."""
+    unit = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
+    cosine = unit @ (kernel / np.linalg.norm(kernel, axis=0, keepdims=True))
+    onehot = np.eye(kernel.shape[1])[labels] > 0
+    if loss == client_config.COSFACE:
+        return scale * np.where(onehot, cosine - margin, cosine)
+    theta = np.arccos(np.clip(cosine, -1, 1))
+    target = np.where(
+        theta + margin < math.pi,
+        np.cos(theta + margin),
+        cosine - math.sin(math.pi - margin) * margin,
+    )
+    return scale * np.where(onehot, target, cosine)
+
+
+def _numpy_privacyface_loss(embeddings, kernel, labels, negatives, loss, scale, margin, rho):
+    """The paper's consensus-aware loss (PrivacyFace Eq. 5, mean over the batch): each
+    released center p̂ adds exp(μ) to the denominator, μ = s·cos(max(θ − ρ, 0))."""
+    unit = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
+    directions = negatives / np.linalg.norm(negatives, axis=1, keepdims=True)
+    theta = np.arccos(np.clip(unit @ directions.T, -1, 1))
+    mu = scale * np.cos(np.maximum(theta - rho, 0.0))
+    local = _numpy_margin_logits(embeddings, kernel, labels, loss, scale, margin)
+    logits = np.concatenate([local, mu], axis=1)
+    top = logits.max(axis=1, keepdims=True)
+    log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+    return float(np.mean(log_z - local[np.arange(len(labels)), labels])), mu
+
+
+def _at_angles(directions, angles, rng):
+    """Unit vectors at the given angles from the given unit directions."""
+    out = []
+    for p, angle in zip(directions, angles):
+        u = rng.normal(size=p.shape)
+        u -= (u @ p) * p
+        out.append(math.cos(angle) * p + math.sin(angle) * u / np.linalg.norm(u))
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("loss", [client_config.COSFACE, client_config.ARCFACE])
+def test_shared_negatives_take_the_cap_margin_of_privacyface(loss):
+    rng = np.random.default_rng(7)
+    rho, scale, margin, d = 1.0, 16.0, 0.3, 8
+    negatives = rng.normal(size=(2, d)) * [[2.5], [0.7]]  # released rows need not be unit
+    units = negatives / np.linalg.norm(negatives, axis=1, keepdims=True)
+    # Examples 0-1 inside the cap of center 0 (θ 0.2, 0.9 < ρ), 2-3 outside it (1.4, 2.6),
+    # at various lengths; their angles to center 1 are whatever they come out.
+    embeddings = _at_angles(units[[0, 0, 0, 0]], [0.2, 0.9, 1.4, 2.6], rng) * [[3], [1], [2], [5]]
+    kernel = rng.normal(size=(d, 3))
+    labels = np.array([0, 2, 1, 2])
+    config = client_config.HeadLossConfig(loss, scale, margin)
+
+    def loss_of(f, cap):
+        logits = local_training.head_logits(
+            f, tf.constant(kernel, tf.float32), tf.constant(labels), config, 3,
+            tf.constant(negatives, tf.float32), negative_cap=cap,
+        )  # fmt: skip
+        return logits, local_training.head_loss(logits, tf.constant(labels), tf.ones([4], tf.bool))
+
+    f = tf.Variable(embeddings, dtype=tf.float32)
+    with tf.GradientTape() as tape:
+        logits, value = loss_of(f, rho)
+    gradient = tape.gradient(value, f).numpy()
+    expected, mu = _numpy_privacyface_loss(
+        embeddings, kernel, labels, negatives, loss, scale, margin, rho
+    )
+    np.testing.assert_allclose(float(value), expected, rtol=1e-5)
+    np.testing.assert_allclose(logits[:, 3:], mu, rtol=1e-5, atol=1e-4)
+    # Inside the cap the logit is s·cos 0 = s; outside it is s·cos(θ − ρ) < s.
+    np.testing.assert_allclose(logits[:2, 3], scale, rtol=1e-6)
+    np.testing.assert_allclose(logits[2:, 3], scale * np.cos(np.array([1.4, 2.6]) - rho), rtol=1e-5)
+    # The gradient against central differences of the numpy loss (float64).
+    step, numeric = 1e-5, np.zeros_like(embeddings)
+    for index in np.ndindex(*embeddings.shape):
+        shifted = [embeddings.copy(), embeddings.copy()]
+        shifted[0][index] += step
+        shifted[1][index] -= step
+        up, down = (
+            _numpy_privacyface_loss(x, kernel, labels, negatives, loss, scale, margin, rho)[0]
+            for x in shifted
+        )
+        numeric[index] = (up - down) / (2 * step)
+    np.testing.assert_allclose(gradient, numeric, rtol=2e-3, atol=2e-5)
+    clear = np.abs(numeric) > 1e-3
+    assert clear.sum() > embeddings.size // 2
+    np.testing.assert_array_equal(np.sign(gradient[clear]), np.sign(numeric[clear]))
+    # The cap is what changed: ρ = 0 is the plain head-row scoring, s·cos θ, and less loss.
+    plain_logits, plain = loss_of(f, 0.0)
+    unit = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
+    np.testing.assert_allclose(plain_logits[:, 3:], scale * unit @ units.T, rtol=1e-5, atol=1e-4)
+    assert float(plain) < float(value)
+
+
+def test_softmax_heads_cap_the_negatives_on_their_own_scale():
+    """Softmax has no s: a negative scores ‖f‖·L·cos(max(θ − ρ, 0)), L the mean norm of
+    the active head rows (the length a plain row had)."""
+    rng = np.random.default_rng(3)
+    rho = 0.8
+    negatives = rng.normal(size=(2, 8))
+    units = negatives / np.linalg.norm(negatives, axis=1, keepdims=True)
+    embeddings = _at_angles(units[[0, 0, 1]], [0.3, 1.5, 2.9], rng) * [[2.0], [0.5], [4.0]]
+    kernel = rng.normal(size=(8, 4))
+    logits = local_training.head_logits(
+        tf.constant(embeddings, tf.float32), tf.constant(kernel, tf.float32),
+        tf.constant([0, 1, 2]), client_config.HeadLossConfig(), 3,
+        tf.constant(negatives, tf.float32), negative_cap=rho,
+    )  # fmt: skip
+    lengths = np.linalg.norm(embeddings, axis=1, keepdims=True)
+    theta = np.arccos(np.clip(embeddings / lengths @ units.T, -1, 1))
+    row_length = np.linalg.norm(kernel[:, :3], axis=0).mean()
+    expected = lengths * row_length * np.cos(np.maximum(theta - rho, 0.0))
+    np.testing.assert_allclose(logits[:, 4:], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits[0, 4], lengths[0, 0] * row_length, rtol=1e-5)
+
+
+def test_client_loss_takes_the_cap_of_its_config(initial_weights):
+    """`ClientConfig.shared_negative_cap` reaches a real client's loss: its first (only)
+    batch's loss, before any step, against the numpy formula on the same embeddings."""
+    rho, scale, margin = 1.0, 16.0, 0.2
+    config = dataclasses.replace(
+        CONFIG,
+        batch_size=len(IDENTITIES),  # one batch: the measured loss is at the initial weights
+        head_init=client_config.HEAD_INIT_CLASS_MEANS,
+        head_loss=client_config.HeadLossConfig(client_config.ARCFACE, scale, margin),
+        shared_negative_rows=2,
+        shared_negative_cap=rho,
+    )
+    identities = np.array([1, 0, 2, 0, 1, 2])  # integer keys: local label = the integer
+    images = _images(6)
+    backbone = models.build_backbone(BACKBONE)
+    models.assign_backbone_weights(backbone, initial_weights)
+    embeddings = backbone(images, training=True).numpy().astype(np.float64)
+    unit = backbone(images, training=False).numpy().astype(np.float64)
+    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+    kernel = np.stack([unit[identities == k].mean(axis=0) for k in range(3)], axis=1)
+    # Center 0 along the examples' mean direction (inside its cap), center 1 at random.
+    negatives = np.stack([unit.mean(axis=0), np.random.default_rng(2).normal(size=8)])
+    _, measurements = client_work.train_one_client(
+        BACKBONE,
+        config,
+        initial_weights,
+        _client_dataset(images, identities, config),
+        shared_negatives=negatives.astype(np.float32),
+    )
+    expected, mu = _numpy_privacyface_loss(
+        embeddings, kernel, identities, negatives, client_config.ARCFACE, scale, margin, rho
+    )
+    assert np.any(mu == scale) and np.any(mu < scale)  # both sides of a cap
+    plain, _ = _numpy_privacyface_loss(
+        embeddings, kernel, identities, negatives, client_config.ARCFACE, scale, margin, 0.0
+    )
+    assert abs(expected - plain) > 0.05
+    np.testing.assert_allclose(measurements["loss"], expected, rtol=1e-4)

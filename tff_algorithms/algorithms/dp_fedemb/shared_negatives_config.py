@@ -14,6 +14,12 @@ from typing import Any
 from tff_algorithms.base import validation
 from tff_algorithms.privacy import accounting, dplc_releases
 
+# How a local head scores a released center (`logit`): PrivacyFace's cap margin, or as one
+# more head row (the pre-issue-42 scoring, kept as a named comparison).
+CAP_LOGIT = "cap"
+ROW_LOGIT = "row"
+LOGITS = (CAP_LOGIT, ROW_LOGIT)
+
 
 @dataclasses.dataclass(frozen=True)
 class SharedNegativesConfig:
@@ -32,6 +38,12 @@ class SharedNegativesConfig:
     Each release is charged in the ledger and the budget as `num_clusters` Gaussian
     mechanisms on every user, without sampling amplification (`dplc_releases`).
 
+    `logit`: how a local head scores a released center p̂ at angle θ from an embedding.
+    `cap` (default, PrivacyFace's consensus-aware loss, issue 42): s·cos(max(θ − ρ, 0))
+    with ρ = `margin`, the same ρ the release's sensitivity uses, so the whole cap the
+    cluster covered is pushed away; `row`: s·cos θ, one more head row (for comparison).
+    Post-processing of the released rows either way: the accounting does not depend on it.
+
     Defaults: a large cluster (the noise scale is σ·2·sin ρ / T per coordinate) and
     high σ so that a release costs little next to the training (BENCHMARKS.md).
     """
@@ -42,8 +54,13 @@ class SharedNegativesConfig:
     cluster_size: int = 128
     margin: float = 1.0
     noise_multiplier: float = 10.0
+    logit: str = CAP_LOGIT
 
     def __post_init__(self) -> None:
+        if self.logit not in LOGITS:
+            raise ValueError(
+                f"shared_negatives.logit must be one of {', '.join(LOGITS)}, got {self.logit!r}"
+            )
         for name in ("every_rounds", "pool_users", "num_clusters", "cluster_size"):
             validation.check_int(f"shared_negatives.{name}", getattr(self, name), 1)
         validation.check_number(
@@ -78,6 +95,12 @@ class SharedNegativesConfig:
                 f"unknown shared_negatives field {unknown[0]!r} (known: {', '.join(names)})"
             )
         return cls(**{k: v for k, v in value.items() if v is not None})
+
+    @property
+    def negative_cap(self) -> float:
+        """ρ of the local heads' cap margin (`ClientConfig.shared_negative_cap`): the
+        release's margin under `cap`, 0 (plain head-row scoring) under `row`."""
+        return float(self.margin) if self.logit == CAP_LOGIT else 0.0
 
     def release_plan(self) -> dplc_releases.ReleasePlan:
         """The public facts the releases' privacy depends on (imports dp_accounting)."""

@@ -181,6 +181,17 @@ def test_config_reads_a_mapping_and_round_trips():
     assert job_config.TrainJobConfig.from_dict(config.to_dict()) == config
     assert config.client_config().shared_negative_rows == config.shared_negatives.num_clusters
     assert job_config.TrainJobConfig().client_config().shared_negative_rows == 0
+    # The local heads' cap margin is the release's ρ (PrivacyFace); `row` is named, not default.
+    assert config.shared_negatives.logit == "cap"
+    assert config.client_config().shared_negative_cap == config.shared_negatives.margin == 1.0
+    row = job_config.TrainJobConfig.from_dict({"shared_negatives": {"margin": 0.7, "logit": "row"}})
+    assert row.client_config().shared_negative_cap == 0.0
+    assert job_config.TrainJobConfig.from_dict(row.to_dict()) == row
+    # The margin is post-processing: the releases' accounting is the same either way.
+    assert job_config.release_plan_for(row) == job_config.release_plan_for(
+        dataclasses.replace(row, shared_negatives={"margin": 0.7})
+    )
+    assert job_config.TrainJobConfig().client_config().shared_negative_cap == 0.0
 
 
 @pytest.mark.parametrize(
@@ -193,6 +204,7 @@ def test_config_reads_a_mapping_and_round_trips():
         ({"shared_negatives": {"noise_multiplier": 0}}, "shared_negatives.noise_multiplier"),
         ({"shared_negatives": {"every_rounds": 0}}, "shared_negatives.every_rounds"),
         ({"shared_negatives": 3}, "must be a mapping"),
+        ({"shared_negatives": {"logit": "arc"}}, "shared_negatives.logit must be one of cap, row"),
     ],
 )
 def test_config_rejects_nonsense_in_one_line(values, message):
@@ -464,6 +476,7 @@ def test_train_flags_set_shared_negatives():
     assert config.shared_negatives == shared_negatives_config.SharedNegativesConfig(
         every_rounds=3, margin=0.8
     )
+    assert _flag_config("--shared-negatives-logit=row").shared_negatives.logit == "row"
 
 
 def test_bad_shared_negatives_flags_give_one_error_line(tmp_path, capsys):
@@ -474,6 +487,7 @@ def test_bad_shared_negatives_flags_give_one_error_line(tmp_path, capsys):
     for extra, message in [
         (["--shared-negatives-pool-users=0"], "--shared-negatives-pool-users must be >= 1"),
         (["--shared-negatives-margin=-1"], "--shared-negatives-margin must be > 0"),
+        (["--shared-negatives-logit=arc"], "--shared-negatives-logit must be one of cap, row"),
         (
             ["--shared-negatives", "--algorithm=dp-fedavg"],
             "shared_negatives applies to dp-fedemb and dp-ftrl-fedemb",
