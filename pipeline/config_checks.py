@@ -70,6 +70,7 @@ _TRAIN_CHOICES = {
     "head_init": client_config.HEAD_INITS,
     "head_loss": client_config.HEAD_LOSSES,
     "architecture": model_config.ARCHITECTURES,
+    "server_optimizer": model_config.OPTIMIZERS,
 }
 
 # TrainJobConfig annotations the light check understands (annotation text -> test).

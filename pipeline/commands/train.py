@@ -46,6 +46,7 @@ _CONFIG_FIELDS = (
     "client_momentum",
     "server_learning_rate",
     "server_momentum",
+    "server_optimizer",
     "head_lr_scale",
     "head_init",
     "class_means_norm",
@@ -151,6 +152,12 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "server learning rate (centralized: its learning rate) (was --server-lr)",
     )
     define("float", "server-momentum", "server SGD momentum")
+    define(
+        "string",
+        "server-optimizer",
+        "dp-fedemb, dp-fedavg: what applies the noised aggregate: sgd (--server-momentum), "
+        "adam or lamb (--server-momentum 0)",
+    )
     define(
         "float",
         "head-lr-scale",
@@ -467,6 +474,7 @@ _CHOICES = {
     "head-init": client_config.HEAD_INITS,
     "head-loss": client_config.HEAD_LOSSES,
     "architecture": model_config.ARCHITECTURES,
+    "server-optimizer": model_config.OPTIMIZERS,
     "cache-features": ("auto", "true", "false"),
     # beam_jobs.splits.AUTO and MODES, spelled out: check() runs before Beam is imported.
     "split-mode": ("auto", "identity_and_user", "identity", "held_out_images"),

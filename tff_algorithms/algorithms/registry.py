@@ -139,6 +139,8 @@ class Algorithm:
         the final model; pretraining-only algorithms run as a `pretrain.source`).
       canary_audit: the canary audit (`audit`) can train it.
       tff_runtime: it trains inside a TFF runtime session (`runtime.session`).
+      server_optimizer: it applies its round's noised aggregate with the job's
+        `server_optimizer` (sgd, adam or lamb); the others refuse adam and lamb there.
     """
 
     name: str
@@ -163,6 +165,7 @@ class Algorithm:
     pipeline_trains: bool = False
     canary_audit: bool = False
     tff_runtime: bool = False
+    server_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -11,6 +11,7 @@ from typing import Any
 
 from beam_jobs import schedule
 from tff_algorithms.algorithms import registry
+from tff_algorithms.config import model_config
 from tff_algorithms.privacy import accounting
 
 
@@ -63,3 +64,35 @@ def scheduled_accounting(config: Any, num_users: int, delta: float) -> accountin
 def every_user_accounting(config: Any, num_users: int, delta: float) -> accounting.AccountingSpec:
     """No noise, every user in every round (one round an epoch): epsilon infinite."""
     return accounting.AccountingSpec(num_users, num_users, config.rounds, 0.0, delta)
+
+
+def check_server_optimizer(config: Any) -> None:
+    """One line naming `server_optimizer` when the job cannot apply it: not one of
+    `model_config.OPTIMIZERS`; adam or lamb for an algorithm whose step is not the
+    federated server step (`Algorithm.server_optimizer`); or adam or lamb with a
+    non-zero `server_momentum`, which they would ignore (their momentum is beta1)."""
+    name = config.server_optimizer
+    if name not in model_config.OPTIMIZERS:
+        raise ValueError(
+            f"server_optimizer must be one of {', '.join(model_config.OPTIMIZERS)}, got {name!r}"
+        )
+    if name == model_config.SGD:
+        return
+    algorithm = registry.get(config.algorithm)
+    if not algorithm.server_optimizer:
+        takers = " and ".join(registry.names(lambda other: other.server_optimizer))
+        if algorithm.mechanism is accounting.Mechanism.DPFTRL:
+            why = "its tree-aggregated noise cancels across rounds only in the linear sgd step"
+        elif algorithm.section is not None and "optimizer" in algorithm.section.keys():
+            why = f"it takes its optimizer from {algorithm.section.name}.optimizer"
+        else:
+            why = "its update is not a federated server step"
+        raise ValueError(
+            f"server_optimizer {name} applies to {takers}, not {config.algorithm} ({why}): "
+            "leave server_optimizer unset"
+        )
+    if config.server_momentum:
+        raise ValueError(
+            f"server_momentum applies to the sgd server optimizer, not to {name} (its momentum "
+            f"is beta1 = {model_config.ADAM_KEYS['adam_beta1']:g}): set server_momentum to 0"
+        )

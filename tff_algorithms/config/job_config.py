@@ -85,6 +85,11 @@ class TrainJobConfig:
       client_learning_rate: β1 (backbone); the head uses head_lr_scale·β1.
       client_momentum: client SGD momentum (paper: 0.9).
       server_learning_rate / server_momentum: server SGD with momentum (paper: 0.9).
+      server_optimizer: what applies the round's noised aggregate in dp-fedemb and
+        dp-fedavg (`processes.server_optimizer`): `sgd` (momentum server_momentum), or
+        `adam` / `lamb` (`server_optimizers`; server_momentum must be 0). Post-processing:
+        the accounting is the same. The others refuse adam and lamb
+        (`rules.check_server_optimizer`).
       head_lr_scale: β2 / β1 of the client's head; None: 100 for the DP-FedEmb variants
         (paper, section 3.3) and 1 for DP-FedAvg, whose client trains backbone and global
         head with one optimizer (paper, Alg. 2): at 100 the global head's update fills the
@@ -189,6 +194,7 @@ class TrainJobConfig:
     client_momentum: float = 0.9
     server_learning_rate: float = 0.02
     server_momentum: float = 0.9
+    server_optimizer: str = model_config.SGD
     head_lr_scale: float | None = None
     head_init: str = client_config.HEAD_INIT_RANDOM
     class_means_norm: float = client_config.ClientConfig.class_means_norm
@@ -318,6 +324,7 @@ class TrainJobConfig:
             )
         for name in ("client_momentum", "server_momentum"):
             validation.check_number(name, getattr(self, name), 0, 1, low_open=False)
+        rules.check_server_optimizer(self)
         if self.delta is not None:
             validation.check_number("delta", self.delta, 0, 1, low_open=True)
         if self.max_epsilon is not None:
@@ -514,11 +521,14 @@ class TrainJobConfig:
 
     def to_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)
-        # Off is left out: the records of jobs from before the field (train_job.json,
-        # metrics.json, golden runs) stay equal, so those jobs still resume.
+        # Off (and the sgd server optimizer) is left out: the records of jobs from before
+        # the field (train_job.json, metrics.json, golden runs) stay equal, so those jobs
+        # still resume.
         for name in ("shared_negatives", "cache_features"):
             if values[name] is None:
                 del values[name]
+        if values["server_optimizer"] == model_config.SGD:
+            del values["server_optimizer"]
         # An algorithm's own settings as its section, with the schedule's counts in its
         # words; the jobs of algorithms without one record none.
         del values["settings"]

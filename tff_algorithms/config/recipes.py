@@ -132,13 +132,20 @@ def job_fields(values: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
 
 
+def _pretraining_base(train: Mapping[str, Any]) -> dict[str, Any]:
+    """The private `train` values a pretraining run starts from: every layer, and not
+    the private run's server optimizer (dp-fedemb's and dp-fedavg's); `pretrain.job` may
+    set either."""
+    values = {**train, "trainable_layers": list(EVERY_LAYER)}
+    values.pop("server_optimizer", None)
+    return values
+
+
 def private_contrastive_values(train: Mapping[str, Any], job: Mapping[str, Any]) -> dict[str, Any]:
     """The Logit-DP pretraining run: the private `train` values (model, delta), every
     layer, then PRIVATE_CONTRASTIVE, then `job`; a private run, charged to the users'
     budget like the training it precedes."""
-    values = overlay(
-        overlay({**train, "trainable_layers": list(EVERY_LAYER)}, PRIVATE_CONTRASTIVE), job
-    )
+    values = overlay(overlay(_pretraining_base(train), PRIVATE_CONTRASTIVE), job)
     # Fields of federated training that a contrastive step has no use for.
     values.update(algorithm="logit-dp", over_selection=0.0)
     values.pop("shared_negatives", None)
@@ -157,7 +164,7 @@ def own_recipe_values(values: Mapping[str, Any], own_recipe: Mapping[str, Any]) 
 def pretrain_values(train: Mapping[str, Any], job: Mapping[str, Any]) -> dict[str, Any]:
     """The centralized pretraining run: the private `train` values, every layer, then
     PRETRAIN, then `job`; no noise and no budget (public data costs none)."""
-    values = overlay(overlay({**train, "trainable_layers": list(EVERY_LAYER)}, PRETRAIN), job)
+    values = overlay(overlay(_pretraining_base(train), PRETRAIN), job)
     # Public pretraining releases nothing private: no shared negatives (issue 22).
     values.update(algorithm="centralized", max_epsilon=None, shared_negatives=None)
     for name in NOISE_CHOICES:

@@ -6,7 +6,8 @@ an aggregator factory and a server optimizer and composes
 finalizer)`. DP-FedEmb and DP-FTRL-FedEmb are `build_fedemb_process`, DP-FedAvg is
 `build_fedavg_process`, each given the aggregator that `mechanisms.aggregator_for_spec`
 builds from the job's accounting spec (Gaussian or tree-aggregated noise) and the
-optimizer `server_sgdm` builds.
+optimizer `server_optimizer` builds (momentum SGD, `server_sgdm`; or Adam or LAMB,
+`server_optimizers`).
 
 Global model weights:
 - DP-FedEmb / DP-FTRL-FedEmb: the backbone only,
@@ -40,7 +41,7 @@ import tensorflow_federated as tff
 
 from tff_algorithms.config import model_config
 from tff_algorithms.config.client_config import ClientConfig, HeadLossConfig
-from tff_algorithms.federated import client_work, local_training
+from tff_algorithms.federated import client_work, local_training, server_optimizers
 from tff_algorithms.federated.feature_cache import FeatureCut
 from tff_algorithms.modeling import models
 
@@ -130,6 +131,22 @@ def server_sgdm(learning_rate: float, momentum: float) -> tff.learning.optimizer
     return tff.learning.optimizers.build_sgdm(
         learning_rate=learning_rate, momentum=momentum or None
     )
+
+
+def server_optimizer(
+    name: str, learning_rate: float, momentum: float
+) -> tff.learning.optimizers.Optimizer:
+    """The server optimizer `name` (`model_config.OPTIMIZERS`, the job's
+    `server_optimizer`): momentum SGD (`server_sgdm`), or Adam or LAMB
+    (`server_optimizers.ServerAdamLamb`, whose momentum is its beta1: `momentum` must be 0)."""
+    if name == model_config.SGD:
+        return server_sgdm(learning_rate, momentum)
+    if name not in (model_config.ADAM, model_config.LAMB) or momentum:
+        raise ValueError(
+            f"server optimizer {name!r} with momentum {momentum:g}: choose one of "
+            f"{', '.join(model_config.OPTIMIZERS)}, with momentum only for sgd"
+        )
+    return server_optimizers.ServerAdamLamb(learning_rate, layerwise=name == model_config.LAMB)
 
 
 def build_fedemb_process(

@@ -29,6 +29,7 @@ DP_FEDEMB = registry.register(
         pipeline_trains=True,
         canary_audit=True,
         tff_runtime=True,
+        server_optimizer=True,
     )
 )
 DP_FEDAVG = registry.register(
@@ -46,8 +47,11 @@ DP_FEDAVG = registry.register(
         cacheable=True,
         pipeline_trains=True,
         tff_runtime=True,
+        server_optimizer=True,
     )
 )
+# Its server step stays momentum SGD: the tree's noise cancels across rounds only in
+# a linear step (DP-FTRL), so it refuses server_optimizer adam and lamb.
 DP_FTRL_FEDEMB = registry.register(
     registry.Algorithm(
         name="dp-ftrl-fedemb",

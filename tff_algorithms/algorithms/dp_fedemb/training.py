@@ -91,7 +91,9 @@ def _build_process(
         noise_seed=loop_schedule.job_noise_seed(config.noise_seed),
         rounds_per_epoch=plan.rounds_per_epoch,
     )
-    server_optimizer = processes.server_sgdm(config.server_learning_rate, config.server_momentum)
+    server_optimizer = processes.server_optimizer(
+        config.server_optimizer, config.server_learning_rate, config.server_momentum
+    )
     shape_options = dict(
         backbone_seed=config.seed,
         max_reports=config.report_policy().max_reports,
