@@ -126,6 +126,7 @@ def test_yaml_file_and_overrides(tmp_path):
         ("pretrain.source=import", "pretrain.backbone_dir"),
         ("train.algorithm=centralized", "private training"),
         ("train.head_init=zeros", "config train: head_init must be one of"),
+        ("train.server_optimizer=adamw", "config train: server_optimizer must be one of sgd"),
         ("train.class_means_norm=0", "config train: class_means_norm"),
         ("train.head_loss_margin=-0.1", "config train: head_loss_margin"),
         ("pipeline.enable_cache=maybe", "must be true or false"),

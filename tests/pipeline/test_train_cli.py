@@ -256,3 +256,22 @@ def test_renamed_flags_set_the_same_fields_as_their_new_names(capsys):
     train.define_flags(flag_values)
     args = ["--beam-args", "--client-lr=1"]
     assert cli.renamed_flags("train", train.RENAMED_FLAGS, flag_values, args) == args
+
+
+def test_server_optimizer_flag_sets_the_field_and_refuses_other_names(tmp_path, capsys):
+    assert _job_config("--algorithm=dp-fedavg", "--server-optimizer=lamb").server_optimizer == (
+        "lamb"
+    )
+    code, lines = _error_line(
+        capsys,
+        "train",
+        "--data",
+        str(tmp_path / "missing"),
+        "--output",
+        str(tmp_path / "o"),
+        "--server-optimizer=adamw",
+    )
+    assert code != 0
+    assert len(lines) == 1 and "--server-optimizer must be one of sgd, adam, lamb" in lines[0], (
+        lines
+    )
