@@ -85,11 +85,8 @@ class TrainJobConfig:
       client_learning_rate: β1 (backbone); the head uses head_lr_scale·β1.
       client_momentum: client SGD momentum (paper: 0.9).
       server_learning_rate / server_momentum: server SGD with momentum (paper: 0.9).
-      server_optimizer: what applies the round's noised aggregate in dp-fedemb and
-        dp-fedavg (`processes.server_optimizer`): `sgd` (momentum server_momentum), or
-        `adam` / `lamb` (`server_optimizers`; server_momentum must be 0). Post-processing:
-        the accounting is the same. The others refuse adam and lamb
-        (`rules.check_server_optimizer`).
+      server_optimizer: what applies dp-fedemb's and dp-fedavg's noised aggregate: `sgd`
+        (server_momentum), `adam` or `lamb` (`rules.check_server_optimizer`).
       head_lr_scale: β2 / β1 of the client's head; None: 100 for the DP-FedEmb variants
         (paper, section 3.3) and 1 for DP-FedAvg, whose client trains backbone and global
         head with one optimizer (paper, Alg. 2): at 100 the global head's update fills the
