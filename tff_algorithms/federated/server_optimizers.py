@@ -89,8 +89,8 @@ class ServerAdamLamb(tff.learning.optimizers.Optimizer):
 
         leaves = zip(
             *(
-                tf.nest.flatten(s)
-                for s in (weights, state[_FIRST_MOMENTS], state[_SECOND_MOMENTS], gradients)
+                tf.nest.flatten(structure)
+                for structure in (weights, state[_FIRST_MOMENTS], state[_SECOND_MOMENTS], gradients)
             )
         )
         updated = [update(*leaf) for leaf in leaves]
