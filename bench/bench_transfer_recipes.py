@@ -16,7 +16,9 @@ calibrating its own noise multiplier for its schedule. At each target ε the arm
     the headline), and, for `per_run_target_steps`, "one run at target", every run
     calibrated to the target alone, its row stating the larger ε of its sweep. The
     validation identities are held out like the test ones; the selection does not
-    protect them.
+    protect them. At 1 step from the zero layer, Adam's update is lr·ĝ/(|ĝ| + ε), so the
+    learning rate only scales the embedding, which serving L2-normalises: every run of a
+    1-step sweep scores the same, and the selection could be skipped at no cost.
 (b) dp-last-layer as the product runs it today: its recipe (sampled users, SGD with
     momentum 0.9), `bench_transfer`'s users per step and steps;
 (c) DP-FedEmb on the same layer (embedding only, cached features);
