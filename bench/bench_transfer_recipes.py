@@ -7,8 +7,8 @@ calibrating its own noise multiplier for its schedule. At each target ε the arm
 
 (a) the seed paper's recipe: dp-last-layer with `dp_sgd.full_batch` (every training user
     in every step, no sampling), DP-Adam, the zero-initialised embedding layer on cached
-    features, for 1 step (and, at the full size, 3 and 10 steps, and 1 step with the
-    paper's sigmoid head). The learning rate is chosen from `learning_rates` by recall@FAR
+    features, for `recipe_steps` steps (1, 3 and 10 at the full size) and with the
+    paper's sigmoid head for `sigmoid_steps` (1). The learning rate is chosen from `learning_rates` by recall@FAR
     1e-2 on a VALIDATION split: identities outside both the training users and the test
     identities. Every run of the sweep sees the training users, so the released model's
     ε is that of the whole sweep (its runs composed). Two forms: "sweep at target", every
