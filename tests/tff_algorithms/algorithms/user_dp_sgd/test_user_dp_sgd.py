@@ -312,7 +312,9 @@ def test_full_batch_takes_every_user_each_step_and_is_accounted_without_sampling
     assert source.users(0) == source.users(3) == list(users)
 
 
-def _dense_trainer(settings, clip, users, rows=7, width=20, size=5, learning_rate=0.1):
+def _dense_trainer(
+    settings, clip, users, rows=7, width=20, size=5, learning_rate=0.1, noise_multiplier=0.0
+):
     inputs = tf.keras.Input([width])
     dense = tf.keras.layers.Dense(
         size, kernel_initializer=tf.keras.initializers.GlorotUniform(1), bias_initializer="ones"
@@ -327,7 +329,7 @@ def _dense_trainer(settings, clip, users, rows=7, width=20, size=5, learning_rat
         vocabulary,
         HeadLossConfig("softmax"),
         clip_norm=clip,
-        noise_multiplier=0.0,
+        noise_multiplier=noise_multiplier,
         users_per_step=users,
         learning_rate=learning_rate,
         momentum=0.0,
@@ -433,22 +435,9 @@ def test_dense_layer_shortcut_equals_one_tape_per_user(clip=0.1):
 def test_step_noise_std_is_z_times_clip_over_users():
     """The noise the accountant's multiplier assumes: N(0, (z C)^2) on every coordinate of
     the clipped sum, divided by n; the clipped signal (norm <= C) is negligible beside it."""
-    users, width, size, rows, z, clip = 4, 100, 40, 7, 1e4, 1e-5
-    inputs = tf.keras.Input([width])
-    model = tf.keras.Model(inputs, tf.keras.layers.Dense(size)(inputs))
-    names = [f"id{i}" for i in range(rows)]
-    vocabulary = np.unique(tf.strings.to_hash_bucket_fast(names, 2**62).numpy())
-    head = tf.Variable(models.initial_head_kernel(tf.constant([0, -1], tf.int64), size, rows))
-    trainer = user_dp_sgd.UserDpSgd(
-        model,
-        head,
-        vocabulary,
-        HeadLossConfig("softmax"),
-        clip_norm=clip,
-        noise_multiplier=z,
-        users_per_step=users,
-        learning_rate=1.0,
-        momentum=0.0,
+    users, width, size, z, clip = 4, 100, 40, 1e4, 1e-5
+    trainer, names, _ = _dense_trainer(
+        None, clip, users, width=width, size=size, learning_rate=1.0, noise_multiplier=z
     )
     before = np.concatenate([v.numpy().ravel() for v in trainer.variables])
     rng = np.random.default_rng(1)
