@@ -398,33 +398,15 @@ def test_sigmoid_head_step_is_sgd_on_the_papers_loss_from_bias_minus_ten(shortcu
 
 
 def test_dense_layer_shortcut_equals_one_tape_per_user(clip=0.1):
-    users, examples, width, size, rows = 6, 3, 20, 5, 7
+    users, examples, width = 6, 3, 20
     rng = np.random.default_rng(0)
-    inputs = tf.keras.Input([width])
-    dense = tf.keras.layers.Dense(
-        size, kernel_initializer=tf.keras.initializers.GlorotUniform(1), bias_initializer="ones"
-    )
-    model = tf.keras.Model(inputs, dense(inputs))
-    names = [f"id{i}" for i in range(rows)]
-    vocabulary = np.unique(tf.strings.to_hash_bucket_fast(names, 2**62).numpy())
+    trainer, names, _ = _dense_trainer(None, clip, users, width=width)
     x = tf.constant(rng.normal(size=(users, examples, width)).astype(np.float32))
     identity = tf.constant(rng.choice(names, (users, examples)))
     real = np.ones((users, examples), bool)
     real[0, 2] = real[1, 1] = False  # padding
     real[2] = False  # a user with no example adds nothing
-    head = tf.Variable(models.initial_head_kernel(tf.constant([0, -1], tf.int64), size, rows))
-    trainer = user_dp_sgd.UserDpSgd(
-        model,
-        head,
-        vocabulary,
-        HeadLossConfig("softmax"),
-        clip_norm=clip,
-        noise_multiplier=0.0,
-        users_per_step=users,
-        learning_rate=0.1,
-        momentum=0.0,
-    )
-    assert trainer._dense is dense
+    assert trainer._dense is trainer.model.layers[-1]
     shortcut = tf.function(trainer.dense_clipped_sum)(x, identity, tf.constant(real))
     trainer._dense = None
     loop = tf.function(trainer.clipped_sum)(x, identity, tf.constant(real))
