@@ -13,11 +13,14 @@ import apache_beam as beam
 import numpy as np
 import tensorflow as tf
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.options.pipeline_options import PipelineOptions, PortableOptions, StandardOptions
 
 RECORDS_PREFIX = "records"
 RECORDS_SUFFIX = ".tfrecord"
 DEFAULT_RUNNER = "DirectRunner"
+PORTABLE_RUNNER = "PortableRunner"
+# Runners that never read --job_endpoint (they run the job themselves, or on Dataflow).
+_NON_PORTABLE_RUNNERS = ("DirectRunner", "BundleBasedDirectRunner", "DataflowRunner")
 
 
 def records_pattern(directory: str) -> str:
@@ -28,7 +31,8 @@ def pipeline_options(beam_args: Sequence[str] | None = None) -> PipelineOptions:
     """Standard Beam options from command-line style args; the runner is always named.
 
     Every option any runner defines passes through (DirectRunner, Dataflow, Flink,
-    Spark, portable: docs/scaling.md). Without `--runner` the DirectRunner is named
+    Spark, portable: docs/scaling.md). PortableRunner without --job_endpoint, and
+    --job_endpoint with a runner that ignores it, are refused (ValueError). Without `--runner` the DirectRunner is named
     explicitly, so a newer Beam never falls back to a runner that downloads binaries at
     run time. An option no Beam options class knows is refused (ValueError): Beam would
     only log and drop it, so a typo such as --direct_num_wokers=2 would silently run a
@@ -58,7 +62,29 @@ def pipeline_options(beam_args: Sequence[str] | None = None) -> PipelineOptions:
         )
     if not options.view_as(StandardOptions).runner:
         options.view_as(StandardOptions).runner = DEFAULT_RUNNER
+    _check_portable(options)
     return options
+
+
+def _check_portable(options: PipelineOptions) -> None:
+    """A job endpoint and a portable runner go together (docs/scaling.md).
+
+    Without --job_endpoint, PortableRunner stops with a traceback deep in Beam; a
+    --job_endpoint given to the DirectRunner or Dataflow is ignored, so the job would
+    quietly run somewhere else than the user asked.
+    """
+    runner = options.view_as(StandardOptions).runner
+    job_endpoint = options.view_as(PortableOptions).job_endpoint
+    if runner == PORTABLE_RUNNER and not job_endpoint:
+        raise ValueError(
+            "--runner=PortableRunner needs --job_endpoint=HOST:PORT, the Beam job service "
+            "to submit to (docs/scaling.md)"
+        )
+    if job_endpoint and runner in _NON_PORTABLE_RUNNERS:
+        raise ValueError(
+            f"--job_endpoint={job_endpoint} is read only by portable runners "
+            f"(PortableRunner, FlinkRunner, SparkRunner), not --runner={runner}"
+        )
 
 
 def require_matches(pattern: str, what: str) -> list[str]:

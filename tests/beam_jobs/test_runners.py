@@ -11,10 +11,17 @@ state with them. What each job promises:
 test keeps to these three jobs; ingest ran the same way when this was written.)
 """
 
+import contextlib
 import glob
+import ipaddress
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -24,6 +31,7 @@ from apache_beam.options import pipeline_options as beam_options
 from beam_jobs import records_io, schema, splits, synthetic
 from pipeline import cli
 from pipeline import config as config_lib
+from tff_algorithms.federated import loopback_shim
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=3, seed=4)
 SPLIT_FLAGS = ["--validation-fraction", "0.2", "--test-fraction", "0.2", "--seed", "1"]
@@ -78,7 +86,7 @@ def _data(capsys, *args: str) -> dict:
     return json.loads(captured.out.strip().splitlines()[-1])
 
 
-def _synthetic_records_with_duplicates(root: str) -> str:
+def _records_with_duplicates() -> list[schema.CanonicalRecord]:
     """Synthetic canonical records plus two training records holding evaluation images
     (one exact copy, one shifted by a pixel), so dedup has work to do."""
     records = list(synthetic.records_for_identities(SYNTH, 0, SYNTH.identities))
@@ -87,16 +95,35 @@ def _synthetic_records_with_duplicates(root: str) -> str:
     pixels = tf.io.decode_png(held_out.image).numpy()[..., 0]
     for image in (held_out.image, schema.encode_png(np.roll(pixels, 1, axis=1))):
         records.append(schema.CanonicalRecord(trainee.user_id, trainee.identity, image))
+    return records
+
+
+def _synthetic_records_with_duplicates(root: str) -> str:
+    """The records of `_records_with_duplicates` as one TFRecord file under ROOT."""
     directory = os.path.join(root, "synthetic")
     os.makedirs(directory)
     with tf.io.TFRecordWriter(os.path.join(directory, "records-00000-of-00001.tfrecord")) as w:
-        for record in records:
+        for record in _records_with_duplicates():
             w.write(schema.serialize(record))
     return directory
 
 
-def _run_data_jobs(capsys, records: str, out: str, beam_args: str) -> dict:
-    beam = ["--runner", "DirectRunner", "--beam-args", beam_args]
+def _synthetic_image_folder_with_duplicates(root: str) -> str:
+    """The records of `_records_with_duplicates` as ROOT/images/<user>/<identity>/N.png,
+    the layout `data ingest` reads."""
+    directory = os.path.join(root, "images")
+    for i, record in enumerate(_records_with_duplicates()):
+        folder = os.path.join(directory, record.user_id, record.identity)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{i:03d}.png"), "wb") as f:
+            f.write(record.image)
+    return directory
+
+
+def _run_data_jobs(
+    capsys, records: str, out: str, beam_args: str, runner: str = "DirectRunner"
+) -> dict:
+    beam = ["--runner", runner, "--beam-args", beam_args]
     return {
         "split": _data(
             capsys, "split", "--input", records, "--out", f"{out}/split", *SPLIT_FLAGS, *beam
@@ -120,6 +147,13 @@ def _run_data_jobs(capsys, records: str, out: str, beam_args: str) -> dict:
             *beam,
         ),
     }
+
+
+def _run_all_data_jobs(capsys, images: str, out: str, runner: str, beam_args: str) -> dict:
+    """ingest (an image folder) -> split -> dedup -> partition, each on RUNNER."""
+    beam = ["--runner", runner, "--beam-args", beam_args]
+    ingested = _data(capsys, "ingest", "--input", images, "--out", f"{out}/ingested", *beam)
+    return {"ingest": ingested, **_run_data_jobs(capsys, f"{out}/ingested", out, beam_args, runner)}
 
 
 def _records(directory: str) -> list[bytes]:
@@ -167,6 +201,188 @@ def test_two_process_direct_runner_gives_the_in_memory_results(tmp_path, capsys)
     assert _files(f"{multi_dir}/partition") == partition_files
 
 
+# Beam's portable job service (the Job API Flink, Spark and Dataflow's runner v2 speak)
+# and an external SDK worker pool, each a process of its own. The worker pool runs its
+# SDK harnesses as threads, so TensorFlow is imported once for all jobs, not per job.
+_WORKER_POOL = """
+import os, sys
+from apache_beam.runners.worker import worker_pool_main
+address, server = worker_pool_main.BeamFnExternalWorkerPoolServicer.start(use_process=False)
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(address.rsplit(":", 1)[1])
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+server.wait_for_termination()
+"""
+_TENSORFLOW_LIBRARY = b"_pywrap_tensorflow_internal"
+
+
+def _loopback(hex_address: str) -> bool:
+    """Whether a /proc/net/tcp{,6} local address (hex, 32-bit words in host order) is
+    loopback; an IPv4-mapped IPv6 address counts by its IPv4 address."""
+    raw = b"".join(
+        bytes.fromhex(hex_address[i : i + 8])[::-1] for i in range(0, len(hex_address), 8)
+    )
+    address = ipaddress.ip_address(raw)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def _listening_addresses(pid: int) -> list[tuple[str, bool]]:
+    """(hex address:port, is loopback) of every TCP socket PID listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    address = fields[1].split(":")[0]
+                    found.append((fields[1], _loopback(address)))
+    return found
+
+
+def _process_group(pgid: int) -> list[int]:
+    """The live processes of process group PGID (zombies excluded)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            members.append(int(entry))
+    return members
+
+
+def _maps(pid: int) -> bytes:
+    with open(f"/proc/{pid}/maps", "rb") as f:
+        return f.read()
+
+
+class _PortableServices:
+    """A Beam job service and an SDK worker pool, started on loopback and stopped at the
+    end, whatever happens: each is the leader of its own process group, which is killed."""
+
+    def __init__(self, root: str) -> None:
+        self._root = root
+        self._started: list[subprocess.Popen] = []
+        self._port_files: dict[int, str] = {}
+        # Beam binds the job service's data, control, state and logging servers and the
+        # worker pool to every interface ("[::]:0"); the loopback shim rewrites those
+        # binds to 127.0.0.1, so nothing here is reachable from another host.
+        self._env = dict(os.environ, LD_PRELOAD=loopback_shim.library_path())
+        self.job_service = self._start(
+            "job_service",
+            "-m",
+            "apache_beam.runners.portability.local_job_service_main",
+            "--staging_dir",
+            os.path.join(root, "staging"),
+            "--port_file",
+        )
+        self.worker_pool = self._start("worker_pool", "-c", _WORKER_POOL)
+
+    def _start(self, name: str, *args: str) -> subprocess.Popen:
+        port_file = os.path.join(self._root, f"{name}.port")
+        with open(os.path.join(self._root, f"{name}.log"), "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, *args, port_file],
+                env=self._env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._started.append(process)
+        self._port_files[process.pid] = port_file
+        return process
+
+    def port(self, process: subprocess.Popen, timeout: float = 180) -> int:
+        """The port PROCESS listens on, once it has written it."""
+        port_file = self._port_files[process.pid]
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(port_file):
+            assert process.poll() is None, f"{process.args} exited with {process.returncode}"
+            assert time.monotonic() < deadline, f"{process.args} wrote no port in {timeout} s"
+            time.sleep(0.2)
+        with open(port_file) as f:
+            return int(f.read())
+
+    def stop(self) -> None:
+        for process in self._started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self._started:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            # Nothing of the group may outlive the test (a worker the pool started).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while left := [pid for p in self._started for pid in _process_group(p.pid)]:
+            assert time.monotonic() < deadline, f"processes left behind: {left}"
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def portable_services(tmp_path):
+    services_dir = tmp_path / "services"
+    services_dir.mkdir()
+    services = _PortableServices(str(services_dir))
+    try:
+        yield services
+    finally:
+        services.stop()
+
+
+@pytest.mark.slow
+def test_portable_job_service_with_an_external_worker_pool_gives_the_direct_results(
+    tmp_path, capsys, portable_services
+):
+    host = socket.getfqdn()
+    # Beam's job service tells an external worker to dial the runner at getfqdn().
+    if not all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, 0)):
+        pytest.skip(f"{host} (this host's name) does not resolve to loopback")
+    images = _synthetic_image_folder_with_duplicates(str(tmp_path))
+    direct_dir, portable_dir = str(tmp_path / "direct"), str(tmp_path / "portable")
+    direct = _run_all_data_jobs(capsys, images, direct_dir, "DirectRunner", IN_MEMORY)
+    services = portable_services
+    job_port, pool_port = services.port(services.job_service), services.port(services.worker_pool)
+    pool_pid = services.worker_pool.pid
+    assert _TENSORFLOW_LIBRARY not in _maps(pool_pid)
+    portable = _run_all_data_jobs(
+        capsys,
+        images,
+        portable_dir,
+        "PortableRunner",
+        f"--job_endpoint=localhost:{job_port} --environment_type=EXTERNAL "
+        f"--environment_config=localhost:{pool_port}",
+    )
+    # The jobs' functions ran in the worker pool's process: only their modules import
+    # TensorFlow there. The job service (the runner) never loaded it.
+    assert pool_pid not in (os.getpid(), services.job_service.pid)
+    assert _TENSORFLOW_LIBRARY in _maps(pool_pid)
+    assert _TENSORFLOW_LIBRARY not in _maps(services.job_service.pid)
+    for process in (services.job_service, services.worker_pool):
+        listening = _listening_addresses(process.pid)
+        assert listening and all(loopback for _, loopback in listening), listening
+    assert portable == direct
+    # Every file the jobs wrote is byte-identical, record shards included.
+    assert _files(portable_dir) == _files(direct_dir)
+
+
 # The invocations docs/scaling.md shows, as `--beam-args` values (keep the two in step).
 RUNNER_ARGS = {
     "DataflowRunner": (
@@ -203,17 +419,23 @@ def test_documented_runner_options_reach_the_jobs_options(runner):
 
 
 @pytest.mark.parametrize(
-    "beam_args, message",
+    "runner, beam_args, message",
     [
-        ("--direct_num_wokers=2", "unknown Beam pipeline option --direct_num_wokers"),
-        ("stray", "look like --name=value"),
+        (
+            "DirectRunner",
+            "--direct_num_wokers=2",
+            "unknown Beam pipeline option --direct_num_wokers",
+        ),
+        ("DirectRunner", "stray", "look like --name=value"),
+        ("PortableRunner", "--environment_type=EXTERNAL", "needs --job_endpoint=HOST:PORT"),
+        ("DirectRunner", "--job_endpoint=localhost:8099", "not --runner=DirectRunner"),
     ],
 )
-def test_bad_beam_options_are_one_error_line(tmp_path, capsys, beam_args, message):
+def test_bad_beam_options_are_one_error_line(tmp_path, capsys, runner, beam_args, message):
     (tmp_path / "in").mkdir()
     code = cli.main(
         ["dp-fedemb", "data", "split", "--input", str(tmp_path / "in")]
-        + ["--out", str(tmp_path / "o"), "--beam-args", beam_args]
+        + ["--out", str(tmp_path / "o"), "--runner", runner, "--beam-args", beam_args]
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and message in err[0], err
@@ -275,6 +497,7 @@ def test_pipeline_config_reaches_every_beam_job_tfx_component_and_the_tff_worker
     "override, message",
     [
         ("pipeline.beam_args=[--direct_num_wokers=2]", "unknown Beam pipeline option"),
+        ("pipeline.beam_args=[--runner=PortableRunner]", "PortableRunner needs --job_endpoint"),
         ("runtime.local_workers=0", "config runtime: local_workers must be >= 1"),
     ],
 )
