@@ -404,6 +404,16 @@ RUNNER_ARGS = {
         beam_options.FlinkRunnerOptions,
         {"flink_master": "flink-jobmanager:8081", "parallelism": 32},
     ),
+    "PortableRunner": (
+        "--job_endpoint=localhost:8099 --environment_type=EXTERNAL "
+        "--environment_config=localhost:50000",
+        beam_options.PortableOptions,
+        {
+            "job_endpoint": "localhost:8099",
+            "environment_type": "EXTERNAL",
+            "environment_config": "localhost:50000",
+        },
+    ),
     "SparkRunner": (
         "--spark_master_url=spark://spark-master:7077 --environment_type=DOCKER "
         "--environment_config=europe-docker.pkg.dev/my-project/dp-fedemb/beam:1",
