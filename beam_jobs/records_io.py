@@ -31,12 +31,12 @@ def pipeline_options(beam_args: Sequence[str] | None = None) -> PipelineOptions:
     """Standard Beam options from command-line style args; the runner is always named.
 
     Every option any runner defines passes through (DirectRunner, Dataflow, Flink,
-    Spark, portable: docs/scaling.md). PortableRunner without --job_endpoint, and
-    --job_endpoint with a runner that ignores it, are refused (ValueError). Without `--runner` the DirectRunner is named
+    Spark, portable: docs/scaling.md). Without `--runner` the DirectRunner is named
     explicitly, so a newer Beam never falls back to a runner that downloads binaries at
     run time. An option no Beam options class knows is refused (ValueError): Beam would
     only log and drop it, so a typo such as --direct_num_wokers=2 would silently run a
-    different job.
+    different job. PortableRunner without --job_endpoint, and --job_endpoint with a
+    runner that ignores it, are refused too.
     """
     arguments = list(beam_args or [])
     for i, argument in enumerate(arguments):
