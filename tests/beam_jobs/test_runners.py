@@ -287,12 +287,15 @@ class _PortableServices:
         # worker pool to every interface ("[::]:0"); the loopback shim rewrites those
         # binds to 127.0.0.1, so nothing here is reachable from another host.
         self._env = dict(os.environ, LD_PRELOAD=loopback_shim.library_path())
+
+    def start(self) -> None:
+        """Starts both (their ports come later, from `port`)."""
         self.job_service = self._start(
             "job_service",
             "-m",
             "apache_beam.runners.portability.local_job_service_main",
             "--staging_dir",
-            os.path.join(root, "staging"),
+            os.path.join(self._root, "staging"),
             "--port_file",
         )
         self.worker_pool = self._start("worker_pool", "-c", _WORKER_POOL)
@@ -348,6 +351,7 @@ def portable_services(tmp_path):
     services_dir.mkdir()
     services = _PortableServices(str(services_dir))
     try:
+        services.start()  # in the try: a process started before a failure is stopped too
         yield services
     finally:
         services.stop()
