@@ -173,7 +173,38 @@ def _tfrecords_from(path: tf.Tensor, offset: tf.Tensor, buffer_bytes: tf.Tensor)
         buffer_size=buffer_bytes,
         byte_offsets=tf.reshape(offset, [1]),
     )
-    return tf.data.experimental.from_variant(variant, tf.TensorSpec([], tf.string))
+    return tf.data.experimental.from_variant(variant, tf.TensorSpec([], tf.string)).with_options(
+        small_dataset_options()
+    )
+
+
+def small_dataset_options() -> tf.data.Options:
+    """Options for the one-user read datasets built anew for every user in every round.
+
+    They hold a few records, but each iterator of a dataset with tf.data's default
+    options runs its graph rewrites and starts autotuning first, which costs more than
+    reading the records (BENCHMARKS.md, "Where a round's time goes"). A read yields the
+    same records in the same order either way: rewrites and autotuning off.
+    """
+    options = client_dataset_options()
+    options.experimental_optimization.apply_default_optimizations = False
+    return options
+
+
+def client_dataset_options() -> tf.data.Options:
+    """Options for a virtual client's dataset (`client_work.make_client_dataset`): no
+    autotuning and no injected prefetch for a few dozen elements.
+
+    tf.data's default rewrites stay on there, although rebuilding the dataset for each
+    of a client's iterators is most of its non-arithmetic time (BENCHMARKS.md, "Where a
+    round's time goes"): without the rebuild the shuffle draws other orders (the golden
+    run, tests/tff_algorithms/jobs/test_golden_run.py, fails), and keeping only a no-op
+    rewrite keeps the rebuild, today's orders and the cost.
+    """
+    options = tf.data.Options()
+    options.experimental_optimization.inject_prefetch = False
+    options.autotune.enabled = False
+    return options
 
 
 def _user_records(path, offset, length, file_size, records) -> tf.Tensor:  # noqa: ANN001
