@@ -44,6 +44,8 @@ import tempfile
 import threading
 import time
 
+from bench import round_speed
+
 _FULL = {
     "bank_identities": 2_000,
     "images_per_user": 5,
@@ -79,7 +81,7 @@ _MAX_PART_BYTES = 64 << 20
 # ---------------------------------------------------------------- data (parent process)
 
 
-def _write_partition(directory: str, users: int, images_per_user: int, bank: list[bytes]) -> None:
+def write_partition(directory: str, users: int, images_per_user: int, bank: list[bytes]) -> None:
     """A partition of `users` one-identity users, `images_per_user` images each from `bank`."""
     from beam_jobs import partition, schema
 
@@ -99,7 +101,7 @@ def _write_partition(directory: str, users: int, images_per_user: int, bank: lis
         json.dump(partition.build_manifest(counts, _NUM_SHARDS, _MAX_PART_BYTES), f)
 
 
-def _image_bank(identities: int, images_per_identity: int) -> list[bytes]:
+def image_bank(identities: int, images_per_identity: int) -> list[bytes]:
     from beam_jobs import synthetic
 
     config = synthetic.SyntheticConfig(
@@ -513,7 +515,7 @@ def _summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def _flops(spec: dict) -> dict:
+def measure_flops(spec: dict) -> dict:
     """FLOPs of one local step (profiler, checked analytically) and measured peaks."""
     import tensorflow as tf
 
@@ -664,10 +666,14 @@ def _child(spec: dict) -> dict:
         loader = _loader_offsets(
             spec["large_partition"], spec["loader_deep_offset_bytes"], spec["work_dir"]
         )
-        flops = _flops({**spec, "flops_clients_per_round": spec["clients_per_round"][0]})
+        flops = measure_flops({**spec, "flops_clients_per_round": spec["clients_per_round"][0]})
+        rounds = round_speed.measure(
+            spec["round_partition"], spec["work_dir"], spec["round_speed"], measured_peak(flops)
+        )
     finally:
         memory.close()
     return {
+        "round_speed": rounds,
         "overhead": overhead,
         "workers": workers,
         "population": population,
@@ -677,6 +683,15 @@ def _child(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------- report (parent)
+
+
+def measured_peak(flops: dict) -> float:
+    """This machine's measured peak: the best rate of the `_flops` measurements."""
+    return max(
+        flops["peak_matmul_flops_per_s"],
+        flops["peak_conv_flops_per_s"],
+        flops["large_batch_step_flops_per_s"],
+    )
 
 
 def _ratio(a: float, b: float) -> float:
@@ -720,11 +735,7 @@ def _report(raw: dict, sizes: dict) -> dict:
         }
         for s in overhead
     ]
-    peak = max(
-        flops["peak_matmul_flops_per_s"],
-        flops["peak_conv_flops_per_s"],
-        flops["large_batch_step_flops_per_s"],
-    )
+    peak = measured_peak(flops)
     for row in achieved:
         row["tff_over_peak"] = round(row["tff_flops_per_s"] / peak, 4)
         row["plain_over_peak"] = round(row["plain_flops_per_s"] / peak, 4)
@@ -773,16 +784,21 @@ def run(out_dir: str, quick: bool) -> dict:
     sizes = _QUICK if quick else _FULL
     work = tempfile.mkdtemp(prefix="bench_speed_")
     try:
-        bank = _image_bank(sizes["bank_identities"], sizes["images_per_user"])
+        bank = image_bank(sizes["bank_identities"], sizes["images_per_user"])
         base = os.path.join(work, "base")
         large = os.path.join(work, "large")
         started = time.perf_counter()
-        _write_partition(base, sizes["users"], sizes["images_per_user"], bank)
-        _write_partition(
+        write_partition(base, sizes["users"], sizes["images_per_user"], bank)
+        write_partition(
             large, sizes["users"] * sizes["population_factor"], sizes["images_per_user"], bank
         )
+        round_sizes = round_speed.sizes(quick)
+        round_partition = os.path.join(work, "round")
+        write_partition(round_partition, round_sizes["users"], round_speed.IMAGES_PER_USER, bank)
         data_seconds = time.perf_counter() - started
         spec = {
+            "round_partition": round_partition,
+            "round_speed": round_sizes,
             **{k: v for k, v in sizes.items() if k != "clients_per_round"},
             "clients_per_round": list(sizes["clients_per_round"]),
             "base_partition": base,
@@ -801,8 +817,10 @@ def run(out_dir: str, quick: bool) -> dict:
             raw = json.load(f)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    summary = round_speed.write_summary(out_dir, raw["round_speed"], round_sizes, quick)
     return {
         "quick": quick,
+        "round_speed": {**raw["round_speed"], "summary": summary},
         "sizes": {**sizes, "clients_per_round": list(sizes["clients_per_round"])},
         "model": {
             "architecture": "small_cnn",

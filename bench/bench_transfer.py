@@ -26,7 +26,7 @@ bootstrap intervals (resampled identities shared by every row, so differences to
 are paired: `bench_contrastive`'s helpers), ε, the private job's wall time (metrics.json
 `wall_seconds`, cache building included), the median step/round time (history, first
 round left out: it traces), the cache's build time (metrics.json `feature_cache`), and
-achieved FLOP/s against this machine's measured peak (`bench_speed._flops`: the best of a
+achieved FLOP/s against this machine's measured peak (`bench_speed.measure_flops`: the best of a
 large matmul, a large-batch convolution and a large-batch training step). FLOPs of one
 local step come from TensorFlow's profiler on the trained model's forward and backward
 pass (the whole backbone uncached, the suffix after the cut cached) with the job's head,
@@ -133,7 +133,7 @@ def configs(sizes: Mapping) -> tuple[dict[str, job_config.TrainJobConfig], dict[
     return rows, unavailable
 
 
-def _trained_model(config: job_config.TrainJobConfig, cached: bool):  # noqa: ANN202
+def trained_model(config: job_config.TrainJobConfig, cached: bool):  # noqa: ANN202
     """The model a local step differentiates: the backbone, or the suffix after the cut."""
     backbone = models.build_backbone(config.backbone_config)
     if not cached:
@@ -146,14 +146,14 @@ def step_flops(
     config: job_config.TrainJobConfig, cached: bool, batch: int, head_rows: int
 ) -> dict[str, int]:
     """FLOPs of one local step (forward, head loss, gradients of the trained variables and
-    the head) from TensorFlow's profiler, as `bench_speed._flops` counts them: of the
+    the head) from TensorFlow's profiler, as `bench_speed.measure_flops` counts them: of the
     whole traced graph, and of the ops its outputs need (what runs)."""
     import tensorflow as tf
     from tensorflow.python.framework import ops
 
     from tff_algorithms.federated import local_training
 
-    model = _trained_model(config, cached)
+    model = trained_model(config, cached)
     head = tf.Variable(tf.zeros([config.embedding_size, head_rows]))
     trained = [*model.trainable_weights, head]
     loss_config = config.head_loss_config
@@ -287,7 +287,7 @@ def run(out_dir: str, quick: bool) -> dict:
     for name, result in {"public-pretrained start": pretrained, **results}.items():
         labels, embeddings[name] = evaluation.embed_saved_model(result.saved_model_dir, data[1])
     table, samples = bench_contrastive._recall_table(embeddings, labels, sizes["bootstrap"])
-    peak_figures = bench_speed._flops(
+    peak_figures = bench_speed.measure_flops(
         {
             "flops_clients_per_round": 1,
             "users_per_virtual_client": 1,

@@ -56,6 +56,8 @@ def results(tmp_path_factory):
         summary = json.load(f)
     with open(os.path.join(results_dir, "bench_speed.json")) as f:
         speed = json.load(f)
+    with open(os.path.join(results_dir, "speed_summary.json")) as f:
+        speed["speed_summary_file"] = json.load(f)
     return summary, speed
 
 
@@ -123,3 +125,38 @@ def test_flop_count_of_the_profiler_matches_the_analytic_count(results):
         "clients_per_round"
     ]
     assert all(_positive(row["tff_over_peak"]) for row in flops["achieved"])
+
+
+def test_speed_summary_holds_the_four_figures_of_one_run(results):
+    _, speed = results
+    written = speed["speed_summary_file"]
+    rounds = speed["round_speed"]
+    assert written == rounds["summary"] and written["quick"] is True
+    for key in (
+        "default_round_over_arithmetic",
+        "cached_over_uncached_round",
+        "tff_over_plain_round",
+    ):
+        assert _positive(written[key])
+    assert isinstance(written["step_overhead_ms"], (int, float))
+    medians = rounds["median_round_seconds"]
+    assert sorted(medians) == ["default", "embedding_cached", "embedding_uncached", "plain"]
+    sizes = written["sizes"]
+    for values in rounds["round_seconds"].values():
+        assert len(values) == sizes["rounds"]
+    # The figures are the ratios of this run's own medians and arithmetic.
+    default = rounds["arithmetic"]["default"]
+    assert written["tff_over_plain_round"] == round(medians["default"] / medians["plain"], 3)
+    assert written["default_round_over_arithmetic"] == round(
+        medians["default"] / default["arithmetic_seconds_at_peak"], 3
+    )
+    # The cached row's local step differentiates the embedding layer alone.
+    cached = rounds["arithmetic"]["embedding_cached"]
+    assert (
+        cached["local_step_flops"] < rounds["arithmetic"]["embedding_uncached"]["local_step_flops"]
+    )
+    assert default["local_steps_per_round"] == sizes["clients_per_round"] * 12
+    profile = rounds["profile"]
+    assert profile["local_steps_per_client"] == 12
+    assert all(_positive(profile[k]) for k in ("build_read_decode_once_ms", "client_update_ms"))
+    assert "Conv2DBackpropFilter" in rounds["step_op_ms"]
