@@ -174,34 +174,23 @@ def _tfrecords_from(path: tf.Tensor, offset: tf.Tensor, buffer_bytes: tf.Tensor)
         byte_offsets=tf.reshape(offset, [1]),
     )
     return tf.data.experimental.from_variant(variant, tf.TensorSpec([], tf.string)).with_options(
-        small_dataset_options()
+        client_dataset_options()
     )
 
 
-def small_dataset_options() -> tf.data.Options:
-    """Options for the one-user read datasets built anew for every user in every round.
-
-    They hold a few records, but each iterator of a dataset with tf.data's default
-    options runs its graph rewrites and starts autotuning first, which costs more than
-    reading the records (BENCHMARKS.md, "Where a round's time goes"). A read yields the
-    same records in the same order either way: rewrites and autotuning off.
-    """
-    options = client_dataset_options()
-    options.experimental_optimization.apply_default_optimizations = False
-    return options
-
-
 def client_dataset_options() -> tf.data.Options:
-    """Options for a virtual client's dataset (`client_work.make_client_dataset`): no
-    autotuning and no injected prefetch for a few dozen elements.
+    """Options for the datasets built anew for every user and virtual client in every
+    round: no graph rewrites, no autotuning, no injected prefetch.
 
-    tf.data's default rewrites stay on there, although rebuilding the dataset for each
-    of a client's iterators is most of its non-arithmetic time (BENCHMARKS.md, "Where a
-    round's time goes"): without the rebuild the shuffle draws other orders (the golden
-    run, tests/tff_algorithms/jobs/test_golden_run.py, fails), and keeping only a no-op
-    rewrite keeps the rebuild, today's orders and the cost.
+    They hold a few dozen elements, but with tf.data's default options each iterator
+    first rebuilds and rewrites its dataset and starts autotuning, which costs more than
+    reading and decoding the elements (BENCHMARKS.md, "Where a round's time goes").
+    None of these changes an element or an order; the rebuild also gives every
+    iterator fresh copies of the dataset's resources (its cache), which the client
+    work's passes share without it.
     """
     options = tf.data.Options()
+    options.experimental_optimization.apply_default_optimizations = False
     options.experimental_optimization.inject_prefetch = False
     options.autotune.enabled = False
     return options

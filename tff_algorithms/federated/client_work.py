@@ -20,7 +20,8 @@ Client dataset: one element is one batch of one virtual client::
 `make_client_dataset(examples, virtual_client_id, config)` builds it from per-example
 elements `{"image": float32[H, W, C], "identity": string or int64 scalar}` (what a
 data loader produces for the users of one virtual client): it caps the examples,
-shuffles, batches and attaches `client_seed`, a hash of the virtual-client id.
+batches them in the loader's order and attaches `client_seed`, a hash of the
+virtual-client id, with which the client work shuffles every pass.
 Virtual-client ids are expected to be unique per round (the schedule regroups users
 every round), so seeds differ across rounds; the round number is folded in as well.
 
@@ -113,8 +114,9 @@ def make_client_dataset(
 
     Skips examples whose reading raises, takes the first `max_examples` (the loader
     decides their order), keeps them in memory after the first pass over them (each
-    pass of the client work replays them, read and decoded once), shuffles them with a seed derived from the virtual-client id
-    (reshuffled in every local epoch) and batches them. `expected_examples` is how many
+    pass of the client work replays them, read and decoded once) and batches them in
+    that order. The client work shuffles each pass with the `client_seed`, a hash of
+    the virtual-client id (`local_training.shuffled_batches`). `expected_examples` is how many
     examples the loader should yield (None: unknown); the client work drops a client
     that yields fewer. Usable inside a TFF dataset computation.
     """
@@ -141,10 +143,9 @@ def make_client_dataset(
         examples.ignore_errors()
         .take(config.max_examples)
         # Read and decode once: the first pass fills the cache, the local epochs replay it
-        # (BENCHMARKS.md, "Where a round's time goes"). It holds what the shuffle buffer
-        # already holds at once, every example of the client (max_examples at most).
+        # (BENCHMARKS.md, "Where a round's time goes"). It holds what the client work's
+        # shuffle buffer holds at once, every example of the client (max_examples at most).
         .cache()
-        .shuffle(config.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
         .batch(config.batch_size)
         .map(
             lambda b: collections.OrderedDict(

@@ -240,6 +240,49 @@ def fold_batches(
     return state
 
 
+def client_constants(dataset: tf.data.Dataset) -> tuple[tf.Tensor, tf.Tensor]:
+    """(client_seed, expected_examples) of a client dataset, which every batch carries;
+    (0, -1) for a client with no example."""
+    seed, expected = dataset.take(1).reduce(
+        (tf.constant(0, tf.int64), tf.constant(-1, tf.int64)),
+        lambda _, batch: (batch["client_seed"], batch["expected_examples"]),
+    )
+    # Scalars, as the shuffle's seed must be (a reduce may lose the static shape).
+    return tf.reshape(seed, []), tf.reshape(expected, [])
+
+
+def shuffled_batches(
+    dataset: tf.data.Dataset,
+    config: ClientConfig,
+    client_seed: tf.Tensor,
+    expected_examples: tf.Tensor,
+) -> tf.data.Dataset:
+    """One pass's batches of a client dataset (whose batches keep the loader's order):
+    its examples shuffled with the client's seed, reshuffled in every repetition.
+
+    Each pass builds its own shuffle, so the vocabulary pass and the training pass's
+    first epoch see the same order and the later epochs the next ones, on any runtime.
+    (Before, one shuffle in the client dataset served every pass, and what each pass
+    drew depended on whether tf.data rebuilt the dataset for each iterator: it did
+    inside TFF, which these passes reproduce, and the rebuild was most of a client's
+    non-arithmetic time; BENCHMARKS.md, "Where a round's time goes".)
+    """
+    return (
+        dataset.map(lambda batch: (batch["image"], batch["identity"]))
+        .unbatch()
+        .shuffle(config.shuffle_buffer, seed=client_seed, reshuffle_each_iteration=True)
+        .batch(config.batch_size)
+        .map(
+            lambda image, identity: collections.OrderedDict(
+                image=image,
+                identity=identity,
+                client_seed=client_seed,
+                expected_examples=expected_examples,
+            )
+        )
+    )
+
+
 class LocalTrainer:
     """The per-virtual-client training loop (built inside a TFF computation).
 
@@ -321,12 +364,17 @@ class LocalTrainer:
             _backbone_trainable(initial_weights) + _backbone_non_trainable(initial_weights),
         ):
             variable.assign(value)
+        shuffle_seed, expected_examples = client_constants(dataset)
+
+        def pass_batches() -> tf.data.Dataset:
+            return shuffled_batches(dataset, self.config, shuffle_seed, expected_examples)
+
         negatives = None
         if self.config.shared_negative_rows:
             # Broadcast with the client state; read only, never returned.
             negatives = tf.convert_to_tensor(client_state["shared_negatives"], tf.float32)
         if self.vocabulary is None:
-            vocabulary, client_seed, class_means = self._first_pass(dataset)
+            vocabulary, client_seed, class_means = self._first_pass(pass_batches())
             if class_means is None:
                 seed = local_head_seed(
                     client_state["head_seed"], client_state["round_num"], client_seed
@@ -429,12 +477,11 @@ class LocalTrainer:
             tf.constant(0.0),
             tf.constant(0.0),
         )
-        batches = dataset.repeat(self.config.local_epochs)
+        batches = pass_batches().repeat(self.config.local_epochs)
         if max_steps is not None:
             batches = batches.take(max_steps + 1)
-        # The training pass's iterator is created after the vocabulary pass's: each new
-        # iterator draws the next reshuffle of the client dataset, so without this order
-        # the two passes could swap shuffles from run to run.
+        # The training pass starts after the vocabulary pass has read every example, so it
+        # replays the client dataset's cache instead of reading the records again.
         with tf.control_dependencies([vocabulary]):
             training_state, rows_read, timed_out, client_seed, expected = fold_batches(
                 batches,
