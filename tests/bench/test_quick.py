@@ -156,6 +156,8 @@ def test_speed_summary_holds_the_four_figures_of_one_run(results):
         cached["local_step_flops"] < rounds["arithmetic"]["embedding_uncached"]["local_step_flops"]
     )
     assert default["local_steps_per_round"] == sizes["clients_per_round"] * 12
+    # The plain program computes the TFF round: same steps, same shuffles, same clipping.
+    assert rounds["plain_vs_tff_max_abs_difference"] < 1e-4
     profile = rounds["profile"]
     assert profile["local_steps_per_client"] == 12
     assert all(_positive(profile[k]) for k in ("build_read_decode_once_ms", "client_update_ms"))

@@ -459,3 +459,43 @@ def test_client_loss_takes_the_cap_of_its_config(initial_weights):
     )
     assert abs(expected - plain) > 0.05
     np.testing.assert_allclose(measurements["loss"], expected, rtol=1e-4)
+
+
+def _pass_identities(dataset):
+    return [i for batch in dataset for i in batch["identity"].numpy().tolist()]
+
+
+def test_each_pass_shuffles_on_its_own_the_same_orders_for_the_same_client():
+    names = np.array([f"id{i}" for i in range(12)])
+    config = dataclasses.replace(CONFIG, shuffle_buffer=64)
+    client = _client_dataset(np.zeros((12, 28, 28, 1), np.float32), names, config)
+    # The client dataset keeps the loader's order; the passes shuffle it.
+    assert _pass_identities(client) == [n.encode() for n in names]
+    seed, expected = local_training.client_constants(client)
+    assert int(seed) == int(client_work.client_seed_from_id(tf.constant(CLIENT_ID)))
+    assert int(expected) == -1  # no count given to make_client_dataset
+
+    def one_pass(epochs=1):
+        return _pass_identities(
+            local_training.shuffled_batches(client, config, seed, expected).repeat(epochs)
+        )
+
+    first, training = one_pass(), one_pass(3)
+    # The vocabulary pass and the first epoch see one order; later epochs reshuffle.
+    assert first == training[:12] and sorted(first) == sorted(n.encode() for n in names)
+    assert first != [n.encode() for n in names]
+    assert training[12:24] != first and sorted(training[12:24]) == sorted(first)
+    # Another client's seed draws other orders.
+    other = _client_dataset(np.zeros((12, 28, 28, 1), np.float32), names, config, "round0/vc1")
+    other_seed, _ = local_training.client_constants(other)
+    assert (
+        _pass_identities(local_training.shuffled_batches(other, config, other_seed, expected))
+        != first
+    )
+
+
+def test_a_client_without_examples_has_no_seed_and_an_unknown_count():
+    empty = _client_dataset(np.zeros((0, 28, 28, 1), np.float32), np.array([], str))
+    seed, expected = local_training.client_constants(empty)
+    assert (int(seed), int(expected)) == (0, -1)
+    assert _pass_identities(local_training.shuffled_batches(empty, CONFIG, seed, expected)) == []
