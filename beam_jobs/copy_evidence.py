@@ -33,6 +33,11 @@ whole pixels and scale 1 (`whole_pixel_alignment`), where a clipped copy sits ex
   reproduces (spread about its noise level, >= 2 grey levels in bench/rendered_images.py),
   and a different pose adds its edges on top.
 
+A lossless candidate can also be told by a linear filter of the reference
+(beam_jobs/copy_prediction.py): `predicted_pixels` when the filter predicts it, and no
+copy after all when it passed only by the shape's detail allowance and the filter leaves
+more than a copy's resampling would.
+
 bench/bench_dedup.py measures each on real images (BENCHMARKS.md, "Dedup: copies vs
 look-alikes"). Known gap: a copy both resized and strongly re-encoded (JPEG) shares
 neither noise nor an exact re-encoding, and is kept.

@@ -79,8 +79,11 @@ class DedupConfig:
     # reference's through one grey map at a whole-pixel shift (a constant tolerance,
     # copy_evidence.SAME_PIXELS_TOLERANCE: a grey map leaves no spread). Not testable: a
     # reference whose band-pass level is under min_reference_noise grey levels, or fewer
-    # than min_noise_pixels flat unclipped pixels: the shape decides alone. Chosen on
-    # bench_dedup.py.
+    # than min_noise_pixels flat unclipped pixels: the shape decides alone. A lossless
+    # candidate is also a copy when a linear filter of the reference predicts its pixels
+    # (copy_prediction.MAX_PREDICTED), and is none when it passed only by the detail
+    # allowance and such a filter leaves too much (MAX_UNEXPLAINED): constants, as
+    # SAME_PIXELS_TOLERANCE. Chosen on bench_dedup.py.
     min_shared_noise: float = copy_evidence.MIN_SHARED_NOISE
     min_reference_noise: float = copy_evidence.MIN_REFERENCE_NOISE
     min_noise_pixels: int = copy_evidence.MIN_NOISE_PIXELS

@@ -29,7 +29,7 @@ import numpy as np
 from apache_beam import pvalue
 from apache_beam.metrics import Metrics
 
-from beam_jobs import copy_evidence, schema
+from beam_jobs import copy_evidence, copy_prediction, schema
 from beam_jobs import near_duplicates as nd
 
 if TYPE_CHECKING:
@@ -384,9 +384,13 @@ def _copy_evidence(
     even if resampling changed its shape more than the shape test allows, and so is one
     whose pixels are the reference's through one grey map at a whole-pixel shift
     (`same_pixels`: a shifted or clipped copy, whatever its flat pixels); otherwise the
-    shape test must pass, and then an exact JPEG re-encoding, or noise that cannot be
-    tested (none in the reference, or too few flat pixels: the shape alone), makes it a
-    copy. Else it is a look-alike, kept."""
+    shape test must pass, and then an exact JPEG re-encoding, noise that cannot be
+    tested (none in the reference, or too few flat pixels: the shape alone), or a lossless
+    candidate that a filter of the reference predicts within MAX_PREDICTED grey levels
+    (`predicted_pixels`) makes it a copy. A lossless pair that passed by shared noise or
+    the shape alone with a residual over max_residual (by the detail allowance) is a
+    look-alike after all when a filter of the reference leaves more than MAX_UNEXPLAINED
+    of it (copy_prediction). Else it is a look-alike, kept."""
     shape = (
         measured["residual"]
         <= config.max_residual + config.residual_per_detail * (measured["detail"])
@@ -415,8 +419,17 @@ def _copy_evidence(
             evidence.append(None)
         elif noise in (_NO_NOISE, _FEW_PIXELS):
             # No floor without the detail allowance here: it lost resized photo copies
-            # (busy, few flat pixels; BENCHMARKS.md, "Same pixels").
+            # (busy, few flat pixels; BENCHMARKS.md, "Same pixels"); the prediction check
+            # below asks the allowance's question instead.
             evidence.append("shape_only")
+        elif (
+            _unexplained(measured, i, candidate, reference, candidate_jpeg[pairs[i, 0]])
+            <= copy_prediction.MAX_PREDICTED
+        ):
+            # A lossless candidate whose pixels a filter of the reference predicts to
+            # within a render's noise: a resampled copy (a crop resized back) whose
+            # noise correlation resampling weakened; another render carries its own.
+            evidence.append("predicted_pixels")
         else:
             form = candidate_jpeg[pairs[i, 0]]
             difference = (
@@ -431,7 +444,39 @@ def _copy_evidence(
                 else float("inf")
             )
             evidence.append("jpeg_reencode" if difference <= config.jpeg_tolerance else None)
+        if (
+            evidence[-1] in ("shared_noise", "shape_only")
+            and measured["residual"][i] > config.max_residual
+            and _unexplained(measured, i, candidate, reference, candidate_jpeg[pairs[i, 0]])
+            > copy_prediction.MAX_UNEXPLAINED
+        ):
+            # It passed only by the detail allowance (or shared "noise" past the shape):
+            # a lossless copy that lost detail is still its reference through a filter;
+            # another render of the shape is not (copy_prediction).
+            evidence[-1] = None
     return evidence
+
+
+def _unexplained(
+    measured: dict[str, np.ndarray],
+    i: int,
+    candidate: np.ndarray | None,
+    reference: np.ndarray | None,
+    jpeg: copy_evidence.JpegForm | None,
+) -> float:
+    """Grey levels of pair i's lossless candidate that no filter of the reference predicts
+    (copy_prediction.unexplained); nan when it cannot be told (a JPEG, whose own error is
+    unexplained too; no native pixels; too few pixels): a nan passes no comparison, so an
+    untold pair stays as the other tests judged it."""
+    if jpeg is not None or candidate is None or reference is None:
+        return float("nan")
+    return copy_prediction.unexplained(
+        candidate,
+        reference,
+        float(measured["dx"][i]),
+        float(measured["dy"][i]),
+        float(measured["scale"][i]),
+    )
 
 
 def verified_pairs(joined: tuple[Any, Any], config: "DedupConfig") -> Iterator[Any]:

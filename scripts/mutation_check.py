@@ -103,6 +103,14 @@ _SHIFTED_FRAME_FILLING_COPY = (
     "tests/beam_jobs/test_dedup_lookalikes.py::"
     "test_a_shifted_brightened_copy_of_a_frame_filling_image_is_the_same_pixels"
 )
+_FRAME_FILLING_ICONS = (
+    "tests/beam_jobs/test_dedup_lookalikes.py::"
+    "test_another_render_of_a_frame_filling_icon_is_kept_and_its_resampled_copies_are_not"
+)
+_CROP_RESIZED_BACK = (
+    "tests/beam_jobs/test_dedup_lookalikes.py::"
+    "test_a_crop_resized_back_is_its_reference_through_a_filter_and_another_render_is_not"
+)
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- clip bounds -----------------------------------------------------------------
@@ -387,6 +395,37 @@ MUTANTS: tuple[Mutant, ...] = (
         "<= copy_evidence.SAME_PIXELS_TOLERANCE",
         '<= float("inf")',
         (_SHIFTED_FRAME_FILLING_COPY,),
+    ),
+    # Both ways for the prediction check on the detail allowance: every resampled copy
+    # vetoed (copies kept: the privacy fault), or none (another render removed).
+    Mutant(
+        "dedup-prediction-vetoes-copies",
+        "beam_jobs/dedup_batches.py",
+        "> copy_prediction.MAX_UNEXPLAINED",
+        ">= 0.0",
+        (_FRAME_FILLING_ICONS,),
+    ),
+    Mutant(
+        "dedup-prediction-skipped",
+        "beam_jobs/dedup_batches.py",
+        'and measured["residual"][i] > config.max_residual\n',
+        "and False\n",
+        (_FRAME_FILLING_ICONS,),
+    ),
+    # Both ways for predicted_pixels: a resampled copy kept, or another render removed.
+    Mutant(
+        "dedup-predicted-pixels-skipped",
+        "beam_jobs/dedup_batches.py",
+        "<= copy_prediction.MAX_PREDICTED",
+        "<= -1.0",
+        (_CROP_RESIZED_BACK,),
+    ),
+    Mutant(
+        "dedup-predicted-pixels-tolerance",
+        "beam_jobs/dedup_batches.py",
+        "<= copy_prediction.MAX_PREDICTED",
+        '<= float("inf")',
+        (_CROP_RESIZED_BACK,),
     ),
     Mutant(
         "dedup-jpeg-reencode",
