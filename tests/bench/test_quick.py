@@ -157,7 +157,9 @@ def test_speed_summary_holds_the_four_figures_of_one_run(results):
     )
     assert default["local_steps_per_round"] == sizes["clients_per_round"] * 12
     # The plain program computes the TFF round: same steps, same shuffles, same clipping.
-    assert rounds["plain_vs_tff_max_abs_difference"] < 1e-4
+    # Threads sum in other orders, which 12 steps at CosFace scale 30 grow to 1e-5..3e-4;
+    # batches in other orders (as before each pass had its own shuffle) gave 2e-3..7e-3.
+    assert rounds["plain_vs_tff_max_abs_difference"] < 1e-3
     profile = rounds["profile"]
     assert profile["local_steps_per_client"] == 12
     assert all(_positive(profile[k]) for k in ("build_read_decode_once_ms", "client_update_ms"))
