@@ -29,7 +29,7 @@ from tff_algorithms.algorithms.dp_fedemb import shared_negatives_config
 from tff_algorithms.base import job_files, owned_files
 from tff_algorithms.config import client_config, model_config, recipes
 from tff_algorithms.config import job_config as job_config_lib
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 # The TrainJobConfig fields passed straight through as flags: each flag is its field's
 # name in kebab case (--client-learning-rate sets client_learning_rate). An algorithm's
@@ -113,13 +113,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define(
         "integer",
         "rounds",
-        f"training rounds (epochs for centralized), 1 to {accounting.MAX_ROUNDS:.0e}",
+        f"training rounds (epochs for centralized), 1 to {accounting_spec.MAX_ROUNDS:.0e}",
     )
     define(
         "float",
         "noise-multiplier",
         "noise std / clip norm of a virtual client's update, 0 to "
-        f"{accounting.MAX_NOISE_MULTIPLIER:g}",
+        f"{accounting_spec.MAX_NOISE_MULTIPLIER:g}",
     )
     define(
         "float",
@@ -127,7 +127,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "instead of --noise-multiplier: calibrate it when training starts, from the real "
         "number of training users, to the smallest one whose schedule costs at most this "
         "epsilon (strict accounting) at the job's delta; in "
-        f"(0, {accounting.MAX_TARGET_EPSILON:g}]",
+        f"(0, {accounting_spec.MAX_TARGET_EPSILON:g}]",
     )
     define("float", "clip-norm", "L2 clip of each virtual client's backbone update")
     define(
@@ -179,7 +179,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define(
         "float",
         "delta",
-        f"target delta in [{accounting.MIN_DELTA:g}, 1) (default: training users ^ -1.1)",
+        f"target delta in [{accounting_spec.MIN_DELTA:g}, 1) (default: training users ^ -1.1)",
     )
     define("integer", "evaluate-every", "evaluate on validation identities every N rounds")
     define("integer", "seed", "initialisation seed: backbone, local heads (public)")
@@ -546,16 +546,22 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     section = _algorithm(value).section
     if section is not None and section.name in given:
         section.build({k: v for k, v in given[section.name].items() if k not in section.shape})
-    checks.number("rounds", value["rounds"], 1, accounting.MAX_ROUNDS)
+    checks.number("rounds", value["rounds"], 1, accounting_spec.MAX_ROUNDS)
     if value["channels"] not in (None, 1, 3):
         raise ValueError(f"--channels must be 1 or 3, got {value['channels']}")
     for name in ("seed", "split-seed", "evaluate-every", "schedule-seed", "noise-seed"):
         checks.number(name, value[name], 0)
-    checks.number("noise-multiplier", value["noise-multiplier"], 0, accounting.MAX_NOISE_MULTIPLIER)
     checks.number(
-        "target-epsilon", value["target-epsilon"], 0, accounting.MAX_TARGET_EPSILON, low_open=True
+        "noise-multiplier", value["noise-multiplier"], 0, accounting_spec.MAX_NOISE_MULTIPLIER
     )
-    checks.number("delta", value["delta"], accounting.MIN_DELTA, 1, high_open=True)
+    checks.number(
+        "target-epsilon",
+        value["target-epsilon"],
+        0,
+        accounting_spec.MAX_TARGET_EPSILON,
+        low_open=True,
+    )
+    checks.number("delta", value["delta"], accounting_spec.MIN_DELTA, 1, high_open=True)
     for name in (
         "clip-norm",
         "client-learning-rate",

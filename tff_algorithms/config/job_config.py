@@ -40,7 +40,7 @@ from tff_algorithms.algorithms import rules
 from tff_algorithms.algorithms.dp_fedemb.shared_negatives_config import SharedNegativesConfig
 from tff_algorithms.base import validation
 from tff_algorithms.config import client_config, model_config, report_policy
-from tff_algorithms.privacy import accounting, calibration, dplc_releases
+from tff_algorithms.privacy import accounting_spec, calibration, dplc_releases
 
 # The algorithms' names, for code that configures a job of one (tests, benchmarks);
 # what each is and does is its `algorithms.Algorithm`.
@@ -155,7 +155,7 @@ class TrainJobConfig:
     schedule's `users_per_virtual_client` x `virtual_clients_per_round`); each uploads
     `samples_per_user` embeddings; derivatives are clipped per row to
     `derivative_clip` (C_r), gradients to `clip_norm` (C_g). `noise_multiplier` is z,
-    the round's noise relative to its sensitivities (`accounting.Mechanism.FDML`),
+    the round's noise relative to its sensitivities (`accounting_spec.Mechanism.FDML`),
     split as 1/z^2 = share/z^2 + (1 - share)/z^2 by `derivative_noise_share` (the
     derivatives' std is 2 sqrt(g s) z C_r / sqrt(share), the gradient sum's
     2 z C_g / sqrt(1 - share)); Adam on the server at `server_learning_rate`;
@@ -329,9 +329,9 @@ class TrainJobConfig:
         validation.check_bool("restart_every_epoch", self.restart_every_epoch)
         if algorithm.check_job is not None:
             algorithm.check_job(self)
-        if self.restart_every_epoch and algorithm.mechanism is not accounting.Mechanism.DPFTRL:
+        if self.restart_every_epoch and algorithm.mechanism is not accounting_spec.Mechanism.DPFTRL:
             tree_noise = algorithms.names(
-                lambda other: other.mechanism is accounting.Mechanism.DPFTRL
+                lambda other: other.mechanism is accounting_spec.Mechanism.DPFTRL
             )
             raise ValueError(f"restart_every_epoch applies only to {' and '.join(tree_noise)}")
         if isinstance(self.trainable_layers, str) or not all(
@@ -620,7 +620,7 @@ def schedule_for(
     )
 
 
-def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.AccountingSpec:
+def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting_spec.AccountingSpec:
     """The accounting spec of the planned job, by its algorithm's rule
     (`Algorithm.accounting_rule`; centralized: every user every epoch, no noise)."""
     if config.target_epsilon is not None:

@@ -17,7 +17,7 @@ from tff_algorithms.config import client_config, job_config, model_config, repor
 from tff_algorithms.federated import aggregators, client_data, client_work, dropouts, processes
 from tff_algorithms.jobs import train_job
 from tff_algorithms.modeling import models
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting, accounting_spec
 from tff_algorithms.privacy import ledger as ledger_lib
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
@@ -283,7 +283,7 @@ def test_over_selection_is_accounted_with_the_selected_sampling():
     assert (
         epsilon
         == accounting.compute_privacy(
-            accounting.AccountingSpec(1000, 12, 50, 0.8, 1e-5, users_per_virtual_client=2)
+            accounting_spec.AccountingSpec(1000, 12, 50, 0.8, 1e-5, users_per_virtual_client=2)
         ).epsilon
     )
     assert epsilon > accounting.compute_privacy(job_config.accounting_spec_for(JOB, 1000)).epsilon

@@ -11,7 +11,7 @@ The privacy unit is the user. Each step t:
 1. The job's schedule (`job_config.schedule_for`, sampled mode, one user per virtual
    client) draws n = `virtual_clients_per_round` users uniformly without replacement:
    the sampling DP-FedEmb's rounds use, and the one the accountant analyses
-   (`accounting.Mechanism.LOGIT_DP`: sampled Gaussian, substitute-one).
+   (`accounting_spec.Mechanism.LOGIT_DP`: sampled Gaussian, substitute-one).
 2. Each sampled user gives one positive pair, two of its images of one identity drawn
    at random (two distinct records when it holds two of an identity, one image twice
    otherwise; a user holding several identities, a photographer of many landmarks,

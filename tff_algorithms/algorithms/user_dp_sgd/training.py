@@ -22,12 +22,12 @@ job's, as for the other algorithms. The privacy unit is the user. Each step t:
 
 Accounting: a user is in at most one row of a step, and its whole part in the step is
 one clipped gradient, so the sum is DP-FedEmb's with one user per virtual client:
-`accounting.Mechanism.DPSGD`, uniform sampling without replacement, substitute-one,
+`accounting_spec.Mechanism.DPSGD`, uniform sampling without replacement, substitute-one,
 sensitivity 2·clip_norm under the strict convention (dp_accounting is given z/2;
 `job_config.accounting_spec_for`, the same spec `dp-fedemb privacy --mechanism dpsgd`
 accounts).
 Full batch (`dp_sgd.full_batch`): every user in every step, so no amplification:
-`accounting.Sampling.FULL`, the Gaussian mechanism composed over the steps, same
+`accounting_spec.Sampling.FULL`, the Gaussian mechanism composed over the steps, same
 sensitivity (docs/privacy.md, "Full-batch steps").
 The global head's rows are the training identities, listed from the data: the caveat of
 DP-FedAvg's global head (which rows exist, and in which order, is not privatised; the

@@ -21,7 +21,7 @@ from tff_algorithms.algorithms.fdml import training as fdml_training
 from tff_algorithms.base import job_files
 from tff_algorithms.config import job_config
 from tff_algorithms.jobs import train_job
-from tff_algorithms.privacy import accounting, budget
+from tff_algorithms.privacy import accounting, accounting_spec, budget
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def test_job_writes_metrics_ledger_and_saved_model(straight_run):
     assert eer["split"] == {"template": 2, "threshold": 1, "test": 1}
     assert eer["paper_split"] is False
     ledger = json.loads(open(straight_run.ledger_path).read())
-    assert ledger["spec"]["mechanism"] == accounting.Mechanism.FDML.value
+    assert ledger["spec"]["mechanism"] == accounting_spec.Mechanism.FDML.value
     assert [e["round"] for e in ledger["history"]] == [1, 2]
     assert os.path.exists(os.path.join(straight_run.saved_model_dir, "saved_model.pb"))
     # Nothing the server computed on training data without noise is recorded.
@@ -212,7 +212,7 @@ def test_other_algorithms_records_do_not_change():
 
 
 def test_budget_and_the_accountant_refuse_the_paper_convention(tmp_path, capsys):
-    paper = accounting.AccountingSpec(
+    paper = accounting_spec.AccountingSpec(
         TRAIN_IDENTITIES, 4, 2, 1.0, DELTA, mechanism="fdml", convention="paper"
     )
     policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), total_epsilon=100.0)

@@ -20,7 +20,7 @@ from tff_algorithms.config import job_config
 from tff_algorithms.config.client_config import HeadLossConfig
 from tff_algorithms.jobs import train_job
 from tff_algorithms.modeling import models
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting, accounting_spec
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
 pytestmark = pytest.mark.slow
@@ -223,7 +223,7 @@ def test_dp_last_layer_trains_the_zero_initialised_embedding_on_cached_features(
     delta = TRAIN_IDENTITIES**-1.1
     # No amplification: 2 Gaussians of sensitivity 2·clip composed, the full-batch spec
     # (tests/tff_algorithms/privacy/test_accounting.py checks it against the closed form).
-    full = accounting.AccountingSpec(
+    full = accounting_spec.AccountingSpec(
         TRAIN_IDENTITIES, TRAIN_IDENTITIES, 2, 1.0, delta, sampling="full"
     )
     assert result.metrics["epsilon"] == pytest.approx(accounting.compute_privacy(full).epsilon)
