@@ -459,12 +459,12 @@ def test_a_client_trains_against_the_broadcast_rows_and_returns_only_its_backbon
 def _flag_config(*args):
     from absl import flags
 
-    from pipeline.commands import train
+    from pipeline.commands import train, train_config
 
     flag_values = flags.FlagValues()
     train.define_flags(flag_values)
     flag_values(["dp-fedemb train", "--recipe=paper", *args])
-    return train.job_config({name: flag_values[name].value for name in flag_values})
+    return train_config.job_config({name: flag_values[name].value for name in flag_values})
 
 
 def test_train_flags_set_shared_negatives():

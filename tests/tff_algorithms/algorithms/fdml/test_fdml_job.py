@@ -12,7 +12,7 @@ from absl import flags
 
 from beam_jobs import synthetic
 from pipeline import cli, report
-from pipeline.commands import train
+from pipeline.commands import train, train_config
 from tests import support
 from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
 from tff_algorithms.algorithms.fdml import protocol as fdml
@@ -165,7 +165,7 @@ def test_train_flags_set_the_fdml_fields():
             "--fdml-users-per-group=2",
         ]
     )
-    config = train.job_config({name: flag_values[name].value for name in flag_values})
+    config = train_config.job_config({name: flag_values[name].value for name in flag_values})
     assert config.algorithm == "fdml"
     settings = config.settings
     assert (settings.samples_per_user, settings.derivative_clip) == (5, 0.3)

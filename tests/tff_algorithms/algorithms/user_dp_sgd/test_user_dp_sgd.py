@@ -435,12 +435,12 @@ def test_the_cli_and_the_pipeline_take_each_baseline_recipe():
     from absl import flags
 
     from pipeline import config as config_lib
-    from pipeline.commands import train
+    from pipeline.commands import train, train_config
 
     flag_values = flags.FlagValues()
     train.define_flags(flag_values)
     flag_values(["dp-fedemb train", "--algorithm=dp-last-layer", "--rounds=7"])
-    cli = train.job_config({name: flag_values[name].value for name in flag_values})
+    cli = train_config.job_config({name: flag_values[name].value for name in flag_values})
     pipeline = config_lib.load_config(
         None, ["train.algorithm=dp-last-layer", "train.rounds=7"]
     ).train_job_dict()
