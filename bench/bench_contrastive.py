@@ -66,7 +66,7 @@ from beam_jobs import partition, synthetic
 from bench import bench_training, real_images
 from tff_algorithms.algorithms.logit_dp import mechanism as logit_dp
 from tff_algorithms.algorithms.logit_dp import sensitivity as logit_dp_sensitivity
-from tff_algorithms.config import job_config, model_config
+from tff_algorithms.config import job_config, job_plan, model_config
 from tff_algorithms.evaluation import metrics
 from tff_algorithms.evaluation import scoring as evaluation
 from tff_algorithms.federated import runtime
@@ -538,7 +538,7 @@ def part_b(work: str, sizes: Mapping, resamples: int) -> dict:
     )
 
     def spec(config: job_config.TrainJobConfig, z: float) -> accounting_spec.AccountingSpec:
-        return job_config.accounting_spec_for(
+        return job_plan.accounting_spec_for(
             dataclasses.replace(config, noise_multiplier=z), num_users
         )
 

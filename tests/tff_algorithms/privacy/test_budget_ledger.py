@@ -10,7 +10,7 @@ import pytest
 from beam_jobs import partition, synthetic
 from tests import support
 from tff_algorithms.base import job_files
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, job_plan
 from tff_algorithms.jobs import train_job
 from tff_algorithms.privacy import accounting, accounting_spec, budget
 
@@ -278,7 +278,7 @@ def small_data(tmp_path_factory):
 def test_train_job_is_charged_once_and_a_second_job_over_budget_refused(
     tff_runtime, small_data, tmp_path
 ):
-    spec = job_config.accounting_spec_for(JOB, 20)
+    spec = job_plan.accounting_spec_for(JOB, 20)
     one = accounting.compute_privacy(spec).epsilon
     twice = budget.composed_epsilon([spec, spec], spec.delta)
     policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), total_epsilon=(one + twice) / 2)

@@ -5,7 +5,7 @@
 around the loop (budget charge, evaluation, export, metrics.json, ledger.json) is the
 job's, as for the other algorithms. The privacy unit is the user. Each step t:
 
-1. The job's schedule (`job_config.schedule_for`, sampled mode, one user per virtual
+1. The job's schedule (`job_plan.schedule_for`, sampled mode, one user per virtual
    client) draws n = `virtual_clients_per_round` users uniformly without replacement,
    the sampling DP-FedEmb's rounds use; with `dp_sgd.full_batch` the step takes every
    training user instead (n = all of them, no sampling; issue 42).
@@ -24,7 +24,7 @@ Accounting: a user is in at most one row of a step, and its whole part in the st
 one clipped gradient, so the sum is DP-FedEmb's with one user per virtual client:
 `accounting_spec.Mechanism.DPSGD`, uniform sampling without replacement, substitute-one,
 sensitivity 2·clip_norm under the strict convention (dp_accounting is given z/2;
-`job_config.accounting_spec_for`, the same spec `dp-fedemb privacy --mechanism dpsgd`
+`job_plan.accounting_spec_for`, the same spec `dp-fedemb privacy --mechanism dpsgd`
 accounts).
 Full batch (`dp_sgd.full_batch`): every user in every step, so no amplification:
 `accounting_spec.Sampling.FULL`, the Gaussian mechanism composed over the steps, same
@@ -81,7 +81,7 @@ import tensorflow as tf
 from beam_jobs import partition
 from tff_algorithms.algorithms.user_dp_sgd.config import EMBEDDING_LAYER, DpSgdSettings
 from tff_algorithms.config.client_config import SOFTMAX, HeadLossConfig
-from tff_algorithms.config.job_config import schedule_for
+from tff_algorithms.config.job_plan import schedule_for
 from tff_algorithms.federated import client_data, feature_cache, local_training
 from tff_algorithms.jobs import private_steps
 from tff_algorithms.jobs.job_outputs import JobOutcome

@@ -20,7 +20,7 @@ from scipy import special
 from tests import support
 from tff_algorithms.algorithms.dp_fedemb import shared_negatives, shared_negatives_config
 from tff_algorithms.base import job_files
-from tff_algorithms.config import client_config, job_config
+from tff_algorithms.config import client_config, job_config, job_plan
 from tff_algorithms.federated.local_training import MASKED_LOGIT, head_logits, head_loss
 from tff_algorithms.jobs import train_job
 from tff_algorithms.privacy import accounting, accounting_spec, budget, calibration, dplc_releases
@@ -188,7 +188,7 @@ def test_config_reads_a_mapping_and_round_trips():
     assert row.client_config().shared_negative_cap == 0.0
     assert job_config.TrainJobConfig.from_dict(row.to_dict()) == row
     # The margin is post-processing: the releases' accounting is the same either way.
-    assert job_config.release_plan_for(row) == job_config.release_plan_for(
+    assert job_plan.release_plan_for(row) == job_plan.release_plan_for(
         dataclasses.replace(row, shared_negatives={"margin": 0.7})
     )
     assert job_config.TrainJobConfig().client_config().shared_negative_cap == 0.0

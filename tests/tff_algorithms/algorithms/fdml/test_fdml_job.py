@@ -19,7 +19,7 @@ from tff_algorithms.algorithms.fdml import protocol as fdml
 from tff_algorithms.algorithms.fdml import run as fdml_run
 from tff_algorithms.algorithms.fdml import training as fdml_training
 from tff_algorithms.base import job_files
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, job_plan
 from tff_algorithms.jobs import train_job
 from tff_algorithms.privacy import accounting, accounting_spec, budget
 
@@ -261,7 +261,7 @@ def test_privacy_command_shows_theorem_v1_labelled_as_a_comparison(capsys):
 
 
 def test_budget_charges_and_target_epsilon_calibrates_the_strict_fdml_spec(straight_run, tmp_path):
-    spec = job_config.accounting_spec_for(CONFIG, TRAIN_IDENTITIES)
+    spec = job_plan.accounting_spec_for(CONFIG, TRAIN_IDENTITIES)
     policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), total_epsilon=100.0)
     charge = budget.charge_run(policy, "f" * 64, TRAIN_IDENTITIES, "run", spec)
     assert charge.to_dict()["run_epsilon"] == pytest.approx(straight_run.metrics["epsilon"])
@@ -269,7 +269,7 @@ def test_budget_charges_and_target_epsilon_calibrates_the_strict_fdml_spec(strai
     calibrated, source = target.calibrated_for(TRAIN_IDENTITIES)
     assert source["source"] == "calibrated"
     epsilon = accounting.compute_privacy(
-        job_config.accounting_spec_for(calibrated, TRAIN_IDENTITIES)
+        job_plan.accounting_spec_for(calibrated, TRAIN_IDENTITIES)
     ).epsilon
     assert 2.0 * (1 - 1e-2) <= epsilon <= 2.0
 

@@ -16,7 +16,7 @@ from tests import support
 from tff_algorithms.algorithms.user_dp_sgd import DpSgdSettings
 from tff_algorithms.algorithms.user_dp_sgd import training as user_dp_sgd
 from tff_algorithms.base import job_files
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, job_plan
 from tff_algorithms.config.client_config import HeadLossConfig
 from tff_algorithms.jobs import train_job
 from tff_algorithms.modeling import models
@@ -296,7 +296,7 @@ def test_full_batch_takes_every_user_each_step_and_is_accounted_without_sampling
     assert "\n" not in str(e.value)
     planned, _ = full.calibrated_for(TRAIN_IDENTITIES)
     assert planned.virtual_clients_per_round == TRAIN_IDENTITIES
-    spec = job_config.accounting_spec_for(planned, TRAIN_IDENTITIES)
+    spec = job_plan.accounting_spec_for(planned, TRAIN_IDENTITIES)
     # Not the sampled schedule at q = 1: the explicit no-sampling analysis.
     assert spec.sampling.value == "full" and spec.population == spec.users_per_round == 32
     from beam_jobs import partition
