@@ -66,13 +66,13 @@ from beam_jobs import partition, synthetic
 from bench import bench_training, real_images
 from tff_algorithms.algorithms.logit_dp import mechanism as logit_dp
 from tff_algorithms.algorithms.logit_dp import sensitivity as logit_dp_sensitivity
-from tff_algorithms.config import job_config, model_config
+from tff_algorithms.config import job_config, job_plan, model_config
 from tff_algorithms.evaluation import metrics
 from tff_algorithms.evaluation import scoring as evaluation
 from tff_algorithms.federated import runtime
 from tff_algorithms.jobs import train_job
 from tff_algorithms.modeling import models
-from tff_algorithms.privacy import accounting, budget, calibration
+from tff_algorithms.privacy import accounting, accounting_spec, budget, calibration
 
 EPSILONS = (2.0, 5.0, 8.0)
 DELTA = 1e-5
@@ -357,12 +357,12 @@ def train(trainer: Trainer, data: ContrastiveData, steps: int, loss_every: int, 
 def calibrated_noise(population: int, n: int, steps: int, epsilon: float) -> dict[str, float]:
     """σ of Logit-DP (logit_dp spec) and σ' of Naive-DP (dpsgd spec, z/2) for `epsilon`."""
     common = {"population": population, "users_per_round": n, "rounds": steps, "delta": DELTA}
-    logit_spec = accounting.AccountingSpec(
-        noise_multiplier=1.0, mechanism=accounting.Mechanism.LOGIT_DP, **common
+    logit_spec = accounting_spec.AccountingSpec(
+        noise_multiplier=1.0, mechanism=accounting_spec.Mechanism.LOGIT_DP, **common
     )
-    dpsgd_spec = accounting.AccountingSpec(
+    dpsgd_spec = accounting_spec.AccountingSpec(
         noise_multiplier=1.0,
-        mechanism=accounting.Mechanism.DPSGD,
+        mechanism=accounting_spec.Mechanism.DPSGD,
         users_per_virtual_client=1,
         **common,
     )
@@ -508,7 +508,7 @@ def _geometric_search(epsilon_at: Callable[[float], float], target: float) -> fl
     low, high = 0.1, 1.0
     while epsilon_at(high) > target:
         low, high = high, 2 * high
-        if high > accounting.MAX_NOISE_MULTIPLIER:
+        if high > accounting_spec.MAX_NOISE_MULTIPLIER:
             raise calibration.TargetOutOfReach(f"composed epsilon {target:g} out of reach")
     while high > low * 1.001:
         middle = math.sqrt(low * high)
@@ -537,8 +537,8 @@ def part_b(work: str, sizes: Mapping, resamples: int) -> dict:
         over_selection=0.0,
     )
 
-    def spec(config: job_config.TrainJobConfig, z: float) -> accounting.AccountingSpec:
-        return job_config.accounting_spec_for(
+    def spec(config: job_config.TrainJobConfig, z: float) -> accounting_spec.AccountingSpec:
+        return job_plan.accounting_spec_for(
             dataclasses.replace(config, noise_multiplier=z), num_users
         )
 

@@ -16,7 +16,7 @@ import shutil
 from beam_jobs import canaries
 from tff_algorithms.federated import runtime
 from tff_algorithms.jobs import audit
-from tff_algorithms.privacy import accounting, calibration
+from tff_algorithms.privacy import accounting_spec, calibration
 
 _FULL = {"canaries": 128, "guesses_per_side": 16, "target_epsilons": (8.0, 4.0, 2.0)}
 _QUICK = {"canaries": 32, "guesses_per_side": 8, "target_epsilons": (4.0,)}
@@ -30,7 +30,7 @@ def run(out_dir: str, quick: bool) -> dict:
     work = os.path.join(out_dir, "bench_privacy_audit_work")
     shutil.rmtree(work, ignore_errors=True)
     plain = audit.audit_train_config(population, 0.0, noise_seed=0)
-    spec = accounting.AccountingSpec(
+    spec = accounting_spec.AccountingSpec(
         population.canaries,
         population.canaries,
         plain.rounds,

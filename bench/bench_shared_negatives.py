@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 from bench import bench_training
 from tff_algorithms.algorithms.dp_fedemb import shared_negatives_config
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, job_plan
 from tff_algorithms.jobs import job_outputs
 from tff_algorithms.privacy import accounting, calibration, dplc
 
@@ -81,9 +81,9 @@ def _matched(
 ) -> job_config.TrainJobConfig:
     """`base` with shared negatives and the smallest z whose total ε is `target`."""
     with_shared = dataclasses.replace(base, shared_negatives=dict(shared))
-    spec = job_config.accounting_spec_for(with_shared, users)
+    spec = job_plan.accounting_spec_for(with_shared, users)
     z = calibration.calibrate_noise_multiplier(
-        spec, target, releases=job_config.release_plan_for(with_shared)
+        spec, target, releases=job_plan.release_plan_for(with_shared)
     )
     return dataclasses.replace(with_shared, noise_multiplier=z)
 
@@ -97,7 +97,7 @@ def run(out_dir: str, quick: bool) -> dict:
     base = dataclasses.replace(
         bench_training.base_config(sizes), noise_multiplier=sizes["baseline_noise"]
     )
-    target = accounting.compute_privacy(job_config.accounting_spec_for(base, users)).epsilon
+    target = accounting.compute_privacy(job_plan.accounting_spec_for(base, users)).epsilon
     configs = {f"dp-fedemb@z={base.noise_multiplier:g}": base}
     for name, (full, small) in SETTINGS.items():
         configs[f"dp-fedemb + shared negatives {name} @eps={target:.3g}"] = _matched(

@@ -25,10 +25,10 @@ from collections.abc import Mapping
 
 from beam_jobs import partition
 from bench.bench_training import FULL, QUICK, base_config, prepare, train_each
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, job_plan
 from tff_algorithms.evaluation import scoring
 from tff_algorithms.jobs import job_outputs
-from tff_algorithms.privacy import accounting, calibration
+from tff_algorithms.privacy import accounting_spec, calibration
 
 # The quick size (64 users, half of them a round) cannot reach the smaller targets.
 TARGET_EPSILONS = {"full": (2.0, 4.0, 8.0), "quick": (8.0,)}
@@ -56,7 +56,7 @@ def rdp_noise_multiplier(
     """The z the RDP accountant calibrates `config`'s schedule to for `target_epsilon`."""
     fixed = dataclasses.replace(config, noise_multiplier=1.0, target_epsilon=None)
     spec = dataclasses.replace(
-        job_config.accounting_spec_for(fixed, num_users), accountant=accounting.Accountant.RDP
+        job_plan.accounting_spec_for(fixed, num_users), accountant=accounting_spec.Accountant.RDP
     )
     return calibration.calibrate_noise_multiplier(spec, target_epsilon)
 

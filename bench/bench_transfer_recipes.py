@@ -44,7 +44,7 @@ import tensorflow as tf
 
 from beam_jobs import partition, schema, synthetic
 from bench import bench_training, bench_transfer
-from tff_algorithms.config import job_config, recipes
+from tff_algorithms.config import job_config, job_plan, recipes
 from tff_algorithms.config.job_config import DP_LAST_LAYER
 from tff_algorithms.evaluation import scoring
 from tff_algorithms.jobs import job_outputs
@@ -204,7 +204,7 @@ def sweep_epsilon(
         noise_multiplier=noise_multiplier,
         rounds=runs * config.rounds,
     )
-    spec = job_config.accounting_spec_for(whole, num_users)
+    spec = job_plan.accounting_spec_for(whole, num_users)
     return accounting.compute_privacy(spec).epsilon
 
 

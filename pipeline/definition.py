@@ -22,7 +22,7 @@ from tfx.types import standard_artifacts
 from pipeline import config as config_lib
 from pipeline import config_checks, fingerprint
 from pipeline.components import data, evaluation, reporting, training
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, job_plan
 
 # Node ids, used by partial runs and tests.
 EXAMPLE_GEN = "CanonicalExampleGen"
@@ -118,7 +118,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         virtual_clients_per_round=str(schedule_counts.virtual_clients_per_round),
         over_selection=float(train_job["over_selection"]),
         rounds=train_job["rounds"],
-        schedule_mode=job_config.schedule_mode(train_job["algorithm"]),
+        schedule_mode=job_plan.schedule_mode(train_job["algorithm"]),
         beam_args=beam_args,
         code_fingerprint=_code(data.PartitionVirtualClients),
     ).with_id(PARTITION)

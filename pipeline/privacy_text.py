@@ -2,7 +2,7 @@
 
 The report and the model card both open with `privacy_statement`. Every number in it
 comes from the ledger (`tff_algorithms.privacy.ledger` format: `spec` is an
-`accounting.AccountingSpec` as a dict, `history` the epsilon after each round), and
+`accounting_spec.AccountingSpec` as a dict, `history` the epsilon after each round), and
 every name from the accounting enums, so the wording cannot drift from what was
 accounted.
 """
@@ -13,60 +13,60 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 _RELATION_CHANGE = {
-    accounting.NeighboringRelation.REPLACE_ONE.value: (
+    accounting_spec.NeighboringRelation.REPLACE_ONE.value: (
         "replacing all of any one user's images with another user's"
     ),
-    accounting.NeighboringRelation.ADD_OR_REMOVE_ONE.value: (
+    accounting_spec.NeighboringRelation.ADD_OR_REMOVE_ONE.value: (
         "adding or removing all of any one user's images"
     ),
-    accounting.NeighboringRelation.REPLACE_SPECIAL.value: (
+    accounting_spec.NeighboringRelation.REPLACE_SPECIAL.value: (
         "adding or removing all of any one user's images"
     ),
 }
 RELATION_LABELS = {
-    accounting.NeighboringRelation.REPLACE_ONE.value: "substitute one user (replace_one)",
-    accounting.NeighboringRelation.ADD_OR_REMOVE_ONE.value: "add or remove one user",
-    accounting.NeighboringRelation.REPLACE_SPECIAL.value: (
+    accounting_spec.NeighboringRelation.REPLACE_ONE.value: "substitute one user (replace_one)",
+    accounting_spec.NeighboringRelation.ADD_OR_REMOVE_ONE.value: "add or remove one user",
+    accounting_spec.NeighboringRelation.REPLACE_SPECIAL.value: (
         "add or remove one user, with a special element (replace_special)"
     ),
 }
 ACCOUNTANT_LABELS = {
-    accounting.Accountant.RDP.value: "RDP (Rényi differential privacy, dp_accounting)",
-    accounting.Accountant.PLD.value: (
+    accounting_spec.Accountant.RDP.value: "RDP (Rényi differential privacy, dp_accounting)",
+    accounting_spec.Accountant.PLD.value: (
         "PLD (privacy loss distributions, dp_accounting; for fixed-size sampling the tight "
         "dominating pair of docs/privacy.md)"
     ),
 }
 MECHANISM_LABELS = {
-    accounting.Mechanism.DPSGD.value: "Gaussian noise added independently every round",
-    accounting.Mechanism.DPFTRL.value: "tree-aggregated Gaussian noise (DP-FTRL)",
-    accounting.Mechanism.LOGIT_DP.value: (
+    accounting_spec.Mechanism.DPSGD.value: "Gaussian noise added independently every round",
+    accounting_spec.Mechanism.DPFTRL.value: "tree-aggregated Gaussian noise (DP-FTRL)",
+    accounting_spec.Mechanism.LOGIT_DP.value: (
         "Logit-DP: per-pair clipped contrastive gradient, Gaussian noise every step"
     ),
-    accounting.Mechanism.FDML.value: (
+    accounting_spec.Mechanism.FDML.value: (
         "FDML: Gaussian noise on the triplet derivatives and on the gradient sum every round"
     ),
 }
 # A private run in a model's composition, by its mechanism.
 STAGE_LABELS = {
-    accounting.Mechanism.DPSGD.value: "private training",
-    accounting.Mechanism.DPFTRL.value: "private training (DP-FTRL)",
-    accounting.Mechanism.LOGIT_DP.value: "Logit-DP contrastive pretraining",
-    accounting.Mechanism.FDML.value: "private training (FDML)",
+    accounting_spec.Mechanism.DPSGD.value: "private training",
+    accounting_spec.Mechanism.DPFTRL.value: "private training (DP-FTRL)",
+    accounting_spec.Mechanism.LOGIT_DP.value: "Logit-DP contrastive pretraining",
+    accounting_spec.Mechanism.FDML.value: "private training (FDML)",
 }
-ROUND_UNITS = {accounting.Mechanism.LOGIT_DP.value: "steps"}
+ROUND_UNITS = {accounting_spec.Mechanism.LOGIT_DP.value: "steps"}
 SAMPLING_LABELS = {
-    accounting.Sampling.UNIFORM.value: "a fixed number of users drawn without replacement each round",
-    accounting.Sampling.POISSON.value: "each user independently with probability M / N",
-    accounting.Sampling.EPOCH.value: "each user at most once per epoch",
-    accounting.Sampling.FULL.value: "every user in every round (no sampling)",
+    accounting_spec.Sampling.UNIFORM.value: "a fixed number of users drawn without replacement each round",
+    accounting_spec.Sampling.POISSON.value: "each user independently with probability M / N",
+    accounting_spec.Sampling.EPOCH.value: "each user at most once per epoch",
+    accounting_spec.Sampling.FULL.value: "every user in every round (no sampling)",
 }
 CONVENTION_LABELS = {
-    accounting.Convention.STRICT.value: "strict",
-    accounting.Convention.PAPER.value: "paper (comparison only: understates epsilon)",
+    accounting_spec.Convention.STRICT.value: "strict",
+    accounting_spec.Convention.PAPER.value: "paper (comparison only: understates epsilon)",
 }
 
 
@@ -80,7 +80,7 @@ def final_epsilon(ledger: Mapping[str, Any]) -> float:
 
 
 def sensitivity_in_clips(spec: Mapping[str, Any]) -> float:
-    return accounting.AccountingSpec.from_dict(dict(spec)).sensitivity_in_clips
+    return accounting_spec.AccountingSpec.from_dict(dict(spec)).sensitivity_in_clips
 
 
 def convention_text(spec: Mapping[str, Any]) -> str:
@@ -240,7 +240,7 @@ def accounting_rows(
         ("accountant", ACCOUNTANT_LABELS.get(spec["accountant"], spec["accountant"])),
         ("convention", convention_text(spec)),
     ]
-    if spec["mechanism"] == accounting.Mechanism.DPFTRL.value:
+    if spec["mechanism"] == accounting_spec.Mechanism.DPFTRL.value:
         rows.append(("tree restarted every epoch", "yes" if spec["restart_every_epoch"] else "no"))
         if spec.get("min_separation") is not None:
             rows.append(

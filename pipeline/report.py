@@ -97,9 +97,9 @@ def ledger_plot(ledger: Mapping[str, Any], budget: float) -> str:
 
 def extrapolation_plot(ledger: Mapping[str, Any]) -> str:
     """epsilon vs users per round at larger populations, by the library's extrapolation."""
-    from tff_algorithms.privacy import accounting, calibration
+    from tff_algorithms.privacy import accounting_spec, calibration
 
-    base = accounting.AccountingSpec.from_dict(ledger["spec"])
+    base = accounting_spec.AccountingSpec.from_dict(ledger["spec"])
     curves = {}
     for population in (base.population, *EXTRAPOLATION_POPULATIONS):
         if population < base.population:

@@ -249,14 +249,14 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- accounting sensitivity --------------------------------------------------------
     Mutant(
         "accounting-substitute-one-sensitivity",
-        "tff_algorithms/privacy/accounting.py",
+        "tff_algorithms/privacy/accounting_spec.py",
         "return 1.0 if self.convention is Convention.PAPER else 2.0",
         "return 1.0",
         ("tests/tff_algorithms/privacy/test_accounting.py::test_strict_is_the_default_convention",),
     ),
     Mutant(
         "accounting-add-or-remove-virtual-client-sensitivity",
-        "tff_algorithms/privacy/accounting.py",
+        "tff_algorithms/privacy/accounting_spec.py",
         "return 2.0 if self.users_per_virtual_client > 1 else 1.0",
         "return 1.0",
         (

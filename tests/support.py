@@ -23,7 +23,7 @@ import tensorflow_federated as tff
 from beam_jobs import partition_job, synthetic
 from tff_algorithms.config import job_config
 from tff_algorithms.federated import training
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 from tff_algorithms.privacy.ledger import PrivacyLedger
 
 # The console script of the environment running the tests (setup.py installs it).
@@ -201,7 +201,7 @@ def _toy_clients_for_round(round_num: int) -> list[str]:
 
 
 def _toy_ledger() -> PrivacyLedger:
-    spec = accounting.AccountingSpec(
+    spec = accounting_spec.AccountingSpec(
         population=100, users_per_round=3, rounds=TOY_ROUNDS, noise_multiplier=1.0, delta=1e-5
     )
     return PrivacyLedger(spec)

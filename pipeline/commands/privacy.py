@@ -20,7 +20,7 @@ from absl import flags
 
 from pipeline.commands import checks
 from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
-from tff_algorithms.privacy import accounting, calibration
+from tff_algorithms.privacy import accounting, accounting_spec, calibration
 
 
 def _values(enum_type: type[enum.Enum]) -> list[str]:
@@ -31,7 +31,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer(
         "users",
         None,
-        f"Users in the training population (N), 1 to {accounting.MAX_POPULATION:.0e}.",
+        f"Users in the training population (N), 1 to {accounting_spec.MAX_POPULATION:.0e}.",
         flag_values=flag_values,
     )
     flags.DEFINE_integer(
@@ -43,30 +43,33 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer(
         "rounds",
         None,
-        f"Training rounds (T), 1 to {accounting.MAX_ROUNDS:.0e}.",
+        f"Training rounds (T), 1 to {accounting_spec.MAX_ROUNDS:.0e}.",
         flag_values=flag_values,
     )
     flags.DEFINE_float(
-        "delta", None, f"Target delta, in [{accounting.MIN_DELTA:g}, 1).", flag_values=flag_values
+        "delta",
+        None,
+        f"Target delta, in [{accounting_spec.MIN_DELTA:g}, 1).",
+        flag_values=flag_values,
     )
     flags.DEFINE_float(
         "noise-multiplier",
         None,
         "Noise standard deviation over the clip norm of one virtual client's update, 0 to "
-        f"{accounting.MAX_NOISE_MULTIPLIER:g}.",
+        f"{accounting_spec.MAX_NOISE_MULTIPLIER:g}.",
         flag_values=flag_values,
     )
     flags.DEFINE_float(
         "target-epsilon",
         None,
         "Instead of --noise-multiplier: find the smallest noise multiplier reaching this "
-        f"epsilon, in (0, {accounting.MAX_TARGET_EPSILON:g}].",
+        f"epsilon, in (0, {accounting_spec.MAX_TARGET_EPSILON:g}].",
         flag_values=flag_values,
     )
     flags.DEFINE_enum(
         "mechanism",
         "dpsgd",
-        _values(accounting.Mechanism),
+        _values(accounting_spec.Mechanism),
         "dpsgd: independent Gaussian noise (DP-FedEmb, DP-FedAvg); "
         "dpftrl: tree-aggregated noise (DP-FTRL-FedEmb); logit_dp: Logit-DP contrastive "
         "steps (--users-per-round users a step, --rounds steps, the noise multiplier "
@@ -100,14 +103,14 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_enum(
         "sampling",
         None,
-        _values(accounting.Sampling),
+        _values(accounting_spec.Sampling),
         "How users are chosen; default: uniform for dpsgd (the paper's), epoch for dpftrl.",
         flag_values=flag_values,
     )
     flags.DEFINE_enum(
         "neighboring-relation",
         None,
-        _values(accounting.NeighboringRelation),
+        _values(accounting_spec.NeighboringRelation),
         "Default: replace_one for uniform, add_or_remove_one for poisson, replace_special "
         "for epoch sampling.",
         flag_values=flag_values,
@@ -115,7 +118,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_enum(
         "accountant",
         None,
-        _values(accounting.Accountant),
+        _values(accounting_spec.Accountant),
         "Default: pld for uniform sampling under the strict convention (the tight analysis, "
         "docs/privacy.md), rdp otherwise; rdp gives dp_accounting's generic bound.",
         flag_values=flag_values,
@@ -123,7 +126,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_enum(
         "convention",
         "strict",
-        _values(accounting.Convention),
+        _values(accounting_spec.Convention),
         "strict: the noise multiplier is taken relative to the relation's true sensitivity "
         "(2 x clip under substitute-one); paper: the paper's arithmetic (z unchanged under "
         "substitute-one), to reproduce published numbers only: it understates epsilon.",
@@ -177,7 +180,7 @@ def help_defaults() -> dict[str, str]:
 
 
 def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
-    """The documented bounds (tff_algorithms/privacy/accounting.py, "Bounds"), with one-line flag
+    """The documented bounds (tff_algorithms/privacy/accounting_spec.py, "Bounds"), with one-line flag
     errors; the accountant checks them again, with the combinations."""
     checks.no_arguments(args)
     value = {name: flag_values[name].value for name in flag_values}
@@ -189,21 +192,25 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
             raise ValueError(f"--{name} applies only to --mechanism fdml --convention paper")
     if (value["noise-multiplier"] is None) == (value["target-epsilon"] is None):
         raise ValueError("give exactly one of --noise-multiplier and --target-epsilon")
-    checks.number("users", value["users"], 1, accounting.MAX_POPULATION)
+    checks.number("users", value["users"], 1, accounting_spec.MAX_POPULATION)
     checks.number("users-per-round", value["users-per-round"], 1)
     if value["users-per-round"] > value["users"]:
         raise ValueError(
             f"--users-per-round {value['users-per-round']} exceeds the population "
             f"(--users {value['users']})"
         )
-    checks.number("rounds", value["rounds"], 1, accounting.MAX_ROUNDS)
-    checks.number("delta", value["delta"], accounting.MIN_DELTA, 1, high_open=True)
+    checks.number("rounds", value["rounds"], 1, accounting_spec.MAX_ROUNDS)
+    checks.number("delta", value["delta"], accounting_spec.MIN_DELTA, 1, high_open=True)
     noise = value["noise-multiplier"]
     if noise is not None and noise < 0:
         raise ValueError(f"--noise-multiplier must be non-negative, got {noise:g}")
-    checks.number("noise-multiplier", noise, 0, accounting.MAX_NOISE_MULTIPLIER)
+    checks.number("noise-multiplier", noise, 0, accounting_spec.MAX_NOISE_MULTIPLIER)
     checks.number(
-        "target-epsilon", value["target-epsilon"], 0, accounting.MAX_TARGET_EPSILON, low_open=True
+        "target-epsilon",
+        value["target-epsilon"],
+        0,
+        accounting_spec.MAX_TARGET_EPSILON,
+        low_open=True,
     )
     checks.number("users-per-virtual-client", value["users-per-virtual-client"], 1)
     checks.number("min-separation", value["min-separation"], 0)
@@ -212,8 +219,8 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
 
 def _is_fdml_paper(value: dict) -> bool:
     return (
-        value["mechanism"] == accounting.Mechanism.FDML.value
-        and value["convention"] == accounting.Convention.PAPER.value
+        value["mechanism"] == accounting_spec.Mechanism.FDML.value
+        and value["convention"] == accounting_spec.Convention.PAPER.value
     )
 
 
@@ -238,8 +245,8 @@ def _run_fdml_paper(value: dict) -> int:
     label = fdml_privacy.PAPER_THEOREM_V1_LABEL
     if value["json"]:
         output = {
-            "mechanism": accounting.Mechanism.FDML.value,
-            "convention": accounting.Convention.PAPER.value,
+            "mechanism": accounting_spec.Mechanism.FDML.value,
+            "convention": accounting_spec.Convention.PAPER.value,
             "epsilon": epsilon,
             "delta": 0.0,
             "zcdp_rho": None,
@@ -270,7 +277,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     target_epsilon = flag_values["target-epsilon"].value
     if (noise is None) == (target_epsilon is None):
         raise ValueError("give exactly one of --noise-multiplier and --target-epsilon")
-    spec = accounting.AccountingSpec(
+    spec = accounting_spec.AccountingSpec(
         population=flag_values["users"].value,
         users_per_round=flag_values["users-per-round"].value,
         rounds=flag_values["rounds"].value,

@@ -10,6 +10,9 @@ Running the same command again resumes from the last checkpoint. Progress goes t
 one line per round; the last stdout line is a JSON summary. OUT/train_job.json (the
 schedule seed) and OUT/checkpoints (the noise seed) keep the secret seeds drawn from OS
 entropy for resuming: keep them as private as the data.
+
+This module is the command: its flags, their checks before TensorFlow is imported, and
+running the job. What the flags make of a `TrainJobConfig` is `train_config`.
 """
 
 import dataclasses
@@ -23,62 +26,14 @@ from typing import Any
 from absl import flags
 
 from pipeline import console
-from pipeline.commands import algorithm_flags, checks, train_data
+from pipeline.commands import algorithm_flags, checks, train_config, train_data
 from tff_algorithms import algorithms
 from tff_algorithms.algorithms.dp_fedemb import shared_negatives_config
 from tff_algorithms.base import job_files, owned_files
 from tff_algorithms.config import client_config, model_config, recipes
 from tff_algorithms.config import job_config as job_config_lib
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
-# The TrainJobConfig fields passed straight through as flags: each flag is its field's
-# name in kebab case (--client-learning-rate sets client_learning_rate). An algorithm's
-# own settings have flags of their own (`algorithm_flags`: --fdml-groups-per-round).
-_CONFIG_FIELDS = (
-    "algorithm",
-    "rounds",
-    "noise_multiplier",
-    "target_epsilon",
-    "clip_norm",
-    "users_per_virtual_client",
-    "virtual_clients_per_round",
-    "client_learning_rate",
-    "client_momentum",
-    "server_learning_rate",
-    "server_momentum",
-    "server_optimizer",
-    "head_lr_scale",
-    "head_init",
-    "class_means_norm",
-    "head_loss",
-    "head_loss_scale",
-    "head_loss_margin",
-    "local_epochs",
-    "batch_size",
-    "max_examples_per_client",
-    "head_capacity",
-    "architecture",
-    "embedding_size",
-    "image_size",
-    "channels",
-    "delta",
-    "evaluate_every",
-    "seed",
-    "schedule_seed",
-    "testing_fixed_schedule",
-    "noise_seed",
-    "testing_fixed_noise",
-    "restart_every_epoch",
-    "max_epsilon",
-)
-_CONFIG_FLAGS = {field.replace("_", "-"): field for field in _CONFIG_FIELDS}
-# train.shared_negatives (issue 22): --shared-negatives turns it on with the defaults of
-# shared_negatives_config.SharedNegativesConfig; each --shared-negatives-FIELD sets FIELD (and turns
-# it on).
-_SHARED_NEGATIVES_FLAGS = {
-    f"shared-negatives-{field.name.replace('_', '-')}": field.name
-    for field in dataclasses.fields(shared_negatives_config.SharedNegativesConfig)
-}
 # Old spelling -> the flag it was renamed to (issue 25), accepted with one deprecation
 # line on stderr (`cli.main`) for one release: remove in the release after 0.1.0.
 RENAMED_FLAGS = {
@@ -113,13 +68,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define(
         "integer",
         "rounds",
-        f"training rounds (epochs for centralized), 1 to {accounting.MAX_ROUNDS:.0e}",
+        f"training rounds (epochs for centralized), 1 to {accounting_spec.MAX_ROUNDS:.0e}",
     )
     define(
         "float",
         "noise-multiplier",
         "noise std / clip norm of a virtual client's update, 0 to "
-        f"{accounting.MAX_NOISE_MULTIPLIER:g}",
+        f"{accounting_spec.MAX_NOISE_MULTIPLIER:g}",
     )
     define(
         "float",
@@ -127,7 +82,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "instead of --noise-multiplier: calibrate it when training starts, from the real "
         "number of training users, to the smallest one whose schedule costs at most this "
         "epsilon (strict accounting) at the job's delta; in "
-        f"(0, {accounting.MAX_TARGET_EPSILON:g}]",
+        f"(0, {accounting_spec.MAX_TARGET_EPSILON:g}]",
     )
     define("float", "clip-norm", "L2 clip of each virtual client's backbone update")
     define(
@@ -179,7 +134,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define(
         "float",
         "delta",
-        f"target delta in [{accounting.MIN_DELTA:g}, 1) (default: training users ^ -1.1)",
+        f"target delta in [{accounting_spec.MIN_DELTA:g}, 1) (default: training users ^ -1.1)",
     )
     define("integer", "evaluate-every", "evaluate on validation identities every N rounds")
     define("integer", "seed", "initialisation seed: backbone, local heads (public)")
@@ -238,7 +193,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "0)), PrivacyFace's cap margin) or row (s*cos(theta), one more head row)",
     }
     kinds = {"margin": "float", "noise_multiplier": "float", "logit": "string"}
-    for flag, field in _SHARED_NEGATIVES_FLAGS.items():
+    for flag, field in train_config.SHARED_NEGATIVES_FLAGS.items():
         kind = kinds.get(field, "integer")
         define(
             kind,
@@ -283,45 +238,6 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("string", "beam-args", "further Beam pipeline options, shell-quoted", "")
 
 
-def _algorithm(value: Mapping[str, Any]) -> algorithms.Algorithm:
-    """The job's algorithm: --algorithm, else the recipe's, else TrainJobConfig's."""
-    recipe = recipes.recipe(value["recipe"])
-    return algorithms.get(
-        value["algorithm"] or recipe.get("algorithm", job_config_lib.TrainJobConfig.algorithm)
-    )
-
-
-def _config_values(value: Mapping[str, Any], warn: Any = None) -> dict[str, Any]:
-    """The TrainJobConfig values given on the command line (others keep their
-    defaults), the algorithm's own settings as its section (`algorithm_flags`; `warn`:
-    where the deprecation lines of old flags go, None: silently, `check` showed them)."""
-    given = {field: value[name] for name, field in _CONFIG_FLAGS.items() if value[name] is not None}
-    planned = given.get("virtual_clients_per_round")
-    if planned is not None and planned != "auto":
-        try:
-            given["virtual_clients_per_round"] = int(planned)
-        except ValueError:
-            raise ValueError(
-                f"--virtual-clients-per-round must be a count or auto, got {planned!r}"
-            ) from None
-    if value["trainable-layers"] is not None:
-        given["trainable_layers"] = list(value["trainable-layers"])
-    if value["cache-features"] not in (None, "auto"):
-        given["cache_features"] = value["cache-features"] == "true"
-    # Boolean flags default to None; an explicit false keeps the config's default too.
-    for name in ("restart-every-epoch", "testing-fixed-noise", "testing-fixed-schedule"):
-        if not value[name]:
-            given.pop(_CONFIG_FLAGS[name], None)
-    shared = {
-        field: value[flag]
-        for flag, field in _SHARED_NEGATIVES_FLAGS.items()
-        if value[flag] is not None
-    }
-    if value["shared-negatives"] or shared:
-        given["shared_negatives"] = shared
-    return algorithm_flags.user_values(value, given, _algorithm(value), warn)
-
-
 def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazily
     """The cross-run budget from --budget-ledger and --dataset-budget-epsilon, or None."""
     from tff_algorithms.privacy import budget
@@ -336,29 +252,10 @@ def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazil
     return budget.BudgetPolicy(ledger, total, value["override-budget"])
 
 
-# The module tff_algorithms.config.job_config is imported as job_config_lib: this name is public.
-def job_config(value: Mapping[str, Any]) -> job_config_lib.TrainJobConfig:
-    """The TrainJobConfig of parsed flags: the flags given over --recipe, over what the
-    algorithm starts from (`Algorithm.starting_values`: centralized, the pretraining
-    recipe; logit-dp, the private contrastive recipe; dp-sgd-centralized and
-    dp-last-layer, their own recipe; over --recipe), by recipes' layering rule."""
-    values, given = recipes.recipe(value["recipe"]), _config_values(value)
-    algorithm = _algorithm(value)
-    values = algorithm.starting_values(values)
-    if value["pretrained"] is None and not algorithm.keeps_recipe_layers:
-        # The recipe's layers fine-tune a pretrained backbone (recipes.check_start): from
-        # a random one, every layer trains.
-        values["trainable_layers"] = list(recipes.EVERY_LAYER)
-    # The recipes' flat counts move into the algorithm's section below the flags' (from_dict).
-    return job_config_lib.TrainJobConfig.from_dict(
-        recipes.job_fields(recipes.overlay(values, given))
-    )
-
-
 def _train(value: Mapping[str, Any]) -> dict[str, Any]:
     from tff_algorithms.jobs import train_job
 
-    config = job_config(value)
+    config = train_config.job_config(value)
     budget_policy = _budget_policy(value)
     if not os.path.isdir(value["data"]):
         raise ValueError(f"--data {value['data']} is not a directory")
@@ -445,7 +342,7 @@ def help_defaults() -> dict[str, str]:
         field.name: field.default for field in dataclasses.fields(job_config_lib.TrainJobConfig)
     }
     shown = {}
-    for flag, field in _CONFIG_FLAGS.items():
+    for flag, field in train_config.CONFIG_FLAGS.items():
         per_recipe = {}
         for name in recipes.RECIPES:
             values = recipes.recipe(name)
@@ -542,20 +439,26 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     # Old flags of an algorithm's own settings: one deprecation line each; another
     # algorithm's setting, or an old and a new flag that disagree: one error line; then
     # the settings' own checks (TensorFlow-free).
-    given = _config_values(value, algorithm_flags.warn_deprecated)
-    section = _algorithm(value).section
+    given = train_config.config_values(value, algorithm_flags.warn_deprecated)
+    section = train_config.chosen_algorithm(value).section
     if section is not None and section.name in given:
         section.build({k: v for k, v in given[section.name].items() if k not in section.shape})
-    checks.number("rounds", value["rounds"], 1, accounting.MAX_ROUNDS)
+    checks.number("rounds", value["rounds"], 1, accounting_spec.MAX_ROUNDS)
     if value["channels"] not in (None, 1, 3):
         raise ValueError(f"--channels must be 1 or 3, got {value['channels']}")
     for name in ("seed", "split-seed", "evaluate-every", "schedule-seed", "noise-seed"):
         checks.number(name, value[name], 0)
-    checks.number("noise-multiplier", value["noise-multiplier"], 0, accounting.MAX_NOISE_MULTIPLIER)
     checks.number(
-        "target-epsilon", value["target-epsilon"], 0, accounting.MAX_TARGET_EPSILON, low_open=True
+        "noise-multiplier", value["noise-multiplier"], 0, accounting_spec.MAX_NOISE_MULTIPLIER
     )
-    checks.number("delta", value["delta"], accounting.MIN_DELTA, 1, high_open=True)
+    checks.number(
+        "target-epsilon",
+        value["target-epsilon"],
+        0,
+        accounting_spec.MAX_TARGET_EPSILON,
+        low_open=True,
+    )
+    checks.number("delta", value["delta"], accounting_spec.MIN_DELTA, 1, high_open=True)
     for name in (
         "clip-norm",
         "client-learning-rate",
@@ -568,7 +471,7 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         checks.number(name, value[name], 0, low_open=True)
     for name in ("client-momentum", "server-momentum"):
         checks.number(name, value[name], 0, 1, high_open=True)
-    for flag, field in _SHARED_NEGATIVES_FLAGS.items():
+    for flag, field in train_config.SHARED_NEGATIVES_FLAGS.items():
         if field == "logit":
             logits = shared_negatives_config.LOGITS
             if value[flag] is not None and value[flag] not in logits:

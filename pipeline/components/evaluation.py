@@ -30,7 +30,7 @@ from tfx import v1 as tfx
 from tfx.types import standard_artifacts
 
 from pipeline.components import artifacts, layout
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 EVALUATION_FILE = "evaluation.json"
 
@@ -65,7 +65,7 @@ def _blessing_decision(
 ) -> list[str]:
     """Reasons not to bless; empty when the model is blessed."""
     reasons = []
-    if convention != accounting.Convention.STRICT.value:
+    if convention != accounting_spec.Convention.STRICT.value:
         reasons.append(
             f"epsilon was accounted under the {convention or 'unrecorded'} convention, not "
             "the strict one"

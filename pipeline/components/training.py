@@ -23,8 +23,8 @@ from tfx.types import standard_artifacts
 from pipeline import console
 from pipeline.components import artifacts, layout
 from tff_algorithms.base import job_files, owned_files
-from tff_algorithms.config.job_config import (
-    TrainJobConfig,
+from tff_algorithms.config.job_config import TrainJobConfig
+from tff_algorithms.config.job_plan import (
     accounting_spec_for,
     release_plan_for,
     schedule_shape_for,
@@ -286,7 +286,7 @@ def PrivatePretrain(
 
 def check_published_schedule(job: dict, statistics: types.Artifact, training_users: int) -> None:
     """The partition's published participation statistics must be those of the schedule
-    this job trains and is accounted with (`job_config.schedule_shape_for`): the whole
+    this job trains and is accounted with (`job_plan.schedule_shape_for`): the whole
     statistics, users per round, rounds and participation bounds included."""
     from beam_jobs import partition, schedule
 

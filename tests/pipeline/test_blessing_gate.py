@@ -2,9 +2,9 @@
 significantly worse than the backbone it trained from is never pushed."""
 
 from pipeline.components import evaluation
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
-STRICT = accounting.Convention.STRICT.value
+STRICT = accounting_spec.Convention.STRICT.value
 
 
 def _decision(versus_start: dict | None, baseline_recall: float | None = None) -> list[str]:

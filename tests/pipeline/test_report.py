@@ -15,13 +15,13 @@ import pytest
 
 from pipeline import model_card, privacy_text, report
 from tests import support
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting, accounting_spec
 
 FARS = ("0.1", "0.01", "0.001")
 
 
 def _ledger(rounds: int = 4, noise: float = 1.5, convention: str = "strict") -> dict:
-    spec = accounting.AccountingSpec(
+    spec = accounting_spec.AccountingSpec(
         population=400,
         users_per_round=64,
         rounds=rounds,
@@ -33,7 +33,7 @@ def _ledger(rounds: int = 4, noise: float = 1.5, convention: str = "strict") -> 
     history = []
     for round_num in range(1, rounds + 1):
         epsilon = accounting.compute_privacy(
-            accounting.AccountingSpec(**{**spec.to_dict(), "rounds": round_num})
+            accounting_spec.AccountingSpec(**{**spec.to_dict(), "rounds": round_num})
         ).epsilon
         history.append(
             {
@@ -283,13 +283,13 @@ def test_a_model_from_two_private_runs_shows_their_composed_epsilon():
     from tff_algorithms.privacy import composition, ledger
 
     pretrain = ledger.PrivacyLedger(
-        accounting.AccountingSpec(
+        accounting_spec.AccountingSpec(
             population=400,
             users_per_round=32,
             rounds=3,
             noise_multiplier=1.0,
             delta=1e-5,
-            mechanism=accounting.Mechanism.LOGIT_DP,
+            mechanism=accounting_spec.Mechanism.LOGIT_DP,
         )
     )
     train = ledger.PrivacyLedger.from_dict(_ledger())
@@ -340,7 +340,7 @@ def test_the_model_card_shows_the_shared_negatives_releases_with_their_epsilon(t
         pool_users=64,
         sensitivity=2 * math.sin(1.0) / 16,
     )
-    spec = accounting.AccountingSpec.from_dict(_ledger()["spec"])
+    spec = accounting_spec.AccountingSpec.from_dict(_ledger()["spec"])
     with_releases = ledger.PrivacyLedger(spec, plan)
     for round_num in range(1, spec.rounds + 1):
         with_releases.record_round(round_num)

@@ -30,7 +30,7 @@ from pipeline import config as config_lib
 from pipeline.components import artifacts
 from tests import support
 from tff_algorithms.base import job_files
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, job_plan
 from tff_algorithms.jobs import job_outputs, train_job
 
 # One xdist worker runs every module of the session's tiny pipeline run (conftest).
@@ -146,7 +146,7 @@ def _recorded_seed(output_dir: str) -> int:
 
 
 def _users_per_round(seed: int) -> list[list[int]]:
-    plan = job_config.schedule_for(PRODUCTION, TRAIN_IDENTITIES, seed)
+    plan = job_plan.schedule_for(PRODUCTION, TRAIN_IDENTITIES, seed)
     return [sorted(plan.round_user_indices(r).ravel().tolist()) for r in range(PRODUCTION.rounds)]
 
 

@@ -11,7 +11,7 @@ from absl import flags
 
 from beam_jobs import synthetic
 from pipeline import cli
-from pipeline.commands import train
+from pipeline.commands import train, train_config
 from tests import support
 from tff_algorithms.base import job_files
 
@@ -242,7 +242,7 @@ def _job_config(*args: str):  # noqa: ANN202 - a TrainJobConfig
     flag_values(
         ["dp-fedemb train", *cli.renamed_flags("train", train.RENAMED_FLAGS, flag_values, args)]
     )
-    return train.job_config({name: flag_values[name].value for name in flag_values})
+    return train_config.job_config({name: flag_values[name].value for name in flag_values})
 
 
 def test_renamed_flags_set_the_same_fields_as_their_new_names(capsys):

@@ -22,10 +22,10 @@ from typing import Any
 
 from beam_jobs import schedule
 from tff_algorithms.config import recipes
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 # (config, num_users, delta) -> the accounting spec of the planned job.
-AccountingRule = Callable[[Any, int, float], accounting.AccountingSpec]
+AccountingRule = Callable[[Any, int, float], accounting_spec.AccountingSpec]
 # (config) -> None, or one-line ValueError.
 ConfigCheck = Callable[[Any], None]
 
@@ -112,7 +112,7 @@ class Algorithm:
       private: whether it has a privacy guarantee (clipping and noise).
       trainer: "module:function" of `(JobInputs, schedule_seed) -> JobOutcome`.
       accounting_rule: the accounting spec of a planned job (`rules`).
-      mechanism: how its noise is added (`accounting.Mechanism`); None: no noise.
+      mechanism: how its noise is added (`accounting_spec.Mechanism`); None: no noise.
       schedule_mode: how it samples users (`beam_jobs.schedule.SAMPLED` or `EPOCH`).
       recipe: its own recipe, overlaid on the private recipe when it is chosen
         (`recipes.own_recipe_values`), or None.
@@ -148,7 +148,7 @@ class Algorithm:
     private: bool
     trainer: str
     accounting_rule: AccountingRule
-    mechanism: accounting.Mechanism | None
+    mechanism: accounting_spec.Mechanism | None
     schedule_mode: str = schedule.SAMPLED
     recipe: Mapping[str, Any] | None = None
     start_values: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None

@@ -12,7 +12,7 @@ from typing import Any
 from beam_jobs import schedule
 from tff_algorithms.algorithms import registry
 from tff_algorithms.config import model_config
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 
 def schedule_shape(config: Any, num_users: int) -> schedule.ScheduleShape:
@@ -41,14 +41,16 @@ def check_schedule_fills(config: Any, num_users: int) -> None:
     schedule_shape(config, num_users)
 
 
-def scheduled_accounting(config: Any, num_users: int, delta: float) -> accounting.AccountingSpec:
+def scheduled_accounting(
+    config: Any, num_users: int, delta: float
+) -> accounting_spec.AccountingSpec:
     """Accounting from the virtual-client schedule's participation statistics, with the
     algorithm's mechanism (tree noise: the minimum separation of a user's rounds, unless
     the tree restarts every epoch)."""
     mechanism = registry.get(config.algorithm).mechanism
     stats = schedule_shape(config, num_users).participation_stats(config.rounds)
-    is_tree = mechanism is accounting.Mechanism.DPFTRL
-    return accounting.AccountingSpec(
+    is_tree = mechanism is accounting_spec.Mechanism.DPFTRL
+    return accounting_spec.AccountingSpec(
         population=stats.sampling_units,
         users_per_round=stats.units_per_round,
         rounds=stats.rounds,
@@ -61,9 +63,11 @@ def scheduled_accounting(config: Any, num_users: int, delta: float) -> accountin
     )
 
 
-def every_user_accounting(config: Any, num_users: int, delta: float) -> accounting.AccountingSpec:
+def every_user_accounting(
+    config: Any, num_users: int, delta: float
+) -> accounting_spec.AccountingSpec:
     """No noise, every user in every round (one round an epoch): epsilon infinite."""
-    return accounting.AccountingSpec(num_users, num_users, config.rounds, 0.0, delta)
+    return accounting_spec.AccountingSpec(num_users, num_users, config.rounds, 0.0, delta)
 
 
 def check_server_optimizer(config: Any) -> None:
@@ -81,7 +85,7 @@ def check_server_optimizer(config: Any) -> None:
     algorithm = registry.get(config.algorithm)
     if not algorithm.server_optimizer:
         takers = " and ".join(registry.names(lambda other: other.server_optimizer))
-        if algorithm.mechanism is accounting.Mechanism.DPFTRL:
+        if algorithm.mechanism is accounting_spec.Mechanism.DPFTRL:
             why = "its tree-aggregated noise cancels across rounds only in the linear sgd step"
         elif algorithm.section is not None and "optimizer" in algorithm.section.keys():
             why = f"it takes its optimizer from {algorithm.section.name}.optimizer"

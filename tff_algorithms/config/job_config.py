@@ -1,10 +1,8 @@
-"""The configuration of one training job, and the schedule and accounting it implies.
+"""The configuration of one training job.
 
 `TrainJobConfig` holds a job's hyperparameters and validates each of them;
-`schedule_shape_for` / `schedule_for` give the virtual-client schedule a federated job
-trains with, and `accounting_spec_for` the accounting spec of that schedule. The job
-(`train_job.run_train_job`) takes its schedule and its accounting spec from here.
-What differs between algorithms (their own settings and checks, their accounting and
+`current_layout` reads a recorded one. The schedule and the accounting spec a config
+implies are `job_plan`'s. What differs between algorithms (their own settings and checks, their accounting and
 schedule rules, which settings apply to them) is read from each one's
 `algorithms.Algorithm` (`tff_algorithms/algorithms/`), never by comparing names;
 shared negatives are configured and checked in `shared_negatives_config`.
@@ -30,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,8 +36,12 @@ from tff_algorithms import algorithms
 from tff_algorithms.algorithms import rules
 from tff_algorithms.algorithms.dp_fedemb.shared_negatives_config import SharedNegativesConfig
 from tff_algorithms.base import validation
-from tff_algorithms.config import client_config, model_config, report_policy
-from tff_algorithms.privacy import accounting, calibration, dplc_releases
+from tff_algorithms.config import client_config, job_plan, model_config, report_policy
+
+# bench/bench_speed.py (being edited on another branch) still calls job_config.schedule_for:
+# once it calls job_plan.schedule_for, drop this import.
+from tff_algorithms.config.job_plan import schedule_for  # noqa: F401
+from tff_algorithms.privacy import accounting_spec, calibration
 
 # The algorithms' names, for code that configures a job of one (tests, benchmarks);
 # what each is and does is its `algorithms.Algorithm`.
@@ -155,7 +156,7 @@ class TrainJobConfig:
     schedule's `users_per_virtual_client` x `virtual_clients_per_round`); each uploads
     `samples_per_user` embeddings; derivatives are clipped per row to
     `derivative_clip` (C_r), gradients to `clip_norm` (C_g). `noise_multiplier` is z,
-    the round's noise relative to its sensitivities (`accounting.Mechanism.FDML`),
+    the round's noise relative to its sensitivities (`accounting_spec.Mechanism.FDML`),
     split as 1/z^2 = share/z^2 + (1 - share)/z^2 by `derivative_noise_share` (the
     derivatives' std is 2 sqrt(g s) z C_r / sqrt(share), the gradient sum's
     2 z C_g / sqrt(1 - share)); Adam on the server at `server_learning_rate`;
@@ -329,9 +330,9 @@ class TrainJobConfig:
         validation.check_bool("restart_every_epoch", self.restart_every_epoch)
         if algorithm.check_job is not None:
             algorithm.check_job(self)
-        if self.restart_every_epoch and algorithm.mechanism is not accounting.Mechanism.DPFTRL:
+        if self.restart_every_epoch and algorithm.mechanism is not accounting_spec.Mechanism.DPFTRL:
             tree_noise = algorithms.names(
-                lambda other: other.mechanism is accounting.Mechanism.DPFTRL
+                lambda other: other.mechanism is accounting_spec.Mechanism.DPFTRL
             )
             raise ValueError(f"restart_every_epoch applies only to {' and '.join(tree_noise)}")
         if isinstance(self.trainable_layers, str) or not all(
@@ -420,10 +421,10 @@ class TrainJobConfig:
         if self.target_epsilon is None:
             return self, {"source": "configured", "noise_multiplier": self.noise_multiplier}
         fixed = dataclasses.replace(self, noise_multiplier=1.0, target_epsilon=None)
-        spec = accounting_spec_for(fixed, num_users)
+        spec = job_plan.accounting_spec_for(fixed, num_users)
         try:
             noise = calibration.calibrate_noise_multiplier(
-                spec, float(self.target_epsilon), releases=release_plan_for(self)
+                spec, float(self.target_epsilon), releases=job_plan.release_plan_for(self)
             )
         except calibration.TargetOutOfReach:
             noise = math.inf
@@ -579,59 +580,3 @@ def current_layout(record: Mapping[str, Any]) -> dict[str, Any]:
         defaults = dataclasses.asdict(section.settings())
         values[section.name] = {**defaults, **values[section.name]}
     return values
-
-
-def fresh_schedule_seed() -> int:
-    """A schedule seed from OS entropy, for production runs."""
-    return secrets.randbits(62)
-
-
-def schedule_mode(algorithm: str) -> str:
-    """How `algorithm` samples users (its `Algorithm.schedule_mode`): DP-FTRL in epochs,
-    the others by round."""
-    return algorithms.get(algorithm).schedule_mode
-
-
-def schedule_shape_for(config: TrainJobConfig, num_users: int) -> schedule.ScheduleShape:
-    """The counts of a federated job's schedule over `num_users` users (no seed needed;
-    `rules.schedule_shape`)."""
-    return rules.schedule_shape(config, num_users)
-
-
-def schedule_for(
-    config: TrainJobConfig, num_users: int, schedule_seed: int | None = None
-) -> schedule.VirtualClientSchedule:
-    """The virtual-client schedule of a federated job over `num_users` users.
-
-    `schedule_seed`: the job's seed (`run_train_job` passes the one it resolved); None
-    takes `config.schedule_seed`, or draws a fresh one from OS entropy when that is None.
-    """
-    shape = schedule_shape_for(config, num_users)
-    if schedule_seed is None:
-        schedule_seed = (
-            config.schedule_seed if config.schedule_seed is not None else fresh_schedule_seed()
-        )
-    return schedule.VirtualClientSchedule(
-        shape.num_users,
-        shape.users_per_virtual_client,
-        shape.virtual_clients_per_round,
-        schedule_seed,
-        shape.mode,
-    )
-
-
-def accounting_spec_for(config: TrainJobConfig, num_users: int) -> accounting.AccountingSpec:
-    """The accounting spec of the planned job, by its algorithm's rule
-    (`Algorithm.accounting_rule`; centralized: every user every epoch, no noise)."""
-    if config.target_epsilon is not None:
-        raise ValueError("the noise multiplier is not calibrated yet: use config.calibrated_for")
-    delta = config.resolved_delta(num_users)
-    return algorithms.get(config.algorithm).accounting_rule(config, num_users, delta)
-
-
-def release_plan_for(config: TrainJobConfig) -> dplc_releases.ReleasePlan | None:
-    """The shared-negatives releases of a job (None without them): what its ledger and
-    budget charge beside the accounting spec."""
-    if config.shared_negatives is None:
-        return None
-    return config.shared_negatives.release_plan()

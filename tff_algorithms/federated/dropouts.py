@@ -10,7 +10,7 @@ This module holds the round-level policy around it:
   the planned M and adds noise calibrated to it, whatever number reports.
 - Accounting: any selected user may end up in the kept set, so the sampling the
   accountant sees is that of the SELECTED set: users per round = selected virtual
-  clients x k (`job_config.schedule_for` builds the schedule with the selected count, and
+  clients x k (`job_plan.schedule_for` builds the schedule with the selected count, and
   the accounting spec follows from the schedule). Dropouts never lower the reported
   epsilon: the ledger charges each applied round as planned, whoever reported. With
   one user changed, the kept set loses or gains that user's virtual client and at most

@@ -4,7 +4,7 @@ A DP learning process is a process shape (`processes.build_fedemb_process` or
 `build_fedavg_process`) given a DP aggregator. `aggregator_for_spec` is the one place
 that chooses that aggregator: the kind of noise (`Mechanism.DPSGD`: independent Gaussian
 noise each round; `Mechanism.DPFTRL`: tree-aggregated noise), the noise multiplier and
-the tree's restarts all come from the `accounting.AccountingSpec` the job's ledger
+the tree's restarts all come from the `accounting_spec.AccountingSpec` the job's ledger
 accounts with, so a job cannot train one mechanism and account for another.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import tensorflow_federated as tff
 
 from tff_algorithms.federated import aggregators
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 
 class _TreeAggregationFactory(tff.aggregators.UnweightedAggregationFactory):
@@ -36,7 +36,7 @@ class _TreeAggregationFactory(tff.aggregators.UnweightedAggregationFactory):
 
 
 def aggregator_for_spec(
-    spec: accounting.AccountingSpec,
+    spec: accounting_spec.AccountingSpec,
     *,
     clip_norm: float,
     virtual_clients_per_round: int,
@@ -61,7 +61,7 @@ def aggregator_for_spec(
     Raises:
       ValueError: a tree spec whose rounds per epoch differ from the schedule's.
     """
-    if spec.mechanism is accounting.Mechanism.DPSGD:
+    if spec.mechanism is accounting_spec.Mechanism.DPSGD:
         return aggregators.gaussian_fixed(
             noise_multiplier=spec.noise_multiplier,
             clip_norm=clip_norm,

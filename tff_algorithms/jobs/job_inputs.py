@@ -15,7 +15,7 @@ import tensorflow_federated as tff
 from beam_jobs import partition
 from tff_algorithms.config.job_config import TrainJobConfig
 from tff_algorithms.evaluation.scoring import HeldOutEvaluator
-from tff_algorithms.privacy import accounting, dplc_releases
+from tff_algorithms.privacy import accounting_spec, dplc_releases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ class JobInputs:
     partition_dir: str
     reader: partition.PartitionReader
     user_ids: list[str]
-    spec: accounting.AccountingSpec
+    spec: accounting_spec.AccountingSpec
     releases: dplc_releases.ReleasePlan | None
     evaluator: HeldOutEvaluator
     checkpoint_dir: str

@@ -39,7 +39,8 @@ import tensorflow_federated as tff
 from beam_jobs import partition, splits
 from tff_algorithms import algorithms
 from tff_algorithms.base import job_files, owned_files, secret_files
-from tff_algorithms.config.job_config import TrainJobConfig, current_layout, fresh_schedule_seed
+from tff_algorithms.config.job_config import TrainJobConfig, current_layout
+from tff_algorithms.config.job_plan import fresh_schedule_seed
 from tff_algorithms.federated import dropouts
 from tff_algorithms.modeling import export
 from tff_algorithms.privacy import accounting, dplc_releases

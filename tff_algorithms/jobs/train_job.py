@@ -37,11 +37,8 @@ from typing import Any
 from beam_jobs import partition, splits
 from tff_algorithms import algorithms
 from tff_algorithms.base import job_files, owned_files
-from tff_algorithms.config.job_config import (
-    TrainJobConfig,
-    accounting_spec_for,
-    release_plan_for,
-)
+from tff_algorithms.config.job_config import TrainJobConfig
+from tff_algorithms.config.job_plan import accounting_spec_for, release_plan_for
 from tff_algorithms.evaluation.scoring import HeldOutEvaluator
 from tff_algorithms.federated import (
     runtime,

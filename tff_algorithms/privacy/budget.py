@@ -16,7 +16,7 @@ image changed (a dedup setting, a re-ingest). Different datasets that reuse user
 counted together, which overstates their spending: the safe direction.
 
 Composition (`composed_epsilon`). When every run is accounted with PLD for uniform
-sampling (`accounting.default_accountant`), their PLDs (`accounting.uniform_pld`, each
+sampling (`accounting_spec.default_accountant`), their PLDs (`accounting.uniform_pld`, each
 with its releases' Gaussian PLD) are composed, the same pessimistic PLD composition each
 run's own epsilon uses: runs on the same users compose adaptively like rounds, each
 dominated by its own pair. Otherwise (a ledger holding runs accounted with RDP, a
@@ -34,7 +34,7 @@ A run with shared negatives (issue 22) also released DPLC cluster centers of the
 users: its entry keeps the release plan (``shared_negatives``), and its curve is the
 training's plus the releases' (`dplc_releases`, no sampling amplification), so the
 budget counts them.
-Every run is composed under the strict accounting convention (`accounting.Convention`):
+Every run is composed under the strict accounting convention (`accounting_spec.Convention`):
 the ledger stores each run's schedule, not its epsilon, so entries written before the
 convention existed (specs without a ``convention`` key) are accounted again under strict
 when read, never mixed with the paper's arithmetic. A ``paper``-convention run is a
@@ -76,14 +76,14 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from tff_algorithms.base import bounded_load, secret_files, validation
-from tff_algorithms.privacy import accounting, dplc_releases
+from tff_algorithms.privacy import accounting, accounting_spec, dplc_releases
 
 BUDGET_LEDGER_FORMAT = "dp-fedemb-budget-ledger/1"
 FINGERPRINT_SCHEME = "sha256 of sorted training user ids"
 
 _COMPOSABLE_RELATIONS = (
-    accounting.NeighboringRelation.REPLACE_ONE,
-    accounting.NeighboringRelation.REPLACE_SPECIAL,
+    accounting_spec.NeighboringRelation.REPLACE_ONE,
+    accounting_spec.NeighboringRelation.REPLACE_SPECIAL,
 )
 
 
@@ -99,10 +99,10 @@ def dataset_fingerprint(user_ids: Iterable[str]) -> str:
 
 
 def composition_relation(
-    specs: Sequence[accounting.AccountingSpec],
-) -> accounting.NeighboringRelation:
+    specs: Sequence[accounting_spec.AccountingSpec],
+) -> accounting_spec.NeighboringRelation:
     """The relation the runs' joint guarantee holds under (module docstring)."""
-    if any(spec.convention is not accounting.Convention.STRICT for spec in specs):
+    if any(spec.convention is not accounting_spec.Convention.STRICT for spec in specs):
         raise ValueError(
             "a paper-convention run cannot count against a privacy budget (it understates "
             "epsilon): account every run under the strict convention"
@@ -113,13 +113,13 @@ def composition_relation(
         raise ValueError(
             f"no cross-run composition for runs accounted under {sorted(r.value for r in unsupported)}"
         )
-    if accounting.NeighboringRelation.REPLACE_SPECIAL in relations:
-        return accounting.NeighboringRelation.REPLACE_SPECIAL
-    return accounting.NeighboringRelation.REPLACE_ONE
+    if accounting_spec.NeighboringRelation.REPLACE_SPECIAL in relations:
+        return accounting_spec.NeighboringRelation.REPLACE_SPECIAL
+    return accounting_spec.NeighboringRelation.REPLACE_ONE
 
 
 def composed_epsilon(
-    specs: Sequence[accounting.AccountingSpec],
+    specs: Sequence[accounting_spec.AccountingSpec],
     delta: float,
     releases: Sequence[dplc_releases.ReleasePlan | None] | None = None,
 ) -> float:
@@ -138,8 +138,8 @@ def composed_epsilon(
     if any(spec.effective_noise_multiplier == 0 for spec in specs):
         return math.inf  # a run without noise has no guarantee, nor has the whole
     if all(
-        spec.accountant is accounting.Accountant.PLD
-        and spec.sampling is accounting.Sampling.UNIFORM
+        spec.accountant is accounting_spec.Accountant.PLD
+        and spec.sampling is accounting_spec.Sampling.UNIFORM
         for spec in specs
     ):
         composed = None
@@ -293,8 +293,8 @@ def _fixed_budget(dataset: dict[str, Any], policy: BudgetPolicy) -> float:
     return float(value)
 
 
-def _specs(dataset: Mapping[str, Any]) -> list[accounting.AccountingSpec]:
-    return [accounting.AccountingSpec.from_dict(run["spec"]) for run in dataset["runs"]]
+def _specs(dataset: Mapping[str, Any]) -> list[accounting_spec.AccountingSpec]:
+    return [accounting_spec.AccountingSpec.from_dict(run["spec"]) for run in dataset["runs"]]
 
 
 def _releases(run: Mapping[str, Any]) -> dplc_releases.ReleasePlan | None:
@@ -307,7 +307,7 @@ def charge_run(
     fingerprint: str,
     users: int,
     run_id: str,
-    spec: accounting.AccountingSpec,
+    spec: accounting_spec.AccountingSpec,
     releases: dplc_releases.ReleasePlan | None = None,
 ) -> BudgetCharge:
     """Charges a run's planned schedule to its dataset, or refuses it (ValueError).
@@ -335,7 +335,7 @@ def charge_runs(
     policy: BudgetPolicy,
     fingerprint: str,
     users: int,
-    runs: Sequence[tuple[str, accounting.AccountingSpec, dplc_releases.ReleasePlan | None]],
+    runs: Sequence[tuple[str, accounting_spec.AccountingSpec, dplc_releases.ReleasePlan | None]],
 ) -> float:
     """Charges several planned runs on the same users at once, or none of them.
 
@@ -355,7 +355,7 @@ def _charge(
     policy: BudgetPolicy,
     fingerprint: str,
     users: int,
-    runs: Sequence[tuple[str, accounting.AccountingSpec, dplc_releases.ReleasePlan | None]],
+    runs: Sequence[tuple[str, accounting_spec.AccountingSpec, dplc_releases.ReleasePlan | None]],
     *,
     together: bool,
 ) -> list[BudgetCharge]:
@@ -380,7 +380,7 @@ def _charge(
         for run_id, spec, releases in runs:
             previous = charged.get(run_id)
             if previous is not None and (
-                accounting.AccountingSpec.from_dict(previous["spec"]) != spec
+                accounting_spec.AccountingSpec.from_dict(previous["spec"]) != spec
                 or _releases(previous) != releases
             ):
                 raise ValueError(
@@ -389,7 +389,7 @@ def _charge(
                 )
         ids = {run_id for run_id, _, _ in runs}
         others = [run for run in dataset["runs"] if run["run_id"] not in ids]
-        other_specs = [accounting.AccountingSpec.from_dict(run["spec"]) for run in others]
+        other_specs = [accounting_spec.AccountingSpec.from_dict(run["spec"]) for run in others]
         other_releases = [_releases(run) for run in others]
         spent_before = composed_epsilon(other_specs, delta, other_releases)
         spent_after = composed_epsilon(

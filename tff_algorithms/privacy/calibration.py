@@ -1,11 +1,11 @@
 """Noise calibration to a target epsilon, and extrapolation of a schedule's epsilon.
 
 Both are searches over `accounting.compute_privacy` (the accounting conventions and
-bounds are `tff_algorithms.privacy.accounting`'s):
+bounds are `tff_algorithms.privacy.accounting_spec`'s):
 
 - `calibrate_noise_multiplier` finds the smallest noise multiplier whose schedule costs
   at most a target epsilon. It brackets z by doubling or halving from 1 within
-  [`MIN_CALIBRATED_NOISE_MULTIPLIER`, `accounting.MAX_NOISE_MULTIPLIER`], then bisects
+  [`MIN_CALIBRATED_NOISE_MULTIPLIER`, `accounting_spec.MAX_NOISE_MULTIPLIER`], then bisects
   log z: about 15 accountant calls for a typical target, at most ~35.
 - `extrapolate_privacy` moves a schedule to a larger population at several users per
   round, with the noise scaled to keep the utility (paper Fig. 2c/2d, 6b/6c), and
@@ -18,7 +18,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from tff_algorithms.privacy import accounting, dplc_releases
+from tff_algorithms.privacy import accounting, accounting_spec, dplc_releases
 
 CALIBRATION_RELATIVE_TOLERANCE = 1e-3
 # The bracket's lower end: below it the accountants are slow (PLD) and a target that
@@ -27,11 +27,11 @@ MIN_CALIBRATED_NOISE_MULTIPLIER = 0.1
 
 
 class TargetOutOfReach(ValueError):
-    """No noise multiplier up to `accounting.MAX_NOISE_MULTIPLIER` reaches the target epsilon."""
+    """No noise multiplier up to `accounting_spec.MAX_NOISE_MULTIPLIER` reaches the target epsilon."""
 
 
 def calibrate_noise_multiplier(
-    spec: accounting.AccountingSpec,
+    spec: accounting_spec.AccountingSpec,
     target_epsilon: float,
     relative_tolerance: float = CALIBRATION_RELATIVE_TOLERANCE,
     releases: dplc_releases.ReleasePlan | None = None,
@@ -51,9 +51,9 @@ def calibrate_noise_multiplier(
         isinstance(target_epsilon, (int, float)) and math.isfinite(target_epsilon)
     ):
         raise ValueError(f"target epsilon must be a finite number, got {target_epsilon!r}")
-    if not 0 < target_epsilon <= accounting.MAX_TARGET_EPSILON:
+    if not 0 < target_epsilon <= accounting_spec.MAX_TARGET_EPSILON:
         raise ValueError(
-            f"target epsilon must be in (0, {accounting.MAX_TARGET_EPSILON:g}], "
+            f"target epsilon must be in (0, {accounting_spec.MAX_TARGET_EPSILON:g}], "
             f"got {target_epsilon:g}"
         )
     if not 1e-9 <= relative_tolerance < 1:
@@ -68,12 +68,12 @@ def calibrate_noise_multiplier(
     low = high = 1.0
     if epsilon_at(high) > target_epsilon:
         while epsilon_at(high) > target_epsilon:
-            if high >= accounting.MAX_NOISE_MULTIPLIER:
+            if high >= accounting_spec.MAX_NOISE_MULTIPLIER:
                 raise TargetOutOfReach(
                     f"target epsilon {target_epsilon:g} is out of reach for noise "
-                    f"multipliers up to {accounting.MAX_NOISE_MULTIPLIER:g}"
+                    f"multipliers up to {accounting_spec.MAX_NOISE_MULTIPLIER:g}"
                 )
-            low, high = high, min(2 * high, accounting.MAX_NOISE_MULTIPLIER)
+            low, high = high, min(2 * high, accounting_spec.MAX_NOISE_MULTIPLIER)
     else:
         while epsilon_at(low) <= target_epsilon:
             if low <= MIN_CALIBRATED_NOISE_MULTIPLIER:
@@ -103,7 +103,7 @@ class ExtrapolationPoint:
 
 
 def extrapolate_privacy(
-    base: accounting.AccountingSpec, population: int, users_per_round: Sequence[int]
+    base: accounting_spec.AccountingSpec, population: int, users_per_round: Sequence[int]
 ) -> list[ExtrapolationPoint]:
     """Epsilon of `base`'s schedule moved to `population` users, for each users-per-round.
 

@@ -103,7 +103,7 @@ angles ≤ π/2), so 2|sin ρ| < 2 understates even a fixed cap. It is never use
 Noise, composition, accounting
 ------------------------------
 Each released cluster is p + N(0, (σ·Δ)² I_d) with σ the noise multiplier, relative to
-the full L2 sensitivity Δ of substitute-one (the strict convention of accounting.py;
+the full L2 sensitivity Δ of substitute-one (the strict convention of accounting_spec.py;
 both relations give the same Δ here). Noise is drawn from a fresh generator seeded by the
 explicit ``seed`` (stateless: same seed, same release); production callers pass OS
 entropy (e.g. ``secrets.randbits(128)``), never a fixed or logged seed. The paper's

@@ -25,7 +25,7 @@ r completed rounds ceil(r / R) releases have been made (`releases_after`). The l
 epsilon after round r is a function of (spec, plan, r) alone, like the training's, so a
 resumed run records the numbers of an uninterrupted one.
 
-Under the PLD accountant (the default for uniform sampling, `accounting.default_accountant`)
+Under the PLD accountant (the default for uniform sampling, `accounting_spec.default_accountant`)
 the training's PLD (`accounting.uniform_pld`) composes with the releases' PLD instead: all
 of them together are one Gaussian of multiplier σ / sqrt(Q · releases), whose PLD
 (dp_accounting's, pessimistic, the same grid) is exact for it under either relation. The
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tff_algorithms.base import validation
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting, accounting_spec
 
 if TYPE_CHECKING:  # imported where used: dp_accounting and scipy take ~1 s to import
     import dp_accounting
@@ -104,13 +104,13 @@ class ReleasePlan:
         return cls(**data)
 
 
-def _check_composable(spec: accounting.AccountingSpec) -> None:
-    if spec.convention is not accounting.Convention.STRICT:
+def _check_composable(spec: accounting_spec.AccountingSpec) -> None:
+    if spec.convention is not accounting_spec.Convention.STRICT:
         raise ValueError(
             "shared negatives are accounted under the strict convention only, not the paper's"
         )
-    if spec.accountant is accounting.Accountant.PLD and spec.sampling is not (
-        accounting.Sampling.UNIFORM
+    if spec.accountant is accounting_spec.Accountant.PLD and spec.sampling is not (
+        accounting_spec.Sampling.UNIFORM
     ):
         raise ValueError(
             "shared negatives compose with the training under PLD for uniform sampling only; "
@@ -161,7 +161,7 @@ def release_zcdp_rho(plan: ReleasePlan, releases: int) -> float:
 
 
 def composed_privacy(
-    spec: accounting.AccountingSpec, plan: ReleasePlan | None, rounds: int | None = None
+    spec: accounting_spec.AccountingSpec, plan: ReleasePlan | None, rounds: int | None = None
 ) -> accounting.PrivacyResult:
     """The training of `spec` over `rounds` (default: spec.rounds) and the releases made
     by then, composed (module docstring). With `plan` None: `accounting.compute_privacy`."""
@@ -186,7 +186,7 @@ def composed_privacy(
         return dataclasses.replace(
             training, epsilon=math.inf, zcdp_rho=rho, rdp_order=None, analysis=analysis
         )
-    if spec.accountant is accounting.Accountant.PLD:
+    if spec.accountant is accounting_spec.Accountant.PLD:
         pld = accounting.uniform_pld(spec.with_rounds(rounds))
         if releases:
             pld = pld.compose(release_pld(plan, releases))

@@ -9,7 +9,7 @@ either would make the recorded epsilon wrong.
 
 Rounds are numbered from 1; round 0 (before training) costs nothing.
 
-Format 1 ledgers predate the accounting convention (`accounting.Convention`): their
+Format 1 ledgers predate the accounting convention (`accounting_spec.Convention`): their
 epsilons used the paper's arithmetic, which understates substitute-one epsilon. They are
 read as the schedule they store, accounted again under the strict convention (the
 default); trees, which both conventions account alike, keep their entries.
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tff_algorithms.base import bounded_load
-from tff_algorithms.privacy import accounting, dplc_releases
+from tff_algorithms.privacy import accounting_spec, dplc_releases
 
 LEDGER_FORMAT = "dp-fedemb-privacy-ledger/2"
 _LEGACY_FORMAT = "dp-fedemb-privacy-ledger/1"
@@ -56,7 +56,7 @@ class PrivacyLedger:
 
     def __init__(
         self,
-        spec: accounting.AccountingSpec,
+        spec: accounting_spec.AccountingSpec,
         releases: dplc_releases.ReleasePlan | None = None,
     ) -> None:
         if releases is not None:
@@ -72,7 +72,7 @@ class PrivacyLedger:
         return self._releases
 
     @property
-    def spec(self) -> accounting.AccountingSpec:
+    def spec(self) -> accounting_spec.AccountingSpec:
         return self._spec
 
     @property
@@ -96,11 +96,11 @@ class PrivacyLedger:
     def epsilon_rdp(self) -> float | None:
         """The RDP accountant's epsilon for the rounds recorded, a labelled cross-check
         beside a PLD epsilon; None when the spec is already accounted with RDP."""
-        if self._spec.accountant is not accounting.Accountant.PLD:
+        if self._spec.accountant is not accounting_spec.Accountant.PLD:
             return None
         if self.rounds_recorded == 0:
             return 0.0
-        rdp_spec = dataclasses.replace(self._spec, accountant=accounting.Accountant.RDP)
+        rdp_spec = dataclasses.replace(self._spec, accountant=accounting_spec.Accountant.RDP)
         return dplc_releases.composed_privacy(
             rdp_spec, self._releases, self.rounds_recorded
         ).epsilon
@@ -161,7 +161,7 @@ class PrivacyLedger:
     def from_dict(
         cls,
         data: Mapping[str, Any],
-        expected_spec: accounting.AccountingSpec | None = None,
+        expected_spec: accounting_spec.AccountingSpec | None = None,
         expected_releases: dplc_releases.ReleasePlan | None = None,
     ) -> PrivacyLedger:
         """Restore a ledger; with `expected_spec`, refuse one kept under another schedule
@@ -175,7 +175,7 @@ class PrivacyLedger:
         spec_dict = dict(data.get("spec") or {})
         if legacy and "convention" in spec_dict:
             raise ValueError("corrupt privacy ledger: a format 1 ledger names a convention")
-        spec = accounting.AccountingSpec.from_dict(spec_dict)
+        spec = accounting_spec.AccountingSpec.from_dict(spec_dict)
         if expected_spec is not None and spec != expected_spec:
             raise ValueError(
                 "the saved privacy ledger was kept under a different accounting spec than "
@@ -192,7 +192,7 @@ class PrivacyLedger:
                 "this run's; resuming would misreport epsilon"
             )
         ledger = cls(spec, releases)
-        is_tree = spec.mechanism is accounting.Mechanism.DPFTRL
+        is_tree = spec.mechanism is accounting_spec.Mechanism.DPFTRL
         for position, item in enumerate(data.get("history") or [], start=1):
             if item.get("round") != position:
                 raise ValueError(
@@ -211,7 +211,7 @@ class PrivacyLedger:
                 f"corrupt privacy ledger: {ledger.rounds_recorded} rounds recorded for a "
                 f"{spec.rounds}-round spec"
             )
-        if legacy and spec.neighboring_relation is accounting.NeighboringRelation.REPLACE_ONE:
+        if legacy and spec.neighboring_relation is accounting_spec.NeighboringRelation.REPLACE_ONE:
             recorded = ledger.rounds_recorded
             ledger._entries = []
             for round_number in range(1, recorded + 1):
@@ -222,7 +222,7 @@ class PrivacyLedger:
     def from_json(
         cls,
         text: str,
-        expected_spec: accounting.AccountingSpec | None = None,
+        expected_spec: accounting_spec.AccountingSpec | None = None,
         expected_releases: dplc_releases.ReleasePlan | None = None,
     ) -> PrivacyLedger:
         data = bounded_load.load_json(text, "privacy ledger", bound_size=False)

@@ -143,7 +143,7 @@ def _names_compared(tree: ast.AST, known: set[str], constants: set[str]) -> list
         if isinstance(node, ast.Name):
             return node.id in constants or node.id.endswith(NAME_LISTS)
         if isinstance(node, ast.Attribute):
-            # job_config.FDML is a name; accounting.Mechanism.FDML is a mechanism.
+            # job_config.FDML is a name; accounting_spec.Mechanism.FDML is a mechanism.
             of_job_config = isinstance(node.value, ast.Name) and node.value.id in JOB_CONFIG
             return (of_job_config and node.attr in constants) or node.attr.endswith(NAME_LISTS)
         return False

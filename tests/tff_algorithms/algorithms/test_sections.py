@@ -10,7 +10,7 @@ import pytest
 
 from pipeline import cli
 from pipeline import config as config_lib
-from pipeline.commands import train
+from pipeline.commands import train, train_config
 from tff_algorithms import algorithms
 from tff_algorithms.algorithms.fdml import fields as fdml_fields
 from tff_algorithms.config import job_config
@@ -278,7 +278,7 @@ def _flag_job(*args: str) -> job_config.TrainJobConfig:
     flag_values = absl_flags.FlagValues()
     train.define_flags(flag_values)
     flag_values(["dp-fedemb train", *args])
-    return train.job_config({name: flag_values[name].value for name in flag_values})
+    return train_config.job_config({name: flag_values[name].value for name in flag_values})
 
 
 def test_old_and_new_flags_give_the_same_job_and_recipes_keep_their_counts():

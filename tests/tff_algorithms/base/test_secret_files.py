@@ -10,7 +10,7 @@ import pytest
 from beam_jobs import synthetic
 from tests import support
 from tff_algorithms.base import job_files, secret_files
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, job_plan
 from tff_algorithms.jobs import train_job
 from tff_algorithms.privacy import budget
 
@@ -101,7 +101,7 @@ def test_a_symlink_at_the_budget_ledger_is_refused_and_its_target_untouched(tmp_
     ledger_path = tmp_path / "budget.json"
     ledger_path.symlink_to(target)
     policy = budget.BudgetPolicy(ledger_path=str(ledger_path), total_epsilon=1e6)
-    spec = job_config.accounting_spec_for(CONFIG, TRAIN_IDENTITIES)
+    spec = job_plan.accounting_spec_for(CONFIG, TRAIN_IDENTITIES)
     with pytest.raises(ValueError, match="is a symbolic link"):
         budget.charge_run(policy, "f" * 64, TRAIN_IDENTITIES, "run-1", spec)
     assert target.read_text() == PRECIOUS

@@ -10,7 +10,7 @@ import pytest
 from beam_jobs import partition, schedule
 from pipeline.components import artifacts
 from pipeline.components import training as training_components
-from tff_algorithms.config import job_config, report_policy
+from tff_algorithms.config import job_config, job_plan, report_policy
 
 USERS, K, M, ROUNDS = 200, 2, 8, 6
 
@@ -63,13 +63,13 @@ def test_published_trained_and_accounted_schedules_agree(fields):
     # Training (auto resolved when the job starts, as run_train_job does) selects that
     # many virtual clients, every round and every retry.
     config, _ = config.calibrated_for(USERS)
-    plan = job_config.schedule_for(config, USERS)
+    plan = job_plan.schedule_for(config, USERS)
     for round_num in range(ROUNDS):
         for attempt in range(config.max_round_attempts):
             assert plan.round_user_indices(round_num, attempt).shape == (selected, K)
     assert config.report_policy().selected_per_round == selected
     # The accountant charges the same sampling.
-    spec = job_config.accounting_spec_for(config, USERS)
+    spec = job_plan.accounting_spec_for(config, USERS)
     assert (spec.population, spec.users_per_round, spec.rounds) == (
         published["sampling_units"],
         published["units_per_round"],

@@ -7,6 +7,7 @@ from absl import flags
 
 from pipeline import config as config_lib
 from pipeline.commands import train as train_command
+from pipeline.commands import train_config
 from tff_algorithms.config import job_config, recipes
 
 
@@ -51,7 +52,7 @@ def test_unknown_recipe_is_one_line():
 def test_pipeline_and_train_command_start_from_the_same_recipe():
     # The pipeline's private training starts from its pretrained backbone.
     pipeline_job = config_lib.load_config().train_job_dict()
-    command_job = train_command.job_config(_train_flags("--pretrained=backbone")).to_dict()
+    command_job = train_config.job_config(_train_flags("--pretrained=backbone")).to_dict()
     assert command_job == pipeline_job == job_config.TrainJobConfig(**recipes.DEFAULT).to_dict()
 
 
@@ -59,7 +60,7 @@ def test_without_a_pretrained_backbone_every_layer_trains_or_the_run_is_refused(
     """The recipe's trainable_layers fine-tune a pretrained backbone: from a random one
     the frozen layers would stay random."""
     assert recipes.DEFAULT["trainable_layers"] != recipes.EVERY_LAYER
-    command_job = train_command.job_config(_train_flags())
+    command_job = train_config.job_config(_train_flags())
     assert list(command_job.trainable_layers) == recipes.EVERY_LAYER
     with pytest.raises(ValueError, match=r"config train.trainable_layers \['conv\*', 'gn\*'\] "):
         config_lib.check_config(None, ["pretrain.source=none"])
@@ -68,12 +69,12 @@ def test_without_a_pretrained_backbone_every_layer_trains_or_the_run_is_refused(
 
 
 def test_train_command_paper_recipe_is_the_library_default():
-    job = train_command.job_config(_train_flags("--recipe=paper", "--rounds=7"))
+    job = train_config.job_config(_train_flags("--recipe=paper", "--rounds=7"))
     assert job == dataclasses.replace(job_config.TrainJobConfig(), rounds=7)
 
 
 def test_train_command_flags_layer_like_pipeline_overrides():
-    command_job = train_command.job_config(
+    command_job = train_config.job_config(
         _train_flags("--pretrained=backbone", "--noise-multiplier=1.5", "--rounds=9")
     )
     pipeline_job = config_lib.load_config(
@@ -83,7 +84,7 @@ def test_train_command_flags_layer_like_pipeline_overrides():
 
 
 def test_train_command_centralized_takes_the_pretraining_recipe():
-    command_job = train_command.job_config(_train_flags("--algorithm=centralized"))
+    command_job = train_config.job_config(_train_flags("--algorithm=centralized"))
     pipeline_job = config_lib.load_config().pretrain_job_dict()
     assert command_job.to_dict() == pipeline_job
 

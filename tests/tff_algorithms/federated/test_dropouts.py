@@ -13,11 +13,11 @@ import tensorflow as tf
 from beam_jobs import schedule, synthetic
 from pipeline import config as config_lib
 from tests import support
-from tff_algorithms.config import client_config, job_config, model_config, report_policy
+from tff_algorithms.config import client_config, job_config, job_plan, model_config, report_policy
 from tff_algorithms.federated import aggregators, client_data, client_work, dropouts, processes
 from tff_algorithms.jobs import train_job
 from tff_algorithms.modeling import models
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting, accounting_spec
 from tff_algorithms.privacy import ledger as ledger_lib
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
@@ -277,16 +277,16 @@ JOB = job_config.TrainJobConfig(
 def test_over_selection_is_accounted_with_the_selected_sampling():
     over = dataclasses.replace(JOB, over_selection=0.5)
     assert over.report_policy().selected_per_round == 6
-    spec = job_config.accounting_spec_for(over, 1000)
+    spec = job_plan.accounting_spec_for(over, 1000)
     assert (spec.users_per_round, spec.population) == (12, 1000)
     epsilon = accounting.compute_privacy(spec).epsilon
     assert (
         epsilon
         == accounting.compute_privacy(
-            accounting.AccountingSpec(1000, 12, 50, 0.8, 1e-5, users_per_virtual_client=2)
+            accounting_spec.AccountingSpec(1000, 12, 50, 0.8, 1e-5, users_per_virtual_client=2)
         ).epsilon
     )
-    assert epsilon > accounting.compute_privacy(job_config.accounting_spec_for(JOB, 1000)).epsilon
+    assert epsilon > accounting.compute_privacy(job_plan.accounting_spec_for(JOB, 1000)).epsilon
 
 
 def test_dropouts_never_reduce_the_reported_epsilon():
@@ -294,9 +294,7 @@ def test_dropouts_never_reduce_the_reported_epsilon():
     dropping = dataclasses.replace(
         JOB, failure_injection_rate=0.3, max_local_steps=1, max_client_seconds=5.0
     )
-    assert job_config.accounting_spec_for(dropping, 1000) == job_config.accounting_spec_for(
-        JOB, 1000
-    )
+    assert job_plan.accounting_spec_for(dropping, 1000) == job_plan.accounting_spec_for(JOB, 1000)
 
 
 @pytest.mark.parametrize(
@@ -362,7 +360,7 @@ def test_a_training_job_with_injected_failures_reports_them_and_is_charged_as_pl
     assert "not covered by the DP guarantee" in totals["note"]
     # The ledger is what a run without failures records: the planned schedule's epsilon.
     without_failures = ledger_lib.PrivacyLedger(
-        job_config.accounting_spec_for(planned, TRAIN_IDENTITIES)
+        job_plan.accounting_spec_for(planned, TRAIN_IDENTITIES)
     )
     for round_num in range(1, 4):
         without_failures.record_round(round_num)

@@ -5,7 +5,7 @@ import pytest
 
 from tests import support
 from tff_algorithms.federated import mechanisms
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 _NUM_COORDINATES = 20_000
 
@@ -18,7 +18,7 @@ def _std_ratio_bounds(n: int) -> tuple[float, float]:
 
 def _spec(mechanism, noise_multiplier, restart_every_epoch=False):
     # 8 users, 2 per round: 4 rounds per epoch.
-    return accounting.AccountingSpec(
+    return accounting_spec.AccountingSpec(
         population=8,
         users_per_round=2,
         rounds=8,
@@ -32,7 +32,7 @@ def _spec(mechanism, noise_multiplier, restart_every_epoch=False):
 def test_dpsgd_spec_gives_independent_gaussian_noise_with_the_spec_noise_multiplier(tff_runtime):
     z, clip, planned = 1.5, 2.0, 4
     factory = mechanisms.aggregator_for_spec(
-        _spec(accounting.Mechanism.DPSGD, z),
+        _spec(accounting_spec.Mechanism.DPSGD, z),
         clip_norm=clip,
         virtual_clients_per_round=planned,
         noise_seed=3,
@@ -51,7 +51,7 @@ def test_dpsgd_spec_gives_independent_gaussian_noise_with_the_spec_noise_multipl
 def test_dpftrl_spec_gives_tree_noise_restarting_as_the_spec_says(tff_runtime, restart_every_epoch):
     z, clip, planned = 0.5, 1.0, 2
     factory = mechanisms.aggregator_for_spec(
-        _spec(accounting.Mechanism.DPFTRL, z, restart_every_epoch),
+        _spec(accounting_spec.Mechanism.DPFTRL, z, restart_every_epoch),
         clip_norm=clip,
         virtual_clients_per_round=planned,
         noise_seed=5,
@@ -71,7 +71,7 @@ def test_dpftrl_spec_gives_tree_noise_restarting_as_the_spec_says(tff_runtime, r
 
 @pytest.mark.parametrize("restart_every_epoch", [False, True])
 def test_tree_whose_epoch_differs_from_the_spec_is_refused(restart_every_epoch):
-    spec = _spec(accounting.Mechanism.DPFTRL, 1.0, restart_every_epoch)
+    spec = _spec(accounting_spec.Mechanism.DPFTRL, 1.0, restart_every_epoch)
     with pytest.raises(ValueError, match="rounds per epoch"):
         mechanisms.aggregator_for_spec(
             spec, clip_norm=1.0, virtual_clients_per_round=1, noise_seed=0, rounds_per_epoch=3

@@ -7,7 +7,7 @@ import tensorflow as tf
 from tff_algorithms.config import client_config, model_config
 from tff_algorithms.federated import aggregators, client_work, local_training, mechanisms, processes
 from tff_algorithms.modeling import models
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 CONFIG = client_config.ClientConfig(client_learning_rate=0.05, head_capacity=5, batch_size=4)
@@ -145,13 +145,13 @@ def test_dp_ftrl_process_runs_with_tree_noise_and_restarts(tff_runtime):
     each. 12 users, 4 per round: 3 rounds per epoch, so at round 4 a restarted tree holds
     popcount(3) + popcount(1) = 3 nodes where one tree would hold popcount(4) = 1."""
     z, clip, planned = 1.0, 0.1, 2
-    spec = accounting.AccountingSpec(
+    spec = accounting_spec.AccountingSpec(
         population=12,
         users_per_round=4,
         rounds=4,
         noise_multiplier=z,
         delta=1e-3,
-        mechanism=accounting.Mechanism.DPFTRL,
+        mechanism=accounting_spec.Mechanism.DPFTRL,
         users_per_virtual_client=2,
         restart_every_epoch=True,
     )

@@ -12,11 +12,11 @@ import pytest
 import tensorflow as tf
 
 from tff_algorithms.jobs import private_steps
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 from tff_algorithms.privacy.ledger import PrivacyLedger
 
 STEPS = 4
-SPEC = accounting.AccountingSpec(
+SPEC = accounting_spec.AccountingSpec(
     population=100, users_per_round=3, rounds=STEPS, noise_multiplier=1.0, delta=1e-5
 )
 

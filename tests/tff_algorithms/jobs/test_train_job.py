@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tests import support
 from tff_algorithms.base import job_files
-from tff_algorithms.config import client_config, job_config
+from tff_algorithms.config import client_config, job_config, job_plan
 from tff_algorithms.jobs import job_outputs, local_heads, train_job
 from tff_algorithms.privacy import accounting, calibration
 
@@ -44,7 +44,7 @@ def test_metrics_ledger_and_saved_model_are_written(straight_run):
     assert summary["rounds"] == 3 and summary["private"] is True
     assert summary["wall_seconds"] > 0
     # Epsilon is the accountant's for the planned schedule, at the documented default delta.
-    spec = job_config.accounting_spec_for(CONFIG, TRAIN_IDENTITIES)
+    spec = job_plan.accounting_spec_for(CONFIG, TRAIN_IDENTITIES)
     assert summary["delta"] == pytest.approx(TRAIN_IDENTITIES**-1.1)
     assert summary["epsilon"] == pytest.approx(accounting.compute_privacy(spec).epsilon)
     assert [r["round"] for r in summary["history"] if "eval" in r] == [0, 2, 3]
@@ -161,7 +161,7 @@ def test_target_epsilon_calibrates_the_noise_from_the_training_users(data, tmp_p
     assert result.metrics["accounting"]["sensitivity_in_clips"] == 2.0
     assert result.epsilon <= target
     fixed = dataclasses.replace(config, target_epsilon=None, noise_multiplier=z)
-    spec = job_config.accounting_spec_for(fixed, TRAIN_IDENTITIES)
+    spec = job_plan.accounting_spec_for(fixed, TRAIN_IDENTITIES)
     assert accounting.compute_privacy(spec).epsilon == pytest.approx(result.epsilon)
     lower = spec.with_noise_multiplier(z * (1 - calibration.CALIBRATION_RELATIVE_TOLERANCE))
     assert accounting.compute_privacy(lower).epsilon > target

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tff_algorithms.privacy import accounting, calibration, tree_sensitivity
-from tff_algorithms.privacy.accounting import AccountingSpec
+from tff_algorithms.privacy import accounting, accounting_spec, calibration, tree_sensitivity
+from tff_algorithms.privacy.accounting_spec import AccountingSpec
 
 # Sampled-Gaussian RDP costs ~0.3 s per new (population, users, noise); keep examples few.
 FEW = settings(max_examples=5, deadline=None)
@@ -48,7 +48,7 @@ def test_paper_dpsgd_epsilon(population, users_per_round, rounds, noise, delta, 
     assert round(result.epsilon, 2) == expected
     assert result.zcdp_rho is None
     assert result.rdp_order is not None
-    assert result.convention is accounting.Convention.PAPER
+    assert result.convention is accounting_spec.Convention.PAPER
     assert "PAPER CONVENTION" in result.analysis
     # The strict default takes z relative to the 2 x clip substitute-one sensitivity: the
     # same schedule costs what the paper's arithmetic gives at z / 2, which is more.
@@ -60,7 +60,7 @@ def test_paper_dpsgd_epsilon(population, users_per_round, rounds, noise, delta, 
 
 def test_strict_is_the_default_convention():
     spec = AccountingSpec(1000, 100, 10, 1.0, 1e-5)
-    assert spec.convention is accounting.Convention.STRICT
+    assert spec.convention is accounting_spec.Convention.STRICT
     result = accounting.compute_privacy(spec).to_dict()
     assert result["convention"] == "strict"
     assert result["neighboring_relation"] == "replace_one"
@@ -413,8 +413,8 @@ def test_invalid_specs_are_rejected(kwargs, message):
 
 def test_spec_dict_round_trip_and_defaults():
     spec = AccountingSpec(100, 10, 10, 1.0, 1e-5, mechanism="dpftrl")
-    assert spec.sampling is accounting.Sampling.EPOCH
-    assert spec.neighboring_relation is accounting.NeighboringRelation.REPLACE_SPECIAL
+    assert spec.sampling is accounting_spec.Sampling.EPOCH
+    assert spec.neighboring_relation is accounting_spec.NeighboringRelation.REPLACE_SPECIAL
     assert AccountingSpec.from_dict(spec.to_dict()) == spec
     assert spec.to_dict()["convention"] == "strict"
     # Specs written before the convention existed read as strict (recomputed honestly).
@@ -524,8 +524,8 @@ def _composed_gaussian_epsilon(rounds: int, noise_multiplier: float, delta: floa
 @pytest.mark.parametrize("rounds, noise, delta", [(1, 2.0, 1e-5), (3, 5.0, 1e-6), (10, 8.0, 1e-4)])
 def test_full_batch_is_the_composed_gaussian_without_amplification(rounds, noise, delta):
     spec = AccountingSpec(500, 500, rounds, noise, delta, sampling="full")
-    assert spec.neighboring_relation is accounting.NeighboringRelation.REPLACE_ONE
-    assert spec.accountant is accounting.Accountant.PLD and spec.sensitivity_in_clips == 2
+    assert spec.neighboring_relation is accounting_spec.NeighboringRelation.REPLACE_ONE
+    assert spec.accountant is accounting_spec.Accountant.PLD and spec.sensitivity_in_clips == 2
     exact = _composed_gaussian_epsilon(rounds, noise, delta)
     pld = accounting.compute_privacy(spec, rdp_cross_check=True)
     # PLD's pessimistic grid (PLD_DISCRETIZATION) sits just above the exact value; RDP

@@ -46,7 +46,7 @@ import numpy as np
 import pytest
 from scipy import fft, integrate, optimize, special
 
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting, accounting_spec
 
 # ---------------------------------------------------------------------------------------
 # Reference computations (numpy / scipy / math only).
@@ -324,7 +324,7 @@ def composed_epsilon_lower_bound(
 def project_epsilon(
     population: int, users: int, rounds: int, z: float, delta: float, **options: str
 ) -> float:
-    spec = accounting.AccountingSpec(
+    spec = accounting_spec.AccountingSpec(
         population=population,
         users_per_round=users,
         rounds=rounds,

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from scipy import fft, special
 
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting, accounting_spec
 
 # ---------------------------------------------------------------------------------------
 # The claimed one-round pair, in closed form (1-D: both are Gaussians on one line).
@@ -246,7 +246,7 @@ SCHEDULES = [
 def test_product_epsilon_matches_independent_composition(
     population: int, users: int, rounds: int, z: float, delta: float
 ) -> None:
-    spec = accounting.AccountingSpec(population, users, rounds, z, delta, accountant="pld")
+    spec = accounting_spec.AccountingSpec(population, users, rounds, z, delta, accountant="pld")
     product = accounting.compute_privacy(spec).epsilon
     lower, upper = composed_epsilon_bounds(users / population, z, rounds, delta, 1e-3, 12.0)
     assert lower <= product <= upper + 1e-9
@@ -257,17 +257,17 @@ def test_product_epsilon_matches_independent_composition(
 
 def test_the_tight_pld_is_the_default_for_uniform_sampling_under_strict_only():
     def spec(**options):
-        return accounting.AccountingSpec(2994, 384, 20, 1.773, 1e-4, **options)
+        return accounting_spec.AccountingSpec(2994, 384, 20, 1.773, 1e-4, **options)
 
-    assert spec().accountant is accounting.Accountant.PLD
+    assert spec().accountant is accounting_spec.Accountant.PLD
     for options in (
         dict(convention="paper"),  # published numbers are RDP's
         dict(sampling="poisson"),
         dict(mechanism="dpftrl", users_per_virtual_client=8),
     ):
-        assert spec(**options).accountant is accounting.Accountant.RDP, options
-    assert spec(mechanism="logit_dp").accountant is accounting.Accountant.PLD
-    assert spec(mechanism="fdml").accountant is accounting.Accountant.PLD
+        assert spec(**options).accountant is accounting_spec.Accountant.RDP, options
+    assert spec(mechanism="logit_dp").accountant is accounting_spec.Accountant.PLD
+    assert spec(mechanism="fdml").accountant is accounting_spec.Accountant.PLD
     result = accounting.compute_privacy(spec(), rdp_cross_check=True)
     assert result.epsilon == pytest.approx(4.844, abs=1e-3)
     assert result.epsilon_rdp == pytest.approx(7.996, abs=1e-3)

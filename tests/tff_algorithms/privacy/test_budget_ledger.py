@@ -10,20 +10,20 @@ import pytest
 from beam_jobs import partition, synthetic
 from tests import support
 from tff_algorithms.base import job_files
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, job_plan
 from tff_algorithms.jobs import train_job
-from tff_algorithms.privacy import accounting, budget
+from tff_algorithms.privacy import accounting, accounting_spec, budget
 
-DPSGD = accounting.AccountingSpec(
+DPSGD = accounting_spec.AccountingSpec(
     population=1000, users_per_round=50, rounds=40, noise_multiplier=1.1, delta=1e-5
 )
-DPFTRL = accounting.AccountingSpec(
+DPFTRL = accounting_spec.AccountingSpec(
     population=1000,
     users_per_round=50,
     rounds=40,
     noise_multiplier=4.0,
     delta=1e-5,
-    mechanism=accounting.Mechanism.DPFTRL,
+    mechanism=accounting_spec.Mechanism.DPFTRL,
     users_per_virtual_client=2,
     restart_every_epoch=True,
 )
@@ -60,7 +60,7 @@ def test_rdp_runs_compose_as_dp_accountings_rdp_accountant_and_tighter_than_summ
 def test_pld_runs_compose_as_one_longer_run():
     """Runs accounted with the (default) PLD compose their PLDs: two runs of the same
     schedule cost what one run of their rounds together costs, less than RDP says."""
-    assert DPSGD.accountant is accounting.Accountant.PLD
+    assert DPSGD.accountant is accounting_spec.Accountant.PLD
     second = dataclasses.replace(DPSGD, rounds=25)
     composed = budget.composed_epsilon([DPSGD, second], DPSGD.delta)
     together = accounting.compute_privacy(DPSGD.with_rounds(65)).epsilon
@@ -84,7 +84,7 @@ def test_tree_runs_compose_under_the_special_element_relation():
     # Mixed mechanisms: the joint guarantee is stated under the weaker relation.
     assert (
         budget.composition_relation([DPSGD, DPFTRL])
-        is accounting.NeighboringRelation.REPLACE_SPECIAL
+        is accounting_spec.NeighboringRelation.REPLACE_SPECIAL
     )
     mixed = budget.composed_epsilon([DPSGD, DPFTRL], DPSGD.delta)
     alone = [accounting.compute_privacy(s).epsilon for s in (DPSGD, DPFTRL)]
@@ -143,13 +143,13 @@ def test_charging_accumulates_refuses_over_budget_and_records_an_override(tmp_pa
     assert other.runs == 1 and other.spent_before == 0
 
 
-LOGIT_DP = accounting.AccountingSpec(
+LOGIT_DP = accounting_spec.AccountingSpec(
     population=1000,
     users_per_round=32,
     rounds=40,
     noise_multiplier=1.0,
     delta=1e-5,
-    mechanism=accounting.Mechanism.LOGIT_DP,
+    mechanism=accounting_spec.Mechanism.LOGIT_DP,
 )
 
 
@@ -278,7 +278,7 @@ def small_data(tmp_path_factory):
 def test_train_job_is_charged_once_and_a_second_job_over_budget_refused(
     tff_runtime, small_data, tmp_path
 ):
-    spec = job_config.accounting_spec_for(JOB, 20)
+    spec = job_plan.accounting_spec_for(JOB, 20)
     one = accounting.compute_privacy(spec).epsilon
     twice = budget.composed_epsilon([spec, spec], spec.delta)
     policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), total_epsilon=(one + twice) / 2)

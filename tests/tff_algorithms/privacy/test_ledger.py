@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tff_algorithms.privacy import accounting
-from tff_algorithms.privacy.accounting import AccountingSpec
+from tff_algorithms.privacy.accounting_spec import AccountingSpec
 from tff_algorithms.privacy.ledger import PrivacyLedger
 
 SGD = AccountingSpec(20_000, 200, 12, 0.8, 1e-6)

@@ -15,7 +15,7 @@ import math
 
 import pytest
 
-from tff_algorithms.privacy import accounting, tree_sensitivity
+from tff_algorithms.privacy import accounting, accounting_spec, tree_sensitivity
 
 
 @pytest.mark.parametrize(
@@ -62,15 +62,15 @@ def _brute_force(rounds: int, most: int, separation: int) -> int:
     )
 
 
-def _tree_spec(population: int, rounds: int, restart: bool) -> accounting.AccountingSpec:
+def _tree_spec(population: int, rounds: int, restart: bool) -> accounting_spec.AccountingSpec:
     # One user per round: rounds_per_epoch = population, a user returns once an epoch.
-    return accounting.AccountingSpec(
+    return accounting_spec.AccountingSpec(
         population=population,
         users_per_round=1,
         rounds=rounds,
         noise_multiplier=1.0,
         delta=1e-5,
-        mechanism=accounting.Mechanism.DPFTRL,
+        mechanism=accounting_spec.Mechanism.DPFTRL,
         restart_every_epoch=restart,
     )
 

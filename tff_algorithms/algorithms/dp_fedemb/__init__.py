@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from beam_jobs import schedule
 from tff_algorithms.algorithms import registry, rules
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 DP_FEDEMB = registry.register(
     registry.Algorithm(
@@ -22,7 +22,7 @@ DP_FEDEMB = registry.register(
         private=True,
         trainer="tff_algorithms.algorithms.dp_fedemb.training:train_dp_fedemb",
         accounting_rule=rules.scheduled_accounting,
-        mechanism=accounting.Mechanism.DPSGD,
+        mechanism=accounting_spec.Mechanism.DPSGD,
         check_round_fill=rules.check_schedule_fills,
         local_heads=True,
         cacheable=True,
@@ -39,7 +39,7 @@ DP_FEDAVG = registry.register(
         private=True,
         trainer="tff_algorithms.algorithms.dp_fedemb.training:train_dp_fedavg",
         accounting_rule=rules.scheduled_accounting,
-        mechanism=accounting.Mechanism.DPSGD,
+        mechanism=accounting_spec.Mechanism.DPSGD,
         check_round_fill=rules.check_schedule_fills,
         # One optimizer trains backbone and global head: at DP-FedEmb's 100 the global
         # head's update fills the clipped delta (BENCHMARKS.md, "Training").
@@ -59,7 +59,7 @@ DP_FTRL_FEDEMB = registry.register(
         private=True,
         trainer="tff_algorithms.algorithms.dp_fedemb.training:train_dp_fedemb",
         accounting_rule=rules.scheduled_accounting,
-        mechanism=accounting.Mechanism.DPFTRL,
+        mechanism=accounting_spec.Mechanism.DPFTRL,
         schedule_mode=schedule.EPOCH,
         check_round_fill=rules.check_schedule_fills,
         local_heads=True,

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tff_algorithms.base import validation
-from tff_algorithms.privacy import accounting, dplc_releases
+from tff_algorithms.privacy import accounting_spec, dplc_releases
 
 # How a local head scores a released center (`logit`): PrivacyFace's cap margin, or as one
 # more head row (the pre-issue-42 scoring, kept as a named comparison).
@@ -70,7 +70,7 @@ class SharedNegativesConfig:
             "shared_negatives.noise_multiplier",
             self.noise_multiplier,
             0,
-            accounting.MAX_NOISE_MULTIPLIER,
+            accounting_spec.MAX_NOISE_MULTIPLIER,
             low_open=True,
         )
         if self.cluster_size > self.pool_users:

@@ -23,7 +23,8 @@ import tensorflow_federated as tff
 
 from beam_jobs import schedule
 from tff_algorithms.config import loop_schedule
-from tff_algorithms.config.job_config import TrainJobConfig, schedule_for
+from tff_algorithms.config.job_config import TrainJobConfig
+from tff_algorithms.config.job_plan import schedule_for
 from tff_algorithms.federated import (
     client_data,
     feature_cache,

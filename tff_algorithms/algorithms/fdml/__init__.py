@@ -14,7 +14,7 @@ from typing import Any
 
 from tff_algorithms.algorithms import registry
 from tff_algorithms.algorithms.fdml import fields as fdml_fields
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 SECTION = registry.Section(
     name="fdml",
@@ -45,14 +45,14 @@ def _check_round_fill(config: Any, num_users: int) -> None:
     fdml_fields.fdml_selected_per_round(config, num_users)
 
 
-def _accounting(config: Any, num_users: int, delta: float) -> accounting.AccountingSpec:
-    return accounting.AccountingSpec(
+def _accounting(config: Any, num_users: int, delta: float) -> accounting_spec.AccountingSpec:
+    return accounting_spec.AccountingSpec(
         population=num_users,
         users_per_round=fdml_fields.fdml_selected_per_round(config, num_users),
         rounds=config.rounds,
         noise_multiplier=config.noise_multiplier,
         delta=delta,
-        mechanism=accounting.Mechanism.FDML,
+        mechanism=accounting_spec.Mechanism.FDML,
     )
 
 
@@ -65,7 +65,7 @@ FDML = registry.register(
         private=True,
         trainer="tff_algorithms.algorithms.fdml.training:train_fdml",
         accounting_rule=_accounting,
-        mechanism=accounting.Mechanism.FDML,
+        mechanism=accounting_spec.Mechanism.FDML,
         section=SECTION,
         check_job=fdml_fields.check_fdml_job,
         check_round_fill=_check_round_fill,

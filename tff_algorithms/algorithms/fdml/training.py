@@ -4,7 +4,7 @@ ledger.json are the job's, as for the other algorithms.
 
 The job's fields map onto `fdml.FdmlConfig` (`fdml_config`; `job_config.TrainJobConfig`
 says which field is which). The round's noise is one number, z = `noise_multiplier`,
-relative to the round's sensitivities: the accountant's `accounting.Mechanism.FDML`
+relative to the round's sensitivities: the accountant's `accounting_spec.Mechanism.FDML`
 charges one sampled Gaussian of multiplier z per round, which is what
 `fdml_privacy.compute_epsilon` gives for the derivative and gradient noise derived here
 (tests/tff_algorithms/algorithms/fdml/test_fdml_job.py checks the two agree).

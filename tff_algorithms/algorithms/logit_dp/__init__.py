@@ -19,7 +19,7 @@ from tff_algorithms.algorithms import registry, rules
 from tff_algorithms.algorithms.logit_dp.sensitivity import MAX_SCALE, check_logit_dp_config
 from tff_algorithms.base import validation
 from tff_algorithms.config import model_config, recipes
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,7 @@ LOGIT_DP = registry.register(
         private=True,
         trainer="tff_algorithms.algorithms.logit_dp.training:train_logit_dp",
         accounting_rule=rules.scheduled_accounting,
-        mechanism=accounting.Mechanism.LOGIT_DP,
+        mechanism=accounting_spec.Mechanism.LOGIT_DP,
         start_values=_contrastive_values,
         section=SECTION,
         check_job=_check_logit_dp_job,

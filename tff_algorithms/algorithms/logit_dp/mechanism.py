@@ -54,7 +54,7 @@ Noise and accounting
 --------------------
 The released gradient is g(D) + N(0, (σ·C)²) per coordinate, drawn statelessly from an
 explicit seed (production callers draw the seed from OS entropy, as training does). σ is
-relative to the relation's full L2 sensitivity, the strict convention of accounting.py, so
+relative to the relation's full L2 sensitivity, the strict convention of accounting_spec.py, so
 dp_accounting takes noise multiplier σ for the same relation (no further halving).
 
 Naive-DP baseline: the whole batch gradient ∇_θ L is clipped to B. Under substitute-one
@@ -76,7 +76,7 @@ from tff_algorithms.algorithms.logit_dp.sensitivity import (
     check_logit_dp_config,
     naive_dp_sensitivity,
 )
-from tff_algorithms.privacy.accounting import NeighboringRelation
+from tff_algorithms.privacy.accounting_spec import NeighboringRelation
 
 EmbedFn = Callable[[tf.Tensor], tf.Tensor]
 

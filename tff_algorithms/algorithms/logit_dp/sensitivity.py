@@ -66,7 +66,7 @@ import math
 
 import numpy as np
 
-from tff_algorithms.privacy.accounting import NeighboringRelation
+from tff_algorithms.privacy.accounting_spec import NeighboringRelation
 
 # e^{2s} must stay finite in float64 (e^{2·100} ≈ 7e86); scales this large are refused
 # anyway at any realistic batch size.

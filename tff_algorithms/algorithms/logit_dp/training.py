@@ -8,10 +8,10 @@ as in any contrastive batch.
 
 The privacy unit is the user. Each step t:
 
-1. The job's schedule (`job_config.schedule_for`, sampled mode, one user per virtual
+1. The job's schedule (`job_plan.schedule_for`, sampled mode, one user per virtual
    client) draws n = `virtual_clients_per_round` users uniformly without replacement:
    the sampling DP-FedEmb's rounds use, and the one the accountant analyses
-   (`accounting.Mechanism.LOGIT_DP`: sampled Gaussian, substitute-one).
+   (`accounting_spec.Mechanism.LOGIT_DP`: sampled Gaussian, substitute-one).
 2. Each sampled user gives one positive pair, two of its images of one identity drawn
    at random (two distinct records when it holds two of an identity, one image twice
    otherwise; a user holding several identities, a photographer of many landmarks,
@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from beam_jobs import schema
 from tff_algorithms.algorithms.logit_dp import mechanism as logit_dp
-from tff_algorithms.config.job_config import schedule_for
+from tff_algorithms.config.job_plan import schedule_for
 from tff_algorithms.federated import client_data
 from tff_algorithms.jobs import private_steps
 from tff_algorithms.jobs.job_outputs import JobOutcome

@@ -5,7 +5,7 @@ Both read their `dp_sgd` section (`SECTION`, `config`): `rounds`
 steps of `dp_sgd.users_per_step` single users, each user's gradient clipped,
 noise on the sum, accounted as DP-FedEmb with one user per virtual client; with
 `dp_sgd.full_batch` every training user each step, accounted as that many Gaussian
-mechanisms without amplification (`accounting.Sampling.FULL`, `_accounting`).
+mechanisms without amplification (`accounting_spec.Sampling.FULL`, `_accounting`).
 The noised mean gradient goes to `dp_sgd.optimizer` (sgd, adam, lamb).
 dp-last-layer trains the zero-initialised embedding layer alone on cached features of
 the frozen prefix. Each takes its recipe over the private recipe when chosen
@@ -26,7 +26,7 @@ from tff_algorithms.algorithms.user_dp_sgd.config import (
     check_last_layer_job,
     check_user_dp_sgd_job,
 )
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 # Both algorithms' own settings: a step samples single users by the shared schedule
 # (or takes them all, `full_batch`).
@@ -72,19 +72,19 @@ DP_LAST_LAYER_RECIPE: Mapping[str, Any] = {
 }
 
 
-def _accounting(config: Any, num_users: int, delta: float) -> accounting.AccountingSpec:
+def _accounting(config: Any, num_users: int, delta: float) -> accounting_spec.AccountingSpec:
     """Full batch: every user in each of `rounds` steps, no sampling to amplify by
-    (`accounting.Sampling.FULL`); else the sampled schedule's (`rules`)."""
+    (`accounting_spec.Sampling.FULL`); else the sampled schedule's (`rules`)."""
     if not config.settings.full_batch:
         return rules.scheduled_accounting(config, num_users, delta)
-    return accounting.AccountingSpec(
+    return accounting_spec.AccountingSpec(
         population=num_users,
         users_per_round=num_users,
         rounds=config.rounds,
         noise_multiplier=config.noise_multiplier,
         delta=delta,
-        mechanism=accounting.Mechanism.DPSGD,
-        sampling=accounting.Sampling.FULL,
+        mechanism=accounting_spec.Mechanism.DPSGD,
+        sampling=accounting_spec.Sampling.FULL,
     )
 
 
@@ -114,7 +114,7 @@ DP_SGD_CENTRALIZED = registry.register(
         private=True,
         trainer="tff_algorithms.algorithms.user_dp_sgd:train_dp_sgd_centralized",
         accounting_rule=_accounting,
-        mechanism=accounting.Mechanism.DPSGD,
+        mechanism=accounting_spec.Mechanism.DPSGD,
         recipe=DP_SGD_CENTRALIZED_RECIPE,
         section=SECTION,
         check_job=check_user_dp_sgd_job,
@@ -131,7 +131,7 @@ DP_LAST_LAYER = registry.register(
         private=True,
         trainer="tff_algorithms.algorithms.user_dp_sgd:train_dp_last_layer",
         accounting_rule=_accounting,
-        mechanism=accounting.Mechanism.DPSGD,
+        mechanism=accounting_spec.Mechanism.DPSGD,
         recipe=DP_LAST_LAYER_RECIPE,
         # It trains the embedding layer alone whatever the prefix holds.
         keeps_recipe_layers=True,

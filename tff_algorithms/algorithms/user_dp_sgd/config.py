@@ -48,7 +48,7 @@ class DpSgdSettings:
       weight_decay: λ·w added to Adam's and LAMB's update (before LAMB's trust ratio).
       full_batch: every training user in every step instead of a sample of
         `users_per_step` (which must then be auto); accounted as that many Gaussian
-        mechanisms without amplification (`accounting.Sampling.FULL`).
+        mechanisms without amplification (`accounting_spec.Sampling.FULL`).
       sigmoid_head: score the softmax head's logits eᵀω plus a trained per-identity
         bias with sigmoid cross-entropy (one-vs-all, summed over identities) instead of
         softmax, the seed paper's loss.

@@ -5,7 +5,7 @@
 around the loop (budget charge, evaluation, export, metrics.json, ledger.json) is the
 job's, as for the other algorithms. The privacy unit is the user. Each step t:
 
-1. The job's schedule (`job_config.schedule_for`, sampled mode, one user per virtual
+1. The job's schedule (`job_plan.schedule_for`, sampled mode, one user per virtual
    client) draws n = `virtual_clients_per_round` users uniformly without replacement,
    the sampling DP-FedEmb's rounds use; with `dp_sgd.full_batch` the step takes every
    training user instead (n = all of them, no sampling; issue 42).
@@ -22,12 +22,12 @@ job's, as for the other algorithms. The privacy unit is the user. Each step t:
 
 Accounting: a user is in at most one row of a step, and its whole part in the step is
 one clipped gradient, so the sum is DP-FedEmb's with one user per virtual client:
-`accounting.Mechanism.DPSGD`, uniform sampling without replacement, substitute-one,
+`accounting_spec.Mechanism.DPSGD`, uniform sampling without replacement, substitute-one,
 sensitivity 2·clip_norm under the strict convention (dp_accounting is given z/2;
-`job_config.accounting_spec_for`, the same spec `dp-fedemb privacy --mechanism dpsgd`
+`job_plan.accounting_spec_for`, the same spec `dp-fedemb privacy --mechanism dpsgd`
 accounts).
 Full batch (`dp_sgd.full_batch`): every user in every step, so no amplification:
-`accounting.Sampling.FULL`, the Gaussian mechanism composed over the steps, same
+`accounting_spec.Sampling.FULL`, the Gaussian mechanism composed over the steps, same
 sensitivity (docs/privacy.md, "Full-batch steps").
 The global head's rows are the training identities, listed from the data: the caveat of
 DP-FedAvg's global head (which rows exist, and in which order, is not privatised; the
@@ -81,7 +81,7 @@ import tensorflow as tf
 from beam_jobs import partition
 from tff_algorithms.algorithms.user_dp_sgd.config import EMBEDDING_LAYER, DpSgdSettings
 from tff_algorithms.config.client_config import SOFTMAX, HeadLossConfig
-from tff_algorithms.config.job_config import schedule_for
+from tff_algorithms.config.job_plan import schedule_for
 from tff_algorithms.federated import client_data, feature_cache, local_training
 from tff_algorithms.jobs import private_steps
 from tff_algorithms.jobs.job_outputs import JobOutcome

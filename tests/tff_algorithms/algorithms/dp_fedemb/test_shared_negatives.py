@@ -20,10 +20,10 @@ from scipy import special
 from tests import support
 from tff_algorithms.algorithms.dp_fedemb import shared_negatives, shared_negatives_config
 from tff_algorithms.base import job_files
-from tff_algorithms.config import client_config, job_config
+from tff_algorithms.config import client_config, job_config, job_plan
 from tff_algorithms.federated.local_training import MASKED_LOGIT, head_logits, head_loss
 from tff_algorithms.jobs import train_job
-from tff_algorithms.privacy import accounting, budget, calibration, dplc_releases
+from tff_algorithms.privacy import accounting, accounting_spec, budget, calibration, dplc_releases
 from tff_algorithms.privacy.ledger import PrivacyLedger
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
@@ -53,10 +53,10 @@ PLAN = dplc_releases.ReleasePlan(
     pool_users=64,
     sensitivity=2 * math.sin(1.0) / 16,
 )
-SGD = accounting.AccountingSpec(2000, 64, 10, 1.2, 1e-5, users_per_virtual_client=8)
+SGD = accounting_spec.AccountingSpec(2000, 64, 10, 1.2, 1e-5, users_per_virtual_client=8)
 # The RDP path, checked against dp_accounting's RDP accountant on events written out here.
 SGD_RDP = dataclasses.replace(SGD, accountant="rdp")
-TREE = accounting.AccountingSpec(
+TREE = accounting_spec.AccountingSpec(
     1000, 100, 25, 3.0, 1e-6, mechanism="dpftrl", users_per_virtual_client=4,
     restart_every_epoch=True,
 )  # fmt: skip
@@ -87,7 +87,7 @@ def test_ledger_composes_dpsgd_training_with_each_release():
 def test_pld_ledger_composes_each_release():
     """Under the default PLD the releases count too, and the composition is at most RDP's
     and at least the releases' own exact Gaussian epsilon."""
-    assert SGD.accountant is accounting.Accountant.PLD
+    assert SGD.accountant is accounting_spec.Accountant.PLD
     ledger, plain, rdp = PrivacyLedger(SGD, PLAN), PrivacyLedger(SGD), PrivacyLedger(SGD_RDP, PLAN)
     for r in range(1, SGD.rounds + 1):
         for each in (ledger, plain, rdp):
@@ -188,7 +188,7 @@ def test_config_reads_a_mapping_and_round_trips():
     assert row.client_config().shared_negative_cap == 0.0
     assert job_config.TrainJobConfig.from_dict(row.to_dict()) == row
     # The margin is post-processing: the releases' accounting is the same either way.
-    assert job_config.release_plan_for(row) == job_config.release_plan_for(
+    assert job_plan.release_plan_for(row) == job_plan.release_plan_for(
         dataclasses.replace(row, shared_negatives={"margin": 0.7})
     )
     assert job_config.TrainJobConfig().client_config().shared_negative_cap == 0.0
@@ -325,8 +325,8 @@ def test_job_trains_and_its_ledger_composes_the_releases(run):
     # and above the training's PLD alone.
     assert metrics["epsilon_rdp"] == pytest.approx(expected, rel=1e-9)
     ledger = json.loads(open(run.ledger_path).read())
-    spec = accounting.AccountingSpec.from_dict(ledger["spec"])
-    assert spec.accountant is accounting.Accountant.PLD
+    spec = accounting_spec.AccountingSpec.from_dict(ledger["spec"])
+    assert spec.accountant is accounting_spec.Accountant.PLD
     assert accounting.compute_privacy(spec).epsilon < metrics["epsilon"] <= expected
     assert ledger["epsilon_rdp"] == pytest.approx(expected, rel=1e-9)
     assert ledger["history"][-1]["epsilon"] == metrics["epsilon"]
@@ -459,12 +459,12 @@ def test_a_client_trains_against_the_broadcast_rows_and_returns_only_its_backbon
 def _flag_config(*args):
     from absl import flags
 
-    from pipeline.commands import train
+    from pipeline.commands import train, train_config
 
     flag_values = flags.FlagValues()
     train.define_flags(flag_values)
     flag_values(["dp-fedemb train", "--recipe=paper", *args])
-    return train.job_config({name: flag_values[name].value for name in flag_values})
+    return train_config.job_config({name: flag_values[name].value for name in flag_values})
 
 
 def test_train_flags_set_shared_negatives():
@@ -548,7 +548,7 @@ def test_dp_fedemb_train_trains_with_shared_negatives(tmp_path):
     ledger = json.loads(open(summary["ledger"]).read())
     assert ledger["shared_negatives"]["every_rounds"] == 1
     plan = dplc_releases.ReleasePlan.from_dict(ledger["shared_negatives"])
-    spec = accounting.AccountingSpec.from_dict(ledger["spec"])
+    spec = accounting_spec.AccountingSpec.from_dict(ledger["spec"])
     assert summary["epsilon"] == pytest.approx(
         dplc_releases.composed_privacy(spec, plan).epsilon, rel=1e-12
     )
@@ -579,7 +579,7 @@ def test_dp_ftrl_fedemb_trains_with_shared_negatives(tff_runtime, data, tmp_path
     result = train_job.run_train_job(config, *data, str(tmp_path / "ftrl"))
     ledger = json.loads(open(result.ledger_path).read())
     assert ledger["spec"]["mechanism"] == "dpftrl" and ledger["shared_negatives"]
-    spec = accounting.AccountingSpec.from_dict(ledger["spec"])
+    spec = accounting_spec.AccountingSpec.from_dict(ledger["spec"])
     tree = accounting.compute_privacy(spec)
     # One release (before round 0; every 2 rounds): Q = 2 Gaussians of sigma 3 in zCDP.
     assert result.metrics["zcdp_rho"] == pytest.approx(tree.zcdp_rho + 2 / (2 * 3.0**2))

@@ -12,16 +12,16 @@ from absl import flags
 
 from beam_jobs import synthetic
 from pipeline import cli, report
-from pipeline.commands import train
+from pipeline.commands import train, train_config
 from tests import support
 from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
 from tff_algorithms.algorithms.fdml import protocol as fdml
 from tff_algorithms.algorithms.fdml import run as fdml_run
 from tff_algorithms.algorithms.fdml import training as fdml_training
 from tff_algorithms.base import job_files
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, job_plan
 from tff_algorithms.jobs import train_job
-from tff_algorithms.privacy import accounting, budget
+from tff_algorithms.privacy import accounting, accounting_spec, budget
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def test_job_writes_metrics_ledger_and_saved_model(straight_run):
     assert eer["split"] == {"template": 2, "threshold": 1, "test": 1}
     assert eer["paper_split"] is False
     ledger = json.loads(open(straight_run.ledger_path).read())
-    assert ledger["spec"]["mechanism"] == accounting.Mechanism.FDML.value
+    assert ledger["spec"]["mechanism"] == accounting_spec.Mechanism.FDML.value
     assert [e["round"] for e in ledger["history"]] == [1, 2]
     assert os.path.exists(os.path.join(straight_run.saved_model_dir, "saved_model.pb"))
     # Nothing the server computed on training data without noise is recorded.
@@ -165,7 +165,7 @@ def test_train_flags_set_the_fdml_fields():
             "--fdml-users-per-group=2",
         ]
     )
-    config = train.job_config({name: flag_values[name].value for name in flag_values})
+    config = train_config.job_config({name: flag_values[name].value for name in flag_values})
     assert config.algorithm == "fdml"
     settings = config.settings
     assert (settings.samples_per_user, settings.derivative_clip) == (5, 0.3)
@@ -212,7 +212,7 @@ def test_other_algorithms_records_do_not_change():
 
 
 def test_budget_and_the_accountant_refuse_the_paper_convention(tmp_path, capsys):
-    paper = accounting.AccountingSpec(
+    paper = accounting_spec.AccountingSpec(
         TRAIN_IDENTITIES, 4, 2, 1.0, DELTA, mechanism="fdml", convention="paper"
     )
     policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), total_epsilon=100.0)
@@ -261,7 +261,7 @@ def test_privacy_command_shows_theorem_v1_labelled_as_a_comparison(capsys):
 
 
 def test_budget_charges_and_target_epsilon_calibrates_the_strict_fdml_spec(straight_run, tmp_path):
-    spec = job_config.accounting_spec_for(CONFIG, TRAIN_IDENTITIES)
+    spec = job_plan.accounting_spec_for(CONFIG, TRAIN_IDENTITIES)
     policy = budget.BudgetPolicy(str(tmp_path / "budget.json"), total_epsilon=100.0)
     charge = budget.charge_run(policy, "f" * 64, TRAIN_IDENTITIES, "run", spec)
     assert charge.to_dict()["run_epsilon"] == pytest.approx(straight_run.metrics["epsilon"])
@@ -269,7 +269,7 @@ def test_budget_charges_and_target_epsilon_calibrates_the_strict_fdml_spec(strai
     calibrated, source = target.calibrated_for(TRAIN_IDENTITIES)
     assert source["source"] == "calibrated"
     epsilon = accounting.compute_privacy(
-        job_config.accounting_spec_for(calibrated, TRAIN_IDENTITIES)
+        job_plan.accounting_spec_for(calibrated, TRAIN_IDENTITIES)
     ).epsilon
     assert 2.0 * (1 - 1e-2) <= epsilon <= 2.0
 

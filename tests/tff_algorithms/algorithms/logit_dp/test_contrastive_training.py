@@ -16,7 +16,7 @@ from tff_algorithms.config import job_config
 from tff_algorithms.federated import client_data
 from tff_algorithms.jobs import train_job
 from tff_algorithms.modeling import models
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting_spec
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
 pytestmark = pytest.mark.slow
@@ -91,7 +91,7 @@ def test_metrics_epsilon_equals_the_privacy_command(straight_run):
     assert summary["epsilon"] < independent
     ledger = json.loads(open(straight_run.ledger_path).read())
     assert [e["round"] for e in ledger["history"]] == [1, 2, 3, 4]
-    assert ledger["spec"]["mechanism"] == accounting.Mechanism.LOGIT_DP.value
+    assert ledger["spec"]["mechanism"] == accounting_spec.Mechanism.LOGIT_DP.value
     assert set(summary["recall_at_far"]) == {"0.1", "0.01", "0.001"}
     assert os.path.exists(os.path.join(straight_run.saved_model_dir, "saved_model.pb"))
 
@@ -199,5 +199,7 @@ def test_config_refusals_are_one_line(changes, message):
 
 def test_paper_convention_is_refused_for_logit_dp():
     with pytest.raises(ValueError, match="no paper convention") as e:
-        accounting.AccountingSpec(100, 14, 5, 1.0, 1e-5, mechanism="logit_dp", convention="paper")
+        accounting_spec.AccountingSpec(
+            100, 14, 5, 1.0, 1e-5, mechanism="logit_dp", convention="paper"
+        )
     assert "\n" not in str(e.value)

@@ -18,7 +18,7 @@ from scipy.optimize import minimize
 
 from tff_algorithms.algorithms.logit_dp import mechanism as logit_dp
 from tff_algorithms.algorithms.logit_dp import sensitivity as sensitivity
-from tff_algorithms.privacy.accounting import NeighboringRelation
+from tff_algorithms.privacy.accounting_spec import NeighboringRelation
 
 E2 = math.exp(2.0)
 REPLACE = NeighboringRelation.REPLACE_ONE

@@ -16,11 +16,11 @@ from tests import support
 from tff_algorithms.algorithms.user_dp_sgd import DpSgdSettings
 from tff_algorithms.algorithms.user_dp_sgd import training as user_dp_sgd
 from tff_algorithms.base import job_files
-from tff_algorithms.config import job_config
+from tff_algorithms.config import job_config, job_plan
 from tff_algorithms.config.client_config import HeadLossConfig
 from tff_algorithms.jobs import train_job
 from tff_algorithms.modeling import models
-from tff_algorithms.privacy import accounting
+from tff_algorithms.privacy import accounting, accounting_spec
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
 pytestmark = pytest.mark.slow
@@ -223,7 +223,7 @@ def test_dp_last_layer_trains_the_zero_initialised_embedding_on_cached_features(
     delta = TRAIN_IDENTITIES**-1.1
     # No amplification: 2 Gaussians of sensitivity 2·clip composed, the full-batch spec
     # (tests/tff_algorithms/privacy/test_accounting.py checks it against the closed form).
-    full = accounting.AccountingSpec(
+    full = accounting_spec.AccountingSpec(
         TRAIN_IDENTITIES, TRAIN_IDENTITIES, 2, 1.0, delta, sampling="full"
     )
     assert result.metrics["epsilon"] == pytest.approx(accounting.compute_privacy(full).epsilon)
@@ -296,7 +296,7 @@ def test_full_batch_takes_every_user_each_step_and_is_accounted_without_sampling
     assert "\n" not in str(e.value)
     planned, _ = full.calibrated_for(TRAIN_IDENTITIES)
     assert planned.virtual_clients_per_round == TRAIN_IDENTITIES
-    spec = job_config.accounting_spec_for(planned, TRAIN_IDENTITIES)
+    spec = job_plan.accounting_spec_for(planned, TRAIN_IDENTITIES)
     # Not the sampled schedule at q = 1: the explicit no-sampling analysis.
     assert spec.sampling.value == "full" and spec.population == spec.users_per_round == 32
     from beam_jobs import partition
@@ -435,12 +435,12 @@ def test_the_cli_and_the_pipeline_take_each_baseline_recipe():
     from absl import flags
 
     from pipeline import config as config_lib
-    from pipeline.commands import train
+    from pipeline.commands import train, train_config
 
     flag_values = flags.FlagValues()
     train.define_flags(flag_values)
     flag_values(["dp-fedemb train", "--algorithm=dp-last-layer", "--rounds=7"])
-    cli = train.job_config({name: flag_values[name].value for name in flag_values})
+    cli = train_config.job_config({name: flag_values[name].value for name in flag_values})
     pipeline = config_lib.load_config(
         None, ["train.algorithm=dp-last-layer", "train.rounds=7"]
     ).train_job_dict()
