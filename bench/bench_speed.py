@@ -233,13 +233,13 @@ class _Setting:
 
     def __init__(self, partition_dir: str, clients_per_round: int, users_per_vc: int) -> None:
         from beam_jobs import partition
-        from tff_algorithms.config import job_config
+        from tff_algorithms.config import job_plan
         from tff_algorithms.federated import client_data
 
         self.config = _train_config(clients_per_round, users_per_vc)
         started = time.perf_counter()
         user_ids = partition.PartitionReader(partition_dir).user_ids()
-        plan = job_config.schedule_for(self.config, len(user_ids))
+        plan = job_plan.schedule_for(self.config, len(user_ids))
         self.ids = client_data.VirtualClientIds(partition_dir, plan, user_ids)
         self.setup_seconds = time.perf_counter() - started
         self.client_config = self.config.client_config()

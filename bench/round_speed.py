@@ -387,12 +387,12 @@ def _one_step_ms(config) -> float:  # noqa: ANN001
 def measure(partition_dir: str, work_dir: str, size: dict, peak: float) -> dict:
     """Every row's rounds, the plain program's, the arithmetic and the stage profile."""
     from beam_jobs import partition
-    from tff_algorithms.config import job_config
+    from tff_algorithms.config import job_plan
     from tff_algorithms.federated import client_data, runtime
 
     rows = configs(size["clients_per_round"])
     user_ids = partition.PartitionReader(partition_dir).user_ids()
-    plan = job_config.schedule_for(rows["default"], len(user_ids))
+    plan = job_plan.schedule_for(rows["default"], len(user_ids))
     processes, ids = {}, {}
     for name, config in rows.items():
         load, source = _loader(config, partition_dir, work_dir)

@@ -37,10 +37,6 @@ from tff_algorithms.algorithms import rules
 from tff_algorithms.algorithms.dp_fedemb.shared_negatives_config import SharedNegativesConfig
 from tff_algorithms.base import validation
 from tff_algorithms.config import client_config, job_plan, model_config, report_policy
-
-# bench/bench_speed.py (being edited on another branch) still calls job_config.schedule_for:
-# once it calls job_plan.schedule_for, drop this import.
-from tff_algorithms.config.job_plan import schedule_for  # noqa: F401
 from tff_algorithms.privacy import accounting_spec, calibration
 
 # The algorithms' names, for code that configures a job of one (tests, benchmarks);
