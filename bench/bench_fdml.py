@@ -67,9 +67,9 @@ from beam_jobs import partition
 from bench import bench_contrastive, bench_training
 from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
 from tff_algorithms.algorithms.fdml import protocol as fdml
+from tff_algorithms.algorithms.fdml import round_config, triplet
 from tff_algorithms.algorithms.fdml import run as fdml_run
 from tff_algorithms.algorithms.fdml import training as fdml_training
-from tff_algorithms.algorithms.fdml import triplet
 from tff_algorithms.config import job_config
 from tff_algorithms.evaluation import scoring as evaluation
 from tff_algorithms.federated import runtime
@@ -184,13 +184,13 @@ class DirectRuns:
         )
         self.evaluator = evaluation.HeldOutEvaluator(config.backbone_config, data[1])
 
-    def process_config(self, noise_multiplier: float, **changes) -> fdml.FdmlConfig:
+    def process_config(self, noise_multiplier: float, **changes) -> round_config.FdmlConfig:
         config = dataclasses.replace(self.config, noise_multiplier=noise_multiplier)
         return dataclasses.replace(
             fdml_training.fdml_config(config, self.config.noise_seed), **changes
         )
 
-    def run(self, name: str, process_config: fdml.FdmlConfig, case_b_rate: float = 0.0):
+    def run(self, name: str, process_config: round_config.FdmlConfig, case_b_rate: float = 0.0):
         """(row, held-out embeddings) of `config.rounds` rounds of `process_config`."""
         began = time.perf_counter()
         process = fdml.build_fdml_process(
@@ -378,7 +378,7 @@ def run(out_dir: str, quick: bool) -> dict:
     for rate_p in sizes["rates_p"][1:]:
         name = f"{reference} rate_p={rate_p:g}"
         robustness[name] = (direct.process_config(z, response_rate=rate_p), 0.0)
-    for strategy in (fdml.UC, fdml.AS):
+    for strategy in (round_config.UC, round_config.AS):
         name = f"{reference} case B {CASE_B_RATE:g} {strategy.upper()}"
         robustness[name] = (direct.process_config(z, case_b_strategy=strategy), CASE_B_RATE)
     for name, (process_config, case_b_rate) in robustness.items():

@@ -20,7 +20,8 @@ import tensorflow as tf
 
 from beam_jobs import schedule
 from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
-from tff_algorithms.algorithms.fdml.protocol import UNPRIVATE_METRICS, FdmlConfig, FdmlProcess
+from tff_algorithms.algorithms.fdml.protocol import UNPRIVATE_METRICS, FdmlProcess
+from tff_algorithms.algorithms.fdml.round_config import FdmlConfig
 from tff_algorithms.base import validation
 
 

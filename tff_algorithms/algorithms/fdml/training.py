@@ -2,7 +2,7 @@
 `train_fdml` for `algorithm="fdml"`; the budget charge, export, metrics.json and
 ledger.json are the job's, as for the other algorithms.
 
-The job's fields map onto `fdml.FdmlConfig` (`fdml_config`; `job_config.TrainJobConfig`
+The job's fields map onto `round_config.FdmlConfig` (`fdml_config`; `job_config.TrainJobConfig`
 says which field is which). The round's noise is one number, z = `noise_multiplier`,
 relative to the round's sensitivities: the accountant's `accounting_spec.Mechanism.FDML`
 charges one sampled Gaussian of multiplier z per round, which is what
@@ -47,6 +47,7 @@ import tensorflow as tf
 
 from beam_jobs import partition
 from tff_algorithms.algorithms.fdml import protocol as fdml
+from tff_algorithms.algorithms.fdml import round_config
 from tff_algorithms.algorithms.fdml import run as fdml_run
 from tff_algorithms.algorithms.fdml.fields import fdml_selected_per_round
 from tff_algorithms.config import loop_schedule
@@ -74,7 +75,7 @@ def eligible_users(
     return [u for u in user_ids if reader.location(u).records >= samples_per_user]
 
 
-def fdml_config(config: TrainJobConfig, noise_seed: int) -> fdml.FdmlConfig:
+def fdml_config(config: TrainJobConfig, noise_seed: int) -> round_config.FdmlConfig:
     """The process configuration of a job (module docstring; `TrainJobConfig`).
 
     z is split as 1/z^2 = share/z^2 + (1 - share)/z^2: z_1 = z / sqrt(share) relative to
@@ -85,7 +86,7 @@ def fdml_config(config: TrainJobConfig, noise_seed: int) -> fdml.FdmlConfig:
     s = config.settings.samples_per_user
     z = float(config.noise_multiplier)
     share = float(config.settings.derivative_noise_share)
-    return fdml.FdmlConfig(
+    return round_config.FdmlConfig(
         samples_per_user=s,
         users_per_round=g * int(config.virtual_clients_per_round),
         users_per_group=g,

@@ -11,8 +11,8 @@ import tensorflow_federated as tff
 
 from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
 from tff_algorithms.algorithms.fdml import protocol as fdml
+from tff_algorithms.algorithms.fdml import round_config, triplet
 from tff_algorithms.algorithms.fdml import run as fdml_run
-from tff_algorithms.algorithms.fdml import triplet
 from tff_algorithms.config import model_config
 from tff_algorithms.federated import runtime
 
@@ -216,7 +216,7 @@ def _centralized_gradient(model, users, s, strategy, margin):
 
 @pytest.mark.parametrize("strategy", triplet.STRATEGIES)
 def test_one_round_equals_the_centralized_triplet_gradient(tff_runtime, strategy):
-    config = fdml.FdmlConfig(
+    config = round_config.FdmlConfig(
         samples_per_user=3,
         users_per_round=5,
         strategy=strategy,
@@ -251,7 +251,7 @@ def test_one_round_equals_the_centralized_triplet_gradient(tff_runtime, strategy
 
 @pytest.fixture(scope="module")
 def small_process():
-    config = fdml.FdmlConfig(samples_per_user=3, users_per_round=3, margin=1.0)
+    config = round_config.FdmlConfig(samples_per_user=3, users_per_round=3, margin=1.0)
     return fdml.FdmlProcess(_backbone, IMAGE_SHAPE, config)
 
 
@@ -277,14 +277,16 @@ def test_case_a_over_selection_fills_the_buffer_and_too_few_restart(tff_runtime,
 def test_case_b_continue_or_abandon(tff_runtime):
     base = dict(samples_per_user=3, users_per_round=3, margin=1.0)
     data = [_dataset(u) for u in USERS[:3]]
-    uc = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, fdml.FdmlConfig(**base))
+    uc = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, round_config.FdmlConfig(**base))
     state = uc.initialize()
     output = uc.next(state, data, case_b_failures=[1])
     assert output.applied and output.metrics["case_b_failures"] == 1
     assert output.metrics["aggregated"] == 2
     assert output.metrics["case_a_failures"] == 0
 
-    as_ = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, fdml.FdmlConfig(**base, case_b_strategy=fdml.AS))
+    as_ = fdml.FdmlProcess(
+        _backbone, IMAGE_SHAPE, round_config.FdmlConfig(**base, case_b_strategy=round_config.AS)
+    )
     state = as_.initialize()
     abandoned = as_.next(state, data, case_b_failures=[1])
     assert abandoned.abandoned and not abandoned.applied
@@ -297,14 +299,16 @@ def test_case_b_continue_or_abandon(tff_runtime):
 
 
 def test_response_rate_aggregates_the_first_arrivals(tff_runtime):
-    config = fdml.FdmlConfig(samples_per_user=3, users_per_round=3, margin=1.0, response_rate=0.6)
+    config = round_config.FdmlConfig(
+        samples_per_user=3, users_per_round=3, margin=1.0, response_rate=0.6
+    )
     process = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, config)
     output = process.next(process.initialize(), [_dataset(u) for u in USERS[:3]])
     assert output.metrics["aggregated"] == 2
 
 
 def test_noise_is_seeded_by_round_and_clips_hold(tff_runtime):
-    config = fdml.FdmlConfig(
+    config = round_config.FdmlConfig(
         samples_per_user=3,
         users_per_round=3,
         margin=1.0,
@@ -335,7 +339,7 @@ def test_every_released_derivative_row_is_clipped_to_row_clip(tff_runtime, strat
     """R1's sensitivity (`fdml_privacy`) rests on every row the real server step releases
     having norm <= C_r: without noise the release is exactly clip_{C_r}(Alg. 1's row)."""
     row_clip = 0.01
-    config = fdml.FdmlConfig(
+    config = round_config.FdmlConfig(
         samples_per_user=3,
         users_per_round=5,
         users_per_group=3,
@@ -360,7 +364,7 @@ def test_every_released_derivative_row_is_clipped_to_row_clip(tff_runtime, strat
 
 
 def test_server_step_drops_embeddings_and_treats_non_finite_uploads_as_padding(tff_runtime):
-    config = fdml.FdmlConfig(
+    config = round_config.FdmlConfig(
         samples_per_user=10, users_per_round=6, margin=1.0, embedding_drop_rate=0.3
     )
     process = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, config)
@@ -395,7 +399,7 @@ def test_server_step_drops_embeddings_and_treats_non_finite_uploads_as_padding(t
 def test_noise_std_is_z_times_clip(tff_runtime):
     """The std the accountant's sensitivities are divided into (tests/tff_algorithms/algorithms/fdml/test_fdml_privacy.py)."""
     shape = (16, 16, 1)
-    config = fdml.FdmlConfig(
+    config = round_config.FdmlConfig(
         samples_per_user=30,
         users_per_round=10,
         row_clip=0.1,
@@ -426,13 +430,17 @@ def test_noise_std_is_z_times_clip(tff_runtime):
 
 def test_config_refuses_noise_without_clip_and_bad_rates():
     with pytest.raises(ValueError, match="row_clip"):
-        fdml.FdmlConfig(samples_per_user=2, users_per_round=2, derivative_noise_multiplier=1.0)
+        round_config.FdmlConfig(
+            samples_per_user=2, users_per_round=2, derivative_noise_multiplier=1.0
+        )
     with pytest.raises(ValueError, match="gradient_clip"):
-        fdml.FdmlConfig(samples_per_user=2, users_per_round=2, gradient_noise_multiplier=1.0)
+        round_config.FdmlConfig(
+            samples_per_user=2, users_per_round=2, gradient_noise_multiplier=1.0
+        )
     with pytest.raises(ValueError, match="response_rate"):
-        fdml.FdmlConfig(samples_per_user=2, users_per_round=2, response_rate=0)
+        round_config.FdmlConfig(samples_per_user=2, users_per_round=2, response_rate=0)
     with pytest.raises(ValueError, match="strategy"):
-        fdml.FdmlConfig(samples_per_user=2, users_per_round=2, strategy="hardest")
+        round_config.FdmlConfig(samples_per_user=2, users_per_round=2, strategy="hardest")
 
 
 def test_draw_failures_is_data_independent_and_disjoint():
@@ -447,7 +455,7 @@ def test_a_private_run_on_the_product_backbone_is_charged_per_release(tff_runtim
     backbone = model_config.BackboneConfig(
         model_config.SMALL_CNN, (8, 8, 1), embedding_size=4, max_groups=4
     )
-    config = fdml.FdmlConfig(
+    config = round_config.FdmlConfig(
         samples_per_user=2,
         users_per_round=3,
         users_per_group=3,
@@ -455,7 +463,7 @@ def test_a_private_run_on_the_product_backbone_is_charged_per_release(tff_runtim
         derivative_noise_multiplier=4.0,
         gradient_clip=0.1,
         gradient_noise_multiplier=1.0,
-        case_b_strategy=fdml.AS,
+        case_b_strategy=round_config.AS,
         server_learning_rate=0.01,
         noise_seed=5,
     )
@@ -494,7 +502,7 @@ def test_a_private_run_on_the_product_backbone_is_charged_per_release(tff_runtim
     )
     assert math.isfinite(epsilon) and epsilon > without_abandoned
     non_private = fdml_run.privacy_spec(
-        fdml.FdmlConfig(samples_per_user=2, users_per_round=3),
+        round_config.FdmlConfig(samples_per_user=2, users_per_round=3),
         population=100,
         selected_per_round=3,
         rounds=1,
@@ -505,7 +513,7 @@ def test_a_private_run_on_the_product_backbone_is_charged_per_release(tff_runtim
 @pytest.mark.slow
 def test_one_and_two_workers_give_the_same_round(tff_runtime):
     """Two workers return the uploads in the order they finish: the round must not care."""
-    config = fdml.FdmlConfig(
+    config = round_config.FdmlConfig(
         samples_per_user=3,
         users_per_round=4,
         users_per_group=2,
@@ -534,7 +542,7 @@ def test_one_and_two_workers_give_the_same_round(tff_runtime):
 
 @pytest.mark.slow
 def test_run_fdml_samples_uniformly_and_charges_every_release(tff_runtime):
-    config = fdml.FdmlConfig(
+    config = round_config.FdmlConfig(
         samples_per_user=2,
         users_per_round=3,
         margin=1.0,
@@ -542,7 +550,7 @@ def test_run_fdml_samples_uniformly_and_charges_every_release(tff_runtime):
         derivative_noise_multiplier=5.0,
         gradient_clip=0.5,
         gradient_noise_multiplier=1.0,
-        case_b_strategy=fdml.AS,
+        case_b_strategy=round_config.AS,
         server_learning_rate=0.01,
     )
     process = fdml.FdmlProcess(_backbone, IMAGE_SHAPE, config)

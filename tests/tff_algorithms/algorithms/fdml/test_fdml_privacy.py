@@ -23,6 +23,7 @@ import tensorflow_federated as tff
 
 from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
 from tff_algorithms.algorithms.fdml import protocol as fdml
+from tff_algorithms.algorithms.fdml import round_config
 
 PIXELS, DIM, USERS, SAMPLES = 4, 2, 4, 2
 MARGIN = 0.5
@@ -153,7 +154,7 @@ def test_the_numpy_mechanism_is_the_modules(tff_runtime, strategy, group):
     weights = rng.normal(size=(DIM, PIXELS))
     x, keys, valid = _dataset(rng, (0, 1, 2, 0))
     valid[2, 1:] = False  # participant 2 uploads one example: a padded row
-    config = fdml.FdmlConfig(
+    config = round_config.FdmlConfig(
         samples_per_user=SAMPLES,
         users_per_round=USERS,
         users_per_group=group,
