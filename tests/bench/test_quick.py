@@ -13,7 +13,9 @@ import pytest
 from tests import paths
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
-pytestmark = pytest.mark.slow
+# One xdist worker for the whole module: its module fixture (minutes) is then built once,
+# not once on each worker (tests/conftest.py leaves slow modules ungrouped).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bench_quick")]
 
 ROOT = str(paths.REPO)
 # Below the session's pytest-timeout, so the benchmark is stopped here, not orphaned.

@@ -16,7 +16,9 @@ from pipeline.components import artifacts
 from tests import support
 from tff_algorithms.base import job_files
 
-pytestmark = pytest.mark.slow
+# One xdist worker for the whole module: its module fixture (minutes) is then built once,
+# not once on each worker (tests/conftest.py leaves slow modules ungrouped).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("private_pretraining_pipeline")]
 
 PRETRAIN_JOB = {
     "rounds": 3,

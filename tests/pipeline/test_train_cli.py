@@ -16,7 +16,9 @@ from tests import support
 from tff_algorithms.base import job_files
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
-pytestmark = pytest.mark.slow
+# One xdist worker for the whole module: its module fixture (minutes) is then built once,
+# not once on each worker (tests/conftest.py leaves slow modules ungrouped).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_cli")]
 
 TRAIN_FLAGS = support.train_cli_flags(rounds=3)
 
