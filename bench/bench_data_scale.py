@@ -8,14 +8,16 @@ and partition (the deduplicated train split by user, 16 shards). A parent thread
 the RSS of the stage's whole process tree (psutil, every 0.2 s); CPU seconds are the
 stage's user+system time, its reaped descendants' included (wait4). Images/s = images in / wall s.
 
-The 10^6-user rows run split and partition only, from canonical TFRecords made of the
-10^5 users' ingested records under 10 renamed copies (`_replicated_records`): split and
-partition never look at the pixels, and each record keeps its bytes. Rendering,
-ingesting and deduplicating 4×10^6 images does not fit this machine's time (BENCHMARKS.md
-says the rates). `run(out_dir, quick)` returns the figures; quick runs 500 users.
+The 10^6-user row runs partition only, from canonical TFRecords made of the 10^5 users'
+ingested records under 10 renamed copies (`_replicated_records`): partition never looks
+at the pixels, and each record keeps its bytes. Rendering, ingesting, splitting and
+deduplicating 4×10^6 images does not fit this machine's time (BENCHMARKS.md says the
+rates, and what split and dedup hold on the DirectRunner). `run(out_dir, quick)` returns the figures; quick runs 500 users.
 """
 
+import argparse
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -32,6 +34,7 @@ from beam_jobs import records_io, schema
 IMAGES_PER_USER = 4
 _SAMPLE_S = 0.2
 _REPLICAS = 10
+_DEFAULT_DEDUP_MAX_USERS = 10_000
 _DP_FEDEMB = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
 
 
@@ -125,58 +128,11 @@ def _replicated_records(source_dir: str, out_dir: str, copies: int) -> int:
     return written
 
 
-def _train_images(split_dir: str) -> int:
-    return records_io.count_records(os.path.join(split_dir, "train"))
-
-
 def _all_split_images(split_dir: str) -> int:
     return sum(
         records_io.count_records(os.path.join(split_dir, name))
         for name in ("train", "validation", "test")
     )
-
-
-def bench_image_folder(users: int, work_dir: str) -> tuple[list[dict], str]:
-    """synth, ingest, split, dedup, partition of USERS users; rows and the ingested dir."""
-    images = users * IMAGES_PER_USER
-    paths = {name: os.path.join(work_dir, name) for name in ("raw", "ingested", "split")}
-    paths |= {"dedup": os.path.join(work_dir, "dedup"), "part": os.path.join(work_dir, "part")}
-
-    def stage(verb: str, flags: list[str], count: int) -> dict:
-        row = run_stage(verb, flags, count, os.path.join(work_dir, f"{verb}.log"))
-        print(f"bench_data_scale: {users} users {verb}: {row}", flush=True)
-        return {"users": users, "starts_from": _STARTS_FROM[verb], **row}
-
-    rows = [
-        stage(
-            "synth",
-            [
-                f"--out={paths['raw']}",
-                f"--identities={users}",
-                f"--images-per-identity={IMAGES_PER_USER}",
-            ],
-            images,
-        ),
-        stage("ingest", [f"--input={paths['raw']}", f"--out={paths['ingested']}"], images),
-        stage("split", [f"--input={paths['ingested']}", f"--out={paths['split']}"], images),
-    ]
-    rows.append(
-        stage(
-            "dedup",
-            [f"--input={paths['split']}", f"--out={paths['dedup']}"],
-            _all_split_images(paths["split"]),
-        )
-    )
-    train_dir = os.path.join(paths["dedup"], "train")
-    rows.append(
-        stage(
-            "partition",
-            [f"--input={train_dir}", f"--out={paths['part']}"],
-            records_io.count_records(train_dir),
-        )
-    )
-    shutil.rmtree(paths["raw"], ignore_errors=True)
-    return rows, paths["ingested"]
 
 
 _STARTS_FROM = {
@@ -188,32 +144,66 @@ _STARTS_FROM = {
 }
 
 
-def bench_replicated(ingested_dir: str, copies: int, users: int, work_dir: str) -> list[dict]:
-    """split and partition of `copies` renamed copies of INGESTED (module docstring)."""
+def bench_image_folder(users: int, work_dir: str) -> tuple[list[dict], str]:
+    """synth, ingest, split, dedup, partition of USERS users; rows and the ingested dir.
+
+    Dedup runs at the CLI's defaults up to `_DEFAULT_DEDUP_MAX_USERS` users, and with
+    --max-shift 0 at every size: the default probes 25 shifts of each evaluation image,
+    and the runner holds their band keys (BENCHMARKS.md: about 40 KB per evaluation
+    image, 16 GB at 10^5 users). Partition reads the --max-shift 0 dedup's train split.
+    """
+    images = users * IMAGES_PER_USER
+    path = {
+        name: os.path.join(work_dir, name)
+        for name in ("raw", "ingested", "split", "dedup", "dedup_no_shift", "part")
+    }
+
+    def stage(verb: str, flags: list[str], count: int, label: str = "") -> dict:
+        row = run_stage(verb, flags, count, os.path.join(work_dir, f"{verb}{label}.log"))
+        print(f"bench_data_scale: {users} users {verb}{label}: {row}", flush=True)
+        return {"users": users, "starts_from": _STARTS_FROM[verb], "flags": label, **row}
+
+    synth_flags = [f"--identities={users}", f"--images-per-identity={IMAGES_PER_USER}"]
+    rows = [
+        stage("synth", [f"--out={path['raw']}", *synth_flags], images),
+        stage("ingest", [f"--input={path['raw']}", f"--out={path['ingested']}"], images),
+        stage("split", [f"--input={path['ingested']}", f"--out={path['split']}"], images),
+    ]
+    shutil.rmtree(path["raw"], ignore_errors=True)
+    split_images = _all_split_images(path["split"])
+    if users <= _DEFAULT_DEDUP_MAX_USERS:
+        rows.append(
+            stage("dedup", [f"--input={path['split']}", f"--out={path['dedup']}"], split_images)
+        )
+    no_shift = [f"--input={path['split']}", f"--out={path['dedup_no_shift']}", "--max-shift=0"]
+    rows.append(stage("dedup", no_shift, split_images, " --max-shift=0"))
+    train_dir = os.path.join(path["dedup_no_shift"], "train")
+    rows.append(
+        stage(
+            "partition",
+            [f"--input={train_dir}", f"--out={path['part']}"],
+            records_io.count_records(train_dir),
+        )
+    )
+    return rows, path["ingested"]
+
+
+def bench_replicated(ingested_dir: str, copies: int, work_dir: str) -> list[dict]:
+    """partition of `copies` renamed copies of INGESTED's records (module docstring)."""
     source = os.path.join(work_dir, "replicated")
     images = _replicated_records(ingested_dir, source, copies)
-    split_dir, part_dir = os.path.join(work_dir, "split"), os.path.join(work_dir, "part")
-    rows = []
-    for verb, flags, count, starts_from in (
-        (
-            "split",
-            [f"--input={source}", f"--out={split_dir}"],
-            images,
-            f"canonical TFRecords: {copies} renamed copies of the {users // copies} users' records",
-        ),
-        (
-            "partition",
-            [f"--input={os.path.join(split_dir, 'train')}", f"--out={part_dir}"],
-            None,
-            "the train split (no dedup at this size)",
-        ),
-    ):
-        if count is None:
-            count = _train_images(split_dir)
-        row = run_stage(verb, flags, count, os.path.join(work_dir, f"{verb}.log"))
-        print(f"bench_data_scale: {users} users {verb}: {row}", flush=True)
-        rows.append({"users": users, "starts_from": starts_from, **row})
-    return rows
+    users = images // IMAGES_PER_USER
+    row = run_stage(
+        "partition",
+        [f"--input={source}", f"--out={os.path.join(work_dir, 'part')}"],
+        images,
+        os.path.join(work_dir, "partition.log"),
+    )
+    print(f"bench_data_scale: {users} users partition: {row}", flush=True)
+    starts_from = (
+        f"canonical TFRecords: {copies} renamed copies of {users // copies} users' records"
+    )
+    return [{"users": users, "starts_from": starts_from, **row}]
 
 
 def run(out_dir: str, quick: bool) -> dict:
@@ -229,9 +219,28 @@ def run(out_dir: str, quick: bool) -> dict:
             ingested_largest = ingested
         if not quick:
             work_dir = tempfile.mkdtemp(prefix="users_replicated_", dir=keep)
-            results["rows"] += bench_replicated(
-                ingested_largest, _REPLICAS, sizes[-1] * _REPLICAS, work_dir
-            )
+            results["rows"] += bench_replicated(ingested_largest, _REPLICAS, work_dir)
     finally:
         shutil.rmtree(keep, ignore_errors=True)
     return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The 10^6-user row alone, from an existing ingested directory (bench.run_all runs all)."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--replicated-from", required=True, help="ingested records directory")
+    parser.add_argument("--copies", type=int, default=_REPLICAS)
+    parser.add_argument("--out-json", required=True)
+    args = parser.parse_args(argv)
+    work_dir = tempfile.mkdtemp(prefix="bench_data_scale_replicated_")
+    try:
+        rows = bench_replicated(args.replicated_from, args.copies, work_dir)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    with open(args.out_json, "w") as f:
+        json.dump({"images_per_user": IMAGES_PER_USER, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
