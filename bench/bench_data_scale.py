@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import psutil
 import tensorflow as tf
 
@@ -128,6 +129,47 @@ def _replicated_records(source_dir: str, out_dir: str, copies: int) -> int:
     return written
 
 
+# Pixel variants of an image that dedup's hashes do not equate (no flip or rotation
+# invariance): copy k of a user's images is variant k.
+_VARIANTS = (
+    lambda p: p,
+    np.fliplr,
+    np.flipud,
+    lambda p: np.rot90(p, 2),
+    np.transpose,
+    np.rot90,
+    lambda p: np.rot90(p, 3),
+    lambda p: np.rot90(p, 2).T,
+    lambda p: 255 - p,
+    lambda p: 255 - np.fliplr(p),
+)
+
+
+def _variant_image_folder(ingested_dir: str, out_dir: str, copies: int) -> int:
+    """An image folder of `copies` renamed copies of INGESTED's users, copy k's images
+    transformed by `_VARIANTS[k]`, so that all are distinct images; streamed. Returns
+    the number of images written."""
+    files = tf.io.gfile.glob(records_io.records_pattern(ingested_dir))
+    written, per_identity = 0, {}
+    for serialized in tf.data.TFRecordDataset(files).as_numpy_iterator():
+        record = schema.parse(serialized)
+        pixels = schema.decode_validated_image(record.image)
+        index = per_identity.get(record.identity, 0)
+        per_identity[record.identity] = index + 1
+        for copy in range(copies):
+            folder = os.path.join(
+                out_dir,
+                schema.path_component(f"{record.user_id}-v{copy}"),
+                schema.path_component(f"{record.identity}-v{copy}"),
+            )
+            os.makedirs(folder, exist_ok=True)
+            variant = np.ascontiguousarray(_VARIANTS[copy](pixels))
+            with open(os.path.join(folder, f"{index}.png"), "wb") as f:
+                f.write(schema.encode_png(variant))
+            written += 1
+    return written
+
+
 def _all_split_images(split_dir: str) -> int:
     return sum(
         records_io.count_records(os.path.join(split_dir, name))
@@ -144,14 +186,20 @@ _STARTS_FROM = {
 }
 
 
-def bench_image_folder(users: int, work_dir: str) -> tuple[list[dict], str]:
+def bench_image_folder(
+    users: int, work_dir: str, variants_of: str | None = None
+) -> tuple[list[dict], str]:
     """synth, ingest, split, dedup, partition of USERS users; rows and the ingested dir.
+
+    `variants_of`: an ingested directory whose users' images, in `_VARIANTS`, make the
+    image folder instead of synth (module docstring).
 
     Dedup runs at the CLI's defaults up to `_DEFAULT_DEDUP_MAX_USERS` users, and with
     --max-shift 0 at every size: the default probes 25 shifts of each evaluation image,
     and the runner holds their band keys (BENCHMARKS.md: about 40 KB per evaluation
     image, 16 GB at 10^5 users). Partition reads the --max-shift 0 dedup's train split.
     """
+    os.makedirs(work_dir, exist_ok=True)
     images = users * IMAGES_PER_USER
     path = {
         name: os.path.join(work_dir, name)
@@ -164,11 +212,20 @@ def bench_image_folder(users: int, work_dir: str) -> tuple[list[dict], str]:
         return {"users": users, "starts_from": _STARTS_FROM[verb], "flags": label, **row}
 
     synth_flags = [f"--identities={users}", f"--images-per-identity={IMAGES_PER_USER}"]
-    rows = [
-        stage("synth", [f"--out={path['raw']}", *synth_flags], images),
+    if variants_of is None:
+        rows = [stage("synth", [f"--out={path['raw']}", *synth_flags], images)]
+    else:
+        copies = users // (records_io.count_records(variants_of) // IMAGES_PER_USER)
+        if _variant_image_folder(variants_of, path["raw"], copies) != images:
+            raise ValueError(f"{variants_of} does not hold {images // copies} images")
+        rows = []
+    rows += [
         stage("ingest", [f"--input={path['raw']}", f"--out={path['ingested']}"], images),
         stage("split", [f"--input={path['ingested']}", f"--out={path['split']}"], images),
     ]
+    if variants_of is not None:
+        for row in rows:
+            row["starts_from"] += f" ({copies} pixel variants of {users // copies} users)"
     shutil.rmtree(path["raw"], ignore_errors=True)
     split_images = _all_split_images(path["split"])
     if users <= _DEFAULT_DEDUP_MAX_USERS:
@@ -190,6 +247,7 @@ def bench_image_folder(users: int, work_dir: str) -> tuple[list[dict], str]:
 
 def bench_replicated(ingested_dir: str, copies: int, work_dir: str) -> list[dict]:
     """partition of `copies` renamed copies of INGESTED's records (module docstring)."""
+    os.makedirs(work_dir, exist_ok=True)
     source = os.path.join(work_dir, "replicated")
     images = _replicated_records(ingested_dir, source, copies)
     users = images // IMAGES_PER_USER
@@ -206,35 +264,35 @@ def bench_replicated(ingested_dir: str, copies: int, work_dir: str) -> list[dict
     return [{"users": users, "starts_from": starts_from, **row}]
 
 
+def bench_large(ingested_10k: str, work_dir: str) -> list[dict]:
+    """The 10^5-user chain on variants of 10^4 users, then the 10^6-user partition."""
+    users = 10 * records_io.count_records(ingested_10k) // IMAGES_PER_USER
+    rows, ingested = bench_image_folder(users, os.path.join(work_dir, "large"), ingested_10k)
+    return rows + bench_replicated(ingested, _REPLICAS, os.path.join(work_dir, "replicated"))
+
+
 def run(out_dir: str, quick: bool) -> dict:
-    sizes = (500,) if quick else (10_000, 100_000)
     results = {"images_per_user": IMAGES_PER_USER, "rows": []}
-    ingested_largest = None
-    keep = tempfile.mkdtemp(prefix="bench_data_scale_")
+    work_dir = tempfile.mkdtemp(prefix="bench_data_scale_")
     try:
-        for users in sizes:
-            work_dir = tempfile.mkdtemp(prefix=f"users_{users}_", dir=keep)
-            rows, ingested = bench_image_folder(users, work_dir)
-            results["rows"] += rows
-            ingested_largest = ingested
+        rows, ingested = bench_image_folder(500 if quick else 10_000, work_dir)
+        results["rows"] += rows
         if not quick:
-            work_dir = tempfile.mkdtemp(prefix="users_replicated_", dir=keep)
-            results["rows"] += bench_replicated(ingested_largest, _REPLICAS, work_dir)
+            results["rows"] += bench_large(ingested, work_dir)
     finally:
-        shutil.rmtree(keep, ignore_errors=True)
+        shutil.rmtree(work_dir, ignore_errors=True)
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The 10^6-user row alone, from an existing ingested directory (bench.run_all runs all)."""
+    """The 10^5- and 10^6-user rows alone, from the 10^4 users' ingested records."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--replicated-from", required=True, help="ingested records directory")
-    parser.add_argument("--copies", type=int, default=_REPLICAS)
+    parser.add_argument("--ingested-10k", required=True, help="ingested records of 10^4 users")
     parser.add_argument("--out-json", required=True)
     args = parser.parse_args(argv)
-    work_dir = tempfile.mkdtemp(prefix="bench_data_scale_replicated_")
+    work_dir = tempfile.mkdtemp(prefix="bench_data_scale_large_")
     try:
-        rows = bench_replicated(args.replicated_from, args.copies, work_dir)
+        rows = bench_large(args.ingested_10k, work_dir)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     with open(args.out_json, "w") as f:
