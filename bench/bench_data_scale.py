@@ -1,18 +1,20 @@
 """Peak memory and images/s of the data jobs at 10^4-10^6 users (issue 41 item 2).
 
 Each stage runs as its own process, the way a user runs it (`dp-fedemb data VERB`, the
-DirectRunner), on synthetic faces-like users (one identity each, 4 images, 28×28):
-synth (image folder), ingest (image folder → canonical TFRecords), split (mode auto,
-as the CLI's default), dedup (train vs validation+test, the CLI's default thresholds)
-and partition (the deduplicated train split by user, 16 shards). A parent thread sums
-the RSS of the stage's whole process tree (psutil, every 0.2 s); CPU seconds are the
-stage's user+system time, its reaped descendants' included (wait4). Images/s = images in / wall s.
+DirectRunner), on faces-like users (one identity each, 4 images, 28×28): synth (image
+folder), ingest (image folder → canonical TFRecords), split (mode auto, the CLI's
+default), dedup (train vs validation+test; CLI defaults and --max-shift 0) and
+partition (the train split by user, 16 shards). A parent thread sums the RSS of the
+stage's whole process tree (psutil, every 0.2 s); CPU seconds are the stage's
+user+system time, its reaped descendants' included (wait4). Images/s = images in / wall s.
 
-The 10^6-user row runs partition only, from canonical TFRecords made of the 10^5 users'
-ingested records under 10 renamed copies (`_replicated_records`): partition never looks
-at the pixels, and each record keeps its bytes. Rendering, ingesting, splitting and
-deduplicating 4×10^6 images does not fit this machine's time (BENCHMARKS.md says the
-rates, and what split and dedup hold on the DirectRunner). `run(out_dir, quick)` returns the figures; quick runs 500 users.
+Sizes: 10^4 users rendered by synth; 10^5 users as 10 pixel variants (`_VARIANTS`) of the
+10^4 users' images, renamed, so all 4×10^5 images are distinct (rendering them took
+longer than this machine's time allowed); dedup up to 10^4 users only (BENCHMARKS.md says
+why); the 10^6-user row is partition alone, of canonical TFRecords holding the 10^4
+users' records under 100 renamed copies (`_replicated_records`): partition never looks
+at the pixels, and each record keeps its bytes. `run(out_dir, quick)` returns the
+figures (quick: 500 users, no large rows); `main` runs the large rows alone.
 """
 
 import argparse
@@ -34,8 +36,7 @@ from beam_jobs import records_io, schema
 
 IMAGES_PER_USER = 4
 _SAMPLE_S = 0.2
-_REPLICAS = 10
-_DEFAULT_DEDUP_MAX_USERS = 10_000
+_DEDUP_MAX_USERS = 10_000
 _DP_FEDEMB = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
 
 
@@ -182,7 +183,7 @@ _STARTS_FROM = {
     "ingest": "image folder of PNG files",
     "split": "canonical TFRecords (ingest's output)",
     "dedup": "split directory (split's output)",
-    "partition": "deduplicated train split",
+    "partition": "train split (deduplicated up to 10^4 users)",
 }
 
 
@@ -194,10 +195,10 @@ def bench_image_folder(
     `variants_of`: an ingested directory whose users' images, in `_VARIANTS`, make the
     image folder instead of synth (module docstring).
 
-    Dedup runs at the CLI's defaults up to `_DEFAULT_DEDUP_MAX_USERS` users, and with
-    --max-shift 0 at every size: the default probes 25 shifts of each evaluation image,
-    and the runner holds their band keys (BENCHMARKS.md: about 40 KB per evaluation
-    image, 16 GB at 10^5 users). Partition reads the --max-shift 0 dedup's train split.
+    Dedup runs up to `_DEDUP_MAX_USERS` users, at the CLI's defaults and with --max-shift
+    0; partition then reads the --max-shift 0 dedup's train split, else the split's
+    (BENCHMARKS.md: dedup held 1.4 GB more than the process's 0.6 GB at 10^4 users, and
+    grows with them, so 10^5 users do not fit beside the other jobs of this machine).
     """
     os.makedirs(work_dir, exist_ok=True)
     images = users * IMAGES_PER_USER
@@ -228,13 +229,14 @@ def bench_image_folder(
             row["starts_from"] += f" ({copies} pixel variants of {users // copies} users)"
     shutil.rmtree(path["raw"], ignore_errors=True)
     split_images = _all_split_images(path["split"])
-    if users <= _DEFAULT_DEDUP_MAX_USERS:
+    train_dir = os.path.join(path["split"], "train")
+    if users <= _DEDUP_MAX_USERS:
         rows.append(
             stage("dedup", [f"--input={path['split']}", f"--out={path['dedup']}"], split_images)
         )
-    no_shift = [f"--input={path['split']}", f"--out={path['dedup_no_shift']}", "--max-shift=0"]
-    rows.append(stage("dedup", no_shift, split_images, " --max-shift=0"))
-    train_dir = os.path.join(path["dedup_no_shift"], "train")
+        no_shift = [f"--input={path['split']}", f"--out={path['dedup_no_shift']}", "--max-shift=0"]
+        rows.append(stage("dedup", no_shift, split_images, " --max-shift=0"))
+        train_dir = os.path.join(path["dedup_no_shift"], "train")
     rows.append(
         stage(
             "partition",
@@ -264,11 +266,16 @@ def bench_replicated(ingested_dir: str, copies: int, work_dir: str) -> list[dict
     return [{"users": users, "starts_from": starts_from, **row}]
 
 
-def bench_large(ingested_10k: str, work_dir: str) -> list[dict]:
-    """The 10^5-user chain on variants of 10^4 users, then the 10^6-user partition."""
-    users = 10 * records_io.count_records(ingested_10k) // IMAGES_PER_USER
-    rows, ingested = bench_image_folder(users, os.path.join(work_dir, "large"), ingested_10k)
-    return rows + bench_replicated(ingested, _REPLICAS, os.path.join(work_dir, "replicated"))
+def bench_large(ingested_10k: str, work_dir: str, parts: str = "both") -> list[dict]:
+    """The 10^5-user chain on pixel variants of 10^4 users ("variants"), the 10^6-user
+    partition of their renamed copies ("replicated"), or both."""
+    rows = []
+    if parts in ("variants", "both"):
+        users = 10 * records_io.count_records(ingested_10k) // IMAGES_PER_USER
+        rows += bench_image_folder(users, os.path.join(work_dir, "large"), ingested_10k)[0]
+    if parts in ("replicated", "both"):
+        rows += bench_replicated(ingested_10k, 100, os.path.join(work_dir, "replicated"))
+    return rows
 
 
 def run(out_dir: str, quick: bool) -> dict:
@@ -289,10 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--ingested-10k", required=True, help="ingested records of 10^4 users")
     parser.add_argument("--out-json", required=True)
+    parser.add_argument("--parts", choices=("variants", "replicated", "both"), default="both")
     args = parser.parse_args(argv)
     work_dir = tempfile.mkdtemp(prefix="bench_data_scale_large_")
     try:
-        rows = bench_large(args.ingested_10k, work_dir)
+        rows = bench_large(args.ingested_10k, work_dir, args.parts)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     with open(args.out_json, "w") as f:
