@@ -1,8 +1,17 @@
 """The Beam job that partitions canonical records by user (beam_jobs/partition.py holds
-the layout, its writer per shard and the reader)."""
+the layout, its writer per shard and the reader).
+
+Records cross the job's one shuffle as files, not as elements: each bundle appends its
+records to one spill file per shard (under PARTITION_DIR/SPILL_DIR), and only the files'
+names are grouped by shard. The DirectRunner keeps every grouped element in its own
+process's memory, so grouping the records themselves held the whole dataset there;
+grouping names, the job holds one shard's records (sorted by `write_shard`) at a time
+per worker (docs/scaling.md). The spill files are removed once every shard is written.
+"""
 
 import collections
 import os
+import uuid
 from collections.abc import Iterable, Sequence
 
 import apache_beam as beam
@@ -15,11 +24,16 @@ from beam_jobs.partition import (
     MANIFEST_FILE,
     ScheduleSpec,
     build_manifest,
+    parse_tfrecord_frames,
     read_manifest,
     shard_of_user,
+    tfrecord_frame,
     write_participation,
     write_shard,
 )
+
+# Under the partition directory while the job runs; removed after the manifest.
+SPILL_DIR = "spill.tmp"
 
 
 def identities_per_user_histogram(records: Iterable[tuple[str, str]]) -> dict[str, int]:
@@ -32,25 +46,68 @@ def identities_per_user_histogram(records: Iterable[tuple[str, str]]) -> dict[st
     return {str(n): users for n, users in sorted(counts.items())}
 
 
+class _SpillByShardFn(beam.DoFn):
+    """Serialized records -> one spill file per (bundle, shard) of TFRecord frames; yields
+    (shard, file name) for each at the end of the bundle. A retried bundle writes new
+    files, and the names of a failed one are never emitted."""
+
+    def __init__(self, spill_dir: str, num_shards: int):
+        self._spill_dir = spill_dir
+        self._num_shards = num_shards
+
+    def start_bundle(self):
+        self._bundle = uuid.uuid4().hex
+        self._files = {}
+
+    def process(self, serialized: bytes):
+        shard = shard_of_user(schema.parse(serialized).user_id, self._num_shards)
+        if shard not in self._files:
+            path = os.path.join(self._spill_dir, f"shard-{shard:05d}-{self._bundle}.frames")
+            self._files[shard] = (path, tf.io.gfile.GFile(path, "wb"))
+        self._files[shard][1].write(tfrecord_frame(serialized))
+
+    def finish_bundle(self):
+        for shard, (path, spill) in sorted(self._files.items()):
+            spill.close()
+            yield beam.transforms.window.GlobalWindows.windowed_value((shard, path))
+
+
+def _spilled_records(paths: Iterable[str]) -> Iterable[tuple[str, str, bytes]]:
+    """(user, identity, record) of each record in the spill files, file by file."""
+    for path in sorted(paths):
+        with tf.io.gfile.GFile(path, "rb") as spill:
+            frames = spill.read()
+        for serialized in parse_tfrecord_frames(frames):
+            record = schema.parse(serialized)
+            yield record.user_id, record.identity, serialized
+
+
 class _WriteShardFn(beam.DoFn):
-    """(shard, records) -> part files and the shard index (`write_shard`); yields the
-    shard's counts, with its users' identity counts (`partition.IDENTITIES_PER_USER`)."""
+    """(shard, spill file names) -> part files and the shard index (`write_shard`); yields
+    the shard's counts, with its users' identity counts (`partition.IDENTITIES_PER_USER`)."""
 
     def __init__(self, partition_dir: str, max_part_bytes: int):
         self._partition_dir = partition_dir
         self._max_part_bytes = max_part_bytes
 
-    def process(self, shard_records: tuple[int, Iterable[tuple[str, str, bytes]]]):
-        shard, records = shard_records
-        records = list(records)
-        counts = write_shard(
-            self._partition_dir,
-            shard,
-            ((user_id, serialized) for user_id, _, serialized in records),
-            self._max_part_bytes,
-        )
-        histogram = identities_per_user_histogram((u, identity) for u, identity, _ in records)
-        yield {**counts, IDENTITIES_PER_USER: histogram}
+    def process(self, shard_files: tuple[int, Iterable[str]]):
+        shard, paths = shard_files
+        held = []  # (user, identity) of the shard's records, for the histogram
+
+        def user_records():
+            for user_id, identity, serialized in _spilled_records(paths):
+                held.append((user_id, identity))
+                yield user_id, serialized
+
+        counts = write_shard(self._partition_dir, shard, user_records(), self._max_part_bytes)
+        yield {**counts, IDENTITIES_PER_USER: identities_per_user_histogram(held)}
+
+
+def _manifest_without_spill(shard_counts: list[dict], spill_dir: str, *args) -> dict:
+    # Every shard is written once the counts are all here: the spill files are spent.
+    if tf.io.gfile.exists(spill_dir):
+        tf.io.gfile.rmtree(spill_dir)
+    return build_manifest(shard_counts, *args)
 
 
 class PartitionByUser(beam.PTransform):
@@ -66,20 +123,17 @@ class PartitionByUser(beam.PTransform):
 
     def expand(self, records):
         num_shards, partition_dir = self._num_shards, self._partition_dir
+        spill_dir = os.path.join(partition_dir, SPILL_DIR)
         tf.io.gfile.makedirs(os.path.join(partition_dir, INDEX_DIR))
-
-        def key_by_shard(serialized: bytes):
-            record = schema.parse(serialized)
-            shard = shard_of_user(record.user_id, num_shards)
-            return shard, (record.user_id, record.identity, serialized)
-
+        tf.io.gfile.makedirs(spill_dir)
         manifest = (
             records
-            | "KeyByShard" >> beam.Map(key_by_shard)
+            | "SpillByShard" >> beam.ParDo(_SpillByShardFn(spill_dir, num_shards))
             | "GroupByShard" >> beam.GroupByKey()
             | "WriteShards" >> beam.ParDo(_WriteShardFn(partition_dir, self._max_part_bytes))
             | "ShardCounts" >> beam.combiners.ToList()
-            | "Manifest" >> beam.Map(build_manifest, num_shards, self._max_part_bytes)
+            | "Manifest"
+            >> beam.Map(_manifest_without_spill, spill_dir, num_shards, self._max_part_bytes)
         )
         _ = manifest | "WriteManifest" >> records_io.WriteJson(
             os.path.join(partition_dir, MANIFEST_FILE)

@@ -56,6 +56,8 @@ def test_loader_returns_each_users_records(partition_dir):
         assert sorted(partition.load_user_examples(partition_dir, user_id)) == sorted(records)
     assert len(reader.virtual_client_examples(["user001", "user002"])) == 2 + 3
     assert len(tf.io.gfile.glob(os.path.join(partition_dir, "shard-*.tfrecord"))) > 3
+    # The records crossed the shuffle as spill files; none is left once the job is done.
+    assert not os.path.exists(os.path.join(partition_dir, partition_job.SPILL_DIR))
 
 
 def test_part_files_are_plain_tfrecords(partition_dir):
