@@ -55,7 +55,7 @@ from tff_algorithms.modeling import export, models
 FEATURES_KEY = "features/raw"
 CACHE_FILE = "feature_cache.json"
 # Bump when the record layout or the key's inputs change.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 _FEATURE_SPEC = {
     schema.USER_ID_KEY: tf.io.FixedLenFeature([], tf.string),
     schema.IDENTITY_KEY: tf.io.FixedLenFeature([], tf.string),
@@ -238,6 +238,12 @@ def _source_fingerprint(partition_dir: str) -> bytes:
     return digest.digest()
 
 
+def _layer_description(layer: tf.keras.layers.Layer) -> dict:
+    """A layer's class and configuration without its (process-dependent) name."""
+    config = {k: v for k, v in layer.get_config().items() if k != "name"}
+    return {"class": type(layer).__name__, "config": config}
+
+
 def cache_key(
     partition_dir: str,
     config: model_config.BackboneConfig,
@@ -254,19 +260,22 @@ def cache_key(
                 "image_shape": list(config.image_shape),
                 "cut": cut.layer,
                 "feature_shape": list(cut.feature_shape),
-                # Not the prefix's own input layer: Keras names each new one afresh.
+                # Layers by what they compute, never by name: Keras numbers unnamed layers
+                # afresh in every backbone a process builds (re_lu_2, then re_lu_4), so
+                # names would make each job of one process miss the cache.
                 "prefix_layers": [
-                    layer.name
+                    _layer_description(layer)
                     for layer in models.all_layers(prefix)
                     if not isinstance(layer, tf.keras.layers.InputLayer)
                 ],
             },
             sort_keys=True,
+            default=repr,
         ).encode()
     )
     for variable in models.ordered_variables(prefix):
         value = np.ascontiguousarray(variable.numpy())
-        digest.update(variable.name.encode() + str(value.shape).encode() + value.tobytes())
+        digest.update(str(value.dtype).encode() + str(value.shape).encode() + value.tobytes())
     digest.update(_source_fingerprint(partition_dir))
     return digest.hexdigest()[:32]
 

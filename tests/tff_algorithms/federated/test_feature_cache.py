@@ -126,6 +126,19 @@ def test_the_cache_is_a_partition_of_the_same_users_and_order_and_is_reused(data
     assert other.key != cached.key and os.path.isdir(other.partition_dir)
 
 
+def test_the_same_start_built_again_in_one_process_has_the_same_key(data):
+    """Keras numbers unnamed layers afresh in each model a process builds; the key must
+    not see that, or every job after the first in a process rebuilds its cache."""
+    partition_dir, _ = data
+    config = _config("embedding")
+    cut = feature_cache.cut_for(config).cut
+    first, second = (cut.split(models.build_backbone(config, seed=2))[0] for _ in range(2))
+    names = [[layer.name for layer in models.all_layers(p)] for p in (first, second)]
+    assert names[0] != names[1]  # what the key must not depend on
+    keys = [feature_cache.cache_key(partition_dir, config, cut, p) for p in (first, second)]
+    assert keys[0] == keys[1]
+
+
 def test_an_interrupted_cache_build_resumes_from_its_finished_shards(data, tmp_path):
     partition_dir, _ = data
     config = _config("embedding")
