@@ -365,18 +365,7 @@ def run(out_dir: str, quick: bool) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     partitions, eval_dir, write_seconds = write_data(work, sizes)
     began = time.perf_counter()
-    public = synthetic.SyntheticConfig(
-        identities=sizes["public_identities"],
-        images_per_identity=sizes["public_images"],
-        seed=1,
-        style=synthetic.SKETCH,
-    )
-    public_dir, _ = partition_job.write_training_inputs(
-        os.path.join(work, "public"),
-        synthetic.records_for_identities(public, 0, public.identities),
-        num_shards=4,
-    )
-    pretrained = bench_training.pretrain(work, sizes, public_dir, eval_dir)
+    _, pretrained = bench_training.public_pretrained(work, sizes, eval_dir)
     sizes["pretrained"] = pretrained.saved_model_dir
     pretrain_seconds = time.perf_counter() - began
     rows, models, two_workers, wall = {}, {"start": pretrained.saved_model_dir}, {}, {}

@@ -4,50 +4,19 @@ never timings or recalls."""
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests import paths
+from tests.bench import quick_run
 
 # About four minutes on two shared cores: `make test-slow` (CI) runs it, `make test` does not.
 pytestmark = pytest.mark.slow
-
-ROOT = str(paths.REPO)
-# Below the session's pytest-timeout, so the benchmark is stopped here, not orphaned.
-_TIMEOUT_S = 800
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     results_dir = str(tmp_path_factory.mktemp("bench_results"))
-    # Its own session, so that a timeout ends the TFF workers too.
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "bench.run_all",
-            "--quick",
-            "--only",
-            "bench_population",
-            "--results-dir",
-            results_dir,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    assert process.returncode == 0, output[-3000:]
+    quick_run.run_quick("bench_population", results_dir)
     with open(os.path.join(results_dir, "bench_population.json")) as f:
         population = json.load(f)
     population["plot_exists"] = os.path.getsize(os.path.join(results_dir, population["plot"])) > 0
