@@ -369,7 +369,6 @@ def run(out_dir: str, quick: bool) -> dict:
     sizes["pretrained"] = pretrained.saved_model_dir
     pretrain_seconds = time.perf_counter() - began
     rows, models, two_workers, wall = {}, {"start": pretrained.saved_model_dir}, {}, {}
-    base = sizes["populations"][0]
     progress = os.path.join(out_dir, "bench_population_progress.jsonl")
     if os.path.exists(progress):
         os.remove(progress)
@@ -390,6 +389,28 @@ def run(out_dir: str, quick: bool) -> dict:
                     progress,
                     {"population": population, "row": "2 workers", **two_workers[str(population)]},
                 )
+    return {
+        "quick": quick,
+        "load_average_start_1_5_15": load_start,
+        "data_write_seconds": write_seconds,
+        "pretrain_seconds": pretrain_seconds,
+        "train_wall_seconds": wall,
+        **summarise(out_dir, sizes, rows, models, two_workers, eval_dir),
+    }
+
+
+def summarise(
+    out_dir: str,
+    sizes: Mapping,
+    rows: dict[int, dict[str, dict]],
+    models: Mapping[str, str],
+    two_workers: Mapping[str, dict],
+    eval_dir: str,
+) -> dict:
+    """Scores the trained rows (`models`: "start" and "<N> <row>" -> saved model) on the
+    shared held-out set, adds the accounting rows, the drops, the crossing and the plot
+    (OUT_DIR/bench_population.png); `rows` gain their recalls."""
+    base = sizes["populations"][0]
     scored = score(models, eval_dir, sizes["bootstrap"], f"{base} {HYPOTHESIS}")
     for population, by_row in rows.items():
         for name, row in by_row.items():
@@ -407,8 +428,6 @@ def run(out_dir: str, quick: bool) -> dict:
     }
     hypothesis_epsilons = [rows[n][HYPOTHESIS]["epsilon"] for n in sizes["populations"]]
     return {
-        "quick": quick,
-        "load_average_start_1_5_15": load_start,
         "sizes": {k: v for k, v in sizes.items() if k != "pretrained"},
         "configuration": {
             "trainable_layers": TRAINED_LAYERS,
@@ -421,11 +440,8 @@ def run(out_dir: str, quick: bool) -> dict:
             "delta": "N^-1.1 (the product's default)",
             "target_schedule": "the hypothesis row's: sampling fraction M/N and rounds",
         },
-        "data_write_seconds": write_seconds,
-        "pretrain_seconds": pretrain_seconds,
         "start": scored["start"]["recall_at_far"],
         "rows": {str(n): by_row for n, by_row in rows.items()},
-        "train_wall_seconds": wall,
         "two_workers": two_workers,
         "accounting": accounting_rows,
         "utility_drop_relative_at_far_1e-2": drops,
