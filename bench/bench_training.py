@@ -109,6 +109,15 @@ def prepare(work: str, sizes: Mapping) -> tuple[tuple[str, str], str, job_output
     other identities (their partition), and the backbone pretrained on those with the
     pipeline's head loss, evaluated on the private held-out photos."""
     data = _write_data(work, sizes["identities"], sizes["images"])
+    public_dir, pretrained = public_pretrained(work, sizes, data[1])
+    return data, public_dir, pretrained
+
+
+def public_pretrained(
+    work: str, sizes: Mapping, eval_dir: str
+) -> tuple[str, job_outputs.TrainJobResult]:
+    """Under WORK: the public sketches' partition and the backbone pretrained on them,
+    evaluated on the held-out records in `eval_dir`."""
     public = synthetic.SyntheticConfig(
         identities=sizes["public_identities"],
         images_per_identity=sizes["public_images"],
@@ -120,7 +129,7 @@ def prepare(work: str, sizes: Mapping) -> tuple[tuple[str, str], str, job_output
         synthetic.records_for_identities(public, 0, public.identities),
         num_shards=4,
     )
-    return data, public_dir, pretrain(work, sizes, public_dir, data[1])
+    return public_dir, pretrain(work, sizes, public_dir, eval_dir)
 
 
 def pretrain(

@@ -4,22 +4,15 @@ JSON of the documented shape. Checks structure and exact counts, never timings."
 import json
 import math
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests import paths
+from tests.bench import quick_run
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
 # One xdist worker for the whole module: its module fixture (minutes) is then built once,
 # not once on each worker (tests/conftest.py leaves slow modules ungrouped).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bench_quick")]
-
-ROOT = str(paths.REPO)
-# Below the session's pytest-timeout, so the benchmark is stopped here, not orphaned.
-_TIMEOUT_S = 800
 
 
 def _positive(value: object) -> bool:
@@ -29,31 +22,7 @@ def _positive(value: object) -> bool:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     results_dir = str(tmp_path_factory.mktemp("bench_results"))
-    # Its own session, so that a timeout ends the benchmark's measuring child too.
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "bench.run_all",
-            "--quick",
-            "--only",
-            "bench_speed",
-            "--results-dir",
-            results_dir,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    assert process.returncode == 0, output[-3000:]
+    quick_run.run_quick("bench_speed", results_dir)
     with open(os.path.join(results_dir, "summary.json")) as f:
         summary = json.load(f)
     with open(os.path.join(results_dir, "bench_speed.json")) as f:
