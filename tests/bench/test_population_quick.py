@@ -10,7 +10,8 @@ import pytest
 from tests.bench import quick_run
 
 # About four minutes on two shared cores: `make test-slow` (CI) runs it, `make test` does not.
-pytestmark = pytest.mark.slow
+# One xdist worker for the whole module, so its fixture (the benchmark) runs once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bench_population_quick")]
 
 
 @pytest.fixture(scope="module")
