@@ -25,49 +25,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
-import psutil
 import tensorflow as tf
 
 from beam_jobs import records_io, schema
+from bench import process_tree_memory
 
 IMAGES_PER_USER = 4
-_SAMPLE_S = 0.2
 _DEDUP_MAX_USERS = 10_000
 _DP_FEDEMB = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
-
-
-def _tree_rss(process: psutil.Process) -> tuple[int, int]:
-    """(bytes resident in the process and all its descendants, number of processes)."""
-    try:
-        members = [process, *process.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0, 0
-    total = 0
-    for member in members:
-        try:
-            total += member.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass  # ended between the listing and the reading
-    return total, len(members)
-
-
-@dataclasses.dataclass
-class _Peak:
-    rss: int = 0
-    processes: int = 0
-
-
-def _sample(pid: int, peak: _Peak, done: threading.Event) -> None:
-    process = psutil.Process(pid)
-    while not done.is_set():
-        rss, processes = _tree_rss(process)
-        peak.rss = max(peak.rss, rss)
-        peak.processes = max(peak.processes, processes)
-        done.wait(_SAMPLE_S)
 
 
 def run_stage(verb: str, flags: list[str], images: int, log_path: str) -> dict:
@@ -76,14 +44,10 @@ def run_stage(verb: str, flags: list[str], images: int, log_path: str) -> dict:
     start = time.perf_counter()
     with open(log_path, "w") as log:
         child = subprocess.Popen([_DP_FEDEMB, "data", verb, *flags], stdout=log, stderr=log)
-        peak, done = _Peak(), threading.Event()
-        sampler = threading.Thread(target=_sample, args=(child.pid, peak, done), daemon=True)
-        sampler.start()
-        # wait4: the child's own rusage, its reaped descendants' included.
-        _, status, usage = os.wait4(child.pid, 0)
+        with process_tree_memory.PeakRss(child.pid) as peak:
+            # wait4: the child's own rusage, its reaped descendants' included.
+            _, status, usage = os.wait4(child.pid, 0)
         child.returncode = code = os.waitstatus_to_exitcode(status)
-        done.set()
-        sampler.join()
     wall = time.perf_counter() - start
     if code != 0:
         with open(log_path) as log:
@@ -96,7 +60,7 @@ def run_stage(verb: str, flags: list[str], images: int, log_path: str) -> dict:
         "wall_s": round(wall, 1),
         "cpu_s": round(cpu, 1),
         "images_per_s": round(images / wall, 1),
-        "peak_tree_rss_mib": round(peak.rss / 2**20, 1),
+        "peak_tree_rss_mib": round(peak.bytes / 2**20, 1),
         # The largest single process of the tree (ru_maxrss, KiB on Linux).
         "peak_process_rss_mib": round(usage.ru_maxrss / 1024, 1),
         "processes_seen": peak.processes,

@@ -29,7 +29,7 @@ hypothesis row. δ is the product's default N^-1.1. Accounting-only rows at 10^6
 (no training): ε of the hypothesis schedule moved there, and z for ε 2 and 4.
 
 Item 4 (TFF side at scale): per-round wall time and peak RSS of the process tree (this
-process and its TFF worker processes, sampled by `population_memory`) of the hypothesis
+process and its TFF worker processes, sampled by `process_tree_memory`) of the hypothesis
 rows on one local worker, and of a few rounds of the same job on two local workers.
 
 Outputs: `bench_population.json` (via run_all) and `bench_population.png`, the utility
@@ -54,7 +54,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from beam_jobs import partition_job, synthetic
-from bench import bench_contrastive, bench_training, population_memory
+from bench import bench_contrastive, bench_training, process_tree_memory
 from tff_algorithms.config import job_config, job_plan
 from tff_algorithms.evaluation import scoring as evaluation
 from tff_algorithms.federated import runtime
@@ -221,7 +221,7 @@ def train_population(
     rows, models = {}, {}
     cache_dir = os.path.join(work, "feature_cache")
     for name, config in row_configs(sizes, population).items():
-        with population_memory.PeakRss() as peak:
+        with process_tree_memory.PeakRss() as peak:
             result = train_job.run_train_job(
                 config,
                 partition_dir,
@@ -249,7 +249,7 @@ def two_worker_row(
     config = dataclasses.replace(
         schedule_config(sizes, population), rounds=sizes["two_worker_rounds"]
     )
-    with population_memory.PeakRss() as peak:
+    with process_tree_memory.PeakRss() as peak:
         result = train_job.run_train_job(
             config,
             partition_dir,
