@@ -198,7 +198,7 @@ def _describe(result: job_outputs.TrainJobResult, peak_rss: int) -> dict:
         "epsilon": metrics["epsilon"],
         "noise_std_on_average_over_clip": noise / metrics["config"]["virtual_clients_per_round"],
         "delta": metrics["delta"],
-        "noise_multiplier": metrics["noise_multiplier_source"]["noise_multiplier"],
+        "noise_multiplier": noise,
         "noise_source": metrics["noise_multiplier_source"]["source"],
         "rounds": metrics["rounds"],
         # The job's own evaluation, on the same shared held-out set (no intervals).
