@@ -41,10 +41,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-from bench import round_speed
+from bench import process_tree_memory, round_speed
 
 _FULL = {
     "bank_identities": 2_000,
@@ -111,57 +110,6 @@ def image_bank(identities: int, images_per_identity: int) -> list[bytes]:
 
 
 # ------------------------------------------------------- measurement (child process)
-
-
-class _PeakMemory:
-    """Samples RSS of this process and its descendants (the worker_binary children)."""
-
-    def __init__(self, interval_s: float = 0.05) -> None:
-        import psutil
-
-        self._process = psutil.Process()
-        self._interval_s = interval_s
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.reset()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def reset(self) -> None:
-        with self._lock:
-            self.python_peak, self.workers_peak, self.total_peak = 0, 0, 0
-
-    def _sample(self) -> None:
-        import psutil
-
-        python = self._process.memory_info().rss
-        workers = 0
-        for child in self._process.children(recursive=True):
-            try:
-                workers += child.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-        with self._lock:
-            self.python_peak = max(self.python_peak, python)
-            self.workers_peak = max(self.workers_peak, workers)
-            self.total_peak = max(self.total_peak, python + workers)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            self._sample()
-
-    def peaks_mib(self) -> dict[str, float]:
-        self._sample()
-        with self._lock:
-            return {
-                "total": round(self.total_peak / 2**20, 1),
-                "python": round(self.python_peak / 2**20, 1),
-                "workers": round(self.workers_peak / 2**20, 1),
-            }
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _cpu_seconds() -> float:
@@ -350,7 +298,6 @@ def _measure_setting(
     clients_per_round: int,
     users_per_vc: int,
     rounds: int,
-    memory: _PeakMemory,
     *,
     local_workers: int = 1,
     plain: bool = False,
@@ -358,35 +305,45 @@ def _measure_setting(
     """Warm-up round (compiles), then `rounds` measured rounds on fresh TFF workers."""
     from tff_algorithms.federated import runtime
 
-    memory.reset()
-    setting = _Setting(partition_dir, clients_per_round, users_per_vc)
-    loop = None
-    with runtime.session(runtime.RuntimeConfig(local_workers=local_workers), handle_signals=False):
-        try:
-            state = setting.process.initialize()
-            started = time.perf_counter()
-            state = setting.tff_round(state, 0)[0]
-            first_round = time.perf_counter() - started
-            if plain:
-                loop = _PlainLoop(setting, _as_tensors(setting.process.get_model_weights(state)))
-                loop.round(0)
-            tff_seconds, tff_cpu, ids_seconds = [], [], []
-            plain_seconds, plain_cpu, examples, load_averages = [], [], [], []
-            for round_num in range(1, rounds + 1):
-                state, seconds, cpu, id_seconds, num_examples = setting.tff_round(state, round_num)
-                tff_seconds.append(seconds)
-                tff_cpu.append(cpu)
-                ids_seconds.append(id_seconds)
-                examples.append(num_examples)
+    with process_tree_memory.PeakRss() as memory:
+        setting = _Setting(partition_dir, clients_per_round, users_per_vc)
+        loop = None
+        with runtime.session(
+            runtime.RuntimeConfig(local_workers=local_workers), handle_signals=False
+        ):
+            try:
+                state = setting.process.initialize()
+                started = time.perf_counter()
+                state = setting.tff_round(state, 0)[0]
+                first_round = time.perf_counter() - started
+                if plain:
+                    loop = _PlainLoop(
+                        setting, _as_tensors(setting.process.get_model_weights(state))
+                    )
+                    loop.round(0)
+                tff_seconds, tff_cpu, ids_seconds = [], [], []
+                plain_seconds, plain_cpu, examples, load_averages = [], [], [], []
+                for round_num in range(1, rounds + 1):
+                    state, seconds, cpu, id_seconds, num_examples = setting.tff_round(
+                        state, round_num
+                    )
+                    tff_seconds.append(seconds)
+                    tff_cpu.append(cpu)
+                    ids_seconds.append(id_seconds)
+                    examples.append(num_examples)
+                    if loop is not None:
+                        seconds, cpu = loop.round(round_num)
+                        plain_seconds.append(seconds)
+                        plain_cpu.append(cpu)
+                    load_averages.append(os.getloadavg()[0])
+            finally:
                 if loop is not None:
-                    seconds, cpu = loop.round(round_num)
-                    plain_seconds.append(seconds)
-                    plain_cpu.append(cpu)
-                load_averages.append(os.getloadavg()[0])
-            peaks = memory.peaks_mib()
-        finally:
-            if loop is not None:
-                loop.close()
+                    loop.close()
+    peaks = {
+        "total": round(memory.bytes / 2**20, 1),
+        "python": round(memory.own_bytes / 2**20, 1),
+        "workers": round(memory.descendants_bytes / 2**20, 1),
+    }
     result = {
         "clients_per_round": clients_per_round,
         "users_per_round": clients_per_round * users_per_vc,
@@ -636,42 +593,34 @@ def _best_seconds(function, repeats: int) -> float:  # noqa: ANN001
 
 
 def _child(spec: dict) -> dict:
-    memory = _PeakMemory()
-    try:
-        k, rounds = spec["users_per_virtual_client"], spec["rounds"]
-        overhead = [
-            _measure_setting(spec["base_partition"], m, k, rounds, memory, plain=True)
-            for m in spec["clients_per_round"]
-        ]
-        by_clients = {setting["clients_per_round"]: setting for setting in overhead}
-        # One worker: the overhead run at the same clients per round.
-        workers = [
-            by_clients[spec["workers_clients_per_round"]],
-            _measure_setting(
-                spec["base_partition"],
-                spec["workers_clients_per_round"],
-                k,
-                rounds,
-                memory,
-                local_workers=2,
-            ),
-        ]
-        population = [
-            _measure_setting(path, spec["population_clients_per_round"], k, rounds, memory)
-            for path in (spec["base_partition"], spec["large_partition"])
-        ]
-        # The memory sampler reads /proc for every process on the machine: stopped so
-        # that the loader's bytes read are the loader's.
-        memory.close()
-        loader = _loader_offsets(
-            spec["large_partition"], spec["loader_deep_offset_bytes"], spec["work_dir"]
-        )
-        flops = measure_flops({**spec, "flops_clients_per_round": spec["clients_per_round"][0]})
-        rounds = round_speed.measure(
-            spec["round_partition"], spec["work_dir"], spec["round_speed"], measured_peak(flops)
-        )
-    finally:
-        memory.close()
+    k, rounds = spec["users_per_virtual_client"], spec["rounds"]
+    overhead = [
+        _measure_setting(spec["base_partition"], m, k, rounds, plain=True)
+        for m in spec["clients_per_round"]
+    ]
+    by_clients = {setting["clients_per_round"]: setting for setting in overhead}
+    # One worker: the overhead run at the same clients per round.
+    workers = [
+        by_clients[spec["workers_clients_per_round"]],
+        _measure_setting(
+            spec["base_partition"],
+            spec["workers_clients_per_round"],
+            k,
+            rounds,
+            local_workers=2,
+        ),
+    ]
+    population = [
+        _measure_setting(path, spec["population_clients_per_round"], k, rounds)
+        for path in (spec["base_partition"], spec["large_partition"])
+    ]
+    loader = _loader_offsets(
+        spec["large_partition"], spec["loader_deep_offset_bytes"], spec["work_dir"]
+    )
+    flops = measure_flops({**spec, "flops_clients_per_round": spec["clients_per_round"][0]})
+    rounds = round_speed.measure(
+        spec["round_partition"], spec["work_dir"], spec["round_speed"], measured_peak(flops)
+    )
     return {
         "round_speed": rounds,
         "overhead": overhead,
