@@ -43,7 +43,6 @@ import json
 import math
 import os
 import pickle
-import tempfile
 
 import apache_beam as beam
 import tensorflow as tf
@@ -381,8 +380,8 @@ class Deduplicate(beam.PTransform):
     RemoveNearDuplicates; `sizes` as FindDuplicates.
 
     The candidates' records wait for the removed ids in spill files, as the joins' band
-    keys and fingerprints do (FindDuplicates), under `spill_dir` (by default a new local
-    temporary folder, one every worker must see), which is removed with the report.
+    keys and fingerprints do (FindDuplicates), under `spill_dir` (default `spill.folder`),
+    which is removed with the report.
     """
 
     def __init__(
@@ -407,7 +406,7 @@ class Deduplicate(beam.PTransform):
 
     def expand(self, inputs):
         config, names = self._config, self._names
-        spill_dir = self._spill_dir or tempfile.mkdtemp(prefix="dedup-spill-")
+        spill_dir = spill.folder(self._spill_dir)
         found = {
             "candidates": inputs["candidates"],
             "reference": inputs["reference"],

@@ -14,6 +14,7 @@ The job removes its spill folder (`remove`) once every spilled record is read ba
 
 import os
 import struct
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -162,6 +163,12 @@ class WithSpilledRecords(beam.DoFn):
 
     def finish_bundle(self):
         self._reader.close()
+
+
+def folder(spill_dir: str | None) -> str:
+    """`spill_dir`, or without one a new local temporary folder: enough for the
+    DirectRunner; other runners need one every worker sees (the jobs give their own)."""
+    return spill_dir or tempfile.mkdtemp(prefix="spill-")
 
 
 def remove(spill_dir: str) -> None:

@@ -54,7 +54,6 @@ import dataclasses
 import hashlib
 import math
 import os
-import tempfile
 from collections.abc import Iterable
 
 import apache_beam as beam
@@ -344,10 +343,8 @@ class SplitRecords(beam.PTransform):
     "public_records": public sources' records, "evaluation_records": evaluation sources'},
     holding the keys the config names.
 
-    Records cross the grouping by user (and by identity, in mode held_out_images) as
-    spill files under `spill_dir` (beam_jobs/spill.py): what is grouped is each user's
-    (identity's) key and its records' offsets. The folder is removed once the summary is
-    made; without `spill_dir`, a new local temporary folder (one every worker must see).
+    Records cross the groupings by user and identity as spill files under `spill_dir`
+    (`spill.SpillByKey`; default `spill.folder`), removed once the summary is made.
     """
 
     def __init__(self, config: SplitConfig, spill_dir: str | None = None):
@@ -359,7 +356,7 @@ class SplitRecords(beam.PTransform):
 
     def expand(self, inputs):
         config = self._config
-        spill_dir = self._spill_dir or tempfile.mkdtemp(prefix="split-spill-")
+        spill_dir = spill.folder(self._spill_dir)
         expected = {"records"}
         expected |= {"public_records"} if config.public_inputs else set()
         expected |= {"evaluation_records"} if config.evaluation_inputs else set()
