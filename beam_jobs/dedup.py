@@ -42,11 +42,12 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 
 import apache_beam as beam
 import tensorflow as tf
 
-from beam_jobs import copy_evidence, records_io, splits
+from beam_jobs import copy_evidence, records_io, spill, splits
 from beam_jobs import dedup_batches as batches
 from beam_jobs import near_duplicates as nd
 from beam_jobs.dedup_batches import EXACT, NEAR
@@ -144,7 +145,7 @@ class DedupRefused(ValueError):
 
 class Fingerprint(beam.PTransform):
     """Serialized records -> {"fingerprints": dedup_batches.Fingerprints, one per batch;
-    "records": (record ids, records) of each batch, for the filter that keeps them}."""
+    "records": (batch key, records) of each batch, for the filter that keeps them}."""
 
     def __init__(self, config: DedupConfig):
         super().__init__()
@@ -193,6 +194,44 @@ def _probed_side(candidates: int, references: int) -> str:
     return _CANDIDATE if candidates < references else _REFERENCE
 
 
+class _SpillEntriesFn(beam.DoFn):
+    """Fingerprints -> their band keys, pixel hashes and ids (`batches.bucket_entries`)
+    in one spill file per (bundle, key bucket); yields (bucket, file name) for each at the
+    end of the bundle, so that the join groups file names, not entries."""
+
+    def __init__(self, spill_dir: str):
+        self._spill_dir = spill_dir
+
+    def start_bundle(self):
+        self._files = spill.SpillFiles(self._spill_dir)
+
+    def process(self, fp: batches.Fingerprints, side: str, *args):
+        for bucket, entry in batches.bucket_entries(fp, side, *args):
+            self._files.append(f"bucket-{bucket:05d}", pickle.dumps(entry))
+
+    def finish_bundle(self):
+        for name, path in self._files.close().items():
+            bucket = int(name.removeprefix("bucket-"))
+            yield beam.transforms.window.GlobalWindows.windowed_value((bucket, path))
+
+
+def _join_spilled_bucket(bucket_paths, *args):  # no hints: Beam would check them
+    """`batches.join_bucket` of the entries in a bucket's spill files."""
+    bucket, paths = bucket_paths
+    entries = [pickle.loads(e) for path in sorted(paths) for e in spill.read_file(path)]
+    yield from batches.join_bucket((bucket, entries), *args)
+
+
+def _with_fingerprints(step):
+    """`step` of (key, {"fp": [Fingerprints], ...}) on the spilled fingerprints' bytes."""
+
+    def unpickled(joined: tuple, *args):
+        key, groups = joined
+        return step((key, {**groups, "fp": [pickle.loads(fp) for fp in groups["fp"]]}), *args)
+
+    return unpickled
+
+
 class FindDuplicates(beam.PTransform):
     """{"candidates", "reference"} Fingerprints -> {"removed": (record id, pair) for each
     candidate image equal or near a reference; "sizes": number of images per side}.
@@ -200,24 +239,30 @@ class FindDuplicates(beam.PTransform):
 
     `sizes`: the number of images per side when the caller knows it (`run_dedup` counts
     the record files): "sizes" is then that dict, and the job spends no stages counting.
+
+    The joins group names of spill files under `spill_dir` (beam_jobs/spill.py), not
+    band keys or fingerprints: each bucket's band keys, and each batch's fingerprints,
+    are read back from there by the step that needs them.
     """
 
     def __init__(
         self,
         config: DedupConfig,
         name: str,
+        spill_dir: str,
         sizes: dict[str, int] | None = None,
         shared_ids: tuple[str, ...] = (),
     ):
         super().__init__()
         self._config = config
         self._name = name
+        self._spill_dir = spill_dir
         self._sizes = sizes
         # Id kinds ("user", "identity") the split mode lets both sides hold.
         self._shared_ids = shared_ids
 
     def expand(self, inputs):
-        config = self._config
+        config, spill_dir = self._config, self._spill_dir
         sides = {_CANDIDATE: inputs["candidates"], _REFERENCE: inputs["reference"]}
         if self._sizes is not None:
             sizes = self._sizes
@@ -238,8 +283,8 @@ class FindDuplicates(beam.PTransform):
             [
                 fps
                 | f"Entries{side}"
-                >> beam.FlatMap(
-                    batches.bucket_entries,
+                >> beam.ParDo(
+                    _SpillEntriesFn(spill_dir),
                     side,
                     probed_side,
                     config.max_shift,
@@ -252,7 +297,7 @@ class FindDuplicates(beam.PTransform):
             | "ByBucket" >> beam.GroupByKey()
             | "Join"
             >> beam.FlatMap(
-                batches.join_bucket, config.hamming_threshold, config.references_verified
+                _join_spilled_bucket, config.hamming_threshold, config.references_verified
             ).with_outputs(batches.SHARED_IDS, batches.EXACT_PAIRS, main="close")
         )
         overlap_check = (
@@ -266,18 +311,26 @@ class FindDuplicates(beam.PTransform):
             | "Closest" >> beam.FlatMap(batches.closest_references, config.references_verified)
         )
         by_key = {
-            side: fps | f"Key{side}" >> beam.Map(lambda fp: (fp.key, fp))
+            side: fps
+            | f"Key{side}" >> beam.Map(lambda fp: (fp.key, pickle.dumps(fp)))
+            | f"Spill{side}" >> spill.SpillByKey(spill_dir)
             for side, fps in sides.items()
         }
+        attach, verify = (
+            _with_fingerprints(batches.attach_references),
+            _with_fingerprints(batches.verified_pairs),
+        )
         attached = (
             {"fp": by_key[_REFERENCE], "request": requests}
             | "JoinReferences" >> beam.CoGroupByKey()
-            | "AttachReferences" >> beam.FlatMap(batches.attach_references)
+            | "AttachReferences"
+            >> beam.ParDo(spill.WithSpilledRecords(spill_dir, attach, field="fp"))
         )
         near = (
             {"fp": by_key[_CANDIDATE], "references": attached}
             | "JoinCandidates" >> beam.CoGroupByKey()
-            | "Verify" >> beam.FlatMap(batches.verified_pairs, config)
+            | "Verify"
+            >> beam.ParDo(spill.WithSpilledRecords(spill_dir, verify, config, field="fp"))
         )
         removed = (
             (joined[batches.EXACT_PAIRS], near)
@@ -323,8 +376,13 @@ def _report(
 
 class Deduplicate(beam.PTransform):
     """{"candidates", "reference": Fingerprints, "records": the candidates' batches of
-    (record ids, records) from Fingerprint} -> {"kept", "removed", "report"}, as
-    RemoveNearDuplicates; `sizes` as FindDuplicates."""
+    (batch key, records) from Fingerprint} -> {"kept", "removed", "report"}, as
+    RemoveNearDuplicates; `sizes` as FindDuplicates.
+
+    The candidates' records wait for the removed ids in spill files, as the joins' band
+    keys and fingerprints do (FindDuplicates), under `spill_dir` (default `spill.folder`),
+    which is removed with the report.
+    """
 
     def __init__(
         self,
@@ -333,9 +391,11 @@ class Deduplicate(beam.PTransform):
         splits_compared: tuple[str, str],
         sizes: dict[str, int] | None = None,
         shared_ids: tuple[str, ...] = (),
+        spill_dir: str | None = None,
     ):
         super().__init__()
         self._config = config
+        self._spill_dir = spill_dir
         self._sizes = sizes
         self._shared_ids = shared_ids
         self._names = {
@@ -346,14 +406,25 @@ class Deduplicate(beam.PTransform):
 
     def expand(self, inputs):
         config, names = self._config, self._names
+        spill_dir = spill.folder(self._spill_dir)
         found = {
             "candidates": inputs["candidates"],
             "reference": inputs["reference"],
-        } | "FindDuplicates" >> FindDuplicates(config, names["name"], self._sizes, self._shared_ids)
+        } | "FindDuplicates" >> FindDuplicates(
+            config, names["name"], spill_dir, self._sizes, self._shared_ids
+        )
         removed_ids = found["removed"] | "RemovedIds" >> beam.combiners.ToDict()
-        kept = inputs["records"] | "Kept" >> beam.FlatMap(
-            batches.kept_records, beam.pvalue.AsSingleton(removed_ids)
-        ).with_output_types(bytes)
+        kept = (
+            inputs["records"]
+            | "ByRecord" >> beam.FlatMapTuple(lambda key, batch: ((key, r) for r in batch))
+            | "SpillRecords" >> spill.SpillByKey(spill_dir)
+            | "OneReference" >> beam.MapTuple(lambda key, reference: (key, [reference]))
+            | "Kept"
+            >> beam.ParDo(
+                spill.WithSpilledRecords(spill_dir, batches.kept_records),
+                beam.pvalue.AsSingleton(removed_ids),
+            ).with_output_types(bytes)
+        )
         if self._sizes is not None:
             n, m = self._sizes[_CANDIDATE], self._sizes[_REFERENCE]
             report = removed_ids | "Report" >> beam.Map(
@@ -365,6 +436,12 @@ class Deduplicate(beam.PTransform):
                 beam.pvalue.AsSingleton(found["sizes"][_REFERENCE]),
                 beam.pvalue.AsSingleton(removed_ids),
             )
+        # Every spilled record is read back once the kept ones are counted (and the
+        # fingerprints once the removed ids are known, which the report waits for).
+        kept_count = kept | "KeptCount" >> beam.combiners.Count.Globally()
+        report = report | "RemoveSpill" >> beam.Map(
+            lambda r, _: spill.removed_then(r, spill_dir), beam.pvalue.AsSingleton(kept_count)
+        )
         removed = found["removed"] | "Pairs" >> beam.Values()
         return {"kept": kept, "removed": removed, "report": report}
 
@@ -425,6 +502,7 @@ def run_dedup(
     # report's sizes are then constants, not stages of the job.
     sizes = {s: records_io.count_records(os.path.join(split_dir, s)) for s in present}
     evaluation_size = sum(sizes[s] for s in splits.EVALUATION_SPLITS)
+    spill_dir = os.path.join(out_dir, spill.SPILL_DIR)  # each comparison's, then removed
     with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
         data = {
             s: pipeline | f"Read{s}" >> records_io.ReadRecords(os.path.join(split_dir, s))
@@ -444,6 +522,7 @@ def run_dedup(
             (splits.TRAIN, "/".join(splits.EVALUATION_SPLITS)),
             {_CANDIDATE: sizes[splits.TRAIN], _REFERENCE: evaluation_size},
             protocol.shared_across_splits,
+            os.path.join(spill_dir, "train_vs_evaluation"),
         )
         reports = [train["report"]]
         outputs = {splits.TRAIN: train["kept"]}
@@ -462,6 +541,7 @@ def run_dedup(
                     _REFERENCE: evaluation_size + sizes[splits.TRAIN],
                 },
                 protocol.shared_with_public,
+                os.path.join(spill_dir, "public_vs_private"),
             )
             reports.append(public["report"])
             outputs[splits.PUBLIC] = public["kept"]
@@ -477,6 +557,7 @@ def run_dedup(
             | "ByName" >> beam.Map(lambda rs: {r["name"]: r for r in rs})
             | "WriteReport" >> records_io.WriteJson(report_path)
         )
+    spill.remove(spill_dir)  # each comparison removed its own folder in it
     report = records_io.read_json(report_path)
     refused = [section for _, section in sorted(report.items()) if not section["within_limit"]]
     if refused:

@@ -102,16 +102,16 @@ def fingerprints(batch: list[bytes], max_shift: int) -> Fingerprints:
 
 
 def fingerprints_and_records(batch: list[bytes], max_shift: int) -> Iterator[Any]:
-    """The batch's Fingerprints, and (tagged RECORDS) its records with their ids, for the
-    filter that keeps the candidates: one pass over the records, in batches."""
+    """The batch's Fingerprints, and (tagged RECORDS) its records under the batch's key,
+    for the filter that keeps the candidates: one pass over the records, in batches."""
     fp = fingerprints(batch, max_shift)
     yield fp
-    yield pvalue.TaggedOutput(RECORDS, (fp.record_ids, batch))
+    yield pvalue.TaggedOutput(RECORDS, (fp.key, batch))
 
 
-def kept_records(ids_and_records: tuple[list[str], list[bytes]], removed: dict) -> list[bytes]:
-    ids, records = ids_and_records
-    return [serialized for i, serialized in zip(ids, records) if i not in removed]
+def kept_records(key_and_records: tuple[str, list[bytes]], removed: dict) -> list[bytes]:
+    _, records = key_and_records
+    return [serialized for serialized in records if record_id(serialized) not in removed]
 
 
 def pair(kind: str, candidate: dict, reference: dict, **measures) -> dict:

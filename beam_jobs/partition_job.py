@@ -3,37 +3,32 @@ the layout, its writer per shard and the reader).
 
 Records cross the job's one shuffle as files, not as elements: each bundle appends its
 records to one spill file per shard (under PARTITION_DIR/SPILL_DIR), and only the files'
-names are grouped by shard. The DirectRunner keeps every grouped element in its own
-process's memory, so grouping the records themselves held the whole dataset there;
-grouping names, the job holds one shard's records (sorted by `write_shard`) at a time
+names are grouped by shard (beam_jobs/spill.py says why). Grouping names, the job holds one shard's records (sorted by `write_shard`) at a time
 per worker (docs/scaling.md). The spill files are removed once every shard is written.
 """
 
 import collections
 import os
-import uuid
 from collections.abc import Iterable, Sequence
 
 import apache_beam as beam
 import tensorflow as tf
 
-from beam_jobs import records_io, schema
+from beam_jobs import records_io, schema, spill
 from beam_jobs.partition import (
     IDENTITIES_PER_USER,
     INDEX_DIR,
     MANIFEST_FILE,
     ScheduleSpec,
     build_manifest,
-    parse_tfrecord_frames,
     read_manifest,
     shard_of_user,
-    tfrecord_frame,
     write_participation,
     write_shard,
 )
 
 # Under the partition directory while the job runs; removed after the manifest.
-SPILL_DIR = "spill.tmp"
+SPILL_DIR = spill.SPILL_DIR
 
 
 def identities_per_user_histogram(records: Iterable[tuple[str, str]]) -> dict[str, int]:
@@ -48,36 +43,29 @@ def identities_per_user_histogram(records: Iterable[tuple[str, str]]) -> dict[st
 
 class _SpillByShardFn(beam.DoFn):
     """Serialized records -> one spill file per (bundle, shard) of TFRecord frames; yields
-    (shard, file name) for each at the end of the bundle. A retried bundle writes new
-    files, and the names of a failed one are never emitted."""
+    (shard, file name) for each at the end of the bundle (`spill.SpillFiles`)."""
 
     def __init__(self, spill_dir: str, num_shards: int):
         self._spill_dir = spill_dir
         self._num_shards = num_shards
 
     def start_bundle(self):
-        self._bundle = uuid.uuid4().hex
-        self._files = {}
+        self._files = spill.SpillFiles(self._spill_dir)
 
     def process(self, serialized: bytes):
         shard = shard_of_user(schema.parse(serialized).user_id, self._num_shards)
-        if shard not in self._files:
-            path = os.path.join(self._spill_dir, f"shard-{shard:05d}-{self._bundle}.frames")
-            self._files[shard] = (path, tf.io.gfile.GFile(path, "wb"))
-        self._files[shard][1].write(tfrecord_frame(serialized))
+        self._files.append(f"shard-{shard:05d}", serialized)
 
     def finish_bundle(self):
-        for shard, (path, spill) in sorted(self._files.items()):
-            spill.close()
+        for name, path in self._files.close().items():
+            shard = int(name.removeprefix("shard-"))
             yield beam.transforms.window.GlobalWindows.windowed_value((shard, path))
 
 
 def _spilled_records(paths: Iterable[str]) -> Iterable[tuple[str, str, bytes]]:
     """(user, identity, record) of each record in the spill files, file by file."""
     for path in sorted(paths):
-        with tf.io.gfile.GFile(path, "rb") as spill:
-            frames = spill.read()
-        for serialized in parse_tfrecord_frames(frames):
+        for serialized in spill.read_file(path):
             record = schema.parse(serialized)
             yield record.user_id, record.identity, serialized
 
@@ -105,8 +93,7 @@ class _WriteShardFn(beam.DoFn):
 
 def _manifest_without_spill(shard_counts: list[dict], spill_dir: str, *args) -> dict:
     # Every shard is written once the counts are all here: the spill files are spent.
-    if tf.io.gfile.exists(spill_dir):
-        tf.io.gfile.rmtree(spill_dir)
+    spill.remove(spill_dir)
     return build_manifest(shard_counts, *args)
 
 

@@ -59,7 +59,7 @@ from collections.abc import Iterable
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
-from beam_jobs import records_io, schema
+from beam_jobs import records_io, schema, spill
 
 TRAIN = "train"
 VALIDATION = "validation"
@@ -342,16 +342,21 @@ class SplitRecords(beam.PTransform):
     `config.evaluation_inputs` a dict {"records": private sources' records,
     "public_records": public sources' records, "evaluation_records": evaluation sources'},
     holding the keys the config names.
+
+    Records cross the groupings by user and identity as spill files under `spill_dir`
+    (`spill.SpillByKey`; default `spill.folder`), removed once the summary is made.
     """
 
-    def __init__(self, config: SplitConfig):
+    def __init__(self, config: SplitConfig, spill_dir: str | None = None):
         super().__init__()
         if config.mode not in MODES:
             raise ValueError(f"SplitRecords needs a mode of {MODES}, got {config.mode!r}")
         self._config = config
+        self._spill_dir = spill_dir
 
     def expand(self, inputs):
         config = self._config
+        spill_dir = spill.folder(self._spill_dir)
         expected = {"records"}
         expected |= {"public_records"} if config.public_inputs else set()
         expected |= {"evaluation_records"} if config.evaluation_inputs else set()
@@ -375,9 +380,12 @@ class SplitRecords(beam.PTransform):
         assigned = (
             keyed
             | "FlattenSources" >> beam.Flatten()
+            | "SpillByUser" >> spill.SpillByKey(spill_dir)
             | "GroupByUser" >> beam.GroupByKey()
             | "AssignUsers"
-            >> beam.FlatMap(_assign_user, config).with_outputs("dropped", "input", *config.splits)
+            >> beam.ParDo(spill.WithSpilledRecords(spill_dir, _assign_user, config)).with_outputs(
+                "dropped", "input", *config.splits
+            )
         )
         outputs = {split: assigned[split] for split in config.splits}
         dropped = [assigned["dropped"]]
@@ -393,12 +401,17 @@ class SplitRecords(beam.PTransform):
                     {
                         "records": outputs[split]
                         | f"Key{split}ByIdentity"
-                        >> beam.Map(lambda s: (schema.parse(s).identity, s)),
+                        >> beam.Map(lambda s: (schema.parse(s).identity, s))
+                        | f"Spill{split}ByIdentity" >> spill.SpillByKey(spill_dir),
                         "train": trained,
                     }
                     | f"Join{split}Train" >> beam.CoGroupByKey()
                     | f"Seen{split}"
-                    >> beam.FlatMap(_seen_in_training, split).with_outputs("dropped", split)
+                    >> beam.ParDo(
+                        spill.WithSpilledRecords(
+                            spill_dir, _seen_in_training, split, field="records"
+                        )
+                    ).with_outputs("dropped", split)
                 )
                 outputs[split] = seen[split]
                 dropped.append(seen["dropped"])
@@ -450,6 +463,8 @@ class SplitRecords(beam.PTransform):
                 identities_per_user=beam.pvalue.AsSingleton(identities_per_user),
                 config=config,
             )
+            # Made from every split's count: every spilled record has been read back.
+            | "RemoveSpill" >> beam.Map(spill.removed_then, spill_dir)
         )
         return {**outputs, "summary": summary}
 
@@ -495,7 +510,10 @@ def resolve_mode(input_dir: str, out_dir: str, config: SplitConfig, beam_args=No
         summaries = [
             records
             | f"Split{mode}"
-            >> SplitRecords(dataclasses.replace(config, mode=mode, public_inputs=False))
+            >> SplitRecords(
+                dataclasses.replace(config, mode=mode, public_inputs=False),
+                os.path.join(out_dir, f"{mode}.{spill.SPILL_DIR}"),
+            )
             for mode in MODES
         ]
         _ = (
@@ -585,7 +603,7 @@ def run_split(
                 for name, directory in others.items()
                 if directory is not None
             }
-        split = records | "Split" >> SplitRecords(config)
+        split = records | "Split" >> SplitRecords(config, os.path.join(out_dir, spill.SPILL_DIR))
         for name in config.splits:
             _ = split[name] | f"Write{name}" >> records_io.WriteRecords(os.path.join(out_dir, name))
         _ = (

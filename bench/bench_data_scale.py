@@ -242,6 +242,36 @@ def bench_large(ingested_10k: str, work_dir: str, parts: str = "both") -> list[d
     return rows
 
 
+def bench_split_dedup(ingested_10k: str, users: int, work_dir: str) -> list[dict]:
+    """split (mode auto) and dedup (defaults) alone, of USERS users: the 10^4 users'
+    ingested records, or more users as their pixel variants, ingested first into
+    WORK_DIR/ingested (its row included; kept, so that old and new code can be measured
+    on one input). The outputs stay under WORK_DIR, for comparing them."""
+    os.makedirs(work_dir, exist_ok=True)
+    base_users = records_io.count_records(ingested_10k) // IMAGES_PER_USER
+    ingested, rows = ingested_10k, []
+    if users != base_users:
+        ingested = os.path.join(work_dir, "ingested")
+        if not tf.io.gfile.exists(ingested):
+            raw = os.path.join(work_dir, "raw")
+            images = _variant_image_folder(ingested_10k, raw, users // base_users)
+            log = os.path.join(work_dir, "ingest.log")
+            rows.append(run_stage("ingest", [f"--input={raw}", f"--out={ingested}"], images, log))
+            shutil.rmtree(raw, ignore_errors=True)
+    images = records_io.count_records(ingested)
+    split, deduplicated = os.path.join(work_dir, "split"), os.path.join(work_dir, "dedup")
+    for verb, flags, count in (
+        ("split", [f"--input={ingested}", f"--out={split}"], images),
+        ("dedup", [f"--input={split}", f"--out={deduplicated}"], None),
+    ):
+        count = _all_split_images(split) if count is None else count
+        rows.append(run_stage(verb, flags, count, os.path.join(work_dir, f"{verb}.log")))
+    for row in rows:
+        row["users"] = users
+        print(f"bench_data_scale: {users} users: {row}", flush=True)
+    return rows
+
+
 def run(out_dir: str, quick: bool) -> dict:
     results = {"images_per_user": IMAGES_PER_USER, "rows": []}
     work_dir = tempfile.mkdtemp(prefix="bench_data_scale_")
@@ -256,12 +286,24 @@ def run(out_dir: str, quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The 10^5- and 10^6-user rows alone, from the 10^4 users' ingested records."""
+    """The 10^5- and 10^6-user rows alone, from the 10^4 users' ingested records; or with
+    --parts split-dedup, split and dedup alone at --users users, in --work-dir (kept)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--ingested-10k", required=True, help="ingested records of 10^4 users")
     parser.add_argument("--out-json", required=True)
-    parser.add_argument("--parts", choices=("variants", "replicated", "both"), default="both")
+    parser.add_argument(
+        "--parts", choices=("variants", "replicated", "both", "split-dedup"), default="both"
+    )
+    parser.add_argument("--users", type=int, default=10_000, help="split-dedup: users")
+    parser.add_argument("--work-dir", help="split-dedup: where its inputs and outputs stay")
     args = parser.parse_args(argv)
+    if args.parts == "split-dedup":
+        if not args.work_dir:
+            parser.error("--parts split-dedup needs --work-dir")
+        rows = bench_split_dedup(args.ingested_10k, args.users, args.work_dir)
+        with open(args.out_json, "w") as f:
+            json.dump({"images_per_user": IMAGES_PER_USER, "rows": rows}, f, indent=2)
+        return 0
     work_dir = tempfile.mkdtemp(prefix="bench_data_scale_large_")
     try:
         rows = bench_large(args.ingested_10k, work_dir, args.parts)

@@ -14,7 +14,7 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 from PIL import Image
 
-from beam_jobs import dedup, records_io, schema, splits, synthetic
+from beam_jobs import dedup, records_io, schema, spill, splits, synthetic
 from bench import real_images
 from pipeline import cli
 
@@ -151,6 +151,8 @@ def test_run_dedup_keeps_evaluation_splits_and_writes_report(tmp_path):
     assert sorted(_read(os.path.join(out, "validation"))) == sorted(evaluation[:15])
     assert sorted(_read(os.path.join(out, "test"))) == sorted(evaluation[15:])
     assert sorted(_read(os.path.join(out, "train"))) == sorted(training[:30])
+    # Records, band keys and fingerprints crossed the joins as spill files, all removed.
+    assert not os.path.exists(os.path.join(out, spill.SPILL_DIR))
     section = records_io.read_json(os.path.join(out, dedup.REPORT_FILE))["train_vs_evaluation"]
     assert section == report["train_vs_evaluation"]
     assert (section["removed_exact"], section["removed_near"], section["kept"]) == (3, 7, 30)
