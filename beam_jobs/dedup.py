@@ -222,12 +222,13 @@ def _join_spilled_bucket(bucket_paths, *args):  # no hints: Beam would check the
     yield from batches.join_bucket((bucket, entries), *args)
 
 
-def _with_fingerprints(step):
-    """`step` of (key, {"fp": [Fingerprints], ...}) on the spilled fingerprints' bytes."""
+def _unpickled(step, *fields: str):
+    """`step` of (key, {field: [values], ...}) on the spilled values' pickled bytes."""
 
     def unpickled(joined: tuple, *args):
         key, groups = joined
-        return step((key, {**groups, "fp": [pickle.loads(fp) for fp in groups["fp"]]}), *args)
+        values = {f: [pickle.loads(value) for value in groups[f]] for f in fields}
+        return step((key, {**groups, **values}), *args)
 
     return unpickled
 
@@ -241,8 +242,9 @@ class FindDuplicates(beam.PTransform):
     the record files): "sizes" is then that dict, and the job spends no stages counting.
 
     The joins group names of spill files under `spill_dir` (beam_jobs/spill.py), not
-    band keys or fingerprints: each bucket's band keys, and each batch's fingerprints,
-    are read back from there by the step that needs them.
+    band keys, fingerprints or references: each bucket's band keys, each batch's
+    fingerprints, and the references attached to each candidate batch, are read back
+    from there by the step that needs them.
     """
 
     def __init__(
@@ -316,21 +318,26 @@ class FindDuplicates(beam.PTransform):
             | f"Spill{side}" >> spill.SpillByKey(spill_dir)
             for side, fps in sides.items()
         }
-        attach, verify = (
-            _with_fingerprints(batches.attach_references),
-            _with_fingerprints(batches.verified_pairs),
-        )
+        attach = _unpickled(batches.attach_references, "fp")
+        verify = _unpickled(batches.verified_pairs, "fp", "references")
+        # The attached references (thumbnails, pixels: ~2 KB per request, up to
+        # references_verified requests a candidate image) wait for their candidate batch
+        # in spill files too: grouped, the runner would hold them all (docs/scaling.md).
         attached = (
             {"fp": by_key[_REFERENCE], "request": requests}
             | "JoinReferences" >> beam.CoGroupByKey()
             | "AttachReferences"
-            >> beam.ParDo(spill.WithSpilledRecords(spill_dir, attach, field="fp"))
+            >> beam.ParDo(spill.WithSpilledRecords(spill_dir, attach, fields=("fp",)))
+            | "PickleReferences" >> beam.MapTuple(lambda key, refs: (key, pickle.dumps(refs)))
+            | "SpillReferences" >> spill.SpillByKey(spill_dir)
         )
         near = (
             {"fp": by_key[_CANDIDATE], "references": attached}
             | "JoinCandidates" >> beam.CoGroupByKey()
             | "Verify"
-            >> beam.ParDo(spill.WithSpilledRecords(spill_dir, verify, config, field="fp"))
+            >> beam.ParDo(
+                spill.WithSpilledRecords(spill_dir, verify, config, fields=("fp", "references"))
+            )
         )
         removed = (
             (joined[batches.EXACT_PAIRS], near)

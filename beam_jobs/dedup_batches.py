@@ -43,6 +43,10 @@ SHARED_IDS = "shared_ids"  # tagged outputs of join_bucket
 EXACT_PAIRS = "exact_pairs"
 RECORDS = "records"  # tagged output of fingerprints_and_records
 _BUCKETS = 16  # key buckets of the join: its parallelism
+# Key matches joined at once (per thread): LSH's matches grow with the square of the
+# images (synthetic look-alikes share many band keys), so a bucket is joined in chunks
+# of candidate images of about this many matches (~60 bytes each while filtered: ~16 MB).
+_MATCHES_PER_CHUNK = 1 << 18
 
 
 @dataclasses.dataclass
@@ -227,6 +231,21 @@ def _closest_first(pairs: np.ndarray, candidate: np.ndarray, k: int) -> np.ndarr
     return pairs[nd.closest(candidate, pairs["reference_id"], pairs["distance"], k)]
 
 
+def _chunks(
+    rows: np.ndarray, candidate: np.ndarray, matches: np.ndarray, limit: int = 0
+) -> list[np.ndarray]:
+    """`rows` by candidate image (`candidate` [rows]; a stable sort, so each image's rows
+    keep their order), cut between images into runs of about `limit` (default
+    _MATCHES_PER_CHUNK) key `matches` each: a run holds at most `limit` plus one image's
+    matches."""
+    limit = limit or _MATCHES_PER_CHUNK
+    rows = rows[np.argsort(candidate[rows], kind="stable")]
+    image = candidate[rows]
+    starts = np.flatnonzero(np.r_[True, image[1:] != image[:-1]])
+    before = np.r_[0, np.cumsum(matches[rows])][starts]  # matches before each image
+    return np.split(rows, starts[np.flatnonzero(np.diff(before // limit)) + 1])
+
+
 def join_bucket(joined: tuple[Any, Any], threshold: int, k: int) -> Iterator[Any]:
     """One bucket's ids on both sides (tagged SHARED_IDS), exact pairs (EXACT_PAIRS) and,
     per candidate batch, the pairs whose hashes share a band and differ in <= threshold
@@ -272,9 +291,18 @@ def join_bucket(joined: tuple[Any, Any], threshold: int, k: int) -> Iterator[Any
         )
         return _closest_first(pairs, candidate[left], k)
 
-    # Parts by candidate image: each part's k closest per candidate are final.
-    parts = [np.flatnonzero(candidate % nd.THREADS == i) for i in range(nd.THREADS)]
-    pairs = np.concatenate(nd.parallel_map(closest_pairs, parts))
+    # Parts by candidate image: each part's k closest per candidate are final. Each part
+    # in chunks of whole candidate images, in order: the same pairs in the same order as
+    # the part at once, without all its key matches in memory together.
+    matches = np.searchsorted(right_sorted[0], c["key"], side="right") - np.searchsorted(
+        right_sorted[0], c["key"], side="left"
+    )
+    chunks = [
+        chunk
+        for i in range(nd.THREADS)
+        for chunk in _chunks(np.flatnonzero(candidate % nd.THREADS == i), candidate, matches)
+    ]
+    pairs = np.concatenate(nd.parallel_map(closest_pairs, chunks))
     for batch, part in _split_by(pairs, pairs["batch"]).items():
         yield candidate_keys[batch], (reference_keys, part)
 

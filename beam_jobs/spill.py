@@ -141,22 +141,24 @@ class SpillReader:
 
 class WithSpilledRecords(beam.DoFn):
     """Calls `fn((key, records), *args, *side_inputs)` on each grouped (key, references),
-    or with `field` on (key, {field: references, ...}) from a CoGroupByKey, the references
-    read back as records (one key's at a time); yields what `fn` yields."""
+    or with `fields` on (key, {field: references, ...}) from a CoGroupByKey, each field's
+    references read back as records (one key's at a time); yields what `fn` yields."""
 
-    def __init__(self, spill_dir: str, fn: Callable[..., Iterator], *args, field: str = ""):
+    def __init__(
+        self, spill_dir: str, fn: Callable[..., Iterator], *args, fields: tuple[str, ...] = ()
+    ):
         self._spill_dir = spill_dir
         self._fn = fn
         self._args = args
-        self._field = field
+        self._fields = fields
 
     def start_bundle(self):
         self._reader = SpillReader(self._spill_dir)
 
     def process(self, grouped: tuple[Any, Any], *side_inputs):
         key, value = grouped
-        if self._field:
-            value = {**value, self._field: self._reader.records(value[self._field])}
+        if self._fields:
+            value = {**value, **{f: self._reader.records(value[f]) for f in self._fields}}
         else:
             value = self._reader.records(value)
         yield from self._fn((key, value), *self._args, *side_inputs)

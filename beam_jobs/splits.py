@@ -409,7 +409,7 @@ class SplitRecords(beam.PTransform):
                     | f"Seen{split}"
                     >> beam.ParDo(
                         spill.WithSpilledRecords(
-                            spill_dir, _seen_in_training, split, field="records"
+                            spill_dir, _seen_in_training, split, fields=("records",)
                         )
                     ).with_outputs("dropped", split)
                 )

@@ -14,7 +14,7 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 from PIL import Image
 
-from beam_jobs import dedup, records_io, schema, spill, splits, synthetic
+from beam_jobs import dedup, dedup_batches, records_io, schema, spill, splits, synthetic
 from bench import real_images
 from pipeline import cli
 
@@ -323,3 +323,46 @@ def test_real_copies_are_removed_and_distinct_real_images_kept():
             equal_to([(True, [])]),
             label="CopiesRemovedAgainstTheirOriginal",
         )
+
+
+def _bucket_entries(side: str, batches_of: int, images: int, seed: int) -> list:
+    """A bucket where every image has the same 3 band keys and nearly the same hash."""
+    rng = np.random.default_rng(seed)
+    entries = []
+    for b in range(batches_of):
+        rows = np.repeat(np.arange(images, dtype=np.int32), 3)
+        flips = rng.integers(0, 63, size=images).astype(np.uint64)
+        table = dedup_batches._table(
+            key=np.tile(np.array([11, 22, 33], dtype=np.int64), images),
+            row=rows,
+            hash=np.repeat(np.uint64(2**40 - 1) ^ (np.uint64(1) << flips), 3),
+            offset=np.zeros((len(rows), 2), dtype=np.int8),
+            id=rng.integers(0, 2**63, size=len(rows)).astype(np.uint64),
+        )
+        entries.append((side, f"{side}-batch-{b}", {"bands": table}))
+    return entries
+
+
+def test_a_degenerate_bucket_is_joined_in_bounded_chunks_with_the_same_pairs(monkeypatch):
+    # 200 candidates x 150 references, all on the same 3 keys: 90,000 key matches.
+    entries = _bucket_entries(dedup_batches.CANDIDATE, 2, 100, 0) + _bucket_entries(
+        dedup_batches.REFERENCE, 3, 50, 1
+    )
+    whole = list(dedup_batches.join_bucket((0, entries), 16, 4))
+    joined = []
+    join_keys = dedup_batches.nd.join_keys
+
+    def counted(*args):
+        left, right = join_keys(*args)
+        joined.append(len(left))
+        return left, right
+
+    monkeypatch.setattr(dedup_batches.nd, "join_keys", counted)
+    monkeypatch.setattr(dedup_batches, "_MATCHES_PER_CHUNK", 2_000)
+    chunked = list(dedup_batches.join_bucket((0, entries), 16, 4))
+    assert sum(joined) == 90_000
+    assert max(joined) <= 2_000 + 3 * 150  # the limit plus one candidate image's matches
+    assert len(chunked) == len(whole) == 2
+    for (key, (references, pairs)), (key_, (references_, pairs_)) in zip(chunked, whole):
+        assert (key, references) == (key_, references_)
+        assert pairs.tobytes() == pairs_.tobytes() and len(pairs) == 100 * 4
