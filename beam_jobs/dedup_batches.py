@@ -231,19 +231,15 @@ def _closest_first(pairs: np.ndarray, candidate: np.ndarray, k: int) -> np.ndarr
     return pairs[nd.closest(candidate, pairs["reference_id"], pairs["distance"], k)]
 
 
-def _chunks(
-    rows: np.ndarray, candidate: np.ndarray, matches: np.ndarray, limit: int = 0
-) -> list[np.ndarray]:
+def _chunks(rows: np.ndarray, candidate: np.ndarray, matches: np.ndarray) -> list[np.ndarray]:
     """`rows` by candidate image (`candidate` [rows]; a stable sort, so each image's rows
-    keep their order), cut between images into runs of about `limit` (default
-    _MATCHES_PER_CHUNK) key `matches` each: a run holds at most `limit` plus one image's
-    matches."""
-    limit = limit or _MATCHES_PER_CHUNK
+    keep their order), cut between images into runs of about _MATCHES_PER_CHUNK key
+    `matches` each: a run holds at most that plus one image's matches."""
     rows = rows[np.argsort(candidate[rows], kind="stable")]
     image = candidate[rows]
     starts = np.flatnonzero(np.r_[True, image[1:] != image[:-1]])
     before = np.r_[0, np.cumsum(matches[rows])][starts]  # matches before each image
-    return np.split(rows, starts[np.flatnonzero(np.diff(before // limit)) + 1])
+    return np.split(rows, starts[np.flatnonzero(np.diff(before // _MATCHES_PER_CHUNK)) + 1])
 
 
 def join_bucket(joined: tuple[Any, Any], threshold: int, k: int) -> Iterator[Any]:
