@@ -281,7 +281,10 @@ def extrapolation_caption(ledger: Mapping[str, Any]) -> str:
         "client, the relation, accountant and convention of this run, and the noise on the "
         f"averaged update: the noise multiplier grows with M (z = {float(spec['noise_multiplier']):.3g}"
         f" × M / {int(spec['users_per_round']):,}), so by the paper's extrapolation "
-        "hypothesis the model's utility stays what this run measured. This run: N = "
+        "hypothesis the model's utility stays what this run measured (the product's "
+        "population benchmark found it held from 10^3 to 10^5 users in its configuration: "
+        "BENCHMARKS.md). "
+        "This run: N = "
         f"{int(spec['population']):,}, M = {int(spec['users_per_round']):,}, ε = "
         f"{privacy_text.format_epsilon(privacy_text.final_epsilon(ledger))}."
     )
