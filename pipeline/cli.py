@@ -165,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # TensorFlow's C++ INFO lines (one per graph optimisation) drown the progress
     # output; set before TF is imported, and only when the user has not chosen.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    # gRPC's C core writes races at interpreter exit ("Kick failed: eventfd_write") to
+    # stderr after the command's one error line; its real failures still raise in Python.
+    # GRPC_VERBOSITY=ERROR brings its log back (docs/cli.md).
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     command = importlib.import_module(COMMANDS[name])
     flag_values = flags.FlagValues()
     command.define_flags(flag_values)
