@@ -15,17 +15,22 @@ PREPARED_FILE = "prepared.json"
 # temporaries): the only files a restarted preparation removes.
 _RECORDS = r"records-\d{5}-of-\d{5}\.tfrecord"
 _BEAM_TEMPORARY = r"beam-temp-[^/]+"
+# Spill folders a killed split or partition leaves (beam_jobs/spill.py); split's auto
+# mode spills once per candidate mode, as <mode>.spill.tmp.
+_SPILL_DIR = r"(split/([a-z_]+\.)?|partition/)spill\.tmp"
+_SPILL_FILE = rf"{_SPILL_DIR}/[a-z0-9_-]+-[0-9a-f]{{32}}\.frames"
 DATA_LAYOUT = owned_files.TreeLayout(
     "data prepared by dp-fedemb train",
     files=(
         rf"({PREPARED_FILE}|ingested/({_RECORDS}|ingest_summary\.json)"
-        rf"|split/(split_summary\.json|[a-z_]+/{_RECORDS})"
+        rf"|split/(split_summary\.json|split_mode_check\.json|[a-z_]+/{_RECORDS})"
+        rf"|{_SPILL_FILE}"
         r"|partition/(manifest\.json|participation\.json"
         r"|shard-\d{5}-part-\d{5}\.tfrecord(\.tmp)?|index/shard-\d{5}\.jsonl(\.tmp)?)"
         rf"|(ingested|split(/[a-z_]+)?|partition)/{_BEAM_TEMPORARY}/[^/]+)"
     ),
     directories=(
-        rf"(ingested|split|split/[a-z_]+|partition|partition/index"
+        rf"(ingested|split|split/[a-z_]+|partition|partition/index|{_SPILL_DIR}"
         rf"|(ingested|split(/[a-z_]+)?|partition)/{_BEAM_TEMPORARY})"
     ),
 )

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from beam_jobs import synthetic
+from beam_jobs import partition_job, spill, splits, synthetic
 from pipeline.commands import train_data
 from tests import support
 from tff_algorithms.base import job_files, owned_files
@@ -99,13 +99,43 @@ def test_a_users_file_in_a_killed_preparation_is_refused_not_deleted(tmp_path):
     assert not os.path.exists(prepared)
 
 
-def test_the_data_layout_matches_a_real_preparation(tmp_path):
-    data = tmp_path / "images"
+def test_the_data_layout_matches_a_real_preparation_and_what_a_killed_one_leaves(tmp_path):
+    data, prepared_dir = tmp_path / "images", str(tmp_path / "data")
     synthetic.write_image_folder(str(data), support.TRAIN_CLI_DATA)
-    split = {"validation_fraction": 0.2, "test_fraction": 0.2, "public_fraction": 0.0, "seed": 0}
-    prepared = train_data.prepare_data(str(data), str(tmp_path / "data"), split, 4, [])
+    split = {
+        "validation_fraction": 0.2,
+        "test_fraction": 0.2,
+        "public_fraction": 0.0,
+        "seed": 0,
+        "mode": splits.AUTO,  # leaves its mode check beside the summary
+    }
+    prepared = train_data.prepare_data(str(data), prepared_dir, split, 4, [])
     assert os.listdir(prepared.partition_dir)
-    assert train_data.DATA_LAYOUT.foreign_entry(str(tmp_path / "data")) is None
+    assert os.path.exists(os.path.join(prepared_dir, "split", splits.MODE_CHECK_FILE))
+    assert train_data.DATA_LAYOUT.foreign_entry(prepared_dir) is None
+    # A split or partition killed midway leaves its spill files (the spill folders of
+    # every split mode included); a restart must be free to remove them.
+    spill_dirs = [
+        os.path.join(prepared_dir, "split", spill.SPILL_DIR),
+        *(
+            os.path.join(prepared_dir, "split", f"{mode}.{spill.SPILL_DIR}")
+            for mode in splits.MODES
+        ),
+        os.path.join(prepared_dir, "partition", partition_job.SPILL_DIR),
+    ]
+    for spill_dir in spill_dirs:
+        os.makedirs(spill_dir)
+        files = spill.SpillFiles(spill_dir)
+        files.append("records", b"a record")
+        files.append("shard-00003", b"a record")
+        files.close()
+    assert train_data.DATA_LAYOUT.foreign_entry(prepared_dir) is None
+    mine = os.path.join(spill_dirs[-1], "notes.txt")
+    open(mine, "w").close()
+    assert train_data.DATA_LAYOUT.foreign_entry(prepared_dir) == mine
+    os.remove(mine)
+    owned_files.remove_tree(prepared_dir, train_data.DATA_LAYOUT)
+    assert not os.path.exists(prepared_dir)
 
 
 def test_a_users_file_in_an_old_checkpoint_stops_pruning_and_survives(tmp_path, tff_runtime):
