@@ -19,8 +19,10 @@ cap's size, as the paper's T = 512 is below its cluster's; the released center's
 norm σ·Δ·√d is then close to the paper's. One more arm keeps the paper's ρ = 1.3 as it
 is (same T and σ, so the same ε), and one more scores the released centers as plain head
 rows, s·cos θ (`shared_negatives.logit: row`, the product's scoring before issue 42),
-for comparison with the cap margin. `margin_coverage_at_end` records the same reach
-under each arm's trained backbone.
+for comparison with the cap margin. Two more arms train with the paper's own loss,
+ArcFace (s·cos(θ_y + m), m = 0.5 as ArcFace publishes, at the CosFace arms' scale s):
+FedAvg, and PrivacyFace with the cap margin. `margin_coverage_at_end` records the same
+reach under each arm's trained backbone.
 
 Each round, for every silo, from the same global backbone:
 
@@ -68,7 +70,7 @@ import tensorflow_federated as tff
 
 from beam_jobs import partition
 from bench import bench_training
-from tff_algorithms.config import job_config
+from tff_algorithms.config import client_config, job_config
 from tff_algorithms.evaluation import scoring as evaluation
 from tff_algorithms.federated import client_work, local_training
 from tff_algorithms.modeling import export, models
@@ -108,6 +110,10 @@ PRIVACYFACE = "privacyface"
 NOISELESS = "privacyface, no noise"
 PAPER_MARGIN = "privacyface, paper's margin 1.3"
 PLAIN_ROW = "privacyface, plain-row logit"
+FEDAVG_ARCFACE = "fedavg, arcface"
+PRIVACYFACE_ARCFACE = "privacyface, arcface"
+# ArcFace's published additive angular margin (the paper's other loss).
+ARCFACE_MARGIN = 0.5
 _QUERY_SEED, _NOISE_SEED = 11, 12
 _MARGINS = (0.5, 0.7, 1.0, 1.3)
 
@@ -154,18 +160,22 @@ class _Silos:
             shuffle_buffer=largest,
             shared_negative_rows=negative_rows,
         )
-        # One traced trainer per cap angle ρ of the negatives' logits (0: plain rows).
-        self._trains: dict[float, object] = {}
+        # One traced trainer per head loss and cap angle ρ of the negatives' logits
+        # (0: plain rows).
+        self._trains: dict[tuple[client_config.HeadLossConfig, float], object] = {}
         self._backbone = models.build_backbone(self.backbone_config)
 
-    def _train(self, negative_cap: float):  # noqa: ANN202 - a tf.function
-        if negative_cap not in self._trains:
-            config = dataclasses.replace(self.client_config, shared_negative_cap=negative_cap)
+    def _train(self, head_loss: client_config.HeadLossConfig, negative_cap: float):  # noqa: ANN202 - a tf.function
+        key = (head_loss, negative_cap)
+        if key not in self._trains:
+            config = dataclasses.replace(
+                self.client_config, head_loss=head_loss, shared_negative_cap=negative_cap
+            )
             trainer = local_training.LocalTrainer(
                 lambda: models.build_backbone(self.backbone_config), config, None
             )
-            self._trains[negative_cap] = tf.function(trainer.train)
-        return self._trains[negative_cap]
+            self._trains[key] = tf.function(trainer.train)
+        return self._trains[key]
 
     def class_centers(self, weights: tff.learning.models.ModelWeights, silo: int) -> np.ndarray:
         """[identities, d]: each identity's mean unit embedding, normalised (sorted names)."""
@@ -189,9 +199,11 @@ class _Silos:
         round_num: int,
         negatives: np.ndarray,
         negative_cap: float,
+        head_loss: client_config.HeadLossConfig,
     ) -> tuple[list[np.ndarray], float]:
-        """The silo's backbone update (initial − final) from the product's client loop,
-        the negatives' logits capped at angle `negative_cap`, and its mean local loss."""
+        """The silo's backbone update (initial − final) from the product's client loop
+        under `head_loss`, the negatives' logits capped at angle `negative_cap`, and its
+        mean local loss."""
         data = self.data[silo]
         examples = tf.data.Dataset.from_tensor_slices(
             {"image": data["images"], "identity": data["identities"]}
@@ -208,7 +220,7 @@ class _Silos:
             trainable=[tf.constant(w) for w in weights.trainable],
             non_trainable=[tf.constant(w) for w in weights.non_trainable],
         )
-        result, measurements = self._train(negative_cap)(initial, dataset, state)
+        result, measurements = self._train(head_loss, negative_cap)(initial, dataset, state)
         if int(measurements["reported"]) != 1:
             raise RuntimeError(f"silo {silo} dropped in round {round_num}: {measurements}")
         return [t.numpy() for t in result.update], float(measurements["loss"])
@@ -262,11 +274,14 @@ def train(
     noise_multiplier: float | None,
     margin: float,
     cap_margin: bool = True,
+    head_loss: client_config.HeadLossConfig | None = None,
 ) -> tuple[tff.learning.models.ModelWeights, list[dict], list[float]]:
-    """M rounds of FedAvg over all silos; with `noise_multiplier` (None: FedAvg alone)
-    each silo releases DPLC centers of margin `margin` before every round, which the
-    other silos score with the cap margin at that ρ (`cap_margin`; else as plain head
-    rows). Returns (weights, diagnostics, the silos' mean local loss by round)."""
+    """M rounds of FedAvg over all silos under `head_loss` (None: the config's); with
+    `noise_multiplier` (None: FedAvg alone) each silo releases DPLC centers of margin
+    `margin` before every round, which the other silos score with the cap margin at
+    that ρ (`cap_margin`; else as plain head rows). Returns (weights, diagnostics, the
+    silos' mean local loss by round)."""
+    head_loss = head_loss or silos.client_config.head_loss
     c, q, d = len(silos.data), sizes["num_clusters"], silos.backbone_config.embedding_size
     weights = initial
     previous: list[np.ndarray | None] = [None] * c
@@ -309,7 +324,7 @@ def train(
         for s in range(c):
             negatives = np.concatenate([released[k] for k in range(c) if k != s])
             cap = margin if cap_margin and noise_multiplier is not None else 0.0
-            update, loss = silos.local_update(weights, s, round_num, negatives, cap)
+            update, loss = silos.local_update(weights, s, round_num, negatives, cap, head_loss)
             updates.append(update)
             round_losses.append(loss)
         losses.append(float(np.mean(round_losses)))
@@ -338,17 +353,21 @@ def run(out_dir: str, quick: bool) -> dict:
     )
     coverage = _mean_coverage(silos, start)
     z = noise_multiplier_for(PAPER_EPSILON_PER_RELEASE, DELTA)
+    cosface = silos.client_config.head_loss
+    arcface = dataclasses.replace(cosface, loss=client_config.ARCFACE, margin=ARCFACE_MARGIN)
     arms = {
-        FEDAVG: (None, sizes["margin"], True),
-        PRIVACYFACE: (z, sizes["margin"], True),
-        NOISELESS: (0.0, sizes["margin"], True),
-        PAPER_MARGIN: (z, 1.3, True),
-        PLAIN_ROW: (z, sizes["margin"], False),
+        FEDAVG: (None, sizes["margin"], True, cosface),
+        PRIVACYFACE: (z, sizes["margin"], True, cosface),
+        NOISELESS: (0.0, sizes["margin"], True, cosface),
+        PAPER_MARGIN: (z, 1.3, True, cosface),
+        PLAIN_ROW: (z, sizes["margin"], False, cosface),
+        FEDAVG_ARCFACE: (None, sizes["margin"], True, arcface),
+        PRIVACYFACE_ARCFACE: (z, sizes["margin"], True, arcface),
     }
     models_dirs, diagnostics, coverage_at_end, losses = {}, {}, {}, {}
-    for name, (noise, margin, cap_margin) in arms.items():
+    for name, (noise, margin, cap_margin, head_loss) in arms.items():
         weights, diagnostics[name], losses[name] = train(
-            silos, start, sizes, noise, margin, cap_margin
+            silos, start, sizes, noise, margin, cap_margin, head_loss
         )
         coverage_at_end[name] = _mean_coverage(silos, weights)
         models_dirs[name] = export.export_serving_model(
@@ -357,6 +376,12 @@ def run(out_dir: str, quick: bool) -> dict:
         print(f"bench_privacyface_silos: trained {name}", flush=True)
     models_dirs["public-pretrained start"] = pretrained.saved_model_dir
     compared = evaluation.compare_saved_models(models_dirs, data[1], sizes["bootstrap"])
+    # The ArcFace release arm against ArcFace FedAvg, on the same resamples (same seed).
+    arcface_pair = evaluation.compare_saved_models(
+        {name: models_dirs[name] for name in (FEDAVG_ARCFACE, PRIVACYFACE_ARCFACE)},
+        data[1],
+        sizes["bootstrap"],
+    )
     identities = min(len(np.unique(s["identities"])) for s in silo_data)
     sensitivity = dplc.dplc_sensitivity(
         rho=sizes["margin"], cluster_size=sizes["cluster_size"], public_queries=True
@@ -384,6 +409,7 @@ def run(out_dir: str, quick: bool) -> dict:
             "head_learning_rate_scale": config.resolved_head_lr_scale,
             "trainable_layers": list(config.trainable_layers),
             "head_loss": config.head_loss,
+            "head_loss_by_arm": {name: dataclasses.asdict(arm[3]) for name, arm in arms.items()},
             "server": "FedAvg, plain average of the silos' backbone updates",
             "held_out_identities": compared[FEDAVG]["identities"],
         },
@@ -433,16 +459,23 @@ def run(out_dir: str, quick: bool) -> dict:
             }
             for name, r in compared.items()
         },
-        # Each arm minus FedAvg, on the same bootstrap resamples (compare_saved_models gives
-        # the first model minus each other one; the sign is turned).
-        "paired_minus_fedavg": {
-            name: {
-                far: {
-                    "difference": 0.0 - gain["difference"],  # 0.0 - x: never -0.0
-                    "interval": [0.0 - gain["interval"][1], 0.0 - gain["interval"][0]],
-                }
-                for far, gain in gains.items()
+        # Each arm minus FedAvg (CosFace), and the ArcFace release arm minus ArcFace
+        # FedAvg, on the same bootstrap resamples.
+        "paired_minus_fedavg": _minus_first(compared[FEDAVG]["versus"]),
+        "paired_minus_fedavg_arcface": _minus_first(arcface_pair[FEDAVG_ARCFACE]["versus"]),
+    }
+
+
+def _minus_first(versus: Mapping) -> dict:
+    """compare_saved_models' "versus" (the first model minus each other one), turned
+    into each other model minus the first."""
+    return {
+        name: {
+            far: {
+                "difference": 0.0 - gain["difference"],  # 0.0 - x: never -0.0
+                "interval": [0.0 - gain["interval"][1], 0.0 - gain["interval"][0]],
             }
-            for name, gains in compared[FEDAVG]["versus"].items()
-        },
+            for far, gain in gains.items()
+        }
+        for name, gains in versus.items()
     }
