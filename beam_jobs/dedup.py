@@ -31,7 +31,7 @@ batch, so no worker holds a whole side.
 Only the candidate side (train, public) ever loses records; reference records (the
 evaluation splits, the private data) pass through untouched. Users or identities on both
 sides are an error, except those the split mode shares between the splits compared
-(beam_jobs.splits.PROTOCOLS: users in mode identity, identities in held_out_images,
+(beam_jobs.split_protocols.PROTOCOLS: users in mode identity, identities in held_out_images,
 `run_dedup`'s `split_mode`). A dedup that would
 remove more than `max_removed_fraction` of a candidate split stops the job after writing
 its report (`run_dedup`): that many near duplicates is more often a threshold wrong for
@@ -47,7 +47,7 @@ import pickle
 import apache_beam as beam
 import tensorflow as tf
 
-from beam_jobs import copy_evidence, records_io, spill, splits
+from beam_jobs import copy_evidence, records_io, spill, split_protocols
 from beam_jobs import dedup_batches as batches
 from beam_jobs import near_duplicates as nd
 from beam_jobs.dedup_batches import EXACT, NEAR
@@ -484,7 +484,7 @@ def run_dedup(
     out_dir: str,
     config: DedupConfig,
     beam_args=None,
-    split_mode: str = splits.IDENTITY_AND_USER,
+    split_mode: str = split_protocols.IDENTITY_AND_USER,
 ) -> dict:
     """Dedups SPLIT_DIR/<split>/records-* into OUT_DIR/<split>/records-*.
 
@@ -493,22 +493,22 @@ def run_dedup(
     copied unchanged. Writes OUT_DIR/dedup_report.json and returns it; raises DedupRefused
     (its record shards removed, the report kept) when a split would lose more than
     `config.max_removed_fraction`. `split_mode`: the mode the splits were made by
-    (beam_jobs.splits.MODES), which says which ids both sides may hold.
+    (beam_jobs.split_protocols.MODES), which says which ids both sides may hold.
     """
-    protocol = splits.PROTOCOLS[split_mode]
+    protocol = split_protocols.PROTOCOLS[split_mode]
     present = [
         s
-        for s in splits.SPLIT_PRIORITY
+        for s in split_protocols.SPLIT_PRIORITY
         if tf.io.gfile.glob(records_io.records_pattern(os.path.join(split_dir, s)))
     ]
-    for required in (splits.TRAIN, *splits.EVALUATION_SPLITS):
+    for required in (split_protocols.TRAIN, *split_protocols.EVALUATION_SPLITS):
         if required not in present:
             raise ValueError(f"dedup needs a {required} split under {split_dir}")
     report_path = os.path.join(out_dir, REPORT_FILE)
     # Counted before the job (a pass over the record framing): the probed side and the
     # report's sizes are then constants, not stages of the job.
     sizes = {s: records_io.count_records(os.path.join(split_dir, s)) for s in present}
-    evaluation_size = sum(sizes[s] for s in splits.EVALUATION_SPLITS)
+    evaluation_size = sum(sizes[s] for s in split_protocols.EVALUATION_SPLITS)
     spill_dir = os.path.join(out_dir, spill.SPILL_DIR)  # each comparison's, then removed
     with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
         data = {
@@ -518,40 +518,42 @@ def run_dedup(
         # Each split is decoded and fingerprinted once, whatever it is compared with.
         prints = {s: data[s] | f"Fingerprint{s}" >> Fingerprint(config) for s in present}
         fps = {s: out["fingerprints"] for s, out in prints.items()}
-        evaluation = [fps[s] for s in splits.EVALUATION_SPLITS] | "Evaluation" >> beam.Flatten()
+        evaluation = [
+            fps[s] for s in split_protocols.EVALUATION_SPLITS
+        ] | "Evaluation" >> beam.Flatten()
         train = {
-            "candidates": fps[splits.TRAIN],
+            "candidates": fps[split_protocols.TRAIN],
             "reference": evaluation,
-            "records": prints[splits.TRAIN]["records"],
+            "records": prints[split_protocols.TRAIN]["records"],
         } | "TrainVsEvaluation" >> Deduplicate(
             config,
             "train_vs_evaluation",
-            (splits.TRAIN, "/".join(splits.EVALUATION_SPLITS)),
-            {_CANDIDATE: sizes[splits.TRAIN], _REFERENCE: evaluation_size},
+            (split_protocols.TRAIN, "/".join(split_protocols.EVALUATION_SPLITS)),
+            {_CANDIDATE: sizes[split_protocols.TRAIN], _REFERENCE: evaluation_size},
             protocol.shared_across_splits,
             os.path.join(spill_dir, "train_vs_evaluation"),
         )
         reports = [train["report"]]
-        outputs = {splits.TRAIN: train["kept"]}
-        if splits.PUBLIC in present:
-            private = (splits.TRAIN, *splits.EVALUATION_SPLITS)
+        outputs = {split_protocols.TRAIN: train["kept"]}
+        if split_protocols.PUBLIC in present:
+            private = (split_protocols.TRAIN, *split_protocols.EVALUATION_SPLITS)
             public = {
-                "candidates": fps[splits.PUBLIC],
+                "candidates": fps[split_protocols.PUBLIC],
                 "reference": [fps[s] for s in private] | "Private" >> beam.Flatten(),
-                "records": prints[splits.PUBLIC]["records"],
+                "records": prints[split_protocols.PUBLIC]["records"],
             } | "PublicVsPrivate" >> Deduplicate(
                 config,
                 "public_vs_private",
-                (splits.PUBLIC, "/".join(private)),
+                (split_protocols.PUBLIC, "/".join(private)),
                 {
-                    _CANDIDATE: sizes[splits.PUBLIC],
-                    _REFERENCE: evaluation_size + sizes[splits.TRAIN],
+                    _CANDIDATE: sizes[split_protocols.PUBLIC],
+                    _REFERENCE: evaluation_size + sizes[split_protocols.TRAIN],
                 },
                 protocol.shared_with_public,
                 os.path.join(spill_dir, "public_vs_private"),
             )
             reports.append(public["report"])
-            outputs[splits.PUBLIC] = public["kept"]
+            outputs[split_protocols.PUBLIC] = public["kept"]
         for split_name, records in outputs.items():
             _ = records | f"Write{split_name}" >> records_io.WriteRecords(
                 os.path.join(out_dir, split_name)
@@ -573,7 +575,7 @@ def run_dedup(
             records_io.remove_records(os.path.join(out_dir, split_name))
         raise DedupRefused(max(refused, key=lambda s: s["removed_fraction"]), report_path)
     # The evaluation splits lose nothing: copied as files, not through the job.
-    for split_name in splits.EVALUATION_SPLITS:
+    for split_name in split_protocols.EVALUATION_SPLITS:
         records_io.copy_records(
             os.path.join(split_dir, split_name), os.path.join(out_dir, split_name)
         )

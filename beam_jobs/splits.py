@@ -1,57 +1,17 @@
 """Splits of the private records into train, validation, test (and public), streamed and
-deterministic: the split protocol every job, component and text imports (docs/design.md section 3).
+deterministic: the Beam job of the split protocol in `beam_jobs.split_protocols` (split
+names, modes, `SplitConfig` and the assignment of an identity or a user to a split; its
+docstring says what each mode does), docs/design.md section 3.
 
-Each identity or user goes to a split by a keyed hash of (seed, name), so the assignment
-needs no global state and is the same on every worker and run. Which is hashed depends on
-`SplitConfig.mode`, one of the evaluation protocols of the paper's benchmarks (Table 3):
-
-identity_and_user (faces: one identity per user): each identity goes to a split; a user
-  goes to the most protected split among their identities' splits (test, then
-  validation, then train, then public) and keeps only the records whose identity is in
-  that split; the rest are dropped and counted. Evaluation identities and their users
-  never appear in training; no user and no identity is in two splits.
-identity (EMNIST: every writer writes every character): each identity goes to a split
-  and every record goes to its identity's split, so a user can be in training with some
-  identities and in evaluation with others; evaluation identities never appear in
-  training. Nothing is dropped.
-held_out_images (landmarks, species: photographers share them): each user goes to a split
-  with all their records, so evaluation users never appear in training; evaluation is
-  on their images of identities the training users hold too (records of identities no
-  training user holds are dropped and counted). Its evaluation counts a pair of images of
-  one identity as genuine only when two different users took them
-  (tff_algorithms.evaluation.metrics, genuine pairs across users).
-auto: identity_and_user when no identity is held by two users; otherwise `run_split`
-  stops with one line naming the modes and the records each would keep.
-
-`public_fraction` moves whole users to the public split (for non-private pretraining) in
-every mode: in identity_and_user as the users of public identities, in the other modes
-by a hash of the user. A user holding any private record never has a record in the public
-split; in identity mode a public user's records of evaluation identities go to their
-evaluation split (evaluation identities stay apart from all training, public included).
-
-A split that would drop more than `max_dropped_fraction` of the private records stops
-(`SplitRefused`, after writing the summary): silently training on a sliver of the data
-is the failure this guards against.
-
-Public data usually comes from elsewhere (the paper pretrains on ImageNet, a different
-domain from the private users' faces): records from separate public sources go whole to
-the public split, grouped apart from the private sources' users, so a public record
-never moves a private user and a private record never becomes public. Their user and
-identity names get the prefix `PUBLIC_SOURCE_PREFIX`: names from separate sources are
-unrelated, and unprefixed they could collide with private ones (which dedup, rightly,
-refuses as a split that is not disjoint).
-
-Evaluation data may come from elsewhere too (mode held_out_images only, where a data set
-such as TFF's Landmarks ships its own test split): with `evaluation_inputs` the records
-of separate evaluation sources go to the test split and nowhere else (the private users
-then fill train and validation: `test_fraction` must be 0). Their user names get the
-prefix `EVALUATION_SOURCE_PREFIX`, their identities stay as they are (the protocol
-evaluates training identities), and those of identities no training user holds are
-dropped and counted apart (`evaluation_unseen_identity`), outside the private drop guard.
+`SplitRecords` groups the records by user (spilled to disk, `beam_jobs.spill`), assigns
+them by `config.mode`, drops and counts what the mode drops, and summarises each split;
+`run_split` reads and writes the records, resolves mode auto first (`resolve_mode`) and
+stops with `split_protocols.SplitRefused` when the split would drop more than
+`max_dropped_fraction` of the private records (after writing the summary, with the
+split's records removed).
 """
 
 import dataclasses
-import hashlib
 import math
 import os
 from collections.abc import Iterable
@@ -59,203 +19,46 @@ from collections.abc import Iterable
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
-from beam_jobs import records_io, schema, spill
+from beam_jobs import records_io, schema, spill, split_protocols
 
-TRAIN = "train"
-VALIDATION = "validation"
-TEST = "test"
-PUBLIC = "public"
-# Most protected first: a user with identities in several splits goes to the first.
-SPLIT_PRIORITY = (TEST, VALIDATION, TRAIN, PUBLIC)
-EVALUATION_SPLITS = (VALIDATION, TEST)
-# Names of records from separate public sources, in the public split.
-PUBLIC_SOURCE_PREFIX = "public:"
-# User names of records from separate evaluation sources, in the test split.
-EVALUATION_SOURCE_PREFIX = "evaluation:"
 # Where a record comes from: the private users, a public or an evaluation source.
 _PRIVATE_SOURCE, _PUBLIC_SOURCE, _EVALUATION_SOURCE = "private", "public", "evaluation"
 
-IDENTITY_AND_USER = "identity_and_user"
-IDENTITY = "identity"
-HELD_OUT_IMAGES = "held_out_images"
-AUTO = "auto"
-MODES = (IDENTITY_AND_USER, IDENTITY, HELD_OUT_IMAGES)
-
-
-@dataclasses.dataclass(frozen=True)
-class Protocol:
-    """What a split mode means, in the words the privacy text, report and model card use."""
-
-    evaluation: str  # which records are evaluated
-    outside_guarantee: str  # whose records the private training never touches
-    recall_measures: str  # what recall@FAR of the evaluation measures
-    # Dedup's id kinds ("user", "identity") that may be on both sides of train vs
-    # evaluation, and of public vs private, in this mode.
-    shared_across_splits: tuple[str, ...]
-    shared_with_public: tuple[str, ...]
-
-
-PROTOCOLS = {
-    IDENTITY_AND_USER: Protocol(
-        evaluation="held-out identities and their users, none of them in training",
-        outside_guarantee=(
-            "evaluation users' records are never trained on; a user holding identities of "
-            "several splits keeps only those of the most protected one (the rest are dropped)"
-        ),
-        recall_measures="how well the model tells apart identities and users it never saw",
-        shared_across_splits=(),
-        shared_with_public=(),
-    ),
-    IDENTITY: Protocol(
-        evaluation=(
-            "held-out identities; their users may be training users (with other identities)"
-        ),
-        outside_guarantee=(
-            "each user's records of evaluation identities are never trained on; the "
-            "guarantee covers their training records, and the evaluation measures the model "
-            "on users it was trained on"
-        ),
-        recall_measures=(
-            "how well the model tells apart identities it never saw, written or taken by "
-            "users it may have trained on"
-        ),
-        shared_across_splits=("user",),
-        # Public users hold training identities, and their evaluation identities' records
-        # are in the evaluation splits.
-        shared_with_public=("user", "identity"),
-    ),
-    HELD_OUT_IMAGES: Protocol(
-        evaluation="held-out users' images of identities the training users hold too",
-        outside_guarantee=(
-            "evaluation users' records are never trained on; the identities they show are "
-            "training identities"
-        ),
-        recall_measures=(
-            "how well the model recognises training identities in images of users it never "
-            "saw (genuine pairs: two images of one identity by two different evaluation users; "
-            "impostor pairs: any two images of different identities)"
-        ),
-        shared_across_splits=("identity",),
-        shared_with_public=("identity",),
-    ),
-}
-
 SUMMARY_FILE = "split_summary.json"
+MODE_CHECK_FILE = "split_mode_check.json"
 # Summary key: {distinct identities a training user holds: users holding that many}, the
 # partition's `identities_per_user` known at the split, so a local head too small for
 # them stops the run before dedup and pretraining (tff_algorithms.jobs.local_heads).
 TRAIN_IDENTITIES_PER_USER = "train_identities_per_user"
 METRICS_NAMESPACE = "dp_fedemb.split"
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitConfig:
-    """Fractions per split (of identities or users, by `mode`); train takes the rest.
-
-    public_inputs: records from separate public sources are given too (they all go
-    to the public split, which then exists even when public_fraction is 0).
-    max_dropped_fraction: `run_split` stops when the split would drop more than this
-    share of the private records.
-    """
-
-    validation_fraction: float = 0.1
-    test_fraction: float = 0.1
-    public_fraction: float = 0.0
-    seed: int = 0
-    public_inputs: bool = False
-    mode: str = IDENTITY_AND_USER
-    max_dropped_fraction: float = 0.1
-    evaluation_inputs: bool = False
-
-    def __post_init__(self) -> None:
-        fractions = (self.validation_fraction, self.test_fraction, self.public_fraction)
-        if any(f < 0 for f in fractions) or sum(fractions) >= 1.0:
-            raise ValueError(
-                f"split fractions must be >= 0 and leave room for train, got {fractions}"
-            )
-        if self.mode not in (AUTO, *MODES):
-            raise ValueError(
-                f"split mode must be one of {', '.join((AUTO, *MODES))}, got {self.mode!r}"
-            )
-        if not 0.0 <= self.max_dropped_fraction <= 1.0:
-            raise ValueError(
-                f"max dropped fraction must be in [0, 1], got {self.max_dropped_fraction}"
-            )
-        if self.evaluation_inputs and self.mode != HELD_OUT_IMAGES:
-            raise ValueError(
-                f"evaluation inputs need split mode {HELD_OUT_IMAGES} (their images are of "
-                f"training identities), got {self.mode!r}"
-            )
-        if self.evaluation_inputs and self.test_fraction:
-            raise ValueError(
-                "with evaluation inputs the test split is theirs: the test fraction of the "
-                f"private users must be 0, got {self.test_fraction}"
-            )
-
-    @property
-    def splits(self) -> tuple[str, ...]:
-        has_public = self.public_fraction > 0 or self.public_inputs
-        present = {TRAIN, VALIDATION, TEST} | ({PUBLIC} if has_public else set())
-        return tuple(s for s in SPLIT_PRIORITY if s in present)
-
-
-MODE_CHECK_FILE = "split_mode_check.json"
 # Drop reason of evaluation sources' records of identities no training user holds.
 EVALUATION_UNSEEN_IDENTITY = "evaluation_unseen_identity"
 
 
-class SplitRefused(ValueError):
-    """A split that would drop more than `max_dropped_fraction` of the private records,
-    or mode auto on data whose users share identities."""
-
-
-def _unit_interval(seed: int, key: str) -> float:
-    digest = hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2.0**64
-
-
-def _band(seed: int, key: str, bands: tuple[tuple[str, float], ...]) -> str:
-    u = _unit_interval(seed, key)
-    for split, fraction in bands:
-        if u < fraction:
-            return split
-        u -= fraction
-    return TRAIN
-
-
-def identity_split(identity: str, config: SplitConfig) -> str:
-    """The split of an identity (modes identity_and_user and identity): a pure function
-    of (seed, identity). Only identity_and_user gives identities to the public split."""
-    bands = ((TEST, config.test_fraction), (VALIDATION, config.validation_fraction))
-    if config.mode in (IDENTITY_AND_USER, AUTO):
-        bands += ((PUBLIC, config.public_fraction),)
-    return _band(config.seed, identity, bands)
-
-
-def user_split(user_id: str, config: SplitConfig) -> str:
-    """The split of a user (modes identity and held_out_images): a pure function of
-    (seed, user). In identity mode it says only whether the user is public."""
-    bands = ((PUBLIC, config.public_fraction),)
-    if config.mode == HELD_OUT_IMAGES:
-        bands = ((TEST, config.test_fraction), (VALIDATION, config.validation_fraction), *bands)
-    # Keyed apart from identities: a user and an identity of one name hash independently.
-    return _band(config.seed, "user\x00" + user_id, bands)
-
-
-def _record_splits(user_id: str, serialized_records: Iterable[bytes], config: SplitConfig):
-    """(split, record) of one private user's records, before any drop."""
-    if config.mode == HELD_OUT_IMAGES:
-        split = user_split(user_id, config)
+def _record_splits(
+    user_id: str, serialized_records: Iterable[bytes], config: split_protocols.SplitConfig
+):
+    """(split, record) of one private user's records, before any drop. Here rather than in
+    `split_protocols`: it parses the records (`schema`, which imports TensorFlow)."""
+    if config.mode == split_protocols.HELD_OUT_IMAGES:
+        split = split_protocols.user_split(user_id, config)
         return [(split, s) for s in serialized_records]
-    public_user = config.mode == IDENTITY and user_split(user_id, config) == PUBLIC
+    public_user = (
+        config.mode == split_protocols.IDENTITY
+        and split_protocols.user_split(user_id, config) == split_protocols.PUBLIC
+    )
     assigned = []
     for serialized in serialized_records:
-        split = identity_split(schema.parse(serialized).identity, config)
-        assigned.append((PUBLIC if public_user and split == TRAIN else split, serialized))
+        split = split_protocols.identity_split(schema.parse(serialized).identity, config)
+        if public_user and split == split_protocols.TRAIN:
+            split = split_protocols.PUBLIC
+        assigned.append((split, serialized))
     return assigned
 
 
-def _assign_user(user_records: tuple[tuple[str, str], Iterable[bytes]], config: SplitConfig):
+def _assign_user(
+    user_records: tuple[tuple[str, str], Iterable[bytes]], config: split_protocols.SplitConfig
+):
     (source, user_id), serialized_records = user_records
     if source != _PRIVATE_SOURCE:
         public = source == _PUBLIC_SOURCE
@@ -263,19 +66,30 @@ def _assign_user(user_records: tuple[tuple[str, str], Iterable[bytes]], config: 
             record = schema.parse(serialized)
             renamed = dataclasses.replace(
                 record,
-                user_id=(PUBLIC_SOURCE_PREFIX if public else EVALUATION_SOURCE_PREFIX)
+                user_id=(
+                    split_protocols.PUBLIC_SOURCE_PREFIX
+                    if public
+                    else split_protocols.EVALUATION_SOURCE_PREFIX
+                )
                 + record.user_id,
-                identity=PUBLIC_SOURCE_PREFIX + record.identity if public else record.identity,
+                identity=split_protocols.PUBLIC_SOURCE_PREFIX + record.identity
+                if public
+                else record.identity,
             )
-            yield beam.pvalue.TaggedOutput(PUBLIC if public else TEST, schema.serialize(renamed))
+            yield beam.pvalue.TaggedOutput(
+                split_protocols.PUBLIC if public else split_protocols.TEST,
+                schema.serialize(renamed),
+            )
         return
     assigned = _record_splits(user_id, serialized_records, config)
     yield beam.pvalue.TaggedOutput("input", len(assigned))
-    if config.mode != IDENTITY_AND_USER:
+    if config.mode != split_protocols.IDENTITY_AND_USER:
         for split, serialized in assigned:
             yield beam.pvalue.TaggedOutput(split, serialized)
         return
-    user_split_ = next(s for s in SPLIT_PRIORITY if any(s == split for split, _ in assigned))
+    user_split_ = next(
+        s for s in split_protocols.SPLIT_PRIORITY if any(s == split for split, _ in assigned)
+    )
     dropped = sum(split != user_split_ for split, _ in assigned)
     if dropped:
         Metrics.counter(METRICS_NAMESPACE, "dropped_cross_split").inc(dropped)
@@ -295,7 +109,10 @@ def _seen_in_training(item, split: str):
             yield beam.pvalue.TaggedOutput(split, serialized)
         return
     # Counted apart: evaluation sources' records are no private records to guard.
-    evaluation = sum(schema.parse(s).user_id.startswith(EVALUATION_SOURCE_PREFIX) for s in records)
+    evaluation = sum(
+        schema.parse(s).user_id.startswith(split_protocols.EVALUATION_SOURCE_PREFIX)
+        for s in records
+    )
     for reason, count in (
         ("unseen_identity", len(records) - evaluation),
         (EVALUATION_UNSEEN_IDENTITY, evaluation),
@@ -314,7 +131,7 @@ def _split_summary(
     counts: dict[tuple[str, str], int],
     dropped: dict[str, int],
     identities_per_user: dict[str, int],
-    config: SplitConfig,
+    config: split_protocols.SplitConfig,
 ) -> dict:
     private_dropped = {r: n for r, n in dropped.items() if r != EVALUATION_UNSEEN_IDENTITY}
     return {
@@ -347,10 +164,12 @@ class SplitRecords(beam.PTransform):
     (`spill.SpillByKey`; default `spill.folder`), removed once the summary is made.
     """
 
-    def __init__(self, config: SplitConfig, spill_dir: str | None = None):
+    def __init__(self, config: split_protocols.SplitConfig, spill_dir: str | None = None):
         super().__init__()
-        if config.mode not in MODES:
-            raise ValueError(f"SplitRecords needs a mode of {MODES}, got {config.mode!r}")
+        if config.mode not in split_protocols.MODES:
+            raise ValueError(
+                f"SplitRecords needs a mode of {split_protocols.MODES}, got {config.mode!r}"
+            )
         self._config = config
         self._spill_dir = spill_dir
 
@@ -389,14 +208,14 @@ class SplitRecords(beam.PTransform):
         )
         outputs = {split: assigned[split] for split in config.splits}
         dropped = [assigned["dropped"]]
-        if config.mode == HELD_OUT_IMAGES:
+        if config.mode == split_protocols.HELD_OUT_IMAGES:
             trained = (
-                outputs[TRAIN]
+                outputs[split_protocols.TRAIN]
                 | "TrainIdentities" >> beam.Map(lambda s: schema.parse(s).identity)
                 | "DistinctTrainIdentities" >> beam.Distinct()
                 | "KeyTrainIdentities" >> beam.Map(lambda identity: (identity, True))
             )
-            for split in EVALUATION_SPLITS:
+            for split in split_protocols.EVALUATION_SPLITS:
                 seen = (
                     {
                         "records": outputs[split]
@@ -443,7 +262,7 @@ class SplitRecords(beam.PTransform):
             | "DroppedDict" >> beam.combiners.ToDict()
         )
         identities_per_user = (
-            outputs[TRAIN]
+            outputs[split_protocols.TRAIN]
             | "TrainUserIdentity" >> beam.Map(_user_and_identity)
             | "DistinctTrainUserIdentity" >> beam.Distinct()
             | "TrainUsers" >> beam.Keys()
@@ -487,7 +306,9 @@ def _shared_identities(records) -> beam.PCollection:
     )
 
 
-def resolve_mode(input_dir: str, out_dir: str, config: SplitConfig, beam_args=None) -> str:
+def resolve_mode(
+    input_dir: str, out_dir: str, config: split_protocols.SplitConfig, beam_args=None
+) -> str:
     """The mode auto stands for on the records of INPUT_DIR: identity_and_user when no
     identity is held by two users; otherwise SplitRefused naming the modes and the
     records each would keep (counted by a second pass, only then). The counts are left
@@ -504,7 +325,7 @@ def resolve_mode(input_dir: str, out_dir: str, config: SplitConfig, beam_args=No
     kinds = records_io.read_json(check_path)["identities"]
     shared = kinds.get("shared", 0)
     if not shared:
-        return IDENTITY_AND_USER
+        return split_protocols.IDENTITY_AND_USER
     with beam.Pipeline(options=options) as pipeline:
         records = pipeline | "Read" >> records_io.ReadRecords(input_dir)
         summaries = [
@@ -514,7 +335,7 @@ def resolve_mode(input_dir: str, out_dir: str, config: SplitConfig, beam_args=No
                 dataclasses.replace(config, mode=mode, public_inputs=False),
                 os.path.join(out_dir, f"{mode}.{spill.SPILL_DIR}"),
             )
-            for mode in MODES
+            for mode in split_protocols.MODES
         ]
         _ = (
             [split["summary"] for split in summaries]
@@ -537,17 +358,17 @@ def resolve_mode(input_dir: str, out_dir: str, config: SplitConfig, beam_args=No
     choices = "; ".join(
         f"{mode} keeps {check['kept_records'][mode]:,} of {total:,} records "
         f"({check['kept_records'][mode] / max(total, 1):.0%}), evaluating "
-        f"{PROTOCOLS[mode].evaluation}"
-        for mode in MODES
+        f"{split_protocols.PROTOCOLS[mode].evaluation}"
+        for mode in split_protocols.MODES
     )
-    raise SplitRefused(
+    raise split_protocols.SplitRefused(
         f"split.mode auto: {shared:,} of {shared + kinds.get('own', 0):,} identities are held "
         f"by more than one user, so the evaluation protocol is yours to choose: set "
         f"split.mode (dp-fedemb data split --mode) to one of: {choices}"
     )
 
 
-def _refuse_drops(summary: dict, config: SplitConfig) -> None:
+def _refuse_drops(summary: dict, config: split_protocols.SplitConfig) -> None:
     total, dropped = summary["input_records"], summary["dropped_records"]
     if dropped > config.max_dropped_fraction * total:
         fraction = dropped / total
@@ -555,8 +376,8 @@ def _refuse_drops(summary: dict, config: SplitConfig) -> None:
         reasons = ", ".join(
             f"{n:,} {r.replace('_', ' ')}" for r, n in summary["dropped_by_reason"].items()
         )
-        others = [m for m in MODES if m != config.mode]
-        raise SplitRefused(
+        others = [m for m in split_protocols.MODES if m != config.mode]
+        raise split_protocols.SplitRefused(
             f"split mode {config.mode} would drop {dropped:,} of {total:,} private records "
             f"({fraction:.1%}: {reasons}), over split.max_dropped_fraction "
             f"{config.max_dropped_fraction:g}; if users share identities set split.mode to "
@@ -569,7 +390,7 @@ def _refuse_drops(summary: dict, config: SplitConfig) -> None:
 def run_split(
     input_dir: str,
     out_dir: str,
-    config: SplitConfig,
+    config: split_protocols.SplitConfig,
     beam_args=None,
     public_input_dir: str | None = None,
     evaluation_input_dir: str | None = None,
@@ -589,7 +410,7 @@ def run_split(
             "run_split needs evaluation_input_dir exactly when config.evaluation_inputs is set"
         )
     requested = config.mode
-    if requested == AUTO:
+    if requested == split_protocols.AUTO:
         config = dataclasses.replace(
             config, mode=resolve_mode(input_dir, out_dir, config, beam_args)
         )
@@ -614,7 +435,7 @@ def run_split(
     summary = records_io.read_json(summary_path)
     try:
         _refuse_drops(summary, config)
-    except SplitRefused:
+    except split_protocols.SplitRefused:
         # Nothing downstream may train on a split that stopped; the summary stays.
         for name in config.splits:
             records_io.remove_records(os.path.join(out_dir, name))

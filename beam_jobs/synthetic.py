@@ -15,7 +15,7 @@ identities from the one pool of `identities`, popular ones far more often (Zipf-
 photographers meet landmarks and writers meet characters), and every (user, identity)
 holding gets `images_per_identity` images of its own: the data where users share
 identities, which the split modes `identity` and `held_out_images` are for
-(beam_jobs/splits.py).
+(beam_jobs/split_protocols.py).
 """
 
 import dataclasses

@@ -19,7 +19,16 @@ import time
 import tensorflow as tf
 from apache_beam import pvalue
 
-from beam_jobs import dedup, ingest, partition, partition_job, records_io, schema, splits, synthetic
+from beam_jobs import (
+    dedup,
+    ingest,
+    partition,
+    partition_job,
+    records_io,
+    schema,
+    split_protocols,
+    synthetic,
+)
 from beam_jobs import dedup_batches as batches
 from beam_jobs import near_duplicates as nd
 
@@ -28,7 +37,7 @@ from beam_jobs import near_duplicates as nd
 # pairs whose hashes share a band grow with the product of the sides on such uniform
 # data; see BENCHMARKS.md). Verification is the default's.
 _DEDUP_CONFIG = dedup.DedupConfig(num_bands=16, bits_per_band=20, max_shift=0, flipped_bits=0)
-_SPLIT_CONFIG = splits.SplitConfig(0.1, 0.1, seed=0)
+_SPLIT_CONFIG = split_protocols.SplitConfig(0.1, 0.1, seed=0)
 _NUM_SHARDS = 16
 
 
@@ -77,7 +86,8 @@ def _plain_dedup(split_dir: str, out_dir: str) -> int:
     """run_dedup's train-vs-evaluation work without Beam: the same batch steps, in a loop."""
     config = _DEDUP_CONFIG
     records = {
-        s: _read_records(os.path.join(split_dir, s)) for s in ("train", *splits.EVALUATION_SPLITS)
+        s: _read_records(os.path.join(split_dir, s))
+        for s in ("train", *split_protocols.EVALUATION_SPLITS)
     }
     sides = {batches.CANDIDATE: [], batches.REFERENCE: []}
     for name, items in records.items():
@@ -140,9 +150,9 @@ def _plain_dedup(split_dir: str, out_dir: str) -> int:
 def _write_split(records: list[bytes], split_dir: str) -> None:
     by_split = collections.defaultdict(list)
     for serialized in records:
-        by_split[splits.identity_split(schema.parse(serialized).identity, _SPLIT_CONFIG)].append(
-            serialized
-        )
+        by_split[
+            split_protocols.identity_split(schema.parse(serialized).identity, _SPLIT_CONFIG)
+        ].append(serialized)
     for name, items in by_split.items():
         os.makedirs(os.path.join(split_dir, name), exist_ok=True)
         with tf.io.TFRecordWriter(

@@ -16,7 +16,7 @@ import os
 import tempfile
 import time
 
-from beam_jobs import dedup, ingest, near_duplicates, splits, synthetic
+from beam_jobs import dedup, ingest, near_duplicates, split_protocols, splits, synthetic
 from pipeline import config as config_lib
 
 
@@ -49,7 +49,7 @@ def run(out_dir: str, quick: bool) -> dict:
         split_summary = splits.run_split(
             private_dir,
             split_dir,
-            splits.SplitConfig(**config.split_config_dict()),
+            split_protocols.SplitConfig(**config.split_config_dict()),
             beam_args,
             public_dir,
         )

@@ -21,7 +21,7 @@ import os
 import shutil
 from collections.abc import Mapping
 
-from beam_jobs import partition, partition_job, splits, synthetic
+from beam_jobs import partition, partition_job, split_protocols, synthetic
 from bench.bench_training import base_config, train_each
 from tff_algorithms.config import job_config, model_config
 from tff_algorithms.evaluation import scoring as evaluation
@@ -64,10 +64,14 @@ def _write_data(root: str, sizes: Mapping) -> tuple[str, str]:
         users_sharing_identities=sizes["users"],
         seed=0,
     )
-    split = splits.SplitConfig(0.0, HELD_OUT_FRACTION, mode=splits.IDENTITY)
+    split = split_protocols.SplitConfig(0.0, HELD_OUT_FRACTION, mode=split_protocols.IDENTITY)
     train, held_out = [], []
     for record in synthetic.records_for_units(config, 0, config.units):
-        side = held_out if splits.identity_split(record.identity, split) == splits.TEST else train
+        side = (
+            held_out
+            if split_protocols.identity_split(record.identity, split) == split_protocols.TEST
+            else train
+        )
         side.append(record)
     return partition_job.write_training_inputs(root, train, held_out, num_shards=4)
 
@@ -109,7 +113,7 @@ def run(out_dir: str, quick: bool) -> dict:
     models = {name: row["saved_model"] for name, row in trained.items() if "saved_model" in row}
     compared = (
         evaluation.compare_saved_models(
-            models, data[1], sizes["resamples"], split_mode=splits.IDENTITY
+            models, data[1], sizes["resamples"], split_mode=split_protocols.IDENTITY
         )
         if len(models) == len(_ALGORITHMS)
         else {}
@@ -139,7 +143,7 @@ def run(out_dir: str, quick: bool) -> dict:
             "held_out_identities": held_out.get("identities"),
             "genuine_pairs": held_out.get("genuine_pairs"),
         },
-        "protocol": splits.IDENTITY,
+        "protocol": split_protocols.IDENTITY,
         "schedule": {
             "rounds": sizes["rounds"],
             "users_per_virtual_client": sizes["users_per_virtual_client"],

@@ -18,7 +18,7 @@ holds renders of one identity. The renders come on a canvas with a margin, as
 bench/real_images.py's `Original`, so its `TRANSFORMS` make real copies of them (a shift
 is a re-crop of the render, not a black border).
 
-Split modes, as beam_jobs/splits.py splits users: `by_identity` (the evaluation side
+Split modes, as beam_jobs/split_protocols.py splits users: `by_identity` (the evaluation side
 holds other identities: look-alikes are other glyphs, "O" beside "0") and `by_user`
 (both sides hold every identity, by different users: look-alikes are other renders of
 the same glyph, the hardest case).

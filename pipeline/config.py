@@ -110,7 +110,7 @@ class SplitSection:
     # non-private pretraining when no separate public data is given.
     public_fraction: float = 0.0
     seed: int = 0
-    # The evaluation protocol (beam_jobs.splits): identity_and_user (faces), identity
+    # The evaluation protocol (beam_jobs.split_protocols): identity_and_user (faces), identity
     # (EMNIST), held_out_images (landmarks, species), or auto: identity_and_user when no
     # identity is held by two users, otherwise a stop naming the modes.
     mode: str = "auto"
@@ -249,7 +249,7 @@ class PipelineConfig:
         return bool(self.data.public_inputs) or self.synthetic_public is not None
 
     def split_config_dict(self) -> dict[str, Any]:
-        """beam_jobs.splits.SplitConfig fields."""
+        """beam_jobs.split_protocols.SplitConfig fields."""
         return {
             **dataclasses.asdict(self.split),
             "public_inputs": self.has_public_inputs,

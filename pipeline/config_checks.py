@@ -221,7 +221,7 @@ def validate_light(config: PipelineConfig) -> None:
 def validate(config: PipelineConfig) -> None:
     """Checks values by building the library objects they configure; one-line errors."""
     validate_light(config)
-    from beam_jobs import dedup, splits, synthetic
+    from beam_jobs import dedup, split_protocols, synthetic
 
     def check(what: str, build) -> None:
         try:
@@ -235,7 +235,7 @@ def validate(config: PipelineConfig) -> None:
             check(
                 f"data.{key}", lambda s=section: synthetic.SyntheticConfig(**dataclasses.asdict(s))
             )
-    check("split", lambda: splits.SplitConfig(**config.split_config_dict()))
+    check("split", lambda: split_protocols.SplitConfig(**config.split_config_dict()))
     check("dedup", lambda: dedup.DedupConfig(**dataclasses.asdict(config.dedup)))
     config.train_job_dict()
     from beam_jobs import records_io

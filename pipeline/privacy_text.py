@@ -118,7 +118,7 @@ def composition_text(composition: Mapping[str, Any] | None) -> str:
 
 
 # Whose the test records are when they come from data.evaluation_inputs (mode
-# held_out_images; beam_jobs.splits, evaluation sources).
+# held_out_images; beam_jobs.split_protocols, evaluation sources).
 EVALUATION_INPUTS_TEXT = (
     "the test records come from data.evaluation_inputs, a source apart from the private "
     "users: images of training identities by users who are not training users, none of "
@@ -128,11 +128,11 @@ EVALUATION_INPUTS_TEXT = (
 
 
 def split_protocol_text(split_mode: str, evaluation_inputs: bool = False) -> str:
-    """What the split mode (beam_jobs.splits) means for the guarantee and the recall;
+    """What the split mode (beam_jobs.split_protocols) means for the guarantee and the recall;
     `evaluation_inputs`: the test split came from data.evaluation_inputs."""
-    from beam_jobs import splits
+    from beam_jobs import split_protocols
 
-    protocol = splits.PROTOCOLS[split_mode]
+    protocol = split_protocols.PROTOCOLS[split_mode]
     evaluated = EVALUATION_INPUTS_TEXT if evaluation_inputs else protocol.evaluation
     return (
         f"Evaluation protocol (split mode {split_mode}): {evaluated}; "
@@ -141,14 +141,14 @@ def split_protocol_text(split_mode: str, evaluation_inputs: bool = False) -> str
 
 
 def _coverage(split_mode: str | None, evaluation_inputs: bool) -> str:
-    from beam_jobs import splits
+    from beam_jobs import split_protocols
 
-    if split_mode in (None, splits.IDENTITY_AND_USER):
+    if split_mode in (None, split_protocols.IDENTITY_AND_USER):
         return "it does not cover the public pretraining data or the held-out evaluation users."
     source = f"; {EVALUATION_INPUTS_TEXT}" if evaluation_inputs else ""
     return (
         f"it does not cover the public pretraining data; in split mode {split_mode} "
-        f"{splits.PROTOCOLS[split_mode].outside_guarantee}{source}."
+        f"{split_protocols.PROTOCOLS[split_mode].outside_guarantee}{source}."
     )
 
 
@@ -159,7 +159,7 @@ def privacy_statement(
     evaluation_inputs: bool = False,
 ) -> str:
     """One paragraph saying what the trained model's (epsilon, delta) guarantee means;
-    `split_mode` (beam_jobs.splits.MODES) and `evaluation_inputs` (the test split came
+    `split_mode` (beam_jobs.split_protocols.MODES) and `evaluation_inputs` (the test split came
     from data.evaluation_inputs) say whose records are outside it."""
     spec = ledger["spec"]
     epsilon, delta = model_epsilon(ledger, composition), float(spec["delta"])

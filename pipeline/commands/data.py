@@ -140,12 +140,12 @@ def _single_input(flag_values: flags.FlagValues) -> str:
 
 def _split_mode_of(split_dir: str) -> str:
     """The mode `data split` wrote SPLIT_DIR by (its summary), identity_and_user without one."""
-    from beam_jobs import records_io, splits
+    from beam_jobs import records_io, split_protocols, splits
 
     summary = os.path.join(split_dir, splits.SUMMARY_FILE)
     if not os.path.exists(summary):
-        return splits.IDENTITY_AND_USER
-    return records_io.read_json(summary).get("mode", splits.IDENTITY_AND_USER)
+        return split_protocols.IDENTITY_AND_USER
+    return records_io.read_json(summary).get("mode", split_protocols.IDENTITY_AND_USER)
 
 
 _POSITIVE = (
@@ -229,7 +229,15 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     _required(flag_values, "out")
     beam_args = [f"--runner={value['runner']}", *shlex.split(value["beam-args"])]
     # Imported here so `dp-fedemb data --help` stays fast.
-    from beam_jobs import dedup, ingest, partition, partition_job, splits, synthetic
+    from beam_jobs import (
+        dedup,
+        ingest,
+        partition,
+        partition_job,
+        split_protocols,
+        splits,
+        synthetic,
+    )
 
     if verb == "synth":
         config = synthetic.SyntheticConfig(
@@ -253,7 +261,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
             value["identity-feature"],
         )
     elif verb == "split":
-        config = splits.SplitConfig(
+        config = split_protocols.SplitConfig(
             value["validation-fraction"],
             value["test-fraction"],
             value["public-fraction"],

@@ -53,7 +53,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     )
 
 
-# beam_jobs.splits.MODES, spelled out: check() runs before Beam is imported.
+# beam_jobs.split_protocols.MODES, spelled out: check() runs before Beam is imported.
 _MODES = ("identity_and_user", "identity", "held_out_images")
 
 
@@ -61,12 +61,12 @@ def _split_mode(requested: str, data: str) -> str:
     """`requested`, or for auto the mode of the split summary beside `data`."""
     if requested != "auto":
         return requested
-    from beam_jobs import records_io, splits
+    from beam_jobs import records_io, split_protocols, splits
 
     summary = os.path.join(os.path.dirname(os.path.normpath(data)), splits.SUMMARY_FILE)
     if os.path.isfile(summary):
-        return records_io.read_json(summary).get("mode", splits.IDENTITY_AND_USER)
-    return splits.IDENTITY_AND_USER
+        return records_io.read_json(summary).get("mode", split_protocols.IDENTITY_AND_USER)
+    return split_protocols.IDENTITY_AND_USER
 
 
 def help_defaults() -> dict[str, str]:

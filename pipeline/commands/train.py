@@ -277,11 +277,11 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         value["num-shards"],
         beam_args,
     )
-    from beam_jobs import records_io, splits
+    from beam_jobs import records_io, split_protocols, splits
 
     # The mode the split was made by (auto resolved): which evaluation pairs are genuine.
     split_summary = os.path.join(os.path.dirname(prepared.validation_dir), splits.SUMMARY_FILE)
-    split_mode = records_io.read_json(split_summary).get("mode", splits.IDENTITY_AND_USER)
+    split_mode = records_io.read_json(split_summary).get("mode", split_protocols.IDENTITY_AND_USER)
     result = train_job.run_train_job(
         config,
         prepared.partition_dir,
@@ -373,7 +373,7 @@ _CHOICES = {
     "architecture": model_config.ARCHITECTURES,
     "server-optimizer": model_config.OPTIMIZERS,
     "cache-features": ("auto", "true", "false"),
-    # beam_jobs.splits.AUTO and MODES, spelled out: check() runs before Beam is imported.
+    # beam_jobs.split_protocols.AUTO and MODES, spelled out: check() runs before Beam is imported.
     "split-mode": ("auto", "identity_and_user", "identity", "held_out_images"),
 }
 _POSITIVE_INTS = (

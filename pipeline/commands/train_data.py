@@ -56,12 +56,12 @@ def prepare_data(
     data: str, data_dir: str, split: Mapping[str, Any], num_shards: int, beam_args: list[str]
 ) -> PreparedData:
     """Ingest -> split by identity and user -> partition of train, unless already prepared."""
-    from beam_jobs import ingest, partition_job, splits
+    from beam_jobs import ingest, partition_job, split_protocols, splits
 
     prepared = PreparedData(
         os.path.join(data_dir, "partition"),
-        os.path.join(data_dir, "split", splits.VALIDATION),
-        os.path.join(data_dir, "split", splits.TEST),
+        os.path.join(data_dir, "split", split_protocols.VALIDATION),
+        os.path.join(data_dir, "split", split_protocols.TEST),
     )
     request = {"data": os.path.abspath(data), "split": dict(split), "num_shards": num_shards}
     marker = os.path.join(data_dir, PREPARED_FILE)
@@ -79,11 +79,11 @@ def prepare_data(
     splits.run_split(
         os.path.join(data_dir, "ingested"),
         os.path.join(data_dir, "split"),
-        splits.SplitConfig(**split),
+        split_protocols.SplitConfig(**split),
         beam_args,
     )
     partition_job.run_partition(
-        os.path.join(data_dir, "split", splits.TRAIN),
+        os.path.join(data_dir, "split", split_protocols.TRAIN),
         prepared.partition_dir,
         num_shards,
         beam_args=beam_args,

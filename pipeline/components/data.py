@@ -43,7 +43,7 @@ def CanonicalExampleGen(
     count is the custom property `evaluation_input_records`). Parameters holding lists or mappings are
     JSON; max_image_pixels 0 means the library default.
     """
-    from beam_jobs import ingest, schema, splits, synthetic
+    from beam_jobs import ingest, schema, split_protocols, splits, synthetic
 
     del code_fingerprint  # a cache key only (pipeline.fingerprint)
     staging = os.path.join(examples.uri, _STAGING)
@@ -69,7 +69,7 @@ def CanonicalExampleGen(
         return out, summary
 
     private_dir, ingest_summary = ingested(json.loads(input_sources), synthetic_config, "ingested")
-    config = splits.SplitConfig(**json.loads(split_config))
+    config = split_protocols.SplitConfig(**json.loads(split_config))
     summaries = {"ingest": ingest_summary}
     public_dir = None
     if config.public_inputs:
@@ -220,7 +220,7 @@ def PartitionVirtualClients(
     """Shards the private train split by user and records the schedule's participation.
 
     `virtual_clients_per_round`: a count, or `auto` (beam_jobs.schedule.AUTO)."""
-    from beam_jobs import partition_job, schedule, splits
+    from beam_jobs import partition_job, schedule, split_protocols
     from beam_jobs.partition import PARTICIPATION_FILE, ScheduleSpec
 
     del code_fingerprint
@@ -233,7 +233,7 @@ def PartitionVirtualClients(
         over_selection,
     )
     partition_job.run_partition(
-        layout.split_dir(examples, splits.TRAIN),
+        layout.split_dir(examples, split_protocols.TRAIN),
         partition.uri,
         num_shards,
         spec,

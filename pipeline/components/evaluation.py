@@ -108,11 +108,11 @@ def EvaluateAndBless(
     pretrained_backbone: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
 ) -> None:
     """Evaluates on the test split (what it holds depends on the split mode,
-    beam_jobs.splits.PROTOCOLS)."""
-    from beam_jobs import splits
+    beam_jobs.split_protocols.PROTOCOLS)."""
+    from beam_jobs import split_protocols
 
     del code_fingerprint
-    test_dir = layout.split_dir(examples, splits.TEST)
+    test_dir = layout.split_dir(examples, split_protocols.TEST)
     epsilon = privacy_ledger.get_float_custom_property(artifacts.EPSILON)
     if model.get_float_custom_property(artifacts.EPSILON) != epsilon:
         raise ValueError("the privacy ledger given is not the one of the model evaluated")

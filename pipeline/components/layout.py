@@ -13,7 +13,7 @@ from tfx import types
 from tfx.types import artifact_utils
 
 SERVING_MODEL_DIR = "Format-Serving"  # the directory the standard Pusher pushes
-# Examples' custom property: the split mode (beam_jobs.splits.MODES) the splits were made by.
+# Examples' custom property: the split mode (beam_jobs.split_protocols.MODES) the splits were made by.
 SPLIT_MODE = "split_mode"
 # Records ingested from data.evaluation_inputs (the test split's source); absent when
 # the test split holds held-out private users.
@@ -33,11 +33,11 @@ def split_names(examples: types.Artifact) -> list[str]:
 def split_mode(examples: types.Artifact) -> str:
     """The split mode of an Examples artifact; identity_and_user for artifacts made before
     split modes existed (the only rule then)."""
-    from beam_jobs import splits
+    from beam_jobs import split_protocols
 
     if examples.has_custom_property(SPLIT_MODE):
         return examples.get_string_custom_property(SPLIT_MODE)
-    return splits.IDENTITY_AND_USER
+    return split_protocols.IDENTITY_AND_USER
 
 
 def has_evaluation_inputs(examples: types.Artifact) -> bool:

@@ -157,7 +157,7 @@ def PretrainBackbone(
     Public users are disjoint from private ones (split by identity and user) and
     deduplicated against private data, so this model costs no privacy budget.
     """
-    from beam_jobs import partition, partition_job, splits
+    from beam_jobs import partition, partition_job, split_protocols
 
     del code_fingerprint
     work_dir = _work_dir(backbone, train_job_config, examples.uri)
@@ -173,7 +173,7 @@ def PretrainBackbone(
     public_partition = owned_files.create_entry(work_dir, _PUBLIC_PARTITION)
     if not tf.io.gfile.exists(os.path.join(public_partition, partition.MANIFEST_FILE)):
         partition_job.run_partition(
-            layout.split_dir(examples, splits.PUBLIC),
+            layout.split_dir(examples, split_protocols.PUBLIC),
             public_partition,
             num_shards,
             beam_args=json.loads(beam_args),
@@ -182,7 +182,7 @@ def PretrainBackbone(
         "PretrainBackbone",
         train_job_config,
         public_partition,
-        layout.split_dir(examples, splits.VALIDATION),
+        layout.split_dir(examples, split_protocols.VALIDATION),
         work_dir,
         pretrained_backbone=None,
         tensorboard_dir=_tensorboard_run(tensorboard_dir, "PretrainBackbone", backbone),
@@ -236,7 +236,7 @@ def PrivatePretrain(
     the model's epsilon.
     """
     from beam_jobs import partition as partition_lib
-    from beam_jobs import splits
+    from beam_jobs import split_protocols
     from tff_algorithms.privacy import budget
     from tff_algorithms.privacy import ledger as ledger_lib
 
@@ -262,7 +262,7 @@ def PrivatePretrain(
         "PrivatePretrain",
         pretrain_job_config,
         partition.uri,
-        layout.split_dir(examples, splits.VALIDATION),
+        layout.split_dir(examples, split_protocols.VALIDATION),
         work_dir,
         pretrained_backbone=None,
         tensorboard_dir=_tensorboard_run(tensorboard_dir, "PrivatePretrain", backbone),
@@ -390,7 +390,7 @@ def PrivateTrain(
     Recall during training is measured on the validation split (held-out identities
     and users); the final evaluation uses the test split (EvaluateAndBless).
     """
-    from beam_jobs import splits
+    from beam_jobs import split_protocols
     from tff_algorithms.privacy import composition as composition_lib
     from tff_algorithms.privacy import ledger as ledger_lib
 
@@ -406,7 +406,7 @@ def PrivateTrain(
         "PrivateTrain",
         train_job_config,
         partition.uri,
-        layout.split_dir(examples, splits.VALIDATION),
+        layout.split_dir(examples, split_protocols.VALIDATION),
         work_dir,
         pretrained_backbone,
         _tensorboard_run(tensorboard_dir, "PrivateTrain", model),

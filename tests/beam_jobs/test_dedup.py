@@ -14,7 +14,15 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 from PIL import Image
 
-from beam_jobs import dedup, dedup_batches, records_io, schema, spill, splits, synthetic
+from beam_jobs import (
+    dedup,
+    dedup_batches,
+    records_io,
+    schema,
+    spill,
+    split_protocols,
+    synthetic,
+)
 from bench import real_images
 from pipeline import cli
 
@@ -207,7 +215,10 @@ def test_user_overlap_between_splits_is_an_error(tmp_path):
     # Split mode identity puts a user's evaluation identities apart from their training
     # ones: the same user on both sides is the protocol, a shared identity is not.
     report = dedup.run_dedup(
-        split_dir, str(tmp_path / "identity_mode"), dedup.DedupConfig(), split_mode=splits.IDENTITY
+        split_dir,
+        str(tmp_path / "identity_mode"),
+        dedup.DedupConfig(),
+        split_mode=split_protocols.IDENTITY,
     )
     assert report["train_vs_evaluation"]["kept"] == 1
     shared_identity = _record(
@@ -218,13 +229,16 @@ def test_user_overlap_between_splits_is_an_error(tmp_path):
     _write(os.path.join(split_dir, "train"), [shared_identity])
     with pytest.raises(ValueError, match=r"identity ids appear on both sides"):
         dedup.run_dedup(
-            split_dir, str(tmp_path / "again"), dedup.DedupConfig(), split_mode=splits.IDENTITY
+            split_dir,
+            str(tmp_path / "again"),
+            dedup.DedupConfig(),
+            split_mode=split_protocols.IDENTITY,
         )
     report = dedup.run_dedup(
         split_dir,
         str(tmp_path / "held_out"),
         dedup.DedupConfig(),
-        split_mode=splits.HELD_OUT_IMAGES,
+        split_mode=split_protocols.HELD_OUT_IMAGES,
     )
     assert report["train_vs_evaluation"]["kept"] == 1
 

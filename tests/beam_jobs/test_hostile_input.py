@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from beam_jobs import ingest, records_io, schema, splits, synthetic
+from beam_jobs import ingest, records_io, schema, split_protocols, splits, synthetic
 from pipeline import cli
 from pipeline import config as config_lib
 
@@ -290,20 +290,22 @@ def test_synthetic_folders_are_named_through_the_sanitiser(tmp_path):
 
 def test_a_user_across_sources_and_splits_lands_in_one_split(tmp_path, capsys):
     # Every user lands in exactly one split; the assignment is a pure function of the
-    # identities (splits.py), so it does not depend on the order of the sources.
-    config = splits.SplitConfig(validation_fraction=0.3, test_fraction=0.3, seed=0)
+    # identities (split_protocols.py), so it does not depend on the order of the sources.
+    config = split_protocols.SplitConfig(validation_fraction=0.3, test_fraction=0.3, seed=0)
     # Identities of one user that hash to different splits.
     by_split: dict[str, str] = {}
     for i in range(100):
-        by_split.setdefault(splits.identity_split(f"id{i}", config), f"id{i}")
-    assert {splits.TRAIN, splits.TEST} <= set(by_split)
+        by_split.setdefault(split_protocols.identity_split(f"id{i}", config), f"id{i}")
+    assert {split_protocols.TRAIN, split_protocols.TEST} <= set(by_split)
     folder = str(tmp_path / "folder")
-    _write(os.path.join(folder, "shared", by_split[splits.TRAIN], "0.png"), _grey_png(4))
-    _write(os.path.join(folder, "solo", by_split[splits.TRAIN], "0.png"), _grey_png(5))
+    _write(os.path.join(folder, "shared", by_split[split_protocols.TRAIN], "0.png"), _grey_png(4))
+    _write(os.path.join(folder, "solo", by_split[split_protocols.TRAIN], "0.png"), _grey_png(5))
     records = str(tmp_path / "more.tfrecord")
     with tf.io.TFRecordWriter(records) as writer:
         writer.write(
-            schema.serialize(schema.CanonicalRecord("shared", by_split[splits.TEST], _grey_png(6)))
+            schema.serialize(
+                schema.CanonicalRecord("shared", by_split[split_protocols.TEST], _grey_png(6))
+            )
         )
 
     def run(*args: str) -> None:
@@ -333,10 +335,10 @@ def test_a_user_across_sources_and_splits_lands_in_one_split(tmp_path, capsys):
         )
         for split in config.splits
     }
-    # The shared user keeps only its most protected split's records (splits.py).
-    assert result[splits.TEST] == [("shared", by_split[splits.TEST])]
-    assert result[splits.TRAIN] == [("solo", by_split[splits.TRAIN])]
-    assert result[splits.VALIDATION] == []
+    # The shared user keeps only its most protected split's records (split_protocols.py).
+    assert result[split_protocols.TEST] == [("shared", by_split[split_protocols.TEST])]
+    assert result[split_protocols.TRAIN] == [("solo", by_split[split_protocols.TRAIN])]
+    assert result[split_protocols.VALIDATION] == []
 
 
 # Configs of the wrong type and the command line: one line on stderr, non-zero exit.

@@ -32,14 +32,14 @@ import pytest
 import tensorflow as tf
 from apache_beam.options import pipeline_options as beam_options
 
-from beam_jobs import records_io, schema, splits, synthetic
+from beam_jobs import records_io, schema, split_protocols, synthetic
 from pipeline import cli
 from pipeline import config as config_lib
 from tff_algorithms.federated import loopback_shim
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=3, seed=4)
 SPLIT_FLAGS = ["--validation-fraction", "0.2", "--test-fraction", "0.2", "--seed", "1"]
-SPLIT = splits.SplitConfig(validation_fraction=0.2, test_fraction=0.2, seed=1)
+SPLIT = split_protocols.SplitConfig(validation_fraction=0.2, test_fraction=0.2, seed=1)
 IN_MEMORY = "--direct_num_workers=1 --direct_running_mode=in_memory"
 TWO_PROCESSES = "--direct_num_workers=2 --direct_running_mode=multi_processing"
 
@@ -94,8 +94,16 @@ def _records_with_duplicates() -> list[schema.CanonicalRecord]:
     """Synthetic canonical records plus two training records holding evaluation images
     (one exact copy, one shifted by a pixel), so dedup has work to do."""
     records = list(synthetic.records_for_identities(SYNTH, 0, SYNTH.identities))
-    held_out = next(r for r in records if splits.identity_split(r.identity, SPLIT) != splits.TRAIN)
-    trainee = next(r for r in records if splits.identity_split(r.identity, SPLIT) == splits.TRAIN)
+    held_out = next(
+        r
+        for r in records
+        if split_protocols.identity_split(r.identity, SPLIT) != split_protocols.TRAIN
+    )
+    trainee = next(
+        r
+        for r in records
+        if split_protocols.identity_split(r.identity, SPLIT) == split_protocols.TRAIN
+    )
     pixels = tf.io.decode_png(held_out.image).numpy()[..., 0]
     for image in (held_out.image, schema.encode_png(np.roll(pixels, 1, axis=1))):
         records.append(schema.CanonicalRecord(trainee.user_id, trainee.identity, image))

@@ -8,7 +8,7 @@ import numpy as np
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from beam_jobs import records_io, schema, spill, splits
+from beam_jobs import records_io, schema, spill, split_protocols, splits
 
 _PNG = schema.encode_png(np.zeros((4, 4), dtype=np.uint8))
 
@@ -51,7 +51,9 @@ def test_run_split_removes_its_spill_folder(tmp_path):
     with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
         _ = pipeline | beam.Create(records) | records_io.WriteRecords(source)
     out = tmp_path / "out"
-    summary = splits.run_split(source, str(out), splits.SplitConfig(0.2, 0.2, mode=splits.AUTO))
+    summary = splits.run_split(
+        source, str(out), split_protocols.SplitConfig(0.2, 0.2, mode=split_protocols.AUTO)
+    )
     assert sum(summary["records"].values()) == len(records)
     assert not os.path.exists(out / spill.SPILL_DIR)
     assert sorted(os.listdir(out)) == sorted(

@@ -11,7 +11,7 @@ import tensorflow as tf
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from beam_jobs import partition, records_io, schema, splits, synthetic
+from beam_jobs import partition, records_io, schema, split_protocols, splits, synthetic
 from tff_algorithms.config import job_config
 from tff_algorithms.jobs import local_heads
 
@@ -32,29 +32,35 @@ def _user_and_identity_sets(records: list[bytes]) -> tuple[set, set]:
 
 
 def test_identity_split_is_a_pure_function_with_the_requested_shares():
-    config = splits.SplitConfig(0.1, 0.2, 0.05, seed=4)
-    assignment = [splits.identity_split(f"id{i}", config) for i in range(20_000)]
-    assert assignment == [splits.identity_split(f"id{i}", config) for i in range(20_000)]
+    config = split_protocols.SplitConfig(0.1, 0.2, 0.05, seed=4)
+    assignment = [split_protocols.identity_split(f"id{i}", config) for i in range(20_000)]
+    assert assignment == [split_protocols.identity_split(f"id{i}", config) for i in range(20_000)]
     shares = {s: assignment.count(s) / 20_000 for s in config.splits}
     assert abs(shares["test"] - 0.2) < 0.02 and abs(shares["public"] - 0.05) < 0.01
     other = [
-        splits.identity_split(f"id{i}", splits.SplitConfig(0.1, 0.2, 0.05, seed=5))
+        split_protocols.identity_split(
+            f"id{i}", split_protocols.SplitConfig(0.1, 0.2, 0.05, seed=5)
+        )
         for i in range(20_000)
     ]
     assert other != assignment
 
 
-def _expected_dropped(config: splits.SplitConfig, users: int, identities_per_user: int) -> int:
+def _expected_dropped(
+    config: split_protocols.SplitConfig, users: int, identities_per_user: int
+) -> int:
     dropped = 0
     for u in range(users):
-        assigned = [splits.identity_split(f"id{u}_{i}", config) for i in range(identities_per_user)]
-        user_split = min(assigned, key=splits.SPLIT_PRIORITY.index)
+        assigned = [
+            split_protocols.identity_split(f"id{u}_{i}", config) for i in range(identities_per_user)
+        ]
+        user_split = min(assigned, key=split_protocols.SPLIT_PRIORITY.index)
         dropped += sum(split != user_split for split in assigned)
     return dropped
 
 
 def test_cross_split_users_keep_only_their_most_protected_split():
-    config = splits.SplitConfig(0.2, 0.2, 0.1, seed=1)
+    config = split_protocols.SplitConfig(0.2, 0.2, 0.1, seed=1)
     with TestPipeline(options=records_io.pipeline_options()) as pipeline:
         outputs = pipeline | beam.Create(_records(60, 3)) | splits.SplitRecords(config)
         assert_that(
@@ -64,7 +70,7 @@ def test_cross_split_users_keep_only_their_most_protected_split():
 
 
 def test_splits_are_disjoint_by_user_and_identity(tmp_path):
-    config = splits.SplitConfig(0.2, 0.2, 0.1, seed=1, max_dropped_fraction=1.0)
+    config = split_protocols.SplitConfig(0.2, 0.2, 0.1, seed=1, max_dropped_fraction=1.0)
     records = _records(users=60, identities_per_user=3)
     source = str(tmp_path / "in")
     with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
@@ -89,7 +95,8 @@ def test_splits_are_disjoint_by_user_and_identity(tmp_path):
     # Every kept record sits in its identity's split; the rest were dropped.
     for name in config.splits:
         assert all(
-            splits.identity_split(schema.parse(r).identity, config) == name for r in collected[name]
+            split_protocols.identity_split(schema.parse(r).identity, config) == name
+            for r in collected[name]
         )
     assert sum(len(v) for v in collected.values()) + _expected_dropped(config, 60, 3) == len(
         records
@@ -97,7 +104,9 @@ def test_splits_are_disjoint_by_user_and_identity(tmp_path):
 
 
 def test_public_sources_go_whole_to_the_public_split_apart_from_private_users(tmp_path):
-    config = splits.SplitConfig(0.2, 0.2, 0.0, seed=1, public_inputs=True, max_dropped_fraction=1.0)
+    config = split_protocols.SplitConfig(
+        0.2, 0.2, 0.0, seed=1, public_inputs=True, max_dropped_fraction=1.0
+    )
     assert config.splits == ("test", "validation", "train", "public")
     private = _records(users=40, identities_per_user=2)
     # Public data from elsewhere, with user and identity names that collide with the
@@ -129,7 +138,7 @@ def test_public_sources_go_whole_to_the_public_split_apart_from_private_users(tm
         )
         for name in config.splits
     }
-    prefix = splits.PUBLIC_SOURCE_PREFIX
+    prefix = split_protocols.PUBLIC_SOURCE_PREFIX
     assert out["public"] == sorted(
         schema.serialize(schema.CanonicalRecord(prefix + r.user_id, prefix + r.identity, r.image))
         for r in map(schema.parse, public)
@@ -144,13 +153,13 @@ def test_public_sources_go_whole_to_the_public_split_apart_from_private_users(tm
 def test_public_inputs_flag_and_public_input_dir_go_together(tmp_path):
     with pytest.raises(ValueError, match="public_input_dir exactly when"):
         splits.run_split(
-            str(tmp_path), str(tmp_path / "out"), splits.SplitConfig(public_inputs=True)
+            str(tmp_path), str(tmp_path / "out"), split_protocols.SplitConfig(public_inputs=True)
         )
     with pytest.raises(ValueError, match="public_input_dir exactly when"):
         splits.run_split(
             str(tmp_path),
             str(tmp_path / "out"),
-            splits.SplitConfig(),
+            split_protocols.SplitConfig(),
             public_input_dir=str(tmp_path),
         )
 
@@ -186,11 +195,11 @@ def _shared_records(users: int, identities: int) -> list[bytes]:
 def test_identity_mode_keeps_every_record_and_keeps_evaluation_identities_out_of_training(
     tmp_path,
 ):
-    config = splits.SplitConfig(0.2, 0.2, 0.2, seed=3, mode=splits.IDENTITY)
+    config = split_protocols.SplitConfig(0.2, 0.2, 0.2, seed=3, mode=split_protocols.IDENTITY)
     records = _shared_records(users=30, identities=20)
     summary = splits.run_split(_write(records, str(tmp_path / "in")), str(tmp_path / "out"), config)
     out = _read_splits(tmp_path / "out", config.splits)
-    assert summary["dropped_records"] == 0 and summary["mode"] == splits.IDENTITY
+    assert summary["dropped_records"] == 0 and summary["mode"] == split_protocols.IDENTITY
     assert sum(len(v) for v in out.values()) == len(records) == summary["input_records"]
     identities = {name: {r.identity for r in v} for name, v in out.items()}
     users = {name: {r.user_id for r in v} for name, v in out.items()}
@@ -202,7 +211,7 @@ def test_identity_mode_keeps_every_record_and_keeps_evaluation_identities_out_of
     # private user has a public record.
     assert users["public"] and not users["public"] & users["train"]
     for r in out["test"] + out["validation"]:
-        assert splits.identity_split(r.identity, config) != splits.TRAIN
+        assert split_protocols.identity_split(r.identity, config) != split_protocols.TRAIN
     # Each training user's count of training identities, known before dedup so that a
     # local head too small for them stops the run here (pipeline CheckTrainingSchedule).
     held = collections.defaultdict(set)
@@ -213,11 +222,15 @@ def test_identity_mode_keeps_every_record_and_keeps_evaluation_identities_out_of
 
 
 def test_held_out_images_mode_evaluates_held_out_users_on_training_identities(tmp_path):
-    config = splits.SplitConfig(0.15, 0.2, 0.1, seed=2, mode=splits.HELD_OUT_IMAGES)
+    config = split_protocols.SplitConfig(
+        0.15, 0.2, 0.1, seed=2, mode=split_protocols.HELD_OUT_IMAGES
+    )
     records = _shared_records(users=40, identities=10)
     # One identity only a few users hold, none of them in training: not a training
     # identity, so its evaluation records are dropped and counted.
-    rare_users = [u for u in range(40) if splits.user_split(f"u{u}", config) == splits.TEST][:2]
+    rare_users = [
+        u for u in range(40) if split_protocols.user_split(f"u{u}", config) == split_protocols.TEST
+    ][:2]
     records += [
         schema.serialize(schema.CanonicalRecord(f"u{u}", "rare", _PNG + bytes([u])))
         for u in rare_users
@@ -237,7 +250,7 @@ def test_held_out_images_mode_evaluates_held_out_users_on_training_identities(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [splits.IDENTITY, splits.HELD_OUT_IMAGES])
+@pytest.mark.parametrize("mode", [split_protocols.IDENTITY, split_protocols.HELD_OUT_IMAGES])
 def test_shared_synthetic_identities_keep_at_least_90_percent(tmp_path, mode):
     synth = synthetic.SyntheticConfig(
         identities=40,
@@ -247,7 +260,7 @@ def test_shared_synthetic_identities_keep_at_least_90_percent(tmp_path, mode):
         users_sharing_identities=60,
     )
     records = [schema.serialize(r) for r in synthetic.records_for_units(synth, 0, synth.units)]
-    config = splits.SplitConfig(0.1, 0.15, mode=mode)
+    config = split_protocols.SplitConfig(0.1, 0.15, mode=mode)
     summary = splits.run_split(_write(records, str(tmp_path / "in")), str(tmp_path / "out"), config)
     kept = sum(summary["records"].values())
     assert kept >= 0.9 * len(records) and summary["records"]["test"] > 0
@@ -267,30 +280,34 @@ def test_shared_synthetic_identities_keep_at_least_90_percent(tmp_path, mode):
 
 def test_auto_mode_picks_identity_and_user_for_disjoint_identities(tmp_path):
     records = _records(users=30, identities_per_user=1)
-    config = splits.SplitConfig(0.2, 0.2, mode=splits.AUTO)
+    config = split_protocols.SplitConfig(0.2, 0.2, mode=split_protocols.AUTO)
     summary = splits.run_split(_write(records, str(tmp_path / "in")), str(tmp_path / "out"), config)
-    assert summary["mode"] == splits.IDENTITY_AND_USER and summary["requested_mode"] == "auto"
+    assert (
+        summary["mode"] == split_protocols.IDENTITY_AND_USER and summary["requested_mode"] == "auto"
+    )
     assert summary["dropped_records"] == 0
 
 
 @pytest.mark.slow
 def test_auto_mode_stops_on_shared_identities_naming_each_mode_and_what_it_keeps(tmp_path):
     records = _shared_records(users=20, identities=10)
-    config = splits.SplitConfig(0.2, 0.2, mode=splits.AUTO)
-    with pytest.raises(splits.SplitRefused) as refused:
+    config = split_protocols.SplitConfig(0.2, 0.2, mode=split_protocols.AUTO)
+    with pytest.raises(split_protocols.SplitRefused) as refused:
         splits.run_split(_write(records, str(tmp_path / "in")), str(tmp_path / "out"), config)
     message = str(refused.value)
     assert "\n" not in message and "10 of 10 identities are held by more than one user" in message
     assert "identity keeps 400 of 400 records (100%)" in message
-    assert all(mode in message for mode in splits.MODES) and "split.mode" in message
+    assert all(mode in message for mode in split_protocols.MODES) and "split.mode" in message
     assert not tf.io.gfile.glob(records_io.records_pattern(str(tmp_path / "out" / "train")))
 
 
 def test_a_split_dropping_more_than_the_limit_stops_naming_the_setting(tmp_path):
     # Faces' rule on handwriting-like data: a user keeps one split's identities only.
     records = _shared_records(users=20, identities=10)
-    config = splits.SplitConfig(0.2, 0.2, mode=splits.IDENTITY_AND_USER)
-    with pytest.raises(splits.SplitRefused, match="split.max_dropped_fraction 0.1") as refused:
+    config = split_protocols.SplitConfig(0.2, 0.2, mode=split_protocols.IDENTITY_AND_USER)
+    with pytest.raises(
+        split_protocols.SplitRefused, match="split.max_dropped_fraction 0.1"
+    ) as refused:
         splits.run_split(_write(records, str(tmp_path / "in")), str(tmp_path / "out"), config)
     assert "set split.mode to identity or held_out_images" in str(refused.value)
     # The summary stays for the user to read; no split is left to train on.
@@ -302,8 +319,8 @@ def test_a_split_dropping_more_than_the_limit_stops_naming_the_setting(tmp_path)
 def test_evaluation_sources_go_whole_to_test_of_training_identities(tmp_path):
     # Landmarks with a test split of their own: the private users fill train and
     # validation; the evaluation source's users (one named as a private user) fill test.
-    config = splits.SplitConfig(
-        0.2, 0.0, 0.0, seed=2, mode=splits.HELD_OUT_IMAGES, evaluation_inputs=True
+    config = split_protocols.SplitConfig(
+        0.2, 0.0, 0.0, seed=2, mode=split_protocols.HELD_OUT_IMAGES, evaluation_inputs=True
     )
     private = _shared_records(users=20, identities=5)
     evaluation = [
@@ -339,11 +356,13 @@ def test_evaluation_sources_go_whole_to_test_of_training_identities(tmp_path):
 
 def test_evaluation_inputs_need_held_out_images_and_no_private_test_users(tmp_path):
     with pytest.raises(ValueError, match="evaluation inputs need split mode held_out_images"):
-        splits.SplitConfig(test_fraction=0.0, mode=splits.IDENTITY, evaluation_inputs=True)
+        split_protocols.SplitConfig(
+            test_fraction=0.0, mode=split_protocols.IDENTITY, evaluation_inputs=True
+        )
     with pytest.raises(ValueError, match="test fraction of the private users must be 0"):
-        splits.SplitConfig(mode=splits.HELD_OUT_IMAGES, evaluation_inputs=True)
-    config = splits.SplitConfig(
-        test_fraction=0.0, mode=splits.HELD_OUT_IMAGES, evaluation_inputs=True
+        split_protocols.SplitConfig(mode=split_protocols.HELD_OUT_IMAGES, evaluation_inputs=True)
+    config = split_protocols.SplitConfig(
+        test_fraction=0.0, mode=split_protocols.HELD_OUT_IMAGES, evaluation_inputs=True
     )
     with pytest.raises(ValueError, match="evaluation_input_dir exactly when"):
         splits.run_split(str(tmp_path), str(tmp_path / "out"), config)

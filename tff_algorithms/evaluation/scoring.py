@@ -8,7 +8,7 @@ are skipped and counted, and fail the evaluation over a maximum share, as in ing
 pipeline's evaluation component and `dp-fedemb evaluate` import this module without
 importing the training job (`train_job`).
 
-`split_mode` (beam_jobs.splits.MODES) is the protocol the records were split by: in mode
+`split_mode` (beam_jobs.split_protocols.MODES) is the protocol the records were split by: in mode
 held_out_images a genuine pair joins images of two different users (`metrics`, genuine
 pairs across users); in the other modes every same-identity pair is genuine.
 """
@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from beam_jobs import image_files, schema, splits
+from beam_jobs import image_files, schema, split_protocols
 from tff_algorithms.config import model_config
 from tff_algorithms.evaluation import metrics
 from tff_algorithms.modeling import export, models
@@ -74,9 +74,9 @@ def encoded_images(records: str) -> tf.data.Dataset:
 
 def genuine_across_users(split_mode: str) -> bool:
     """Whether genuine pairs must join two users under `split_mode` (module docstring)."""
-    if split_mode not in splits.MODES:
-        raise ValueError(f"split mode must be one of {splits.MODES}, got {split_mode!r}")
-    return split_mode == splits.HELD_OUT_IMAGES
+    if split_mode not in split_protocols.MODES:
+        raise ValueError(f"split mode must be one of {split_protocols.MODES}, got {split_mode!r}")
+    return split_mode == split_protocols.HELD_OUT_IMAGES
 
 
 def _is_image_folder(records: str) -> bool:
@@ -140,7 +140,7 @@ class HeldOutEvaluator:
         self,
         backbone_config: model_config.BackboneConfig,
         records: str,
-        split_mode: str = splits.IDENTITY_AND_USER,
+        split_mode: str = split_protocols.IDENTITY_AND_USER,
     ) -> None:
         self.records = records
         users, self.labels = _users_and_identities(records)
@@ -319,7 +319,7 @@ def evaluate_saved_model(
     model_dir: str,
     records: str,
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
-    split_mode: str = splits.IDENTITY_AND_USER,
+    split_mode: str = split_protocols.IDENTITY_AND_USER,
 ) -> dict[str, Any]:
     """Exact all-pairs recall@FAR and ROC points of a serving SavedModel on `records`,
     with the bad inputs skipped ("bad", "bad_by_reason", "bad_examples")."""
@@ -337,7 +337,7 @@ def compare_saved_models(
     seed: int = 0,
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
     limit_name: str = "max_bad_fraction",
-    split_mode: str = splits.IDENTITY_AND_USER,
+    split_mode: str = split_protocols.IDENTITY_AND_USER,
 ) -> dict[str, dict[str, Any]]:
     """`evaluate_saved_model` of each model, with bootstrap intervals, on the same images.
 

@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from beam_jobs import partition, splits
+from beam_jobs import partition, split_protocols
 from tff_algorithms import algorithms
 from tff_algorithms.base import job_files, owned_files, secret_files
 from tff_algorithms.config.job_config import TrainJobConfig, current_layout
@@ -99,7 +99,7 @@ class JobFacts:
     eval_records / eval_labels: the held-out records and their identity labels.
     training_users: how many users trained.
     budget_charge: the cross-run budget's charge (`budget.charge_run`), or None.
-    split_mode: the protocol the held-out records were split by (`splits.MODES`).
+    split_mode: the protocol the held-out records were split by (`split_protocols.MODES`).
     """
 
     noise_source: dict[str, Any]
@@ -108,7 +108,7 @@ class JobFacts:
     eval_labels: np.ndarray
     training_users: int
     budget_charge: budget_lib.BudgetCharge | None = None
-    split_mode: str = splits.IDENTITY_AND_USER
+    split_mode: str = split_protocols.IDENTITY_AND_USER
 
 
 def _json_ready(value: Any) -> Any:
@@ -409,8 +409,8 @@ def write_outputs(
             "records": facts.eval_records,
             "images": int(len(facts.eval_labels)),
             "identities": int(len(np.unique(facts.eval_labels))),
-            # What is held out depends on the split mode (beam_jobs.splits.PROTOCOLS).
-            "held_out": splits.PROTOCOLS[facts.split_mode].evaluation,
+            # What is held out depends on the split mode (beam_jobs.split_protocols.PROTOCOLS).
+            "held_out": split_protocols.PROTOCOLS[facts.split_mode].evaluation,
             "split_mode": facts.split_mode,
         },
         "training_users": facts.training_users,

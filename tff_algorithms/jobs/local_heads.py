@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from beam_jobs import partition, splits
+from beam_jobs import partition, split_protocols, splits
 from tff_algorithms import algorithms
 from tff_algorithms.config.job_config import TrainJobConfig
 
@@ -56,5 +56,5 @@ def check_split_can_train(config: TrainJobConfig, split_summary: Mapping[str, An
     `split_summary` (`beam_jobs.splits.run_split`'s) cannot carry `config`: a round its
     users cannot fill or a target epsilon out of reach (`TrainJobConfig.calibrated_for`),
     or users whose identities overflow a virtual client's local head."""
-    config.calibrated_for(split_summary["users"][splits.TRAIN])
+    config.calibrated_for(split_summary["users"][split_protocols.TRAIN])
     check_local_heads_fit(config, split_summary.get(splits.TRAIN_IDENTITIES_PER_USER))

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from beam_jobs import partition, splits
+from beam_jobs import partition, split_protocols
 from tff_algorithms import algorithms
 from tff_algorithms.base import job_files, owned_files
 from tff_algorithms.config.job_config import TrainJobConfig
@@ -88,7 +88,7 @@ def run_train_job(
     tensorboard_dir: str | None = None,
     run_id: str | None = None,
     feature_cache_dir: str | None = None,
-    split_mode: str = splits.IDENTITY_AND_USER,
+    split_mode: str = split_protocols.IDENTITY_AND_USER,
 ) -> TrainJobResult:
     """Trains (or resumes) one job and writes its outputs (module docstring).
 
@@ -113,7 +113,7 @@ def run_train_job(
       feature_cache_dir: where a job that trains a suffix of the backbone keeps the
         frozen prefix's features (`feature_cache`; keyed, so jobs may share it);
         None: OUTPUT/feature_cache.
-      split_mode: the protocol `eval_records` were split by (`beam_jobs.splits.MODES`):
+      split_mode: the protocol `eval_records` were split by (`beam_jobs.split_protocols.MODES`):
         in held_out_images the evaluation's genuine pairs join two users (`evaluation`).
 
     Raises:

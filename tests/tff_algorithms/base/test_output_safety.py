@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from beam_jobs import partition_job, spill, splits, synthetic
+from beam_jobs import partition_job, spill, split_protocols, splits, synthetic
 from pipeline.commands import train_data
 from tests import support
 from tff_algorithms.base import job_files, owned_files
@@ -107,7 +107,7 @@ def test_the_data_layout_matches_a_real_preparation_and_what_a_killed_one_leaves
         "test_fraction": 0.2,
         "public_fraction": 0.0,
         "seed": 0,
-        "mode": splits.AUTO,  # leaves its mode check beside the summary
+        "mode": split_protocols.AUTO,  # leaves its mode check beside the summary
     }
     prepared = train_data.prepare_data(str(data), prepared_dir, split, 4, [])
     assert os.listdir(prepared.partition_dir)
@@ -119,7 +119,7 @@ def test_the_data_layout_matches_a_real_preparation_and_what_a_killed_one_leaves
         os.path.join(prepared_dir, "split", spill.SPILL_DIR),
         *(
             os.path.join(prepared_dir, "split", f"{mode}.{spill.SPILL_DIR}")
-            for mode in splits.MODES
+            for mode in split_protocols.MODES
         ),
         os.path.join(prepared_dir, "partition", partition_job.SPILL_DIR),
     ]

@@ -7,7 +7,7 @@ import os
 import pytest
 import tensorflow as tf
 
-from beam_jobs import schema, splits, synthetic
+from beam_jobs import schema, split_protocols, synthetic
 from tests import support
 from tff_algorithms.evaluation import metrics
 from tff_algorithms.evaluation import scoring as evaluation
@@ -116,7 +116,7 @@ def test_held_out_images_counts_genuine_pairs_across_users_only(trained, tmp_pat
         {"a": trained.saved_model_dir},
         records,
         num_resamples=20,
-        split_mode=splits.HELD_OUT_IMAGES,
+        split_mode=split_protocols.HELD_OUT_IMAGES,
     )
     across = results["a"]
     assert across["genuine_pairs_across_users_only"]
@@ -125,7 +125,7 @@ def test_held_out_images_counts_genuine_pairs_across_users_only(trained, tmp_pat
     assert across["recall_at_far"] == pytest.approx(expected.as_json_dict())
     # Training's evaluator on the same records and mode scores what serving scores.
     evaluator = evaluation.HeldOutEvaluator(
-        support.SMALL_JOB.backbone_config, records, splits.HELD_OUT_IMAGES
+        support.SMALL_JOB.backbone_config, records, split_protocols.HELD_OUT_IMAGES
     )
     weights = models.backbone_weights(
         models.load_pretrained_backbone(support.SMALL_JOB.backbone_config, trained.saved_model_dir)
@@ -137,5 +137,5 @@ def test_held_out_images_without_two_users_of_an_identity_says_so(trained, data)
     # The synthetic held-out records have one user per identity: no pair across users.
     with pytest.raises(ValueError, match="no genuine pairs across users"):
         evaluation.evaluate_saved_model(
-            trained.saved_model_dir, data[1], split_mode=splits.HELD_OUT_IMAGES
+            trained.saved_model_dir, data[1], split_mode=split_protocols.HELD_OUT_IMAGES
         )
