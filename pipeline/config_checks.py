@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from beam_jobs import split_protocols  # no Beam or TensorFlow: the light checks use it
 from tff_algorithms import algorithms
 from tff_algorithms.base import bounded_load, owned_files
 from tff_algorithms.config import client_config, job_config, model_config, recipes
@@ -146,7 +147,7 @@ def validate_light(config: PipelineConfig) -> None:
                     f"data.{key} {shown(source)}: a later run would read the pipeline's files "
                     "as inputs; give an output directory outside it"
                 )
-    if config.data.evaluation_inputs and config.split.mode != "held_out_images":
+    if config.data.evaluation_inputs and config.split.mode != split_protocols.HELD_OUT_IMAGES:
         raise ValueError(
             "config data.evaluation_inputs needs split.mode held_out_images (their images "
             f"are evaluated on training identities), got {bounded_load.shown(config.split.mode)}"
@@ -221,7 +222,7 @@ def validate_light(config: PipelineConfig) -> None:
 def validate(config: PipelineConfig) -> None:
     """Checks values by building the library objects they configure; one-line errors."""
     validate_light(config)
-    from beam_jobs import dedup, split_protocols, synthetic
+    from beam_jobs import dedup, synthetic
 
     def check(what: str, build) -> None:
         try:

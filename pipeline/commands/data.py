@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
+from beam_jobs import split_protocols  # no Beam or TensorFlow: the checks may use it
 from pipeline.commands import checks
 from tff_algorithms.base import owned_files
 
@@ -74,8 +75,8 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     )
     flags.DEFINE_enum(
         "mode",
-        "auto",
-        ["auto", "identity_and_user", "identity", "held_out_images"],
+        split_protocols.AUTO,
+        [split_protocols.AUTO, *split_protocols.MODES],
         "split: evaluation protocol: identity_and_user (faces: held-out identities and their "
         "users), identity (EMNIST: held-out identities, shared users), held_out_images "
         "(landmarks: held-out users' images of training identities), auto (identity_and_user "
@@ -140,7 +141,7 @@ def _single_input(flag_values: flags.FlagValues) -> str:
 
 def _split_mode_of(split_dir: str) -> str:
     """The mode `data split` wrote SPLIT_DIR by (its summary), identity_and_user without one."""
-    from beam_jobs import records_io, split_protocols, splits
+    from beam_jobs import records_io, splits
 
     summary = os.path.join(split_dir, splits.SUMMARY_FILE)
     if not os.path.exists(summary):
@@ -234,7 +235,6 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         ingest,
         partition,
         partition_job,
-        split_protocols,
         splits,
         synthetic,
     )

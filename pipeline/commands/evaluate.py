@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
+from beam_jobs import split_protocols  # no Beam or TensorFlow: the checks may use it
 from pipeline.commands import checks
 
 
@@ -53,15 +54,11 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     )
 
 
-# beam_jobs.split_protocols.MODES, spelled out: check() runs before Beam is imported.
-_MODES = ("identity_and_user", "identity", "held_out_images")
-
-
 def _split_mode(requested: str, data: str) -> str:
     """`requested`, or for auto the mode of the split summary beside `data`."""
-    if requested != "auto":
+    if requested != split_protocols.AUTO:
         return requested
-    from beam_jobs import records_io, split_protocols, splits
+    from beam_jobs import records_io, splits
 
     summary = os.path.join(os.path.dirname(os.path.normpath(data)), splits.SUMMARY_FILE)
     if os.path.isfile(summary):
@@ -82,7 +79,7 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     checks.number("max-bad-fraction", flag_values["max-bad-fraction"].value, 0, 1)
     checks.input_path("model", flag_values["model"].value, "dir")
     checks.input_path("data", flag_values["data"].value)
-    modes = ("auto", *_MODES)
+    modes = (split_protocols.AUTO, *split_protocols.MODES)
     mode = flag_values["split-mode"].value
     if mode not in modes:
         raise ValueError(

@@ -25,6 +25,7 @@ from typing import Any
 
 from absl import flags
 
+from beam_jobs import split_protocols  # no Beam or TensorFlow: the checks may use it
 from pipeline import console
 from pipeline.commands import algorithm_flags, checks, train_config, train_data
 from tff_algorithms import algorithms
@@ -277,7 +278,7 @@ def _train(value: Mapping[str, Any]) -> dict[str, Any]:
         value["num-shards"],
         beam_args,
     )
-    from beam_jobs import records_io, split_protocols, splits
+    from beam_jobs import records_io, splits
 
     # The mode the split was made by (auto resolved): which evaluation pairs are genuine.
     split_summary = os.path.join(os.path.dirname(prepared.validation_dir), splits.SUMMARY_FILE)
@@ -373,8 +374,7 @@ _CHOICES = {
     "architecture": model_config.ARCHITECTURES,
     "server-optimizer": model_config.OPTIMIZERS,
     "cache-features": ("auto", "true", "false"),
-    # beam_jobs.split_protocols.AUTO and MODES, spelled out: check() runs before Beam is imported.
-    "split-mode": ("auto", "identity_and_user", "identity", "held_out_images"),
+    "split-mode": (split_protocols.AUTO, *split_protocols.MODES),
 }
 _POSITIVE_INTS = (
     "rounds",
