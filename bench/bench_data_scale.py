@@ -211,19 +211,22 @@ def bench_image_folder(
     return rows, path["ingested"]
 
 
-def bench_replicated(ingested_dir: str, copies: int, work_dir: str) -> list[dict]:
-    """partition of `copies` renamed copies of INGESTED's records (module docstring)."""
+def bench_replicated(
+    ingested_dir: str, copies: int, work_dir: str, verb: str = "partition"
+) -> list[dict]:
+    """`verb` (partition or split; neither looks at pixels) of `copies` renamed copies of
+    INGESTED's records (module docstring)."""
     os.makedirs(work_dir, exist_ok=True)
     source = os.path.join(work_dir, "replicated")
     images = _replicated_records(ingested_dir, source, copies)
     users = images // IMAGES_PER_USER
     row = run_stage(
-        "partition",
-        [f"--input={source}", f"--out={os.path.join(work_dir, 'part')}"],
+        verb,
+        [f"--input={source}", f"--out={os.path.join(work_dir, verb)}"],
         images,
-        os.path.join(work_dir, "partition.log"),
+        os.path.join(work_dir, f"{verb}.log"),
     )
-    print(f"bench_data_scale: {users} users partition: {row}", flush=True)
+    print(f"bench_data_scale: {users} users {verb}: {row}", flush=True)
     starts_from = (
         f"canonical TFRecords: {copies} renamed copies of {users // copies} users' records"
     )
@@ -232,13 +235,16 @@ def bench_replicated(ingested_dir: str, copies: int, work_dir: str) -> list[dict
 
 def bench_large(ingested_10k: str, work_dir: str, parts: str = "both") -> list[dict]:
     """The 10^5-user chain on pixel variants of 10^4 users ("variants"), the 10^6-user
-    partition of their renamed copies ("replicated"), or both."""
+    partition of their renamed copies ("replicated"), or both; or the 10^6-user split
+    of those copies alone ("replicated-split")."""
     rows = []
     if parts in ("variants", "both"):
         users = 10 * records_io.count_records(ingested_10k) // IMAGES_PER_USER
         rows += bench_image_folder(users, os.path.join(work_dir, "large"), ingested_10k)[0]
     if parts in ("replicated", "both"):
         rows += bench_replicated(ingested_10k, 100, os.path.join(work_dir, "replicated"))
+    if parts == "replicated-split":
+        rows += bench_replicated(ingested_10k, 100, os.path.join(work_dir, "replicated"), "split")
     return rows
 
 
@@ -292,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ingested-10k", required=True, help="ingested records of 10^4 users")
     parser.add_argument("--out-json", required=True)
     parser.add_argument(
-        "--parts", choices=("variants", "replicated", "both", "split-dedup"), default="both"
+        "--parts",
+        choices=("variants", "replicated", "both", "replicated-split", "split-dedup"),
+        default="both",
     )
     parser.add_argument("--users", type=int, default=10_000, help="split-dedup: users")
     parser.add_argument("--work-dir", help="split-dedup: where its inputs and outputs stay")
