@@ -10,11 +10,11 @@ releases together cost the baseline's ε: the releases are paid for with trainin
 Two release settings: many noisy centers of clusters of 128, and a few cleaner ones of
 clusters of 512 (noise norm per released center about 1.5 and 0.37 of a unit center
 before normalisation). The local heads score the released centers with PrivacyFace's cap
-margin, s·cos(max(θ − ρ, 0)) at the release's ρ (`shared_negatives.logit: cap`, the
-default). The rows without training noise (z = 0, ε ∞) tell whether the negatives help
-the local heads at all, apart from the privacy trade; the last two also release with
-σ = 1e-3 (centers all but noiseless), under the cap margin and under the plain head-row
-scoring s·cos θ (`logit: row`, the scoring before issue 42).
+margin, s·cos(max(θ − ρ, 0)) at the release's ρ (`shared_negatives.logit: cap`, its Eq. 5;
+the default was this until its full run here, now `row`). The rows without training
+noise (z = 0, ε ∞) tell whether the negatives help the local heads at all, apart from
+the privacy trade; the last two also release with σ = 1e-3 (centers all but noiseless),
+under the cap margin and under the plain head-row scoring s·cos θ (`logit: row`).
 """
 
 from __future__ import annotations
@@ -100,13 +100,16 @@ def run(out_dir: str, quick: bool) -> dict:
     target = accounting.compute_privacy(job_plan.accounting_spec_for(base, users)).epsilon
     configs = {f"dp-fedemb@z={base.noise_multiplier:g}": base}
     for name, (full, small) in SETTINGS.items():
+        setting = dict(small if quick else full, logit=shared_negatives_config.CAP_LOGIT)
         configs[f"dp-fedemb + shared negatives {name} @eps={target:.3g}"] = _matched(
-            base, small if quick else full, users, target
+            base, setting, users, target
         )
     noiseless_setting = SETTINGS["Q2 T512"][1 if quick else 0]
     configs["dp-fedemb@z=0"] = dataclasses.replace(base, noise_multiplier=0.0)
     configs["dp-fedemb + shared negatives Q2 T512 @z=0"] = dataclasses.replace(
-        base, noise_multiplier=0.0, shared_negatives=dict(noiseless_setting)
+        base,
+        noise_multiplier=0.0,
+        shared_negatives=dict(noiseless_setting, logit=shared_negatives_config.CAP_LOGIT),
     )
     # Releases all but noiseless (σ must be > 0): the negatives at their most informative.
     clean = dict(noiseless_setting, noise_multiplier=CLEAN_RELEASE_NOISE)

@@ -190,8 +190,9 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "cluster_size": "class centers averaged per released center (T)",
         "margin": "cluster margin rho, radians in (0, pi]",
         "noise_multiplier": "DPLC noise std / the cluster mean's sensitivity (sigma)",
-        "logit": "how local heads score a released center: cap (s*cos(max(theta - margin, "
-        "0)), PrivacyFace's cap margin) or row (s*cos(theta), one more head row)",
+        "logit": "how local heads score a released center: row (s*cos(theta), one more head "
+        "row) or cap (s*cos(max(theta - margin, 0)), PrivacyFace's Eq. 5 as written: a "
+        "comparison mode, it cost recall in BENCHMARKS.md)",
     }
     kinds = {"margin": "float", "noise_multiplier": "float", "logit": "string"}
     for flag, field in train_config.SHARED_NEGATIVES_FLAGS.items():

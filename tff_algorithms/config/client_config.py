@@ -70,7 +70,7 @@ class ClientConfig:
         logits (issue 42): a released center p̂ at angle θ from the embedding scores
         s·cos(max(θ − ρ, 0)), PrivacyFace's consensus-aware term, so every embedding
         within ρ of p̂ gets the full logit s. 0 scores p̂ as one more head row, s·cos θ.
-        The job sets it to the DPLC release's margin (`shared_negatives.logit`).
+        The job sets it to the DPLC release's margin under `shared_negatives.logit: cap`.
     """
 
     client_learning_rate: float

@@ -14,8 +14,9 @@ from typing import Any
 from tff_algorithms.base import validation
 from tff_algorithms.privacy import accounting_spec, dplc_releases
 
-# How a local head scores a released center (`logit`): PrivacyFace's cap margin, or as one
-# more head row (the pre-issue-42 scoring, kept as a named comparison).
+# How a local head scores a released center (`logit`): as one more head row (the default),
+# or with PrivacyFace's cap margin (its Eq. 5 as written, a named comparison mode: it
+# cost recall in both benchmarks, BENCHMARKS.md).
 CAP_LOGIT = "cap"
 ROW_LOGIT = "row"
 LOGITS = (CAP_LOGIT, ROW_LOGIT)
@@ -39,10 +40,13 @@ class SharedNegativesConfig:
     mechanisms on every user, without sampling amplification (`dplc_releases`).
 
     `logit`: how a local head scores a released center p̂ at angle θ from an embedding.
-    `cap` (default, PrivacyFace's consensus-aware loss, issue 42): s·cos(max(θ − ρ, 0))
-    with ρ = `margin`, the same ρ the release's sensitivity uses, so the whole cap the
-    cluster covered is pushed away; `row`: s·cos θ, one more head row (for comparison).
-    Post-processing of the released rows either way: the accounting does not depend on it.
+    `row` (default): s·cos θ, one more head row. `cap`: PrivacyFace's consensus-aware
+    term as its Eq. 5 writes it (issue 42), s·cos(max(θ − ρ, 0)) with ρ = `margin`, the
+    same ρ the release's sensitivity uses; a comparison mode: near s for every sample
+    within or near a cap, it swamps the local identities' logits, and the class centers
+    collapsed (recall@FAR 1e-2 −0.05 at equal ε and −0.09 without noise in DP-FedEmb,
+    −0.09 cross-silo; BENCHMARKS.md, "Shared negatives"). Post-processing of the
+    released rows either way: the accounting does not depend on it.
 
     Defaults: a large cluster (the noise scale is σ·2·sin ρ / T per coordinate) and
     high σ so that a release costs little next to the training (BENCHMARKS.md).
@@ -54,7 +58,7 @@ class SharedNegativesConfig:
     cluster_size: int = 128
     margin: float = 1.0
     noise_multiplier: float = 10.0
-    logit: str = CAP_LOGIT
+    logit: str = ROW_LOGIT
 
     def __post_init__(self) -> None:
         if self.logit not in LOGITS:

@@ -181,15 +181,15 @@ def test_config_reads_a_mapping_and_round_trips():
     assert job_config.TrainJobConfig.from_dict(config.to_dict()) == config
     assert config.client_config().shared_negative_rows == config.shared_negatives.num_clusters
     assert job_config.TrainJobConfig().client_config().shared_negative_rows == 0
-    # The local heads' cap margin is the release's ρ (PrivacyFace); `row` is named, not default.
-    assert config.shared_negatives.logit == "cap"
-    assert config.client_config().shared_negative_cap == config.shared_negatives.margin == 1.0
-    row = job_config.TrainJobConfig.from_dict({"shared_negatives": {"margin": 0.7, "logit": "row"}})
-    assert row.client_config().shared_negative_cap == 0.0
-    assert job_config.TrainJobConfig.from_dict(row.to_dict()) == row
-    # The margin is post-processing: the releases' accounting is the same either way.
-    assert job_plan.release_plan_for(row) == job_plan.release_plan_for(
-        dataclasses.replace(row, shared_negatives={"margin": 0.7})
+    # Plain head rows by default; PrivacyFace's cap margin, at the release's ρ, is named.
+    assert config.shared_negatives.logit == "row"
+    assert config.client_config().shared_negative_cap == 0.0
+    cap = job_config.TrainJobConfig.from_dict({"shared_negatives": {"margin": 0.7, "logit": "cap"}})
+    assert cap.client_config().shared_negative_cap == cap.shared_negatives.margin == 0.7
+    assert job_config.TrainJobConfig.from_dict(cap.to_dict()) == cap
+    # The scoring is post-processing: the releases' accounting is the same either way.
+    assert job_plan.release_plan_for(cap) == job_plan.release_plan_for(
+        dataclasses.replace(cap, shared_negatives={"margin": 0.7})
     )
     assert job_config.TrainJobConfig().client_config().shared_negative_cap == 0.0
 
@@ -476,7 +476,7 @@ def test_train_flags_set_shared_negatives():
     assert config.shared_negatives == shared_negatives_config.SharedNegativesConfig(
         every_rounds=3, margin=0.8
     )
-    assert _flag_config("--shared-negatives-logit=row").shared_negatives.logit == "row"
+    assert _flag_config("--shared-negatives-logit=cap").shared_negatives.logit == "cap"
 
 
 def test_bad_shared_negatives_flags_give_one_error_line(tmp_path, capsys):
