@@ -364,6 +364,25 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/beam_jobs/test_dedup.py::test_copies_of_evaluation_images_are_removed_and_nothing_else",
         ),
     ),
+    # The split protocols: an evaluation identity's records in public pretraining, and a
+    # user's records in two splits.
+    Mutant(
+        "split-public-user-takes-evaluation-identities",
+        "beam_jobs/splits.py",
+        "if public_user and split == split_protocols.TRAIN:",
+        "if public_user:",
+        (
+            "tests/beam_jobs/test_splits.py::"
+            "test_identity_mode_keeps_every_record_and_keeps_evaluation_identities_out_of_training",
+        ),
+    ),
+    Mutant(
+        "split-user-in-two-splits",
+        "beam_jobs/splits.py",
+        "        if split == user_split_:",
+        "        if True:",
+        ("tests/beam_jobs/test_splits.py::test_splits_are_disjoint_by_user_and_identity",),
+    ),
     # A look-alike taken for a copy: the copy evidence's two tests.
     Mutant(
         "dedup-shared-noise",
