@@ -47,7 +47,7 @@ import pickle
 import apache_beam as beam
 import tensorflow as tf
 
-from beam_jobs import copy_evidence, records_io, spill, split_protocols
+from beam_jobs import copy_evidence, progress, records_io, spill, split_protocols
 from beam_jobs import dedup_batches as batches
 from beam_jobs import near_duplicates as nd
 from beam_jobs.dedup_batches import EXACT, NEAR
@@ -297,6 +297,7 @@ class FindDuplicates(beam.PTransform):
             ]
             | "AllEntries" >> beam.Flatten()
             | "ByBucket" >> beam.GroupByKey()
+            | "Progress" >> progress.Progress("dedup", f"{self._name} band buckets joined")
             | "Join"
             >> beam.FlatMap(
                 _join_spilled_bucket, config.hamming_threshold, config.references_verified
@@ -334,6 +335,8 @@ class FindDuplicates(beam.PTransform):
         near = (
             {"fp": by_key[_CANDIDATE], "references": attached}
             | "JoinCandidates" >> beam.CoGroupByKey()
+            | "VerifyProgress"
+            >> progress.Progress("dedup", f"{self._name} candidate batches verified")
             | "Verify"
             >> beam.ParDo(
                 spill.WithSpilledRecords(spill_dir, verify, config, fields=("fp", "references"))
@@ -517,7 +520,12 @@ def run_dedup(
         }
         # Each split is decoded and fingerprinted once, whatever it is compared with.
         prints = {s: data[s] | f"Fingerprint{s}" >> Fingerprint(config) for s in present}
-        fps = {s: out["fingerprints"] for s, out in prints.items()}
+        fps = {
+            s: out["fingerprints"]
+            | f"Progress{s}"
+            >> progress.Progress("dedup", f"{s} images fingerprinted", total=sizes[s], weight=len)
+            for s, out in prints.items()
+        }
         evaluation = [
             fps[s] for s in split_protocols.EVALUATION_SPLITS
         ] | "Evaluation" >> beam.Flatten()

@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 from apache_beam.metrics import Metrics
 
-from beam_jobs import image_files, records_io, schema
+from beam_jobs import image_files, progress, records_io, schema
 
 BAD_TAG = "bad"
 _ROW_CLIENT_TAG = "row_client"
@@ -468,7 +468,11 @@ def run_ingest(
     summary_path = os.path.join(out_dir, SUMMARY_FILE)
     with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
         ingested = pipeline | "Ingest" >> IngestToCanonical(readers, max_bad_fraction)
-        _ = ingested["records"] | "WriteRecords" >> records_io.WriteRecords(out_dir)
+        _ = (
+            ingested["records"]
+            | "Progress" >> progress.Progress("ingest", "images read")
+            | "WriteRecords" >> records_io.WriteRecords(out_dir)
+        )
         _ = ingested["summary"] | "WriteSummary" >> records_io.WriteJson(summary_path)
     summary = records_io.read_json(summary_path)
     if not summary["within_limit"]:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import apache_beam as beam
 import tensorflow as tf
 
-from beam_jobs import records_io, schema, spill
+from beam_jobs import progress, records_io, schema, spill
 from beam_jobs.partition import (
     IDENTITIES_PER_USER,
     INDEX_DIR,
@@ -117,6 +117,7 @@ class PartitionByUser(beam.PTransform):
             records
             | "SpillByShard" >> beam.ParDo(_SpillByShardFn(spill_dir, num_shards))
             | "GroupByShard" >> beam.GroupByKey()
+            | "Progress" >> progress.Progress("partition", "shards written", total=num_shards)
             | "WriteShards" >> beam.ParDo(_WriteShardFn(partition_dir, self._max_part_bytes))
             | "ShardCounts" >> beam.combiners.ToList()
             | "Manifest"
@@ -141,6 +142,7 @@ def run_partition(
         _ = (
             pipeline
             | "Read" >> records_io.ReadRecords(input_dir)
+            | "Progress" >> progress.Progress("partition", "records read")
             | "Partition" >> PartitionByUser(partition_dir, num_shards, max_part_bytes)
         )
     if schedule_spec is not None:

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 
-from beam_jobs import records_io, schema, spill, split_protocols
+from beam_jobs import progress, records_io, schema, spill, split_protocols
 
 # Where a record comes from: the private users, a public or an evaluation source.
 _PRIVATE_SOURCE, _PUBLIC_SOURCE, _EVALUATION_SOURCE = "private", "public", "evaluation"
@@ -201,6 +201,7 @@ class SplitRecords(beam.PTransform):
             | "FlattenSources" >> beam.Flatten()
             | "SpillByUser" >> spill.SpillByKey(spill_dir)
             | "GroupByUser" >> beam.GroupByKey()
+            | "Progress" >> progress.Progress("split", "users assigned")
             | "AssignUsers"
             >> beam.ParDo(spill.WithSpilledRecords(spill_dir, _assign_user, config)).with_outputs(
                 "dropped", "input", *config.splits

@@ -17,6 +17,7 @@ from PIL import Image
 from beam_jobs import (
     dedup,
     dedup_batches,
+    progress,
     records_io,
     schema,
     spill,
@@ -149,7 +150,8 @@ def _split_dir(tmp_path, training: list[bytes], evaluation: list[bytes]) -> str:
     return split_dir
 
 
-def test_run_dedup_keeps_evaluation_splits_and_writes_report(tmp_path):
+def test_run_dedup_keeps_evaluation_splits_and_writes_report(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(progress.EVERY_SECONDS_ENV, "0")  # a progress line per element
     evaluation = _evaluation_records()
     training = _training_records()[:40]  # 30 originals + 10 copies of the first evaluation images
     split_dir = _split_dir(tmp_path, training, evaluation)
@@ -163,6 +165,14 @@ def test_run_dedup_keeps_evaluation_splits_and_writes_report(tmp_path):
     assert not os.path.exists(os.path.join(out, spill.SPILL_DIR))
     section = records_io.read_json(os.path.join(out, dedup.REPORT_FILE))["train_vs_evaluation"]
     assert section == report["train_vs_evaluation"]
+    err = capsys.readouterr().err
+    for line in (
+        "dedup: train images fingerprinted 40 of 40 (100%),",
+        "dedup: validation images fingerprinted 15 of 15 (100%),",
+        "dedup: train_vs_evaluation band buckets joined ",
+        "dedup: train_vs_evaluation candidate batches verified ",
+    ):
+        assert line in err, err
     assert (section["removed_exact"], section["removed_near"], section["kept"]) == (3, 7, 30)
     assert (section["removed_fraction"], section["max_removed_fraction"]) == (0.25, 0.3)
     assert section["within_limit"] and section["thresholds"]["max_removed_fraction"] == 0.3
