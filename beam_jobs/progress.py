@@ -13,21 +13,24 @@ processes (the DirectRunner's multi_processing mode, Flink, Dataflow) each repor
 own share and its line names its process id. The same count is also a Beam counter
 (`Metrics.counter("progress", <what>)`), which a runner's monitoring shows.
 
-`DP_FEDEMB_PROGRESS_SECONDS` sets `every_seconds` for every stage (default 30).
+`DP_FEDEMB_PROGRESS_SECONDS` sets `every_seconds` for every stage (default 30). Lines go
+to stderr, or where `lines_to` points them for the jobs this process runs in its own
+threads (`dp-fedemb run` prints them with its component lines, on stdout).
 
 Imports Beam and the standard library only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
 
 import apache_beam as beam
 
@@ -62,6 +65,26 @@ class _Count:
 # DoFn instances (a runner may run several bundles of a stage at once in threads).
 _COUNTS: dict[str, _Count] = {}
 _LOCK = threading.Lock()
+_STDERR = object()
+_output: Any = _STDERR
+
+
+@contextlib.contextmanager
+def lines_to(stream: TextIO | None) -> Iterator[None]:
+    """Inside, the progress lines this process writes go to `stream` (None: nowhere)."""
+    global _output
+    previous, _output = _output, stream
+    try:
+        yield
+    finally:
+        _output = previous
+
+
+def _write(line: str) -> None:
+    stream = sys.stderr if _output is _STDERR else _output
+    if stream is not None:
+        stream.write(line + "\n")
+        stream.flush()
 
 
 def _duration(seconds: float) -> str:
@@ -123,7 +146,7 @@ class _CountFn(beam.DoFn):
                 now - started,
                 None if pid == self._origin_pid else pid,
             )
-            print(line, file=sys.stderr, flush=True)
+            _write(line)
         yield element
 
 

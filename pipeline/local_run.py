@@ -29,6 +29,7 @@ from ml_metadata.metadata_store import metadata_store
 from tfx import v1 as tfx
 from tfx.orchestration import pipeline as tfx_pipeline
 
+from beam_jobs import progress as beam_progress
 from pipeline import config as config_lib
 from pipeline import console, definition, lineage
 from pipeline.components import artifacts, evaluation, reporting
@@ -190,6 +191,9 @@ def run_pipeline(
         if unknown:
             raise ValueError(f"unknown component {unknown[0]} (components: {', '.join(node_ids)})")
         run_options = tfx_pipeline.RunOptions(from_nodes=list(from_nodes)) if from_nodes else None
-        with _progress_logging(ComponentProgress(node_ids, progress) if progress else None):
+        with (
+            _progress_logging(ComponentProgress(node_ids, progress) if progress else None),
+            beam_progress.lines_to(progress),
+        ):
             tfx.orchestration.LocalDagRunner().run(pipeline, run_options=run_options)
         return summarize(config)

@@ -1,5 +1,6 @@
 """Progress lines of the Beam jobs: a pass-through step that counts, and the jobs' lines."""
 
+import io
 import re
 
 import apache_beam as beam
@@ -45,6 +46,18 @@ def test_progress_line_names_a_worker_process_and_has_no_total_when_unknown():
     assert line == "dedup: buckets joined 1,234, 19/s, 1 min 5 s [worker process 4242]"
     line = progress.progress_line("ingest", "images read", 50, 200, 7200.0, None)
     assert line == "ingest: images read 50 of 200 (25%), 0/s, 2 h 0 min"
+
+
+def test_lines_to_points_the_lines_of_in_process_jobs_elsewhere(capsys):
+    elsewhere = io.StringIO()
+    for stream in (elsewhere, None):
+        with (
+            progress.lines_to(stream),
+            TestPipeline(options=records_io.pipeline_options()) as pipeline,
+        ):
+            _ = pipeline | beam.Create([1, 2]) | progress.Progress("job", "n", every_seconds=0)
+    assert capsys.readouterr().err == ""
+    assert elsewhere.getvalue().splitlines()[-1].startswith("job: n 2, ")
 
 
 @pytest.mark.parametrize("text", ["soon", "-1", "nan"])
