@@ -105,13 +105,13 @@ QUICK = {
 # at target: 1 step (every learning rate scores the same there, so there is nothing to
 # sweep or charge) and 10 steps at lr 0.1, the rate every 3- and 10-step sweep of the
 # small CNN chose (that choice saw these users through another model, uncharged); no
-# 3-step or sigmoid rows (within ±0.01 of 1 step there). From scratch, 12 epochs left
-# this trunk near chance on the photos (recall@FAR 1e-2 0.017, 1e-1 0.134): it
-# pretrains for 36.
+# 3-step or sigmoid rows (within ±0.01 of 1 step there). The pretraining recipe
+# collapses this trunk on these sketches (every image the same embedding; BENCHMARKS.md,
+# "The same arms on MobileNetV2"): until it is fixed a full run compares arms from a
+# start at chance.
 FULL_MOBILENET_V2 = {
     **FULL,
     "trunk": bench_training.MOBILENET_V2_TRUNK,
-    "pretrain_epochs": 36,
     "recipe_steps": (1, 10),
     "sigmoid_steps": (),
     "per_run_target_steps": (),
@@ -123,7 +123,7 @@ QUICK_MOBILENET_V2 = {
     "recipe_steps": (1, 3),
     "sigmoid_steps": (),
     "per_run_target_steps": (),
-    "learning_rates": {1: (1e-1,), 3: (1e-2, 1e-1)},
+    "learning_rates": {1: (1e-1,), 3: (1e-1,)},
 }
 SIZES = {
     model_config.SMALL_CNN: {"full": FULL, "quick": QUICK},
