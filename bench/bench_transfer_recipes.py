@@ -100,8 +100,8 @@ QUICK = {
 }
 
 # The same arms on MobileNetV2 (`bench_training.MOBILENET_V2_TRUNK`; `main` runs them,
-# `run_all` does not). Its jobs take 2-4 minutes each on two cores (building the trunk
-# several times a job, its feature cache, export), so (a) keeps two rows, each one run
+# `run_all` does not). Its jobs take 2-5 minutes each on two cores, (d) uncached about
+# 11 (building the trunk and the computations around it), so (a) keeps two rows, each one run
 # at target: 1 step (every learning rate scores the same there, so there is nothing to
 # sweep or charge) and 10 steps at lr 0.1, the rate every 3- and 10-step sweep of the
 # small CNN chose (that choice saw these users through another model, uncharged); no
