@@ -24,6 +24,21 @@ calibrating its own noise multiplier for its schedule. At each target ε the arm
 (c) DP-FedEmb on the same layer (embedding only, cached features);
 (d) DP-FedEmb with the default recipe (convolutions and GroupNorm layers).
 
+On a larger trunk (`--trunk mobilenet_v2`: `bench_training.MOBILENET_V2_TRUNK`, the
+config's MobileNetV2 with GroupNorm on 32x32 grey images of the same generator,
+pretrained the same way on the public sketches) the frozen prefix is most of the model:
+2.2M of its 2.4M parameters lie in the one nested trunk layer, before the embedding.
+(a), (b) and (c) train the embedding layer on cached features of the whole trunk (the
+cache cuts only before a top-level layer). (d) is the default recipe (DP-FedEmb,
+CosFace, class-mean heads, its schedule) with the layers it trains moved to this trunk:
+the trunk's last convolution (Conv_1, 320 to 1,280 channels), its GroupNorm and the
+embedding, 0.58M parameters, uncached (the cut would fall inside the nested trunk).
+The small CNN's default trains every convolution and GroupNorm (its embedding frozen);
+here that would be 2.2M noised coordinates and a backward pass through the whole trunk
+at every local step, so (d) trains the trunk's top and the embedding after it. The last
+inverted residual block as well would nearly double the noised coordinates (1.05M) and
+add its backward pass. Its sizes (FULL_MOBILENET_V2) keep fewer (a) rows, said there.
+
 Reported per target: recall@FAR 1e-3 / 1e-2 / 1e-1 on the held-out test identities with
 95% bootstrap intervals, the paired differences of (a) at 1 step against every other arm
 (`scoring.compare_saved_models`: both scored on each identity resample), each job's ε
@@ -31,20 +46,25 @@ and z, and wall time (metrics.json `wall_seconds`, cache building included; for 
 the sweep's total).
 
 usage: python -m bench.run_all --only bench_transfer_recipes [--quick] [--results-dir DIR]
+       python -m bench.bench_transfer_recipes --trunk mobilenet_v2 [--quick] [--results-dir DIR]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import os
 import shutil
+import sys
+import time
 from collections.abc import Mapping
 
 import tensorflow as tf
 
 from beam_jobs import partition, schema, synthetic
-from bench import bench_training, bench_transfer
-from tff_algorithms.config import job_config, job_plan, recipes
+from bench import bench_training, bench_transfer, run_all
+from tff_algorithms.config import job_config, job_plan, model_config, recipes
 from tff_algorithms.config.job_config import DP_LAST_LAYER
 from tff_algorithms.evaluation import scoring
 from tff_algorithms.jobs import job_outputs
@@ -79,10 +99,49 @@ QUICK = {
     "bootstrap": 100,
 }
 
+# The same arms on MobileNetV2 (`bench_training.MOBILENET_V2_TRUNK`; `main` runs them,
+# `run_all` does not). Its jobs take 2-5 minutes each on two cores, (d) uncached about
+# 11 (building the trunk and the computations around it), so (a) keeps two rows, each one run
+# at target: 1 step (every learning rate scores the same there, so there is nothing to
+# sweep or charge) and 10 steps at lr 0.1, the rate every 3- and 10-step sweep of the
+# small CNN chose (that choice saw these users through another model, uncharged); no
+# 3-step or sigmoid rows (within ±0.01 of 1 step there). The pretraining recipe
+# collapses this trunk on these sketches (every image the same embedding; BENCHMARKS.md,
+# "The same arms on MobileNetV2"): until it is fixed a full run compares arms from a
+# start at chance.
+FULL_MOBILENET_V2 = {
+    **FULL,
+    "trunk": bench_training.MOBILENET_V2_TRUNK,
+    "recipe_steps": (1, 10),
+    "sigmoid_steps": (),
+    "per_run_target_steps": (),
+    "learning_rates": {1: (1e-1,), 10: (1e-1,)},
+}
+QUICK_MOBILENET_V2 = {
+    **QUICK,
+    "trunk": bench_training.MOBILENET_V2_TRUNK,
+    "recipe_steps": (1, 3),
+    "sigmoid_steps": (),
+    "per_run_target_steps": (),
+    "learning_rates": {1: (1e-1,), 3: (1e-1,)},
+}
+SIZES = {
+    model_config.SMALL_CNN: {"full": FULL, "quick": QUICK},
+    model_config.MOBILENET_V2: {"full": FULL_MOBILENET_V2, "quick": QUICK_MOBILENET_V2},
+}
+
 SEED = "(a) dp-last-layer full batch, DP-Adam"
 SAMPLED = "(b) dp-last-layer today (sampled, SGD+momentum)"
 EMBEDDING = "(c) dp-fedemb embedding (cached)"
 DEFAULT = "(d) dp-fedemb default (conv+gn)"
+
+
+def default_name(sizes: Mapping) -> str:
+    """Arm (d)'s name: on a larger trunk, the default recipe with the trunk's layers."""
+    if "trunk" not in sizes:
+        return DEFAULT
+    layers = "+".join(sizes["trunk"]["trainable_layers"])
+    return f"(d) dp-fedemb default recipe ({layers}, uncached)"
 
 
 SWEEP_AT_TARGET = "sweep at target"
@@ -123,6 +182,13 @@ def sweep_noise_multiplier(
     return whole.calibrated_for(num_users)[0].noise_multiplier
 
 
+def learning_rates(sizes: Mapping, steps: int) -> tuple[float, ...]:
+    """The (a) arm's learning-rate grid at `steps` steps: `learning_rates`, or its entry
+    for `steps` where the sizes give a grid per step count."""
+    grid = sizes["learning_rates"]
+    return tuple(grid[steps]) if isinstance(grid, Mapping) else tuple(grid)
+
+
 def configs(
     sizes: Mapping, targets: tuple[float, ...], num_users: int
 ) -> tuple[dict[str, job_config.TrainJobConfig], dict[tuple[float, str], list[tuple[float, str]]]]:
@@ -133,15 +199,15 @@ def configs(
     others = {
         SAMPLED: rows[DP_LAST_LAYER],
         EMBEDDING: rows[f"{bench_transfer.EMBEDDING} {bench_transfer.CACHED}"],
-        DEFAULT: rows[bench_transfer.DEFAULT],
+        default_name(sizes): rows[bench_transfer.DEFAULT],
     }
     variants = [(steps, False) for steps in sizes["recipe_steps"]]
     variants += [(steps, True) for steps in sizes["sigmoid_steps"]]
-    rates = sizes["learning_rates"]
     jobs: dict[str, job_config.TrainJobConfig] = {}
     sweeps: dict[tuple[float, str], list[tuple[float, str]]] = {}
     for target in targets:
         for steps, sigmoid in variants:
+            rates = learning_rates(sizes, steps)
             base = seed_config(rows[DP_LAST_LAYER], steps, rates[0], sigmoid)
             whole_sweep = sweep_noise_multiplier(base, len(rates), target, num_users)
             privacy = {SWEEP_AT_TARGET: {"noise_multiplier": whole_sweep, "target_epsilon": None}}
@@ -169,6 +235,7 @@ def write_validation(work: str, sizes: Mapping) -> str:
     config = synthetic.SyntheticConfig(
         identities=first + sizes["validation_identities"],
         images_per_identity=sizes["images"],
+        image_size=bench_training.image_size(sizes),
         seed=0,
     )
     records_dir = os.path.join(work, "validation")
@@ -182,6 +249,7 @@ def write_validation(work: str, sizes: Mapping) -> str:
 
 def _describe(config: job_config.TrainJobConfig, result: job_outputs.TrainJobResult) -> dict:
     metrics = result.metrics
+    cache = metrics.get("feature_cache") or {}
     return {
         "saved_model": result.saved_model_dir,
         "epsilon": metrics["epsilon"],
@@ -189,6 +257,8 @@ def _describe(config: job_config.TrainJobConfig, result: job_outputs.TrainJobRes
         "noise_multiplier": metrics["noise_multiplier_source"]["noise_multiplier"],
         "rounds": metrics["rounds"],
         "wall_seconds": metrics["wall_seconds"],
+        # Part of wall_seconds: the frozen prefix run once over the training images.
+        "cache_ready_seconds": cache.get("ready_seconds"),
     }
 
 
@@ -241,13 +311,21 @@ def select(
     }
 
 
-def run(out_dir: str, quick: bool) -> dict:
-    sizes = QUICK if quick else FULL
+def results_suffix(trunk: str) -> str:
+    """What a trunk's file names add: nothing for the small CNN (`run_all`'s names)."""
+    return "" if trunk == model_config.SMALL_CNN else f"_{trunk}"
+
+
+def run(out_dir: str, quick: bool, trunk: str = model_config.SMALL_CNN) -> dict:
     size = "quick" if quick else "full"
+    sizes = SIZES[trunk][size]
     targets = TARGET_EPSILONS[size]
-    work = os.path.join(out_dir, "bench_transfer_recipes_work")
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    work = os.path.join(out_dir, f"bench_transfer_recipes{results_suffix(trunk)}_work")
     shutil.rmtree(work, ignore_errors=True)
+    began = time.perf_counter()
     data, _, pretrained = bench_training.prepare(work, sizes)
+    prepare_seconds = time.perf_counter() - began
     validation_dir = write_validation(work, sizes)
     num_users = partition.read_manifest(data[0])["users"]
     jobs, sweeps = configs(sizes, targets, num_users)
@@ -260,7 +338,7 @@ def run(out_dir: str, quick: bool) -> dict:
         for (sweep_target, arm), sweep in sweeps.items():
             if sweep_target == target:
                 arms[arm] = select(jobs, sweep, trained, validation_dir, num_users)
-        for arm in (SAMPLED, EMBEDDING, DEFAULT):
+        for arm in (SAMPLED, EMBEDDING, default_name(sizes)):
             arms[arm] = {"job": f"eps={target:g} {arm}"}
         # The paper's headline row first: compare_saved_models pairs it with every other.
         headline = seed_name(1, False)
@@ -290,6 +368,11 @@ def run(out_dir: str, quick: bool) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     return {
         "quick": quick,
+        "trunk": trunk,
+        "load_average_start_1_5_15": load_start,
+        # Writing the data and pretraining on the public sketches, not part of any arm.
+        "prepare_seconds": prepare_seconds,
+        "pretrain_wall_seconds": pretrained.metrics["wall_seconds"],
         "target_epsilons": list(targets),
         "delta": DELTA,
         "sizes": dict(sizes),
@@ -300,3 +383,35 @@ def run(out_dir: str, quick: bool) -> dict:
         "pretrained_recall_at_far": pretrained.recall_at_far,
         "by_target_epsilon": by_target,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One trunk's run, its JSON in `run_all`'s form: the small CNN's in
+    bench_transfer_recipes.json (as `run_all` writes it), another's in
+    bench_transfer_recipes_<trunk>.json."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--trunk", choices=sorted(SIZES), default=model_config.SMALL_CNN)
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--results-dir", default=run_all.RESULTS_DIR, help="where the JSON goes")
+    args = parser.parse_args(argv)
+    os.makedirs(args.results_dir, exist_ok=True)
+    machine = run_all.machine()
+    start = time.perf_counter()
+    result = run(args.results_dir, args.quick, args.trunk)
+    name = f"bench_transfer_recipes{results_suffix(args.trunk)}.json"
+    with open(os.path.join(args.results_dir, name), "w") as f:
+        json.dump(
+            {
+                "machine": machine,
+                "wall_seconds": time.perf_counter() - start,
+                "load_average_end_1_5_15": [round(x, 2) for x in os.getloadavg()],
+                **result,
+            },
+            f,
+            indent=2,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

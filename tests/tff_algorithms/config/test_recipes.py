@@ -95,3 +95,26 @@ def test_training_benchmark_builds_its_jobs_from_the_default_recipe():
     base = bench_training.base_config(bench_training.QUICK)
     assert (base.head_loss, base.noise_multiplier, base.target_epsilon) == ("cosface", 0.0, None)
     assert bench_training.centralized_config(bench_training.QUICK, 2).trainable_layers == ("*",)
+
+
+def test_training_benchmark_trunk_entry_changes_only_the_model_and_trained_layers():
+    from bench import bench_training
+
+    small = bench_training.base_config(bench_training.QUICK)
+    assert (small.architecture, small.image_size) == ("small_cnn", 28)
+    assert small.trainable_layers == ("conv*", "gn*")
+    assert bench_training.image_size(bench_training.QUICK) == 28
+    sizes = {**bench_training.QUICK, "trunk": bench_training.MOBILENET_V2_TRUNK}
+    larger = bench_training.base_config(sizes)
+    assert (larger.architecture, larger.image_size) == ("mobilenet_v2", 32)
+    assert larger.trainable_layers == ("Conv_1", "Conv_1_bn", "embedding")
+    # Everything else is the small CNN's job: the same recipe, schedule and seeds.
+    model_fields = {"architecture": "small_cnn", "image_size": 28}
+    assert (
+        dataclasses.replace(larger, **model_fields, trainable_layers=small.trainable_layers)
+        == small
+    )
+    pretraining = bench_training.centralized_config(sizes, 2)
+    assert (pretraining.architecture, pretraining.image_size) == ("mobilenet_v2", 32)
+    assert pretraining.trainable_layers == ("*",)
+    assert bench_training.image_size(sizes) == 32
