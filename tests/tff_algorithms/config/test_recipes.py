@@ -97,6 +97,7 @@ def test_training_benchmark_builds_its_jobs_from_the_default_recipe():
     assert bench_training.centralized_config(bench_training.QUICK, 2).trainable_layers == ("*",)
 
 
+@pytest.mark.slow  # builds MobileNetV2 to check its layer names (about 40 s)
 def test_training_benchmark_trunk_entry_changes_only_the_model_and_trained_layers():
     from bench import bench_training
 
