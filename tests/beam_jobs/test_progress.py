@@ -4,14 +4,11 @@ import io
 import re
 
 import apache_beam as beam
-import numpy as np
 import pytest
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from beam_jobs import partition_job, progress, records_io, schema, split_protocols, splits
-
-_PNG = schema.encode_png(np.zeros((4, 4), dtype=np.uint8))
+from beam_jobs import partition_job, progress, records_io, split_protocols, splits, synthetic
 
 
 def _lines(text: str, prefix: str) -> list[str]:
@@ -69,14 +66,10 @@ def test_bad_progress_seconds_is_one_line_naming_the_variable(monkeypatch, text)
 
 def test_split_and_partition_report_progress(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(progress.EVERY_SECONDS_ENV, "0")
-    records = [
-        schema.serialize(schema.CanonicalRecord(f"u{u}", f"id{u}", _PNG + bytes([n])))
-        for u in range(20)
-        for n in range(2)
-    ]
+    config = synthetic.SyntheticConfig(identities=20, images_per_identity=2, seed=3)
     source = str(tmp_path / "in")
     with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
-        _ = pipeline | beam.Create(records) | records_io.WriteRecords(source)
+        _ = pipeline | synthetic.SyntheticRecords(config) | records_io.WriteRecords(source)
     splits.run_split(source, str(tmp_path / "split"), split_protocols.SplitConfig(0.2, 0.2))
     partition_job.run_partition(source, str(tmp_path / "partition"), num_shards=3)
     err = capsys.readouterr().err
