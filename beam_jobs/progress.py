@@ -105,7 +105,14 @@ def progress_line(
     count = f"{seen:,}"
     if total:
         count += f" of {total:,} ({100 * seen // total}%)"
-    rate = f"{seen / seconds:,.0f}/s" if seconds > 0 else "-"
+    per_second = seen / seconds if seconds > 0 else None
+    # Slow stages (a batch every few seconds) keep two digits instead of showing 0/s.
+    if per_second is None:
+        rate = "-"
+    elif per_second >= 10:
+        rate = f"{per_second:,.0f}/s"
+    else:
+        rate = f"{per_second:.2g}/s"
     where = f" [worker process {pid}]" if pid is not None else ""
     return f"{job}: {what} {count}, {rate}, {_duration(seconds)}{where}"
 

@@ -42,7 +42,7 @@ def test_progress_line_names_a_worker_process_and_has_no_total_when_unknown():
     line = progress.progress_line("dedup", "buckets joined", 1234, None, 65.0, 4242)
     assert line == "dedup: buckets joined 1,234, 19/s, 1 min 5 s [worker process 4242]"
     line = progress.progress_line("ingest", "images read", 50, 200, 7200.0, None)
-    assert line == "ingest: images read 50 of 200 (25%), 0/s, 2 h 0 min"
+    assert line == "ingest: images read 50 of 200 (25%), 0.0069/s, 2 h 0 min"
 
 
 def test_lines_to_points_the_lines_of_in_process_jobs_elsewhere(capsys):
