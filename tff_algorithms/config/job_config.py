@@ -314,9 +314,7 @@ class TrainJobConfig:
         if self.head_lr_scale is not None:
             validation.check_number("head_lr_scale", self.head_lr_scale, 0, low_open=True)
         if self.gradient_clip_norm is not None:
-            validation.check_number(
-                "gradient_clip_norm", self.gradient_clip_norm, 0, low_open=True
-            )
+            validation.check_number("gradient_clip_norm", self.gradient_clip_norm, 0, low_open=True)
         validation.check_number(
             "head_loss_margin", self.head_loss_margin, 0, math.pi / 2, low_open=False
         )

@@ -28,8 +28,9 @@ def _sketches() -> tuple[np.ndarray, np.ndarray]:
 
 def _pooled_features(backbone: tf.keras.Model, images: np.ndarray) -> np.ndarray:
     """The trunk's globally pooled features, before the embedding layer."""
-    rescale = next(l for l in backbone.layers if isinstance(l, tf.keras.layers.Rescaling))
-    trunk = next(l for l in backbone.layers if isinstance(l, tf.keras.Model))
+    layers = backbone.layers
+    rescale = next(layer for layer in layers if isinstance(layer, tf.keras.layers.Rescaling))
+    trunk = next(layer for layer in layers if isinstance(layer, tf.keras.Model))
     return trunk(rescale(images), training=False).numpy()
 
 

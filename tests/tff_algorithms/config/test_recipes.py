@@ -130,7 +130,9 @@ def test_pretraining_a_large_trunk_clips_its_gradient_and_the_small_cnn_does_not
     resnet = recipes.pretrain_values(recipes.DEFAULT, {"architecture": "resnet50"})
     assert resnet["gradient_clip_norm"] == 1.0
     # The job's own value wins; null means the library default, no clip.
-    assert recipes.pretrain_values(mobilenet, {"gradient_clip_norm": 5.0})["gradient_clip_norm"] == 5
+    assert (
+        recipes.pretrain_values(mobilenet, {"gradient_clip_norm": 5.0})["gradient_clip_norm"] == 5
+    )
     unclipped = recipes.job_fields(recipes.pretrain_values(mobilenet, {"gradient_clip_norm": None}))
     assert job_config.TrainJobConfig(**unclipped).gradient_clip_norm is None
     with pytest.raises(ValueError, match="gradient_clip_norm"):
