@@ -110,8 +110,11 @@ def base_config(sizes: Mapping) -> job_config.TrainJobConfig:
 
 
 def centralized_config(sizes: Mapping, epochs: int) -> job_config.TrainJobConfig:
-    """The default (centralized, every layer) pretraining recipe for `epochs`."""
-    recipe = recipes.pretrain_values(recipes.DEFAULT, {})
+    """The default (centralized, every layer) pretraining recipe for `epochs`, for
+    `sizes`' trunk (whose pretraining recipe may differ)."""
+    trunk = sizes.get("trunk", {})
+    model = {key: trunk[key] for key in ("architecture", "image_size") if key in trunk}
+    recipe = recipes.pretrain_values(recipes.overlay(recipes.DEFAULT, model), {})
     return dataclasses.replace(_at_bench_size(recipe, sizes), rounds=epochs)
 
 

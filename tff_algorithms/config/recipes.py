@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tff_algorithms.config.model_config import SMALL_CNN
+
 # Measured on the default synthetic data (docs/recipes.md, "Population, trained
 # parameters and noise"): 8 users per virtual client make the clients' updates agree; the convolutions
 # and GroupNorm layers (52k parameters; the 401k of the dense embedding layer frozen)
@@ -67,6 +69,14 @@ PRETRAIN: Mapping[str, Any] = {
     "server_momentum": 0.9,
     "batch_size": 32,
 }
+
+# What the pretraining of a Keras application trunk (MobileNetV2, ResNet-50) adds. Its
+# deep GroupNorm stack at 2x2 and 1x1 maps turns the first steps' large gradients
+# (norm ~360 on MobileNetV2, the small CNN's ~40) into image-independent offsets, and
+# unclipped every image soon has the same features, for good (BENCHMARKS.md, "The same
+# arms on MobileNetV2"). Clipped to 1 the features shrink less and separate again.
+# The small CNN never collapsed, so its recipe is unchanged.
+PRETRAIN_LARGE_TRUNK: Mapping[str, Any] = {"gradient_clip_norm": 1.0}
 
 # Private contrastive pretraining on the training users themselves (issue 26; the
 # pipeline's `pretrain.source: private_contrastive`, `dp-fedemb train --algorithm
@@ -163,8 +173,12 @@ def own_recipe_values(values: Mapping[str, Any], own_recipe: Mapping[str, Any]) 
 
 def pretrain_values(train: Mapping[str, Any], job: Mapping[str, Any]) -> dict[str, Any]:
     """The centralized pretraining run: the private `train` values, every layer, then
-    PRETRAIN, then `job`; no noise and no budget (public data costs none)."""
-    values = overlay(overlay(_pretraining_base(train), PRETRAIN), job)
+    PRETRAIN, then PRETRAIN_LARGE_TRUNK for a trunk other than the small CNN, then `job`;
+    no noise and no budget (public data costs none)."""
+    values = overlay(_pretraining_base(train), PRETRAIN)
+    if overlay(values, job).get("architecture", SMALL_CNN) != SMALL_CNN:
+        values = overlay(values, PRETRAIN_LARGE_TRUNK)
+    values = overlay(values, job)
     # Public pretraining releases nothing private: no shared negatives (issue 22).
     values.update(algorithm="centralized", max_epsilon=None, shared_negatives=None)
     for name in NOISE_CHOICES:

@@ -273,6 +273,8 @@ class CentralizedTrainer:
       identity_vocabulary: `local_training.identity_keys_vocabulary` of the training identities.
       initial_backbone: start from these backbone weights (e.g. pretrained) instead of
         the seeded initialisation.
+      gradient_clip_norm: clip each step's gradient (backbone and head together) to this
+        global L2 norm; None: no clip.
     """
 
     def __init__(
@@ -287,6 +289,7 @@ class CentralizedTrainer:
         head_loss: HeadLossConfig = _SOFTMAX_LOSS,
         seed: int = 0,
         initial_backbone: tff.learning.models.ModelWeights | None = None,
+        gradient_clip_norm: float | None = None,
     ) -> None:
         self.backbone = models.build_backbone(backbone_config, seed)
         if initial_backbone is not None:
@@ -298,7 +301,9 @@ class CentralizedTrainer:
                 tf.constant([seed, -1], tf.int64), backbone_config.embedding_size, self._num_rows
             )
         )
-        self.optimizer = tf.keras.optimizers.SGD(learning_rate=learning_rate, momentum=momentum)
+        self.optimizer = tf.keras.optimizers.SGD(
+            learning_rate=learning_rate, momentum=momentum, global_clipnorm=gradient_clip_norm
+        )
         self._batch_size = batch_size
         self._shuffle_buffer = shuffle_buffer
         self._head_loss = head_loss

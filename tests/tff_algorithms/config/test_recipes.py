@@ -118,4 +118,24 @@ def test_training_benchmark_trunk_entry_changes_only_the_model_and_trained_layer
     pretraining = bench_training.centralized_config(sizes, 2)
     assert (pretraining.architecture, pretraining.image_size) == ("mobilenet_v2", 32)
     assert pretraining.trainable_layers == ("*",)
+    assert pretraining.gradient_clip_norm == 1.0
+    assert bench_training.centralized_config(bench_training.QUICK, 2).gradient_clip_norm is None
     assert bench_training.image_size(sizes) == 32
+
+
+def test_pretraining_a_large_trunk_clips_its_gradient_and_the_small_cnn_does_not():
+    assert "gradient_clip_norm" not in recipes.pretrain_values(recipes.DEFAULT, {})
+    mobilenet = {**recipes.DEFAULT, "architecture": "mobilenet_v2", "image_size": 32}
+    assert recipes.pretrain_values(mobilenet, {})["gradient_clip_norm"] == 1.0
+    resnet = recipes.pretrain_values(recipes.DEFAULT, {"architecture": "resnet50"})
+    assert resnet["gradient_clip_norm"] == 1.0
+    # The job's own value wins; null means the library default, no clip.
+    assert (
+        recipes.pretrain_values(mobilenet, {"gradient_clip_norm": 5.0})["gradient_clip_norm"] == 5
+    )
+    unclipped = recipes.job_fields(recipes.pretrain_values(mobilenet, {"gradient_clip_norm": None}))
+    assert job_config.TrainJobConfig(**unclipped).gradient_clip_norm is None
+    with pytest.raises(ValueError, match="gradient_clip_norm"):
+        job_config.TrainJobConfig(gradient_clip_norm=0.0)
+    # Private training's recipe is untouched.
+    assert "gradient_clip_norm" not in recipes.DEFAULT

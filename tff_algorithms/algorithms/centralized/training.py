@@ -47,6 +47,7 @@ def train_centralized(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
         head_loss=config.head_loss_config,
         seed=config.seed,
         initial_backbone=inputs.pretrained,
+        gradient_clip_norm=config.gradient_clip_norm,
     )
     examples = _all_training_examples(inputs.reader, inputs.partition_dir, config.image_shape)
 
