@@ -11,6 +11,7 @@ from typing import Any
 
 from beam_jobs import schedule
 from tff_algorithms.algorithms import registry
+from tff_algorithms.base import validation
 from tff_algorithms.config import model_config
 from tff_algorithms.privacy import accounting_spec
 
@@ -68,6 +69,24 @@ def every_user_accounting(
 ) -> accounting_spec.AccountingSpec:
     """No noise, every user in every round (one round an epoch): epsilon infinite."""
     return accounting_spec.AccountingSpec(num_users, num_users, config.rounds, 0.0, delta)
+
+
+def check_gradient_clip_norm(config: Any) -> None:
+    """One line naming `gradient_clip_norm` when it is not positive, or set for a private
+    algorithm: that clip is the non-private steps' (a large trunk's public pretraining);
+    a private algorithm bounds each user's contribution with `clip_norm`, and would
+    otherwise take the setting without applying it."""
+    value = config.gradient_clip_norm
+    if value is None:
+        return
+    validation.check_number("gradient_clip_norm", value, 0, low_open=True)
+    if registry.get(config.algorithm).private:
+        takers = " and ".join(registry.names(lambda other: not other.private))
+        raise ValueError(
+            f"gradient_clip_norm clips the steps of {takers} (public pretraining), not "
+            f"{config.algorithm}'s, which clips each user's update with clip_norm: leave "
+            "gradient_clip_norm unset (pretrain.job.gradient_clip_norm sets pretraining's)"
+        )
 
 
 def check_server_optimizer(config: Any) -> None:

@@ -86,7 +86,8 @@ class TrainJobConfig:
         (server_momentum), `adam` or `lamb` (`rules.check_server_optimizer`).
       gradient_clip_norm: global L2 clip of each non-private centralized step's gradient
         (the pretraining of a large trunk, `recipes.pretrain_values`); None: no clip.
-        Not the DP clip (`clip_norm`); private training ignores it.
+        Not the DP clip (`clip_norm`): a private algorithm refuses it
+        (`rules.check_gradient_clip_norm`).
       head_lr_scale: β2 / β1 of the client's head; None: 100 for the DP-FedEmb variants
         (paper, section 3.3) and 1 for DP-FedAvg, whose client trains backbone and global
         head with one optimizer (paper, Alg. 2): at 100 the global head's update fills the
@@ -313,8 +314,7 @@ class TrainJobConfig:
             validation.check_number(name, getattr(self, name), 0, low_open=True)
         if self.head_lr_scale is not None:
             validation.check_number("head_lr_scale", self.head_lr_scale, 0, low_open=True)
-        if self.gradient_clip_norm is not None:
-            validation.check_number("gradient_clip_norm", self.gradient_clip_norm, 0, low_open=True)
+        rules.check_gradient_clip_norm(self)
         validation.check_number(
             "head_loss_margin", self.head_loss_margin, 0, math.pi / 2, low_open=False
         )

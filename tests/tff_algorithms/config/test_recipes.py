@@ -8,6 +8,7 @@ from absl import flags
 from pipeline import config as config_lib
 from pipeline.commands import train as train_command
 from pipeline.commands import train_config
+from tff_algorithms.algorithms import registry
 from tff_algorithms.config import job_config, recipes
 
 
@@ -136,6 +137,12 @@ def test_pretraining_a_large_trunk_clips_its_gradient_and_the_small_cnn_does_not
     unclipped = recipes.job_fields(recipes.pretrain_values(mobilenet, {"gradient_clip_norm": None}))
     assert job_config.TrainJobConfig(**unclipped).gradient_clip_norm is None
     with pytest.raises(ValueError, match="gradient_clip_norm"):
-        job_config.TrainJobConfig(gradient_clip_norm=0.0)
+        job_config.TrainJobConfig(algorithm="centralized", gradient_clip_norm=0.0)
+    # A private algorithm clips each user's update (clip_norm): the step clip would be
+    # taken and never applied, so it is refused in one line naming where it belongs.
+    for algorithm in registry.names(lambda spec: spec.private):
+        with pytest.raises(ValueError, match=r"leave gradient_clip_norm unset \(pretrain\.job"):
+            job_config.TrainJobConfig(algorithm=algorithm, gradient_clip_norm=1.0)
+    assert job_config.TrainJobConfig(algorithm="centralized", gradient_clip_norm=1.0)
     # Private training's recipe is untouched.
     assert "gradient_clip_norm" not in recipes.DEFAULT
