@@ -77,13 +77,17 @@ def image_size(sizes: Mapping) -> int:
     return sizes.get("trunk", {}).get("image_size", synthetic.SyntheticConfig.image_size)
 
 
-def _at_bench_size(recipe: Mapping, sizes: Mapping) -> job_config.TrainJobConfig:
+def _trunk_model(sizes: Mapping) -> dict:
+    """The recipe keys that choose `sizes`' trunk (none for the small CNN)."""
     trunk = sizes.get("trunk", {})
-    model = {key: trunk[key] for key in ("architecture", "image_size") if key in trunk}
+    return {key: trunk[key] for key in ("architecture", "image_size") if key in trunk}
+
+
+def _at_bench_size(recipe: Mapping, sizes: Mapping) -> job_config.TrainJobConfig:
     values = recipes.overlay(
         recipe,
         {
-            **model,
+            **_trunk_model(sizes),
             "rounds": sizes["rounds"],
             "noise_multiplier": 0.0,
             "virtual_clients_per_round": sizes["virtual_clients_per_round"],
@@ -112,9 +116,7 @@ def base_config(sizes: Mapping) -> job_config.TrainJobConfig:
 def centralized_config(sizes: Mapping, epochs: int) -> job_config.TrainJobConfig:
     """The default (centralized, every layer) pretraining recipe for `epochs`, for
     `sizes`' trunk (whose pretraining recipe may differ)."""
-    trunk = sizes.get("trunk", {})
-    model = {key: trunk[key] for key in ("architecture", "image_size") if key in trunk}
-    recipe = recipes.pretrain_values(recipes.overlay(recipes.DEFAULT, model), {})
+    recipe = recipes.pretrain_values(recipes.overlay(recipes.DEFAULT, _trunk_model(sizes)), {})
     return dataclasses.replace(_at_bench_size(recipe, sizes), rounds=epochs)
 
 
