@@ -357,6 +357,10 @@ class LocalTrainer:
         head = self.config.class_means_norm * tf.math.l2_normalize(sums, axis=1)
         return vocabulary, client_seed, tf.transpose(head)
 
+    # Written graph-first (explicit while loops and conds, `tf.equal`), so AutoGraph has
+    # nothing to convert; left on, it rewrote this method and every function it calls
+    # in every process that traces it (BENCHMARKS.md, "The test suite and CI").
+    @tf.autograph.experimental.do_not_convert
     def train(self, initial_weights, dataset, client_state):  # noqa: ANN001, ANN201 - TFF structures
         backbone_variables = list(self.backbone.trainable_weights)
         for variable, value in zip(

@@ -309,7 +309,8 @@ class CentralizedTrainer:
         self._head_loss = head_loss
         self._seed = seed
         self._variables = list(self.backbone.trainable_weights) + [self.head]
-        self._train_step = tf.function(self._step)
+        # Graph-first like `LocalTrainer.train`: AutoGraph would only rewrite it.
+        self._train_step = tf.function(self._step, autograph=False)
 
     def checkpoint_objects(self) -> dict[str, object]:
         """What a `tf.train.Checkpoint` must hold to resume: weights and optimizer state."""

@@ -23,6 +23,9 @@ INPUT_KEY = "images"
 OUTPUT_KEY = "embedding"
 
 
+# Graph-first (explicit conds): AutoGraph would only re-trace it, in every dataset map
+# and export that calls it.
+@tf.autograph.experimental.do_not_convert
 def decode_image(encoded: tf.Tensor, image_shape: tuple[int, int, int]) -> tf.Tensor:
     """PNG/JPEG bytes -> float32 [H, W, C] in [0, 1] at the backbone's input size."""
     height, width, channels = image_shape
@@ -58,7 +61,9 @@ class _EmbeddingServer(tf.Module):
         self.backbone_variables = models.ordered_variables(backbone)
         self._image_shape = config.image_shape
 
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name=INPUT_KEY)])
+    @tf.function(
+        input_signature=[tf.TensorSpec([None], tf.string, name=INPUT_KEY)], autograph=False
+    )
     def serve(self, images: tf.Tensor) -> dict[str, tf.Tensor]:
         decoded = tf.map_fn(
             lambda encoded: decode_image(encoded, self._image_shape),

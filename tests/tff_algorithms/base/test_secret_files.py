@@ -16,6 +16,9 @@ from tff_algorithms.privacy import budget
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
 pytestmark = pytest.mark.slow
+# The tests of the module's trained job on one xdist worker, so `trained` trains once
+# (tests/conftest.py spreads slow tests one by one).
+ON_TRAINED = pytest.mark.xdist_group("secret_files_trained")
 
 SYNTH = synthetic.SyntheticConfig(identities=24, images_per_identity=4, seed=9)
 TRAIN_IDENTITIES = 18
@@ -58,6 +61,7 @@ def trained(tff_runtime, data, tmp_path_factory):
     return output_dir, ledger_path
 
 
+@ON_TRAINED
 def test_a_training_job_leaves_its_secrets_owner_only(trained):
     output_dir, budget_ledger = trained
     checkpoints = os.path.join(output_dir, job_files.CHECKPOINT_DIR)
@@ -71,6 +75,7 @@ def test_a_training_job_leaves_its_secrets_owner_only(trained):
     assert not [e for e in os.listdir(output_dir) if ".tmp-" in e]
 
 
+@ON_TRAINED
 def test_resuming_tightens_a_loosened_checkpoint_directory(tff_runtime, data, trained, tmp_path):
     output_dir, _ = trained
     checkpoints = os.path.join(output_dir, job_files.CHECKPOINT_DIR)

@@ -17,6 +17,9 @@ from tff_algorithms.privacy import accounting, calibration
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
 pytestmark = pytest.mark.slow
+# The tests of the module's trained job on one xdist worker, so `straight_run` trains
+# once (tests/conftest.py spreads slow tests one by one).
+ON_STRAIGHT_RUN = pytest.mark.xdist_group("train_job_straight_run")
 
 SYNTH = support.TRAIN_CLI_DATA
 TRAIN_IDENTITIES = support.SMALL_JOB_TRAIN_IDENTITIES  # identities 32..39 are held out
@@ -37,6 +40,7 @@ def straight_run(tff_runtime, data, tmp_path_factory):
     return train_job.run_train_job(CONFIG, *data, output_dir)
 
 
+@ON_STRAIGHT_RUN
 def test_metrics_ledger_and_saved_model_are_written(straight_run):
     summary = json.loads(open(straight_run.metrics_path).read())
     assert set(summary["recall_at_far"]) == {"0.1", "0.01", "0.001"}
@@ -61,6 +65,7 @@ def test_metrics_ledger_and_saved_model_are_written(straight_run):
     assert ledger["history"][-1]["epsilon"] == pytest.approx(summary["epsilon"])
 
 
+@ON_STRAIGHT_RUN
 def test_no_head_variable_in_checkpoint_or_export(straight_run):
     checkpoint = os.path.join(
         straight_run.output_dir, job_files.CHECKPOINT_DIR, "round_3", "variables", "variables"
@@ -177,6 +182,7 @@ def test_an_unreachable_target_epsilon_is_refused_before_training(data, tmp_path
     assert not os.path.exists(output_dir)
 
 
+@ON_STRAIGHT_RUN
 def test_a_different_job_in_the_same_output_dir_is_refused(data, straight_run):
     changed = dataclasses.replace(CONFIG, noise_multiplier=0.7)
     with pytest.raises(ValueError, match="different noise_multiplier"):
