@@ -127,7 +127,11 @@ def test_the_model_moves_and_dp_adam_first_step_moves_each_weight_by_lr(straight
     )
     steps = moved[moved > 0]
     assert steps.size > 1000
-    np.testing.assert_allclose(steps, lr, rtol=1e-2)  # float32 rounding of w - lr
+    # Never past lr (float32 rounding of w - lr aside). A coordinate whose noised gradient
+    # lands within 100·ε of zero moves less, and the schedule seed comes from OS entropy:
+    # one slow-suite run had one such coordinate of 102,480 (a step of 0.99·lr).
+    assert steps.max() <= lr * (1 + 1e-3)
+    assert np.mean(np.abs(steps / lr - 1) < 1e-2) > 0.999
     assert np.median(np.abs(steps / lr - 1)) < 1e-4
     apart = [
         np.max(np.abs(a - b))
