@@ -5,8 +5,8 @@ PYTEST_ARGS ?=
 # group on one worker (tests/conftest.py); TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= 2
 # The slow tests wait on subprocesses (CLI runs, TFF workers, killed jobs): a third
-# worker keeps both cores busy (2 workers: 185% CPU, 44.2 min; 3: 193%, 39.5 min, with
-# this stop's other savings; BENCHMARKS.md, "The test suite and CI").
+# worker keeps both cores busy (2 workers: 185% CPU, 44.2 min; 3: 196%, 38.2 min, with
+# other savings; BENCHMARKS.md, "The test suite and CI").
 SLOW_TEST_WORKERS ?= 3
 
 .PHONY: setup test test-slow mutation-check bench bench-quick lint lock clean airflow-setup airflow-lock
