@@ -249,6 +249,7 @@ class PartitionReader:
         self._dir = partition_dir
         self.manifest = read_manifest(partition_dir)
         self._shard_index = functools.lru_cache(maxsize=None)(self._load_shard_index)
+        self._part_file_ends = functools.lru_cache(maxsize=None)(self._indexed_part_file_ends)
 
     @property
     def num_users(self) -> int:
@@ -260,6 +261,18 @@ class PartitionReader:
             return {}
         with tf.io.gfile.GFile(path) as f:
             return {e[0]: UserLocation(*e[1:]) for e in map(json.loads, f.read().splitlines()) if e}
+
+    def _indexed_part_file_ends(self, shard: int) -> dict[str, int]:
+        ends: dict[str, int] = {}
+        for entry in self._shard_index(shard).values():
+            ends[entry.part_file] = max(ends.get(entry.part_file, 0), entry.offset + entry.length)
+        return ends
+
+    def part_file_end(self, user_id: str) -> int:
+        """Where the indexed records of the part file holding `user_id` end: the size
+        of that part file as written (`write_shard` writes nothing else into it)."""
+        shard = shard_of_user(user_id, self.manifest["num_shards"])
+        return self._part_file_ends(shard)[self.location(user_id).part_file]
 
     def location(self, user_id: str) -> UserLocation:
         entry = self._shard_index(shard_of_user(user_id, self.manifest["num_shards"])).get(user_id)

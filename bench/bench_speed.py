@@ -431,13 +431,10 @@ def _loader_offsets(partition_dir: str, deep_offset_bytes: int, work_dir: str) -
         if location.part_file == largest
     )
     path = os.path.join(os.path.abspath(partition_dir), largest)
-    file_size = os.path.getsize(path)
 
     def user_range(user: str) -> client_data.UserByteRange:
         location = locations[user]
-        return client_data.UserByteRange(
-            path, location.offset, location.length, file_size, location.records
-        )
+        return client_data.UserByteRange(path, location.offset, location.length, location.records)
 
     first, last = user_range(in_part[0][1]), user_range(in_part[-1][1])
     deep_path = os.path.join(work_dir, "deep-part")
@@ -448,13 +445,7 @@ def _loader_offsets(partition_dir: str, deep_offset_bytes: int, work_dir: str) -
         user_bytes = f.read(last.length)
     with open(deep_path, "ab") as f:
         f.write(user_bytes)
-    deep = client_data.UserByteRange(
-        deep_path,
-        deep_offset_bytes,
-        last.length,
-        os.path.getsize(deep_path),
-        last.records,
-    )
+    deep = client_data.UserByteRange(deep_path, deep_offset_bytes, last.length, last.records)
     result = {"part_file_bytes": sizes[largest]}
     for name, user in (("first", first), ("last", last), ("deep", deep)):
         result[name] = _load_cost(user)

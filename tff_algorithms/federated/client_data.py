@@ -9,7 +9,7 @@ An id carries everything the worker needs, looked up in Python from the partitio
 shard indexes for the round's users only (O(users per round)):
 
     "round=<r>;[attempt=<a>;]virtual_client=<j>" RS user_1 RS user_2 ...
-    user_i = part file path US byte offset US byte length US part file size US records
+    user_i = part file path US byte offset US byte length US records
 
 (RS = "\\x1e", US = "\\x1f", ASCII record and unit separators.) The round number is in
 the id, so the client work's per-(round, virtual client) head seed, which hashes the
@@ -23,16 +23,20 @@ influence the result. Costs and checks:
 - I/O and CPU per user are O(user's bytes), whatever the user's offset in its part file
   (BENCHMARKS.md, "Loader").
 - The reader verifies every frame's CRC32C; the frames must exactly tile the byte range
-  and their number must equal the index's record count; and nothing may follow the
-  indexed end of the part file (a probe at the index-time file size finds EOF). So a
-  stale index or a corrupt, truncated or appended-to part file never yields wrong
-  examples: the user's read fails, and the client work drops the virtual client from
-  the round (`failed_reads`, its `expected_examples` not met); a round with too few
-  reports is retried, then stops the job with an error (`tff_algorithms.federated.dropouts`).
-  Not caught: a part file rewritten with other records that happen to tile the same
-  byte range with valid CRCs, grown by fewer than 12 bytes (the reader takes a partial
-  frame header at the end of a file for its end), or shortened after the user's range
-  (the user's own records are then intact).
+  and their number must equal the index's record count. So a corrupt or truncated part
+  file never yields wrong examples: the user's read fails, and the client work drops the
+  virtual client from the round (`failed_reads`, its `expected_examples` not met); a
+  round with too few reports is retried, then stops the job with an error
+  (`tff_algorithms.federated.dropouts`).
+- Before each round, every part file the round reads must be exactly as long as its
+  index says (where its last indexed record ends): a part file appended to, grown or
+  shortened since the partition was written stops the job with `StalePartitionError`
+  before the round spends any privacy budget. One stat per part file and round, in
+  Python: a probe of each user's file end inside the client computation cost 4 ms a
+  user, a third of a cached-feature client's time (BENCHMARKS.md, "Where a round's time
+  goes"). Not caught: a part file rewritten to the same length with other records that
+  happen to tile the user's byte range with valid CRCs, or a change between the round's
+  check and its reads.
 - Part file paths are absolute: every TFF worker must see the partition at the same path
   (a shared or cloud file system when workers run on other hosts).
 
@@ -55,8 +59,13 @@ from tff_algorithms.modeling import export
 
 USER_SEPARATOR = "\x1e"
 FIELD_SEPARATOR = "\x1f"
-_FRAME_HEADER_BYTES = 12  # 8-byte length + 4-byte length CRC
-_FRAME_OVERHEAD_BYTES = 16  # header + 4-byte data CRC
+# A TFRecord frame: 8-byte length, 4-byte length CRC, the record, 4-byte data CRC.
+_FRAME_OVERHEAD_BYTES = 16
+
+
+class StalePartitionError(ValueError):
+    """A part file's length is not what the partition's index says: the partition
+    changed after it was written."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +75,15 @@ class UserByteRange:
     path: str
     offset: int
     length: int
-    file_size: int
     records: int
 
     def __post_init__(self) -> None:
         if USER_SEPARATOR in self.path or FIELD_SEPARATOR in self.path:
             raise ValueError(f"partition path {self.path!r} contains a control character")
-        if self.offset < 0 or self.length < 1 or self.offset + self.length > self.file_size:
+        if self.offset < 0 or self.length < 1:
             raise ValueError(
-                f"byte range [{self.offset}, {self.offset + self.length}) is not inside "
-                f"{self.path} of {self.file_size} bytes"
+                f"byte range [{self.offset}, {self.offset + self.length}) of {self.path} "
+                "is empty or starts before the file"
             )
         if self.records < 1:
             raise ValueError(f"a user range must hold at least one record, got {self.records}")
@@ -96,9 +104,7 @@ def virtual_client_id(
     if not user_ranges:
         raise ValueError("a virtual client needs at least one user")
     users = [
-        FIELD_SEPARATOR.join(
-            [r.path, str(r.offset), str(r.length), str(r.file_size), str(r.records)]
-        )
+        FIELD_SEPARATOR.join([r.path, str(r.offset), str(r.length), str(r.records)])
         for r in user_ranges
     ]
     retry = f"attempt={attempt};" if attempt else ""
@@ -116,7 +122,7 @@ class VirtualClientIds:
 
     `user_ids` is the canonical user order the schedule's indices refer to
     (`PartitionReader.user_ids()`). A round costs one shard-index lookup per user (the
-    reader caches shard indexes) and one file-size lookup per new part file.
+    reader caches shard indexes) and one stat per part file it reads (module docstring).
     """
 
     def __init__(
@@ -133,27 +139,44 @@ class VirtualClientIds:
         self._reader = partition.PartitionReader(self._dir)
         self._plan = plan
         self._user_ids = user_ids
-        self._file_sizes: dict[str, int] = {}
-
-    def _file_size(self, path: str) -> int:
-        if path not in self._file_sizes:
-            self._file_sizes[path] = tf.io.gfile.stat(path).length
-        return self._file_sizes[path]
 
     def user_range(self, user_id: str) -> UserByteRange:
         location = self._reader.location(user_id)
         path = os.path.join(self._dir, location.part_file)
-        return UserByteRange(
-            path, location.offset, location.length, self._file_size(path), location.records
-        )
+        return UserByteRange(path, location.offset, location.length, location.records)
+
+    def check_part_files(self, user_ids: Sequence[str]) -> None:
+        """Raises `StalePartitionError` unless every part file holding these users exists
+        and is exactly as long as its index says."""
+        ends = {}
+        for user_id in user_ids:
+            path = os.path.join(self._dir, self._reader.location(user_id).part_file)
+            ends[path] = self._reader.part_file_end(user_id)
+        for path, end in sorted(ends.items()):
+            try:
+                size = tf.io.gfile.stat(path).length
+            except tf.errors.NotFoundError:
+                raise StalePartitionError(
+                    f"part file {path} is missing: the partition changed after it was written; "
+                    "write it again into a new directory and train from that"
+                ) from None
+            if size != end:
+                raise StalePartitionError(
+                    f"part file {path} is {size} bytes but its index ends at byte {end}: "
+                    "the partition changed after it was written; write it again into a "
+                    "new directory and train from that"
+                )
 
     def for_round(self, round_num: int, attempt: int = 0) -> list[str]:
-        """Ids of the round's virtual clients; `attempt` > 0: a retry's fresh selection."""
-        groups = self._plan.round_user_indices(round_num, attempt)
+        """Ids of the round's virtual clients; `attempt` > 0: a retry's fresh selection.
+        Checks the part files they read first (`check_part_files`)."""
+        groups = [
+            [self._user_ids[i] for i in group]
+            for group in self._plan.round_user_indices(round_num, attempt)
+        ]
+        self.check_part_files([user for group in groups for user in group])
         return [
-            virtual_client_id(
-                round_num, j, [self.user_range(self._user_ids[i]) for i in group], attempt
-            )
+            virtual_client_id(round_num, j, [self.user_range(user) for user in group], attempt)
             for j, group in enumerate(groups)
         ]
 
@@ -196,10 +219,10 @@ def client_dataset_options() -> tf.data.Options:
     return options
 
 
-def _user_records(path, offset, length, file_size, records) -> tf.Tensor:  # noqa: ANN001
-    """A user's records, string[records], as one op: a failed read (missing, corrupt or
-    grown file) fails this user's element once, which the client work's `ignore_errors`
-    skips; the same failure in a file source dataset would repeat forever under
+def _user_records(path, offset, length, records) -> tf.Tensor:  # noqa: ANN001
+    """A user's records, string[records], as one op: a failed read (missing or corrupt
+    file) fails this user's element once, which the client work's `ignore_errors` skips;
+    the same failure in a file source dataset would repeat forever under
     `ignore_errors`."""
     # The read buffer is the user's byte range, so a correct index reads no other bytes.
     payloads = (
@@ -219,36 +242,23 @@ def _user_records(path, offset, length, file_size, records) -> tf.Tensor:  # noq
             length,
             message="user byte range does not hold exactly the indexed number of TFRecord frames",
         ),
-        # A part file grown since indexing (by a frame header or more) has records or
-        # garbage past its indexed end: a stale index. The empty batch stands for "none".
-        tf.debugging.assert_equal(
-            tf.size(
-                _tfrecords_from(path, file_size, _FRAME_HEADER_BYTES)
-                .take(1)
-                .batch(1)
-                .concatenate(tf.data.Dataset.from_tensors(tf.zeros([0], tf.string)))
-                .take(1)
-                .get_single_element()
-            ),
-            0,
-            message="part file has grown since it was indexed",
-        ),
     ]
     with tf.control_dependencies(checks):
         return tf.identity(payloads)
 
 
 def _id_fields(virtual_client_id_tensor: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """(part file paths string[users], numbers int64[users, 4]) of a virtual-client id."""
+    """(part file paths string[users], numbers int64[users, 3]: offset, length, records)
+    of a virtual-client id."""
     users = tf.strings.split(virtual_client_id_tensor, USER_SEPARATOR)[1:]
-    fields = tf.strings.split(users, FIELD_SEPARATOR).to_tensor(shape=[None, 5])
+    fields = tf.strings.split(users, FIELD_SEPARATOR).to_tensor(shape=[None, 4])
     return fields[:, 0], tf.strings.to_number(fields[:, 1:], tf.int64)
 
 
 def read_virtual_client_records(virtual_client_id_tensor: tf.Tensor) -> tf.data.Dataset:
     """Serialized canonical examples of a virtual client, users in id order. Traceable."""
     paths, numbers = _id_fields(virtual_client_id_tensor)
-    ranges = (paths, numbers[:, 0], numbers[:, 1], numbers[:, 2], numbers[:, 3])
+    ranges = (paths, numbers[:, 0], numbers[:, 1], numbers[:, 2])
     return (
         tf.data.Dataset.from_tensor_slices(ranges)
         .map(_user_records)
@@ -267,7 +277,7 @@ def seed_name(virtual_client_id_tensor: tf.Tensor) -> tf.Tensor:
 
 def expected_examples(virtual_client_id_tensor: tf.Tensor) -> tf.Tensor:
     """int64 number of records the id's users hold (what a complete read yields). Traceable."""
-    return tf.reduce_sum(_id_fields(virtual_client_id_tensor)[1][:, 3])
+    return tf.reduce_sum(_id_fields(virtual_client_id_tensor)[1][:, 2])
 
 
 def parse_example(

@@ -243,8 +243,8 @@ def test_a_missing_part_file_fails_the_read_without_hanging(tmp_path):
     with tf.io.TFRecordWriter(path) as writer:
         writer.write(b"record")
     size = os.path.getsize(path)
-    present = client_data.UserByteRange(path, 0, size, size, 1)
-    missing = client_data.UserByteRange(str(tmp_path / "gone"), 0, size, size, 1)
+    present = client_data.UserByteRange(path, 0, size, 1)
+    missing = client_data.UserByteRange(str(tmp_path / "gone"), 0, size, 1)
     vc_id = client_data.virtual_client_id(0, 0, [present, missing])
     records = client_data.read_virtual_client_records(tf.constant(vc_id)).ignore_errors()
     assert list(records.as_numpy_iterator()) == [b"record"]
