@@ -123,7 +123,9 @@ def test_a_round_refuses_a_part_file_changed_since_it_was_written(partition_dir,
         os.remove(part)
     else:
         with open(part, "ab") as f:
-            f.write(partition.tfrecord_frame(b"late record") if change == "append a record" else b"x")
+            f.write(
+                partition.tfrecord_frame(b"late record") if change == "append a record" else b"x"
+            )
     with pytest.raises(client_data.StalePartitionError, match=os.path.basename(part)):
         ids.for_round(1)
 
