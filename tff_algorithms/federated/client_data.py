@@ -63,6 +63,13 @@ FIELD_SEPARATOR = "\x1f"
 _FRAME_OVERHEAD_BYTES = 16
 
 
+# What a `StalePartitionError` tells the user to do.
+_REWRITE_PARTITION = (
+    "write the partition again into a new directory and train from there (dp-fedemb train "
+    "prepares its data under --output: train into a new --output)"
+)
+
+
 class StalePartitionError(ValueError):
     """A part file's length is not what the partition's index says: the partition
     changed after it was written."""
@@ -157,14 +164,13 @@ class VirtualClientIds:
                 size = tf.io.gfile.stat(path).length
             except tf.errors.NotFoundError:
                 raise StalePartitionError(
-                    f"part file {path} is missing: the partition changed after it was written; "
-                    "write it again into a new directory and train from that"
+                    f"part file {path} is missing: the partition changed after it was "
+                    f"written; {_REWRITE_PARTITION}"
                 ) from None
             if size != end:
                 raise StalePartitionError(
                     f"part file {path} is {size} bytes but its index ends at byte {end}: "
-                    "the partition changed after it was written; write it again into a "
-                    "new directory and train from that"
+                    f"the partition changed after it was written; {_REWRITE_PARTITION}"
                 )
 
     def for_round(self, round_num: int, attempt: int = 0) -> list[str]:
