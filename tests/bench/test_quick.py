@@ -134,4 +134,6 @@ def test_speed_summary_holds_the_four_figures_of_one_run(results):
     profile = rounds["profile"]
     assert profile["local_steps_per_client"] == 12
     assert all(_positive(profile[k]) for k in ("build_read_decode_once_ms", "client_update_ms"))
-    assert "Conv2DBackpropFilter" in rounds["step_op_ms"]
+    # Kernel names as they ran: on a CPU where TensorFlow uses oneDNN the op is
+    # "_MklNativeConv2DBackpropFilterWithBias", elsewhere "Conv2DBackpropFilter".
+    assert any("Conv2DBackpropFilter" in op for op in rounds["step_op_ms"])
