@@ -113,10 +113,9 @@ def make_client_dataset(
     """Per-example `{image, identity}` of one virtual client -> its client batches.
 
     Skips examples whose reading raises, takes the first `max_examples` (the loader
-    decides their order), keeps them in memory after the first pass over them (each
-    pass of the client work replays them, read and decoded once) and batches them in
-    that order. The client work shuffles each pass with the `client_seed`, a hash of
-    the virtual-client id (`local_training.shuffled_batches`). `expected_examples` is how many
+    decides their order) and batches them in that order; the client work reads it
+    once (`local_training.read_client`). The client work shuffles each pass with the `client_seed`, a hash of
+    the virtual-client id (`local_training.ClientPasses`). `expected_examples` is how many
     examples the loader should yield (None: unknown); the client work drops a client
     that yields fewer. Usable inside a TFF dataset computation.
     """
@@ -142,10 +141,6 @@ def make_client_dataset(
     return (
         examples.ignore_errors()
         .take(config.max_examples)
-        # Read and decode once: the first pass fills the cache, the local epochs replay it
-        # (BENCHMARKS.md, "Where a round's time goes"). It holds what the client work's
-        # shuffle buffer holds at once, every example of the client (max_examples at most).
-        .cache()
         .batch(config.batch_size)
         .map(
             lambda b: collections.OrderedDict(

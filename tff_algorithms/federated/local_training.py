@@ -1,6 +1,10 @@
 """Local training of one virtual client: identity keys and labels, the head, and the loop
 (`LocalTrainer`) that `client_work` runs inside a TFF computation for every virtual client.
 
+The client's dataset is read once, by one op (`read_client`), and every pass gathers its
+batches from those tensors in seeded shuffle orders (`ClientPasses`): no tf.data iterator
+is made in the loop, since each one costs a function-library clone.
+
 Identity remapping happens inside the client: identities become int64 keys (the
 integer itself, or a 62-bit hash of the string), a first pass over the virtual
 client's data collects the sorted distinct keys, and an identity's local label is
@@ -27,7 +31,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -40,9 +44,12 @@ from tff_algorithms.config.client_config import (
     ClientConfig,
     HeadLossConfig,
 )
+from tff_algorithms.federated import client_data
 from tff_algorithms.modeling import models
 
 KEY_BUCKETS = 2**62
+# More examples than any client holds: one batch of them all.
+_ALL_EXAMPLES = 2**62
 # Logit for masked head rows: exp() underflows to exactly 0 without producing NaNs.
 MASKED_LOGIT = -1e9
 
@@ -205,82 +212,128 @@ def zero_if_not_finite(structure: object) -> tuple[object, tf.Tensor]:
     return tf.nest.pack_sequence_as(structure, zeroed), tf.cast(tf.logical_not(finite), tf.int32)
 
 
-def fold_batches(
-    dataset: tf.data.Dataset,
-    initial_state: object,
-    step: Callable[[object, object], object],
-    shape_invariants: object = None,
-) -> object:
-    """`dataset.reduce(initial_state, step)`, as a while loop over an explicit iterator.
+class ClientExamples(NamedTuple):
+    """A virtual client's examples in memory, in the loader's order, and its constants."""
 
-    `Dataset.reduce` runs `step` as a separate function that TensorFlow instantiates
-    when the reduce op runs; called from Python (`tf.function`, as `train_one_client`
-    and the benchmarks' plain loop do) that cost more than the local steps themselves.
-    A while loop's body is part of the enclosing graph. Same results, bit for bit, in
-    TFF rounds (BENCHMARKS.md). One iteration at a time (`parallel_iterations=1`): the
-    steps assign variables that the next step reads. `shape_invariants` (the state's
-    structure of `tf.TensorShape`s) for states whose shapes change across steps.
+    image: tf.Tensor  # float32 [N, ...]
+    identity: tf.Tensor  # string or int64 [N]
+    client_seed: tf.Tensor  # int64 []: 0 for a client with no example
+    expected_examples: tf.Tensor  # int64 []: -1 when unknown or no example
+
+
+def read_client(dataset: tf.data.Dataset) -> ClientExamples:
+    """Every example of a client dataset, read in one op (the only read of it).
+
+    Each pass of the local work then iterates these tensors. The read is one
+    `get_single_element` rather than an iterator: an iterator made inside a graph clones
+    the function library and instantiates every function of the pipeline (the reader's
+    and decoder's maps and conds) anew, about 30 ms a virtual client, where this op reuses
+    the instantiations of earlier calls (BENCHMARKS.md, "Where a round's time goes").
     """
-    iterator = iter(dataset)
+    spec = dataset.element_spec
 
-    def body(has_next, state):  # noqa: ANN001, ANN202 - loop variables
-        del has_next
-        batch = iterator.get_next_as_optional()
-        state = tf.cond(batch.has_value(), lambda: step(state, batch.get_value()), lambda: state)
-        return batch.has_value(), state
+    def per_example(batch):  # noqa: ANN001, ANN202 - a client batch
+        size = tf.shape(batch["identity"])[:1]
+        return (
+            batch["image"],
+            batch["identity"],
+            tf.fill(size, batch["client_seed"]),
+            tf.fill(size, batch["expected_examples"]),
+        )
 
-    invariants = None if shape_invariants is None else (tf.TensorShape([]), shape_invariants)
-    _, state = tf.while_loop(
-        lambda has_next, state: has_next,
-        body,
-        (tf.constant(True), initial_state),
-        shape_invariants=invariants,
-        parallel_iterations=1,
-    )
-    return state
-
-
-def client_constants(dataset: tf.data.Dataset) -> tuple[tf.Tensor, tf.Tensor]:
-    """(client_seed, expected_examples) of a client dataset, which every batch carries;
-    (0, -1) for a client with no example."""
-    seed, expected = dataset.take(1).reduce(
-        (tf.constant(0, tf.int64), tf.constant(-1, tf.int64)),
-        lambda _, batch: (batch["client_seed"], batch["expected_examples"]),
-    )
-    # Scalars, as the shuffle's seed must be (a reduce may lose the static shape).
-    return tf.reshape(seed, []), tf.reshape(expected, [])
-
-
-def shuffled_batches(
-    dataset: tf.data.Dataset,
-    config: ClientConfig,
-    client_seed: tf.Tensor,
-    expected_examples: tf.Tensor,
-) -> tf.data.Dataset:
-    """One pass's batches of a client dataset (whose batches keep the loader's order):
-    its examples shuffled with the client's seed, reshuffled in every repetition.
-
-    Each pass builds its own shuffle, so the vocabulary pass and the training pass's
-    first epoch see the same order and the later epochs the next ones, on any runtime.
-    (Before, one shuffle in the client dataset served every pass, and what each pass
-    drew depended on whether tf.data rebuilt the dataset for each iterator: it did
-    inside TFF, which these passes reproduce, and the rebuild was most of a client's
-    non-arithmetic time; BENCHMARKS.md, "Where a round's time goes".)
-    """
-    return (
-        dataset.map(lambda batch: (batch["image"], batch["identity"]))
-        .unbatch()
-        .shuffle(config.shuffle_buffer, seed=client_seed, reshuffle_each_iteration=True)
-        .batch(config.batch_size)
-        .map(
-            lambda image, identity: collections.OrderedDict(
-                image=image,
-                identity=identity,
-                client_seed=client_seed,
-                expected_examples=expected_examples,
-            )
+    # No example: zero-length tensors, so the client has no seed and an unknown count.
+    nothing = tf.data.Dataset.from_tensors(
+        (
+            tf.zeros([0, *spec["image"].shape[1:]], spec["image"].dtype),
+            tf.zeros([0], spec["identity"].dtype),
+            tf.zeros([0], tf.int64),
+            tf.zeros([0], tf.int64),
         )
     )
+    images, identities, seeds, expected = (
+        dataset.map(per_example)
+        .unbatch()
+        .batch(_ALL_EXAMPLES)
+        .concatenate(nothing)
+        .take(1)
+        .with_options(client_data.client_dataset_options())
+        .get_single_element()
+    )
+    # Every batch carries the same constants; max() of none is the int64 minimum.
+    any_example = tf.size(seeds) > 0
+    return ClientExamples(
+        images,
+        identities,
+        tf.where(any_example, tf.reduce_max(seeds), tf.constant(0, tf.int64)),
+        tf.where(any_example, tf.reduce_max(expected), tf.constant(-1, tf.int64)),
+    )
+
+
+class ClientPasses:
+    """The local work's passes over a client's examples, batch by batch, in the orders
+    of a seeded shuffle (`tf.data`'s, with the client's seed, reshuffled every epoch).
+
+    Every epoch's order comes from one `get_single_element` over the shuffled example
+    indices, and a pass gathers its batches from the examples in memory: no iterator,
+    so no function-library clone per pass (BENCHMARKS.md, "Where a round's time goes").
+    The vocabulary pass and the first training epoch see one order, the later epochs the
+    next ones (a shuffle's draws depend on its seed and length, not on its elements).
+    """
+
+    def __init__(self, client: ClientExamples, config: ClientConfig, epochs: int) -> None:
+        self.client = client
+        self.batch_size = config.batch_size
+        self.examples = tf.shape(client.identity, out_type=tf.int64)[0]
+        self.batches_per_epoch = (self.examples + self.batch_size - 1) // self.batch_size
+        nothing = tf.data.Dataset.from_tensors(tf.zeros([0], tf.int64))
+        # [epochs * examples]: epoch e's order is [e * examples, (e + 1) * examples).
+        self.order = (
+            tf.data.Dataset.range(self.examples)
+            .shuffle(config.shuffle_buffer, seed=client.client_seed, reshuffle_each_iteration=True)
+            .repeat(epochs)
+            .batch(_ALL_EXAMPLES)
+            .concatenate(nothing)
+            .take(1)
+            .get_single_element()
+        )
+
+    def batch(self, step: tf.Tensor) -> collections.OrderedDict:
+        """`{"image", "identity"}` of batch `step`, counted across epochs."""
+        epoch = step // self.batches_per_epoch
+        start = step % self.batches_per_epoch * self.batch_size
+        end = tf.minimum(start + self.batch_size, self.examples)
+        indices = self.order[epoch * self.examples + start : epoch * self.examples + end]
+        return collections.OrderedDict(
+            image=tf.gather(self.client.image, indices),
+            identity=tf.gather(self.client.identity, indices),
+        )
+
+    def fold(
+        self,
+        steps: tf.Tensor,
+        initial_state: object,
+        step: Callable[[object, collections.OrderedDict], object],
+        shape_invariants: object = None,
+    ) -> object:
+        """`step` over batches 0 .. `steps` - 1, as a while loop in the enclosing graph.
+
+        One iteration at a time (`parallel_iterations=1`): the steps assign variables
+        that the next step reads. `shape_invariants` (the state's structure of
+        `tf.TensorShape`s) for states whose shapes change across steps.
+        """
+
+        def body(index, state):  # noqa: ANN001, ANN202 - loop variables
+            return index + 1, step(state, self.batch(index))
+
+        invariants = None if shape_invariants is None else (tf.TensorShape([]), shape_invariants)
+        _, state = tf.while_loop(
+            lambda index, state: index < steps,
+            body,
+            (tf.constant(0, tf.int64), initial_state),
+            shape_invariants=invariants,
+            parallel_iterations=1,
+        )
+        return state
 
 
 class LocalTrainer:
@@ -313,40 +366,30 @@ class LocalTrainer:
             learning_rate=config.head_learning_rate, momentum=config.momentum or None
         )
 
-    def _first_pass(
-        self, dataset: tf.data.Dataset
-    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
-        """First pass: sorted distinct identity keys, the client seed, and with
-        `class_means` the initial head (each row its identity's mean unit embedding)."""
+    def _first_pass(self, passes: ClientPasses) -> tuple[tf.Tensor, tf.Tensor | None]:
+        """First pass: sorted distinct identity keys and, with `class_means`, the initial
+        head (each row its identity's mean unit embedding)."""
         with_means = self.config.head_init == HEAD_INIT_CLASS_MEANS
 
         def collect(state, batch):
-            keys, _, embeddings = state
+            keys, embeddings = state
             keys = tf.concat([keys, identity_keys(batch["identity"])], 0)
             if with_means:
                 batch_embeddings = self.backbone(batch["image"], training=False)
                 embeddings = tf.concat(
                     [embeddings, tf.math.l2_normalize(batch_embeddings, axis=1)], 0
                 )
-            return keys, batch["client_seed"], embeddings
+            return keys, embeddings
 
-        keys, client_seed, embeddings = fold_batches(
-            dataset,
-            (
-                tf.zeros([0], tf.int64),
-                tf.constant(0, tf.int64),
-                tf.zeros([0, self.embedding_size]),
-            ),
+        keys, embeddings = passes.fold(
+            passes.batches_per_epoch,
+            (tf.zeros([0], tf.int64), tf.zeros([0, self.embedding_size])),
             collect,
-            shape_invariants=(
-                tf.TensorShape([None]),
-                tf.TensorShape([]),
-                tf.TensorShape([None, self.embedding_size]),
-            ),
+            shape_invariants=(tf.TensorShape([None]), tf.TensorShape([None, self.embedding_size])),
         )
         vocabulary = tf.sort(tf.unique(keys).y)
         if not with_means:
-            return vocabulary, client_seed, None
+            return vocabulary, None
         labels, usable = labels_in_vocabulary(keys, vocabulary, self.num_head_rows)
         sums = tf.math.unsorted_segment_sum(
             tf.boolean_mask(embeddings, usable),
@@ -355,7 +398,7 @@ class LocalTrainer:
         )
         # Rows of absent identities stay zero (they are masked out of the loss anyway).
         head = self.config.class_means_norm * tf.math.l2_normalize(sums, axis=1)
-        return vocabulary, client_seed, tf.transpose(head)
+        return vocabulary, tf.transpose(head)
 
     # Written graph-first (explicit while loops and conds, `tf.equal`), so AutoGraph has
     # nothing to convert; left on, it rewrote this method and every function it calls
@@ -368,20 +411,18 @@ class LocalTrainer:
             _backbone_trainable(initial_weights) + _backbone_non_trainable(initial_weights),
         ):
             variable.assign(value)
-        shuffle_seed, expected_examples = client_constants(dataset)
-
-        def pass_batches() -> tf.data.Dataset:
-            return shuffled_batches(dataset, self.config, shuffle_seed, expected_examples)
+        client = read_client(dataset)
+        passes = ClientPasses(client, self.config, self.config.local_epochs)
 
         negatives = None
         if self.config.shared_negative_rows:
             # Broadcast with the client state; read only, never returned.
             negatives = tf.convert_to_tensor(client_state["shared_negatives"], tf.float32)
         if self.vocabulary is None:
-            vocabulary, client_seed, class_means = self._first_pass(pass_batches())
+            vocabulary, class_means = self._first_pass(passes)
             if class_means is None:
                 seed = local_head_seed(
-                    client_state["head_seed"], client_state["round_num"], client_seed
+                    client_state["head_seed"], client_state["round_num"], client.client_seed
                 )
                 self.head.assign(
                     models.initial_head_kernel(seed, self.embedding_size, self.num_head_rows)
@@ -452,7 +493,7 @@ class LocalTrainer:
             return within
 
         def step(state, batch):
-            training_state, rows_read, timed_out, _, _ = state
+            training_state, rows_read, timed_out = state
             if max_steps is None and max_seconds is None:
                 training_state = train_step(training_state, batch)
             else:
@@ -467,8 +508,6 @@ class LocalTrainer:
                 training_state,
                 rows_read + tf.size(batch["identity"], out_type=tf.int64),
                 timed_out,
-                batch["client_seed"],
-                batch["expected_examples"],
             )
 
         initial_training_state = (
@@ -481,23 +520,12 @@ class LocalTrainer:
             tf.constant(0.0),
             tf.constant(0.0),
         )
-        batches = pass_batches().repeat(self.config.local_epochs)
+        steps = self.config.local_epochs * passes.batches_per_epoch
         if max_steps is not None:
-            batches = batches.take(max_steps + 1)
-        # The training pass starts after the vocabulary pass has read every example, so it
-        # replays the client dataset's cache instead of reading the records again.
-        with tf.control_dependencies([vocabulary]):
-            training_state, rows_read, timed_out, client_seed, expected = fold_batches(
-                batches,
-                (
-                    initial_training_state,
-                    tf.constant(0, tf.int64),
-                    tf.constant(False),
-                    tf.constant(0, tf.int64),
-                    tf.constant(-1, tf.int64),
-                ),
-                step,
-            )
+            steps = tf.minimum(steps, max_steps + 1)
+        training_state, rows_read, timed_out = passes.fold(
+            steps, (initial_training_state, tf.constant(0, tf.int64), tf.constant(False)), step
+        )
         _, _, num_examples, num_dropped, loss_sum, num_batches = training_state
         backbone_update = [
             a - b for a, b in zip(_backbone_trainable(initial_weights), backbone_variables)
@@ -514,7 +542,10 @@ class LocalTrainer:
         short_read = tf.logical_or(
             # tf.equal: inside TFF's graph tracing `==` compares tensor identity.
             tf.equal(rows_read, 0),
-            tf.logical_and(expected >= 0, rows_read < expected * self.config.local_epochs),
+            tf.logical_and(
+                client.expected_examples >= 0,
+                rows_read < client.expected_examples * self.config.local_epochs,
+            ),
         )
         failed_read = tf.logical_and(short_read, tf.logical_not(timed_out))
         dropped = tf.logical_or(tf.logical_or(failed_read, timed_out), non_finite > 0)
@@ -526,7 +557,7 @@ class LocalTrainer:
             failed_reads=tf.cast(failed_read, tf.int32),
             timed_out_clients=tf.cast(timed_out, tf.int32),
             reported=tf.cast(tf.logical_not(dropped), tf.int32),
-            arrival_key=client_seed,
+            arrival_key=client.client_seed,
             loss=loss_sum / tf.maximum(num_batches, 1.0),
         )
         return tff.learning.templates.ClientResult(

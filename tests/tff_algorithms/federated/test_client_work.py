@@ -465,37 +465,47 @@ def _pass_identities(dataset):
     return [i for batch in dataset for i in batch["identity"].numpy().tolist()]
 
 
+def _epoch_identities(passes, epochs=1):
+    steps = epochs * int(passes.batches_per_epoch)
+    return [i for step in range(steps) for i in passes.batch(step)["identity"].numpy().tolist()]
+
+
 def test_each_pass_shuffles_on_its_own_the_same_orders_for_the_same_client():
     names = np.array([f"id{i}" for i in range(12)])
-    config = dataclasses.replace(CONFIG, shuffle_buffer=64)
+    config = dataclasses.replace(CONFIG, shuffle_buffer=64, batch_size=5)
     client = _client_dataset(np.zeros((12, 28, 28, 1), np.float32), names, config)
     # The client dataset keeps the loader's order; the passes shuffle it.
     assert _pass_identities(client) == [n.encode() for n in names]
-    seed, expected = local_training.client_constants(client)
-    assert int(seed) == int(client_work.client_seed_from_id(tf.constant(CLIENT_ID)))
-    assert int(expected) == -1  # no count given to make_client_dataset
+    examples = local_training.read_client(client)
+    assert examples.identity.numpy().tolist() == [n.encode() for n in names]
+    assert int(examples.client_seed) == int(client_work.client_seed_from_id(tf.constant(CLIENT_ID)))
+    assert int(examples.expected_examples) == -1  # no count given to make_client_dataset
 
-    def one_pass(epochs=1):
-        return _pass_identities(
-            local_training.shuffled_batches(client, config, seed, expected).repeat(epochs)
-        )
-
-    first, training = one_pass(), one_pass(3)
+    first = _epoch_identities(local_training.ClientPasses(examples, config, 1))
+    training = _epoch_identities(local_training.ClientPasses(examples, config, 3), epochs=3)
     # The vocabulary pass and the first epoch see one order; later epochs reshuffle.
     assert first == training[:12] and sorted(first) == sorted(n.encode() for n in names)
     assert first != [n.encode() for n in names]
     assert training[12:24] != first and sorted(training[12:24]) == sorted(first)
+    # The orders are tf.data's shuffle of the examples with the client's seed.
+    shuffled = (
+        tf.data.Dataset.from_tensor_slices(names)
+        .shuffle(64, seed=examples.client_seed, reshuffle_each_iteration=True)
+        .repeat(3)
+    )
+    assert training == list(shuffled.as_numpy_iterator())
+    # Batches of 5 within an epoch: 5, 5 and the epoch's last 2.
+    passes = local_training.ClientPasses(examples, config, 3)
+    assert [int(tf.size(passes.batch(step)["identity"])) for step in range(6)] == [5, 5, 2] * 2
     # Another client's seed draws other orders.
     other = _client_dataset(np.zeros((12, 28, 28, 1), np.float32), names, config, "round0/vc1")
-    other_seed, _ = local_training.client_constants(other)
-    assert (
-        _pass_identities(local_training.shuffled_batches(other, config, other_seed, expected))
-        != first
-    )
+    other_examples = local_training.read_client(other)
+    assert _epoch_identities(local_training.ClientPasses(other_examples, config, 1)) != first
 
 
 def test_a_client_without_examples_has_no_seed_and_an_unknown_count():
     empty = _client_dataset(np.zeros((0, 28, 28, 1), np.float32), np.array([], str))
-    seed, expected = local_training.client_constants(empty)
-    assert (int(seed), int(expected)) == (0, -1)
-    assert _pass_identities(local_training.shuffled_batches(empty, CONFIG, seed, expected)) == []
+    examples = local_training.read_client(empty)
+    assert (int(examples.client_seed), int(examples.expected_examples)) == (0, -1)
+    passes = local_training.ClientPasses(examples, CONFIG, 3)
+    assert int(passes.batches_per_epoch) == 0 and int(tf.size(passes.order)) == 0
