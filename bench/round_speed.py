@@ -27,9 +27,9 @@ example) at this run's measured peak (`bench_speed.measure_flops`: the best of a
 large-batch convolution and a large-batch training step).
 
 The stage profile times, in plain TensorFlow on one core's worth of work, one virtual
-client of the round: building its dataset and reading and decoding its records once,
-a replay of the decoded examples (what each further pass costs), the class-mean first
-pass, one local step on an in-memory batch, and the whole client update. The op types
+client of the round: building its dataset and reading and decoding its records once
+(`local_training.read_client`), the class-mean first pass, one local step on an
+in-memory batch, and the whole client update. The op types
 of one local step come from TensorFlow's step statistics (`RunMetadata`, FULL_TRACE).
 """
 
@@ -285,17 +285,9 @@ def _profile_client(config, ids: list[str]) -> dict:  # noqa: ANN001 - the defau
             client_data.expected_examples(vc_id),
         )
 
-    def count(ds):  # noqa: ANN001, ANN202
-        return ds.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1)
-
-    one_pass = tf.function(lambda vc_id: count(dataset(vc_id)))
-
-    @tf.function
-    def two_passes(vc_id):  # noqa: ANN001, ANN202
-        ds = dataset(vc_id)
-        first = count(ds)
-        with tf.control_dependencies([first]):
-            return first + count(ds)
+    read_once_function = tf.function(
+        lambda vc_id: local_training.read_client(dataset(vc_id)).identity
+    )
 
     trainer = local_training.LocalTrainer(
         lambda: models.build_backbone(config.backbone_config), client_config, None
@@ -309,7 +301,13 @@ def _profile_client(config, ids: list[str]) -> dict:  # noqa: ANN001 - the defau
     state = collections.OrderedDict(
         round_num=tf.constant(0, tf.int64), head_seed=tf.constant(client_config.head_seed, tf.int64)
     )
-    first_pass = tf.function(lambda vc_id: trainer._first_pass(dataset(vc_id))[0])
+    first_pass = tf.function(
+        lambda vc_id: trainer._first_pass(
+            local_training.ClientPasses(
+                local_training.read_client(dataset(vc_id)), client_config, config.local_epochs
+            )
+        )[0]
+    )
     whole = tf.function(lambda vc_id: train(weights, dataset(vc_id), state)[0].update)
 
     def per_client_ms(function) -> float:  # noqa: ANN001
@@ -324,8 +322,7 @@ def _profile_client(config, ids: list[str]) -> dict:  # noqa: ANN001 - the defau
             best = min(best, 1000 * (time.perf_counter() - started) / len(ids))
         return best
 
-    read_once = per_client_ms(one_pass)
-    replay = per_client_ms(two_passes) - read_once
+    read_once = per_client_ms(read_once_function)
     first = per_client_ms(first_pass) - read_once
     client = per_client_ms(whole)
     steps_per_client = config.local_epochs * -(
@@ -334,17 +331,13 @@ def _profile_client(config, ids: list[str]) -> dict:  # noqa: ANN001 - the defau
     step_ms = _one_step_ms(config)
     return {
         "build_read_decode_once_ms": round(read_once, 2),
-        "replay_pass_ms": round(replay, 2),
         "first_pass_forward_ms": round(first, 2),
         "local_step_ms": round(step_ms, 2),
         "local_steps_per_client": steps_per_client,
         "client_update_ms": round(client, 2),
-        # What the parts above do not explain: the while loop's per-step dispatch, the
-        # optimizer states, head set-up, update and checks.
-        "client_rest_ms": round(
-            client - read_once - first - steps_per_client * step_ms - config.local_epochs * replay,
-            2,
-        ),
+        # What the parts above do not explain: the while loop's per-step dispatch and
+        # batch gathers, the optimizer states, head set-up, update and checks.
+        "client_rest_ms": round(client - read_once - first - steps_per_client * step_ms, 2),
         "clients_profiled": len(ids),
     }
 
