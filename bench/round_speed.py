@@ -302,11 +302,7 @@ def _profile_client(config, ids: list[str]) -> dict:  # noqa: ANN001 - the defau
         round_num=tf.constant(0, tf.int64), head_seed=tf.constant(client_config.head_seed, tf.int64)
     )
     first_pass = tf.function(
-        lambda vc_id: trainer._first_pass(
-            local_training.ClientPasses(
-                local_training.read_client(dataset(vc_id)), client_config, config.local_epochs
-            )
-        )[0]
+        lambda vc_id: trainer._first_pass(local_training.read_client(dataset(vc_id)))[1]
     )
     whole = tf.function(lambda vc_id: train(weights, dataset(vc_id), state)[0].update)
 

@@ -50,6 +50,8 @@ from tff_algorithms.modeling import models
 KEY_BUCKETS = 2**62
 # More examples than any client holds: one batch of them all.
 _ALL_EXAMPLES = 2**62
+# Examples a class-mean first pass embeds at once.
+_FIRST_PASS_BATCH = 64
 # Logit for masked head rows: exp() underflows to exactly 0 without producing NaNs.
 MASKED_LOGIT = -1e9
 
@@ -276,8 +278,8 @@ class ClientPasses:
     Every epoch's order comes from one `get_single_element` over the shuffled example
     indices, and a pass gathers its batches from the examples in memory: no iterator,
     so no function-library clone per pass (BENCHMARKS.md, "Where a round's time goes").
-    The vocabulary pass and the first training epoch see one order, the later epochs the
-    next ones (a shuffle's draws depend on its seed and length, not on its elements).
+    Each epoch reshuffles (a shuffle's draws depend on its seed and length, not on its
+    elements, so these are the orders the shuffled examples had).
     """
 
     def __init__(self, client: ClientExamples, config: ClientConfig, epochs: int) -> None:
@@ -366,30 +368,16 @@ class LocalTrainer:
             learning_rate=config.head_learning_rate, momentum=config.momentum or None
         )
 
-    def _first_pass(self, passes: ClientPasses) -> tuple[tf.Tensor, tf.Tensor | None]:
+    def _first_pass(self, client: ClientExamples) -> tuple[tf.Tensor, tf.Tensor | None]:
         """First pass: sorted distinct identity keys and, with `class_means`, the initial
-        head (each row its identity's mean unit embedding)."""
+        head (each row its identity's mean unit embedding). Neither depends on the order
+        of the examples, so it runs over them as read, in large batches."""
         with_means = self.config.head_init == HEAD_INIT_CLASS_MEANS
-
-        def collect(state, batch):
-            keys, embeddings = state
-            keys = tf.concat([keys, identity_keys(batch["identity"])], 0)
-            if with_means:
-                batch_embeddings = self.backbone(batch["image"], training=False)
-                embeddings = tf.concat(
-                    [embeddings, tf.math.l2_normalize(batch_embeddings, axis=1)], 0
-                )
-            return keys, embeddings
-
-        keys, embeddings = passes.fold(
-            passes.batches_per_epoch,
-            (tf.zeros([0], tf.int64), tf.zeros([0, self.embedding_size])),
-            collect,
-            shape_invariants=(tf.TensorShape([None]), tf.TensorShape([None, self.embedding_size])),
-        )
+        keys = identity_keys(client.identity)
         vocabulary = tf.sort(tf.unique(keys).y)
         if not with_means:
             return vocabulary, None
+        embeddings = self._unit_embeddings(client.image)
         labels, usable = labels_in_vocabulary(keys, vocabulary, self.num_head_rows)
         sums = tf.math.unsorted_segment_sum(
             tf.boolean_mask(embeddings, usable),
@@ -399,6 +387,25 @@ class LocalTrainer:
         # Rows of absent identities stay zero (they are masked out of the loss anyway).
         head = self.config.class_means_norm * tf.math.l2_normalize(sums, axis=1)
         return vocabulary, tf.transpose(head)
+
+    def _unit_embeddings(self, images: tf.Tensor) -> tf.Tensor:
+        """Unit-length inference embeddings [N, d] of `images`, `_FIRST_PASS_BATCH` at a
+        time (larger kernels than the local steps' batches; GroupNorm normalises each
+        example alone, so an embedding does not depend on its batch)."""
+        size = max(self.config.batch_size, _FIRST_PASS_BATCH)
+        count = tf.shape(images)[0]
+
+        def body(start, embeddings):  # noqa: ANN001, ANN202 - loop variables
+            batch = self.backbone(images[start : start + size], training=False)
+            return start + size, tf.concat([embeddings, tf.math.l2_normalize(batch, axis=1)], 0)
+
+        _, embeddings = tf.while_loop(
+            lambda start, _: start < count,
+            body,
+            (tf.constant(0), tf.zeros([0, self.embedding_size])),
+            shape_invariants=(tf.TensorShape([]), tf.TensorShape([None, self.embedding_size])),
+        )
+        return embeddings
 
     # Written graph-first (explicit while loops and conds, `tf.equal`), so AutoGraph has
     # nothing to convert; left on, it rewrote this method and every function it calls
@@ -419,7 +426,7 @@ class LocalTrainer:
             # Broadcast with the client state; read only, never returned.
             negatives = tf.convert_to_tensor(client_state["shared_negatives"], tf.float32)
         if self.vocabulary is None:
-            vocabulary, class_means = self._first_pass(passes)
+            vocabulary, class_means = self._first_pass(client)
             if class_means is None:
                 seed = local_head_seed(
                     client_state["head_seed"], client_state["round_num"], client.client_seed

@@ -509,3 +509,28 @@ def test_a_client_without_examples_has_no_seed_and_an_unknown_count():
     assert (int(examples.client_seed), int(examples.expected_examples)) == (0, -1)
     passes = local_training.ClientPasses(examples, CONFIG, 3)
     assert int(passes.batches_per_epoch) == 0 and int(tf.size(passes.order)) == 0
+
+
+def test_the_class_mean_pass_embeds_every_example_past_its_batch_of_64(initial_weights):
+    # 150 examples: three batches of the first pass (64, 64, 22), identities in every one.
+    config = dataclasses.replace(
+        CONFIG, head_init=client_config.HEAD_INIT_CLASS_MEANS, class_means_norm=2.0
+    )
+    rng = np.random.default_rng(7)
+    images = rng.random((150, 28, 28, 1), dtype=np.float32)
+    identities = np.array(["a", "b", "c"])[rng.integers(0, 3, 150)]
+    trainer = local_training.LocalTrainer(_backbone_fn, config, None)
+    models.assign_backbone_weights(trainer.backbone, initial_weights)
+    vocabulary, head = trainer._first_pass(
+        local_training.read_client(_client_dataset(images, identities, config))
+    )
+    keys = local_training.identity_keys(tf.constant(identities)).numpy()
+    assert vocabulary.numpy().tolist() == sorted(set(keys.tolist()))
+    # The same means from one forward pass of all 150 at once, in numpy.
+    unit = trainer.backbone(images, training=False).numpy().astype(np.float64)
+    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+    for row, key in enumerate(vocabulary.numpy()):
+        mean = unit[keys == key].mean(axis=0)
+        np.testing.assert_allclose(head[:, row], 2.0 * mean / np.linalg.norm(mean), atol=1e-5)
+    # Rows past the three identities stay zero.
+    assert not np.any(head[:, 3:].numpy())
