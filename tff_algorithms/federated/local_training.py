@@ -230,7 +230,9 @@ def read_client(dataset: tf.data.Dataset) -> ClientExamples:
     `get_single_element` rather than an iterator: an iterator made inside a graph clones
     the function library and instantiates every function of the pipeline (the reader's
     and decoder's maps and conds) anew, about 30 ms a virtual client, where this op reuses
-    the instantiations of earlier calls (BENCHMARKS.md, "Where a round's time goes").
+    the instantiations of earlier calls in the same graph (BENCHMARKS.md, "Where a round's
+    time goes"). A TFF worker rebuilds each client's dataset from its serialized graph,
+    so there the pipeline's functions are still instantiated once a client.
     """
     spec = dataset.element_spec
 
