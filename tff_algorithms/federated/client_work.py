@@ -113,11 +113,11 @@ def make_client_dataset(
     """Per-example `{image, identity}` of one virtual client -> its client batches.
 
     Skips examples whose reading raises, takes the first `max_examples` (the loader
-    decides their order) and batches them in that order; the client work reads it
-    once (`local_training.read_client`). The client work shuffles each pass with the `client_seed`, a hash of
-    the virtual-client id (`local_training.ClientPasses`). `expected_examples` is how many
-    examples the loader should yield (None: unknown); the client work drops a client
-    that yields fewer. Usable inside a TFF dataset computation.
+    decides their order) and batches them in that order; the client work reads it once
+    (`local_training.read_client`) and shuffles each pass with the `client_seed`, a hash
+    of the virtual-client id (`local_training.ClientPasses`). `expected_examples` is how
+    many examples the loader should yield (None: unknown); the client work drops a
+    client that yields fewer. Usable inside a TFF dataset computation.
     """
     virtual_client_id = tf.convert_to_tensor(virtual_client_id, tf.string)
     seed = client_seed_from_id(virtual_client_id)

@@ -214,6 +214,19 @@ def zero_if_not_finite(structure: object) -> tuple[object, tf.Tensor]:
     return tf.nest.pack_sequence_as(structure, zeroed), tf.cast(tf.logical_not(finite), tf.int32)
 
 
+def _one_batch_of_all(dataset: tf.data.Dataset, empty: object) -> object:
+    """Every element of `dataset` as one batch, by one `get_single_element` (no iterator
+    in the graph); `empty`, zero-length tensors of the batch's structure, when there is
+    no element."""
+    return (
+        dataset.batch(_ALL_EXAMPLES)
+        .concatenate(tf.data.Dataset.from_tensors(empty))
+        .take(1)
+        .with_options(client_data.client_dataset_options())
+        .get_single_element()
+    )
+
+
 class ClientExamples(NamedTuple):
     """A virtual client's examples in memory, in the loader's order, and its constants."""
 
@@ -246,22 +259,14 @@ def read_client(dataset: tf.data.Dataset) -> ClientExamples:
         )
 
     # No example: zero-length tensors, so the client has no seed and an unknown count.
-    nothing = tf.data.Dataset.from_tensors(
-        (
-            tf.zeros([0, *spec["image"].shape[1:]], spec["image"].dtype),
-            tf.zeros([0], spec["identity"].dtype),
-            tf.zeros([0], tf.int64),
-            tf.zeros([0], tf.int64),
-        )
+    nothing = (
+        tf.zeros([0, *spec["image"].shape[1:]], spec["image"].dtype),
+        tf.zeros([0], spec["identity"].dtype),
+        tf.zeros([0], tf.int64),
+        tf.zeros([0], tf.int64),
     )
-    images, identities, seeds, expected = (
-        dataset.map(per_example)
-        .unbatch()
-        .batch(_ALL_EXAMPLES)
-        .concatenate(nothing)
-        .take(1)
-        .with_options(client_data.client_dataset_options())
-        .get_single_element()
+    images, identities, seeds, expected = _one_batch_of_all(
+        dataset.map(per_example).unbatch(), nothing
     )
     # Every batch carries the same constants; max() of none is the int64 minimum.
     any_example = tf.size(seeds) > 0
@@ -289,16 +294,12 @@ class ClientPasses:
         self.batch_size = config.batch_size
         self.examples = tf.shape(client.identity, out_type=tf.int64)[0]
         self.batches_per_epoch = (self.examples + self.batch_size - 1) // self.batch_size
-        nothing = tf.data.Dataset.from_tensors(tf.zeros([0], tf.int64))
         # [epochs * examples]: epoch e's order is [e * examples, (e + 1) * examples).
-        self.order = (
+        self.order = _one_batch_of_all(
             tf.data.Dataset.range(self.examples)
             .shuffle(config.shuffle_buffer, seed=client.client_seed, reshuffle_each_iteration=True)
-            .repeat(epochs)
-            .batch(_ALL_EXAMPLES)
-            .concatenate(nothing)
-            .take(1)
-            .get_single_element()
+            .repeat(epochs),
+            tf.zeros([0], tf.int64),
         )
 
     def batch(self, step: tf.Tensor) -> collections.OrderedDict:
