@@ -153,12 +153,12 @@ def _process(config):  # noqa: ANN001, ANN202 - a TrainJobConfig -> its TFF proc
     """The DP-FedEmb process (noise 0) reading data from ids; one per configuration, since
     tracing it costs more than the rounds of a quick run. Settings that differ only in
     the population or the workers share it."""
-    from tff_algorithms.federated import aggregators, client_data, processes
+    from tff_algorithms.federated import aggregators, client_data, client_work, processes
 
-    client_config = config.client_config()
-    base = processes.build_fedemb_process(
+    image_shape = config.image_shape
+    return processes.build_fedemb_process(
         config.backbone_config,
-        client_config,
+        config.client_config(),
         aggregators.gaussian_fixed(
             noise_multiplier=0.0,
             clip_norm=config.clip_norm,
@@ -166,13 +166,10 @@ def _process(config):  # noqa: ANN001, ANN202 - a TrainJobConfig -> its TFF proc
             noise_seed=0,
         ),
         processes.server_sgdm(config.server_learning_rate, 0.0),
-    )
-    image_shape = config.image_shape
-    return processes.compose_with_client_loader(
-        base,
-        lambda vc_id: client_data.load_examples(vc_id, image_shape),
-        client_config,
-        seed_name=client_data.seed_name,
+        client_loader=client_work.ClientLoader(
+            lambda vc_id: client_data.load_examples(vc_id, image_shape),
+            seed_name=client_data.seed_name,
+        ),
     )
 
 

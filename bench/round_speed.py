@@ -78,10 +78,16 @@ def configs(clients_per_round: int) -> dict:
 
 
 def _process(config, load_examples):  # noqa: ANN001, ANN202 - TrainJobConfig, loader
-    from tff_algorithms.federated import aggregators, client_data, feature_cache, processes
+    from tff_algorithms.federated import (
+        aggregators,
+        client_data,
+        client_work,
+        feature_cache,
+        processes,
+    )
 
     client_config = config.client_config()
-    base = processes.build_fedemb_process(
+    return processes.build_fedemb_process(
         config.backbone_config,
         client_config,
         aggregators.gaussian_fixed(
@@ -95,9 +101,9 @@ def _process(config, load_examples):  # noqa: ANN001, ANN202 - TrainJobConfig, l
         feature_cut=feature_cache.cut_for(config.backbone_config).cut
         if config.cache_features
         else None,
-    )
-    return processes.compose_with_client_loader(
-        base, load_examples, client_config, client_data.expected_examples, client_data.seed_name
+        client_loader=client_work.ClientLoader(
+            load_examples, client_data.expected_examples, client_data.seed_name
+        ),
     )
 
 

@@ -171,10 +171,12 @@ class RuntimeSection:
     the merge. worker_ca, worker_cert, worker_key: PEM files for mutual TLS to the
     worker addresses, read where training runs; without them, an address that is
     not loopback needs allow_insecure_workers (an isolated network only).
+    worker_intra_op_threads: threads one op of a local worker may use (0: every core).
     """
 
     worker_addresses: tuple[str, ...] = ()
     local_workers: int = 1
+    worker_intra_op_threads: int = 1
     worker_ca: str | None = None
     worker_cert: str | None = None
     worker_key: str | None = None

@@ -226,6 +226,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("integer", "num-shards", "user shards of the training partition", 16)
     define("list", "workers", "host:port of remote TFF workers (default: local workers)", [])
     define("integer", "local-workers", "local TFF workers splitting each round's clients", 1)
+    define(
+        "integer",
+        "worker-intra-op-threads",
+        "threads one op of a local TFF worker may use; 0: every core (default: 1, the "
+        "round's concurrent virtual clients fill the cores)",
+        1,
+    )
     define("string", "worker-ca", "PEM CA certificate that verifies the --workers (mutual TLS)")
     define("string", "worker-cert", "PEM client certificate presented to the --workers")
     define("string", "worker-key", "PEM private key of --worker-cert")
@@ -437,6 +444,7 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         checks.number("virtual-clients-per-round", count, 1)
     for name in _POSITIVE_INTS:
         checks.number(name, value[name], 1)
+    checks.number("worker-intra-op-threads", value["worker-intra-op-threads"], 0)
     # Old flags of an algorithm's own settings: one deprecation line each; another
     # algorithm's setting, or an old and a new flag that disagree: one error line; then
     # the settings' own checks (TensorFlow-free).
@@ -559,6 +567,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
         runtime_config = runtime.RuntimeConfig(
             worker_addresses=tuple(value["workers"]),
             local_workers=value["local-workers"],
+            worker_intra_op_threads=value["worker-intra-op-threads"],
             worker_ca=value["worker-ca"],
             worker_cert=value["worker-cert"],
             worker_key=value["worker-key"],

@@ -1,9 +1,9 @@
 """Virtual-client data loaded inside TFF from the virtual client's id (docs/design.md section 3).
 
 The training loop never holds users' examples in Python. For each round it turns the
-schedule's virtual clients into string ids, and a TFF dataset computation
-(`processes.compose_with_client_loader`) reads each virtual client's records from the
-partition (`beam_jobs.partition`) inside the TFF worker.
+schedule's virtual clients into string ids, and each client computation reads its
+virtual client's records from the partition (`beam_jobs.partition`) inside the TFF
+worker (`client_work.ClientLoader`).
 
 An id carries everything the worker needs, looked up in Python from the partition's
 shard indexes for the round's users only (O(users per round)):

@@ -25,6 +25,14 @@ virtual-client id, with which the client work shuffles every pass.
 Virtual-client ids are expected to be unique per round (the schedule regroups users
 every round), so seeds differ across rounds; the round number is folded in as well.
 
+Where the data comes from. A process built with a `ClientLoader` (what every training
+job uses) takes virtual-client ids: each client computation receives its id and builds
+its client dataset inside its own graph (`ClientLoader.client_dataset`), so nothing but
+the id crosses the computation boundary, and the reader's and decoder's functions are
+instantiated once per worker session, not rebuilt from a serialized dataset for every
+client (BENCHMARKS.md, "Where a round's time goes"). Without one, the process takes
+client batches as above (tests, and callers that hold datasets already).
+
 Identity remapping and the local training loop: `local_training`.
 
 Update convention (TFF's): the update is `initial - final` weights, so the server
@@ -34,8 +42,7 @@ Dropped virtual clients (stragglers and failures). A TFF simulation cannot lose 
 client the way a device fleet does, so failures are modelled inside the computation,
 and a dropped client returns an all-zero update and is counted, never stops the round:
 - a failed read: `make_client_dataset` skips elements whose reading raises
-  (`ignore_errors`; the loader must raise per element, see
-  `processes.compose_with_client_loader`), and a client that yields fewer examples
+  (`ignore_errors`; the loader must raise per element, see `ClientLoader`), and a client that yields fewer examples
   than `expected_examples`, or none at all, is dropped (`failed_reads`);
 - a timeout: `max_local_steps` (deterministic) and `max_seconds` (wall clock, measured
   with `tf.timestamp` inside the client) bound the local work; a client that needs
@@ -64,6 +71,7 @@ privacy; they are for monitoring only and must not be released.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -152,6 +160,43 @@ def make_client_dataset(
         )
         .with_options(client_data.client_dataset_options())
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientLoader:
+    """How a client computation loads its virtual client's data from the id.
+
+    `load_examples` maps a virtual-client id (scalar tf.string) to a dataset of
+    per-example `{"image", "identity"}` elements; it must be traceable by `tf.function`
+    (e.g. read the virtual client's shard files with tf.data). Elements whose reading
+    raises are skipped, so a read error must fail its element and move on (an error in
+    a `map`), not repeat forever (a file source that keeps failing, such as a
+    `FixedLengthRecordDataset` on a missing file, would hang the round).
+    `expected_examples` maps the id to the number of examples the loader should yield
+    (traceable); a virtual client that yields fewer is dropped from the round. None:
+    unknown. `seed_name` maps the id to the string the client's seeds (shuffle, local
+    head, fault injection) hash; None: the whole id.
+    """
+
+    load_examples: Callable[[tf.Tensor], tf.data.Dataset]
+    expected_examples: Callable[[tf.Tensor], tf.Tensor] | None = None
+    seed_name: Callable[[tf.Tensor], tf.Tensor] | None = None
+
+    def client_dataset(self, virtual_client_id: tf.Tensor, config: ClientConfig) -> tf.data.Dataset:
+        """The client batches of one virtual client (`make_client_dataset`)."""
+        return make_client_dataset(
+            self.load_examples(virtual_client_id),
+            virtual_client_id if self.seed_name is None else self.seed_name(virtual_client_id),
+            config,
+            None if self.expected_examples is None else self.expected_examples(virtual_client_id),
+        )
+
+
+def _client_data_type(client_input: collections.OrderedDict | ClientLoader) -> tff.SequenceType:
+    """Client batches (`client_element_spec`), or with a loader a dataset of the one id."""
+    if isinstance(client_input, ClientLoader):
+        return tff.SequenceType(tff.TensorType(np.str_))
+    return tff.SequenceType(tff.types.tensorflow_to_type(client_input))
 
 
 def _client_state_type(negatives_shape: tuple[int, int] | None) -> tff.Type:
@@ -250,7 +295,7 @@ def train_one_client(
 def _build_client_work(
     backbone_fn: Callable[[], tf.keras.Model],
     weights_type: tff.Type,
-    element_spec: collections.OrderedDict,
+    client_input: collections.OrderedDict | ClientLoader,
     config: ClientConfig,
     global_head_vocabulary: np.ndarray | None,
     max_reports: int | None,
@@ -263,7 +308,7 @@ def _build_client_work(
         if global_head_vocabulary is not None or embedding_size is None:
             raise ValueError("shared negatives need a local head and the embedding size")
         negatives_shape = (config.shared_negative_rows, embedding_size)
-    data_type = tff.SequenceType(tff.types.tensorflow_to_type(element_spec))
+    data_type = _client_data_type(client_input)
     state_type = _client_state_type(negatives_shape)
 
     def with_negatives(state: collections.OrderedDict, negatives: tf.Tensor | None):
@@ -274,6 +319,8 @@ def _build_client_work(
 
     @tff.tensorflow.computation(weights_type, data_type, state_type)
     def client_update(initial_weights, dataset, client_state):
+        if isinstance(client_input, ClientLoader):
+            dataset = client_input.client_dataset(dataset.get_single_element(), config)
         trainer = LocalTrainer(backbone_fn, config, global_head_vocabulary)
         return tf.function(trainer.train)(initial_weights, dataset, client_state)
 
@@ -354,7 +401,7 @@ def _build_client_work(
 def build_fedemb_client_work(
     backbone_fn: Callable[[], tf.keras.Model],
     backbone_weights_type: tff.Type,
-    element_spec: collections.OrderedDict,
+    client_input: collections.OrderedDict | ClientLoader,
     config: ClientConfig,
     max_reports: int | None = None,
     embedding_size: int | None = None,
@@ -366,7 +413,9 @@ def build_fedemb_client_work(
         are overwritten by the broadcast weights).
       backbone_weights_type: `ModelWeights(trainable=[...], non_trainable=[...])`
         type of the backbone (`models.backbone_weights_type`).
-      element_spec: client batch spec (`client_element_spec`).
+      client_input: the client batch spec (`client_element_spec`): the client data
+        are datasets of client batches; or a `ClientLoader`: the client data are
+        datasets of one virtual-client id each, loaded inside the client computation.
       config: local training configuration.
       max_reports: keep at most this many reporting clients per round (over-selection:
         the round selects more); None keeps every client that reports.
@@ -376,7 +425,7 @@ def build_fedemb_client_work(
     return _build_client_work(
         backbone_fn,
         backbone_weights_type,
-        element_spec,
+        client_input,
         config,
         None,
         max_reports,
@@ -387,7 +436,7 @@ def build_fedemb_client_work(
 def build_fedavg_client_work(
     backbone_fn: Callable[[], tf.keras.Model],
     model_weights_type: tff.Type,
-    element_spec: collections.OrderedDict,
+    client_input: collections.OrderedDict | ClientLoader,
     config: ClientConfig,
     identity_vocabulary: np.ndarray,
     max_reports: int | None = None,
@@ -397,13 +446,13 @@ def build_fedavg_client_work(
     `model_weights_type` is `ModelWeights(trainable=OrderedDict(backbone=[...],
     head=[kernel]), non_trainable=OrderedDict(backbone=[...]))`; the update has the
     `trainable` structure. `identity_vocabulary` is `identity_keys_vocabulary` of
-    all training identities (one head row each, in that order). `max_reports` as in
-    `build_fedemb_client_work`.
+    all training identities (one head row each, in that order). `client_input` and
+    `max_reports` as in `build_fedemb_client_work`.
     """
     return _build_client_work(
         backbone_fn,
         model_weights_type,
-        element_spec,
+        client_input,
         config,
         np.asarray(identity_vocabulary),
         max_reports,

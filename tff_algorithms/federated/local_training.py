@@ -244,8 +244,10 @@ def read_client(dataset: tf.data.Dataset) -> ClientExamples:
     the function library and instantiates every function of the pipeline (the reader's
     and decoder's maps and conds) anew, about 30 ms a virtual client, where this op reuses
     the instantiations of earlier calls in the same graph (BENCHMARKS.md, "Where a round's
-    time goes"). A TFF worker rebuilds each client's dataset from its serialized graph,
-    so there the pipeline's functions are still instantiated once a client.
+    time goes"). A dataset that crosses a TFF computation boundary is rebuilt from its
+    serialized graph in the receiving call, which instantiates its functions once a
+    client again; training jobs therefore build it inside the client computation
+    (`client_work.ClientLoader`).
     """
     spec = dataset.element_spec
 

@@ -25,9 +25,10 @@ Initial weights come from `backbone_seed`; to start from a pretrained backbone,
 call `process.set_model_weights(state, weights)` with
 `models.backbone_weights(models.load_pretrained_backbone(...))`.
 
-Client data is a CLIENTS-placed sequence of client batches
-(`client_work.client_element_spec`); `compose_with_client_loader` turns this into
-a process whose `next` takes virtual-client ids and loads the data inside TFF.
+Client data: given a `client_loader` (`client_work.ClientLoader`, what training jobs
+use), the process's `next` takes virtual-client ids at CLIENTS and each client
+computation loads its own data from its id; without one, `next` takes CLIENTS-placed
+sequences of client batches (`client_work.client_element_spec`).
 """
 
 from __future__ import annotations
@@ -101,11 +102,23 @@ def _initial_fedavg_weights_fn(
     return initial_weights
 
 
+def _client_input(
+    config: model_config.BackboneConfig,
+    cut: FeatureCut | None,
+    identity_dtype: tf.DType,
+    loader: client_work.ClientLoader | None,
+) -> collections.OrderedDict | client_work.ClientLoader:
+    if loader is not None:
+        return loader
+    return client_work.client_element_spec(_input_shape(config, cut), identity_dtype)
+
+
 def _compose(
     initial_weights_fn: tff.Computation,
     client_work_process: tff.learning.templates.ClientWorkProcess,
     aggregator_factory: tff.aggregators.UnweightedAggregationFactory,
     server_optimizer: tff.learning.optimizers.Optimizer,
+    client_loader: client_work.ClientLoader | None,
 ) -> tff.learning.templates.LearningProcess:
     weights_type = initial_weights_fn.type_signature.result
     # DP aggregation is unweighted: every virtual client counts once, and the
@@ -113,13 +126,14 @@ def _compose(
     aggregator = tff.aggregators.as_weighted_aggregator(aggregator_factory).create(
         weights_type.trainable, tff.TensorType(np.float32)
     )
-    return tff.learning.templates.compose_learning_process(
+    process = tff.learning.templates.compose_learning_process(
         initial_weights_fn,
         tff.learning.templates.build_broadcast_process(weights_type),
         client_work_process,
         aggregator,
         tff.learning.templates.build_apply_optimizer_finalizer(server_optimizer, weights_type),
     )
+    return process if client_loader is None else _taking_virtual_client_ids(process)
 
 
 def server_sgdm(learning_rate: float, momentum: float) -> tff.learning.optimizers.Optimizer:
@@ -159,6 +173,7 @@ def build_fedemb_process(
     backbone_seed: int = 0,
     max_reports: int | None = None,
     feature_cut: FeatureCut | None = None,
+    client_loader: client_work.ClientLoader | None = None,
 ) -> tff.learning.templates.LearningProcess:
     """FedEmb with any aggregator (`mechanisms.aggregator_for_spec` for DP-FedEmb and
     DP-FTRL-FedEmb; `aggregators.no_dp` or `gaussian_adaptive` for ablations and tuning).
@@ -167,17 +182,19 @@ def build_fedemb_process(
     (over-selection; the aggregator's denominator is the planned number either way).
     `feature_cut`: train only the backbone's suffix after this cut, on cached features
     of the frozen prefix (`feature_cache`); the weights are then the suffix's.
+    `client_loader`: `next` takes virtual-client ids and the client computations load
+    their data (module docstring); None: `next` takes client batches.
     """
     initial_weights_fn = _initial_backbone_weights_fn(backbone_config, backbone_seed, feature_cut)
     work = client_work.build_fedemb_client_work(
         _backbone_fn(backbone_config, feature_cut),
         initial_weights_fn.type_signature.result,
-        client_work.client_element_spec(_input_shape(backbone_config, feature_cut), identity_dtype),
+        _client_input(backbone_config, feature_cut, identity_dtype, client_loader),
         client_config,
         max_reports,
         embedding_size=backbone_config.embedding_size,
     )
-    return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer)
+    return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer, client_loader)
 
 
 def build_fedavg_process(
@@ -191,6 +208,7 @@ def build_fedavg_process(
     backbone_seed: int = 0,
     max_reports: int | None = None,
     feature_cut: FeatureCut | None = None,
+    client_loader: client_work.ClientLoader | None = None,
 ) -> tff.learning.templates.LearningProcess:
     """FedAvg with a global head over `identity_vocabulary`, with any aggregator.
 
@@ -198,7 +216,7 @@ def build_fedavg_process(
     clips and noises the backbone and global head together.
 
     `identity_vocabulary` is `local_training.identity_keys_vocabulary(all training identities)`;
-    `max_reports` and `feature_cut` as in `build_fedemb_process`.
+    `max_reports`, `feature_cut` and `client_loader` as in `build_fedemb_process`.
     """
     initial_weights_fn = _initial_fedavg_weights_fn(
         backbone_config, backbone_seed, len(identity_vocabulary), feature_cut
@@ -206,45 +224,24 @@ def build_fedavg_process(
     work = client_work.build_fedavg_client_work(
         _backbone_fn(backbone_config, feature_cut),
         initial_weights_fn.type_signature.result,
-        client_work.client_element_spec(_input_shape(backbone_config, feature_cut), identity_dtype),
+        _client_input(backbone_config, feature_cut, identity_dtype, client_loader),
         client_config,
         identity_vocabulary,
         max_reports,
     )
-    return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer)
+    return _compose(initial_weights_fn, work, aggregator_factory, server_optimizer, client_loader)
 
 
-def compose_with_client_loader(
+def _taking_virtual_client_ids(
     process: tff.learning.templates.LearningProcess,
-    load_examples: Callable[[tf.Tensor], tf.data.Dataset],
-    client_config: ClientConfig,
-    expected_examples: Callable[[tf.Tensor], tf.Tensor] | None = None,
-    seed_name: Callable[[tf.Tensor], tf.Tensor] | None = None,
 ) -> tff.learning.templates.LearningProcess:
-    """A process whose `next(state, virtual_client_ids)` loads client data inside TFF.
-
-    `load_examples` maps a virtual-client id (scalar tf.string) to a dataset of
-    per-example `{"image", "identity"}` elements; it must be traceable by
-    `tf.function` (e.g. read the virtual client's shard files with tf.data). Elements
-    whose reading raises are skipped, so a read error must fail its element and move
-    on (an error in a `map`), not repeat forever (a file source that keeps failing,
-    such as a `FixedLengthRecordDataset` on a missing file, would hang the round).
-    `expected_examples` maps the id to the number of examples the loader should yield
-    (traceable); a virtual client that yields fewer is dropped from the round.
-    `seed_name` maps the id to the string the client's seeds (shuffle, local head,
-    fault injection) hash; None: the whole id.
-    """
+    """`process`, whose client data are datasets of one id, taking the ids themselves."""
 
     @tff.tensorflow.computation(tff.TensorType(np.str_))
-    def client_dataset(virtual_client_id):
-        return client_work.make_client_dataset(
-            load_examples(virtual_client_id),
-            virtual_client_id if seed_name is None else seed_name(virtual_client_id),
-            client_config,
-            None if expected_examples is None else expected_examples(virtual_client_id),
-        )
+    def one_id(virtual_client_id):
+        return tf.data.Dataset.from_tensors(virtual_client_id)
 
-    return tff.simulation.compose_dataset_computation_with_learning_process(client_dataset, process)
+    return tff.simulation.compose_dataset_computation_with_learning_process(one_id, process)
 
 
 def backbone_model_weights(

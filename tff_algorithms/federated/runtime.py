@@ -109,6 +109,14 @@ class RuntimeConfig:
       max_concurrent_computation_calls: per-worker limit on parallel calls of one
         computation (bounds memory when a round has many clients); <= 0 means
         unlimited. Applies to local workers; remote ones get it from their launcher.
+      worker_intra_op_threads: threads one TensorFlow op of a local worker may use
+        (`TF_NUM_INTRAOP_THREADS` in its environment); 0: TensorFlow's default, every
+        core. The default 1 runs each op on one thread: a local step's kernels at batch
+        8 are too small to split, and the worker runs many virtual clients at once, so
+        their concurrent calls fill the cores instead (a default round about 30% faster
+        on 2 cores, BENCHMARKS.md "Where a round's time goes"). Raise it when a round
+        has fewer virtual clients than cores, or large local batches. Remote workers
+        get it from their launcher (docs/scaling.md).
       default_num_clients: client cardinality used when TFF cannot infer it.
       log_dir: where local workers write their logs, kept. None: a temporary
         directory, removed at stop unless a worker ended abnormally (then kept and
@@ -126,6 +134,7 @@ class RuntimeConfig:
     worker_addresses: tuple[str, ...] = ()
     local_workers: int = 1
     max_concurrent_computation_calls: int = -1
+    worker_intra_op_threads: int = 1
     default_num_clients: int = 0
     log_dir: str | None = None
     ready_timeout_s: float = 120.0
@@ -144,6 +153,7 @@ class RuntimeConfig:
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"worker address {address!r} is not of the form host:port")
         validation.check_int("local_workers", self.local_workers, 1)
+        validation.check_int("worker_intra_op_threads", self.worker_intra_op_threads, 0)
         if self.worker_addresses and self.local_workers != 1:
             raise ValueError(
                 "local_workers (--local-workers) and worker_addresses (--workers) exclude "
@@ -242,6 +252,7 @@ class LocalWorker:
         log_dir: str,
         max_concurrent_computation_calls: int,
         taken_ports: Collection[int] = (),
+        intra_op_threads: int = 0,
     ) -> None:
         # A port picked for a sibling worker that has not bound it yet looks free.
         self.port = portpicker.pick_unused_port()
@@ -258,6 +269,9 @@ class LocalWorker:
         self._log.flush()
         self.shim_path = loopback_shim.library_path()
         preload = " ".join(filter(None, [self.shim_path, os.environ.get("LD_PRELOAD")]))
+        env = {**os.environ, "LD_PRELOAD": preload}
+        if intra_op_threads:
+            env["TF_NUM_INTRAOP_THREADS"] = str(intra_op_threads)
         self.process = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -265,7 +279,7 @@ class LocalWorker:
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
             close_fds=True,
-            env={**os.environ, "LD_PRELOAD": preload},
+            env=env,
         )
 
     @property
@@ -414,6 +428,7 @@ class TffRuntime:
                     log_dir,
                     config.max_concurrent_computation_calls,
                     taken_ports=[w.port for w in self.local_workers],
+                    intra_op_threads=config.worker_intra_op_threads,
                 )
                 self.local_workers.append(worker)
                 logging.info(

@@ -117,6 +117,9 @@ def test_noise_reaches_the_global_backbone_with_std_z_gamma_over_m(tff_runtime):
 
 
 def test_dataset_loaded_inside_tff_from_virtual_client_ids(tff_runtime):
+    """With a loader only the id crosses into the client computation, which builds the
+    client dataset itself; it trains what the process given those datasets trains."""
+
     def load_examples(virtual_client_id):
         seed = tf.stack([tf.strings.to_hash_bucket_fast(virtual_client_id, 1 << 30), 0])
         images = tf.random.stateless_uniform([6, 28, 28, 1], seed=seed)
@@ -125,17 +128,38 @@ def test_dataset_loaded_inside_tff_from_virtual_client_ids(tff_runtime):
         )
         return tf.data.Dataset.from_tensor_slices({"image": images, "identity": identities})
 
-    base = processes.build_fedemb_process(
-        BACKBONE,
-        CONFIG,
-        aggregators.no_dp(virtual_clients_per_round=2),
-        processes.server_sgdm(1.0, 0.0),
-    )
-    process = processes.compose_with_client_loader(base, load_examples, CONFIG)
+    def build(loader):
+        return processes.build_fedemb_process(
+            BACKBONE,
+            CONFIG,
+            aggregators.no_dp(virtual_clients_per_round=2),
+            processes.server_sgdm(1.0, 0.0),
+            client_loader=loader,
+        )
+
+    process = build(client_work.ClientLoader(load_examples))
     assert str(process.next.type_signature.parameter[1]) == "{str}@CLIENTS"
-    output = process.next(process.initialize(), ["r0/vc0", "r0/vc1"])
+    ids = ["r0/vc0", "r0/vc1"]
+    output = process.next(process.initialize(), ids)
     assert output.metrics["client_work"]["num_examples"] == 12
     assert output.metrics["client_work"]["examples_over_head_capacity"] == 0
+
+    given_datasets = build(None)
+    expected = given_datasets.next(
+        given_datasets.initialize(),
+        [client_work.make_client_dataset(load_examples(tf.constant(i)), i, CONFIG) for i in ids],
+    )
+    for got, want in zip(
+        _backbone(process, output.state).trainable,
+        _backbone(given_datasets, expected.state).trainable,
+    ):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert (
+        np.abs(
+            np.concatenate([d.ravel() for d in _delta(process, process.initialize(), output.state)])
+        ).max()
+        > 0
+    )
 
 
 def test_dp_ftrl_process_runs_with_tree_noise_and_restarts(tff_runtime):

@@ -102,6 +102,34 @@ def test_worker_logs_go_to_the_configured_directory(tmp_path):
         assert "worker_binary --port=" in log.readline()
 
 
+def _environment(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry]
+    return {key.decode(): value.decode() for key, value in pairs}
+
+
+@pytest.mark.parametrize("threads, expected", [(None, "1"), (3, "3"), (0, None)])
+def test_local_worker_runs_ops_on_the_configured_threads(threads, expected, monkeypatch):
+    """TensorFlow in the worker reads its intra-op pool size from TF_NUM_INTRAOP_THREADS;
+    0 leaves the worker's environment as the parent's (TensorFlow's default)."""
+    monkeypatch.delenv("TF_NUM_INTRAOP_THREADS", raising=False)
+    config = (
+        runtime.RuntimeConfig()
+        if threads is None
+        else runtime.RuntimeConfig(worker_intra_op_threads=threads)
+    )
+    with runtime.TffRuntime(config) as rt:
+        environment = _environment(rt.local_workers[0].process.pid)
+        assert _federated_sum([1.0, 2.0]) == 3.0
+    assert environment.get("TF_NUM_INTRAOP_THREADS") == expected
+
+
+@pytest.mark.parametrize("threads", [-1, 1.5, True])
+def test_worker_intra_op_threads_must_be_a_non_negative_integer(threads):
+    with pytest.raises(ValueError, match="worker_intra_op_threads must be"):
+        runtime.RuntimeConfig(worker_intra_op_threads=threads)
+
+
 def test_worker_logs_of_killed_runs_are_removed_by_the_next_run(tmp_path, monkeypatch):
     """A run killed by SIGKILL cannot remove its worker-log folder; the next run does,
     keeping folders of live runs, folders a failed worker's warning named, and

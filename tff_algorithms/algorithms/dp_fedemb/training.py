@@ -27,6 +27,7 @@ from tff_algorithms.config.job_config import TrainJobConfig
 from tff_algorithms.config.job_plan import schedule_for
 from tff_algorithms.federated import (
     client_data,
+    client_work,
     feature_cache,
     local_training,
     mechanisms,
@@ -95,14 +96,22 @@ def _build_process(
     server_optimizer = processes.server_optimizer(
         config.server_optimizer, config.server_learning_rate, config.server_momentum
     )
+    image_shape = config.image_shape
     shape_options = dict(
         backbone_seed=config.seed,
         max_reports=config.report_policy().max_reports,
         feature_cut=cut,
+        client_loader=client_work.ClientLoader(
+            (lambda vc_id: client_data.load_examples(vc_id, image_shape))
+            if cached is None
+            else cached.load_examples,
+            client_data.expected_examples,
+            client_data.seed_name,
+        ),
     )
     if global_head:
         vocabulary = local_training.training_identity_vocabulary(inputs.reader, inputs.user_ids)
-        base = processes.build_fedavg_process(
+        return processes.build_fedavg_process(
             config.backbone_config,
             client_config,
             vocabulary,
@@ -110,19 +119,8 @@ def _build_process(
             server_optimizer,
             **shape_options,
         )
-    else:
-        base = processes.build_fedemb_process(
-            config.backbone_config, client_config, aggregator, server_optimizer, **shape_options
-        )
-    image_shape = config.image_shape
-    return processes.compose_with_client_loader(
-        base,
-        (lambda vc_id: client_data.load_examples(vc_id, image_shape))
-        if cached is None
-        else cached.load_examples,
-        client_config,
-        client_data.expected_examples,
-        client_data.seed_name,
+    return processes.build_fedemb_process(
+        config.backbone_config, client_config, aggregator, server_optimizer, **shape_options
     )
 
 
