@@ -514,6 +514,7 @@ def test_pipeline_config_reaches_every_beam_job_tfx_component_and_the_tff_worker
     assert json.loads(private_train.exec_properties["runtime_config"]) == {
         "worker_addresses": ["10.0.0.5:8000", "10.0.0.6:8000"],
         "local_workers": 1,
+        "worker_intra_op_threads": 1,
         "worker_ca": "/tls/ca.pem",
         "worker_cert": "/tls/trainer.pem",
         "worker_key": "/tls/trainer.key",

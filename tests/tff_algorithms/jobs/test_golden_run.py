@@ -17,6 +17,14 @@ The privacy fields (epsilon, the history's epsilons, the analysis and the privac
 sentence) were updated by hand on 2026-11-27 when the default accountant for uniform
 sampling became the tight PLD analysis (docs/privacy.md, "Tight accounting of fixed-size
 sampling"): 42.46 (RDP) became 16.54 for the same run; nothing else in the record changed.
+
+The federated record was made again on 2026-11-30 when local TFF workers went to one
+thread per op (`runtime.RuntimeConfig.worker_intra_op_threads`): a kernel split over
+fewer threads sums in another order. Every float moved by at most 2.6e-6 absolute (a
+held-out embedding component) and 1.1e-6 relative (a variable's sum); the metrics, ε
+and counts did not move. With the workers' old setting (0: every core) the same code
+reproduced the old record within the tolerance. One thread per op also takes the
+core count out of the federated run's summation order.
 """
 
 import dataclasses
