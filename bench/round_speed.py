@@ -18,7 +18,8 @@ Rows:
 - `plain`: the default round as one plain TensorFlow program per core (no TFF, no
   per-client Python): each core's share of the round's virtual clients runs in one
   `tf.while_loop` over the same loader, client dataset and `LocalTrainer`, clipped and
-  summed in the graph; then the mean and the server step.
+  summed in the graph; then the mean and the server step. It runs in a child process
+  with the TFF worker's thread setting (one thread per op, `_PlainRound`).
 
 TFF rows alternate round by round after one warm-up round each (it traces), so load
 changes hit every row alike; figures are medians. Arithmetic: the profiled FLOPs of the
@@ -127,78 +128,127 @@ def _loader(config, partition_dir: str, work_dir: str):  # noqa: ANN001, ANN202
     return cached.load_examples, cached.partition_dir
 
 
-class _PlainRound:
-    """The default round as one plain TensorFlow program per core (module docstring)."""
+def _plain_share_function(config):  # noqa: ANN001, ANN202 - a TrainJobConfig -> tf.function
+    """One core's share of a plain round: its virtual clients in one `tf.while_loop`,
+    each trained by `LocalTrainer` on the same loader and client dataset as TFF's and
+    clipped, summed in the graph."""
+    import tensorflow as tf
 
-    def __init__(self, config, cores: int) -> None:  # noqa: ANN001 - a TrainJobConfig
-        import tensorflow as tf
+    from tff_algorithms.federated import client_data, client_work, local_training
+    from tff_algorithms.modeling import models
 
-        from tff_algorithms.federated import client_data, client_work, local_training
-        from tff_algorithms.modeling import models
+    client_config, shape = config.client_config(), config.image_shape
+    trainer = local_training.LocalTrainer(
+        lambda: models.build_backbone(config.backbone_config), client_config, None
+    )
+    train = tf.function(trainer.train)
 
-        client_config, shape = config.client_config(), config.image_shape
-        self._cores, self._m = cores, config.virtual_clients_per_round
-        self._lr = config.server_learning_rate
+    @tf.function(autograph=False)
+    def clipped_sum(weights, vc_ids, round_num):  # noqa: ANN001, ANN202
+        state = collections.OrderedDict(
+            round_num=round_num, head_seed=tf.constant(client_config.head_seed, tf.int64)
+        )
 
-        def share_function():  # noqa: ANN202 - one traced program per core
-            trainer = local_training.LocalTrainer(
-                lambda: models.build_backbone(config.backbone_config), client_config, None
+        def body(i, total):  # noqa: ANN001, ANN202
+            vc_id = vc_ids[i]
+            dataset = client_work.make_client_dataset(
+                client_data.load_examples(vc_id, shape),
+                client_data.seed_name(vc_id),
+                client_config,
+                client_data.expected_examples(vc_id),
             )
-            train = tf.function(trainer.train)
+            result, _ = train(weights, dataset, state)
+            clipped, _ = tf.clip_by_global_norm(result.update, config.clip_norm)
+            return i + 1, [t + c for t, c in zip(total, clipped)]
 
-            @tf.function(autograph=False)
-            def clipped_sum(weights, vc_ids, round_num):  # noqa: ANN001, ANN202
-                state = collections.OrderedDict(
-                    round_num=round_num, head_seed=tf.constant(client_config.head_seed, tf.int64)
+        zeros = [tf.zeros_like(w) for w in weights.trainable]
+        _, total = tf.while_loop(
+            lambda i, _: i < tf.size(vc_ids), body, (0, zeros), parallel_iterations=1
+        )
+        return total
+
+    return clipped_sum
+
+
+def _plain_child(connection, config, cores: int, intra_op_threads: int) -> None:  # noqa: ANN001
+    """The plain program's process: serves rounds until told to stop (None)."""
+    import tensorflow as tf
+    import tensorflow_federated as tff
+
+    if intra_op_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+    shares = [_plain_share_function(config) for _ in range(cores)]
+    pool = concurrent.futures.ThreadPoolExecutor(cores)
+    m, learning_rate = config.virtual_clients_per_round, config.server_learning_rate
+    try:
+        while (request := connection.recv()) is not None:
+            trainable, non_trainable, ids, round_num = request
+            weights = tff.learning.models.ModelWeights(
+                trainable=[tf.constant(t) for t in trainable],
+                non_trainable=[tf.constant(t) for t in non_trainable],
+            )
+            started = time.perf_counter()
+            parts = [ids[c::cores] for c in range(cores)]
+            round_tensor = tf.constant(round_num, tf.int64)
+            sums = list(
+                pool.map(
+                    lambda share, part, w=weights, r=round_tensor: share(w, tf.constant(part), r),
+                    shares,
+                    parts,
                 )
+            )
+            total = [tf.add_n(list(ts)) for ts in zip(*sums)]
+            # Server SGD on the mean of the planned M (TFF's update convention: initial - final).
+            new = [(w - learning_rate * t / m).numpy() for w, t in zip(weights.trainable, total)]
+            connection.send((new, time.perf_counter() - started))
+    finally:
+        pool.shutdown()
 
-                def body(i, total):  # noqa: ANN001, ANN202
-                    vc_id = vc_ids[i]
-                    dataset = client_work.make_client_dataset(
-                        client_data.load_examples(vc_id, shape),
-                        client_data.seed_name(vc_id),
-                        client_config,
-                        client_data.expected_examples(vc_id),
-                    )
-                    result, _ = train(weights, dataset, state)
-                    clipped, _ = tf.clip_by_global_norm(result.update, config.clip_norm)
-                    return i + 1, [t + c for t, c in zip(total, clipped)]
 
-                zeros = [tf.zeros_like(w) for w in weights.trainable]
-                _, total = tf.while_loop(
-                    lambda i, _: i < tf.size(vc_ids), body, (0, zeros), parallel_iterations=1
-                )
-                return total
+class _PlainRound:
+    """The default round as one plain TensorFlow program per core (module docstring).
 
-            return clipped_sum
+    It runs in a child process whose TensorFlow runs each op on `intra_op_threads`
+    threads (0: every core), the setting the TFF worker runs with
+    (`runtime.RuntimeConfig.worker_intra_op_threads`): the two then run the same kernels,
+    and the plain program measured faster with one thread per op than with every core
+    per op (BENCHMARKS.md). The parent keeps every core for the peak it measures.
+    """
 
-        self._shares = [share_function() for _ in range(cores)]
-        self._pool = concurrent.futures.ThreadPoolExecutor(cores)
+    def __init__(self, config, cores: int, intra_op_threads: int) -> None:  # noqa: ANN001
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._connection, child_end = context.Pipe()
+        self._child = context.Process(
+            target=_plain_child, args=(child_end, config, cores, intra_op_threads), daemon=True
+        )
+        self._child.start()
+        child_end.close()
 
     def round(self, weights, ids: list[str], round_num: int):  # noqa: ANN001, ANN201
-        """The next weights (a ModelWeights of tensors) and the round's seconds."""
-        import tensorflow as tf
+        """The next weights (a ModelWeights of arrays) and the round's seconds, timed in
+        the child (its pipe transfers are not counted against the plain program)."""
+        import numpy as np
         import tensorflow_federated as tff
 
-        started = time.perf_counter()
-        parts = [ids[c :: self._cores] for c in range(self._cores)]
-        round_tensor = tf.constant(round_num, tf.int64)
-        sums = list(
-            self._pool.map(
-                lambda args: args[0](weights, tf.constant(args[1]), round_tensor),
-                zip(self._shares, parts),
-            )
-        )
-        total = [tf.add_n(list(ts)) for ts in zip(*sums)]
-        # Server SGD on the mean of the planned M (TFF's update convention: initial - final).
-        trainable = [w - self._lr * t / self._m for w, t in zip(weights.trainable, total)]
-        new = tff.learning.models.ModelWeights(
-            trainable=[t.numpy() for t in trainable], non_trainable=list(weights.non_trainable)
-        )
-        return new, time.perf_counter() - started
+        trainable = [np.asarray(t) for t in weights.trainable]
+        non_trainable = [np.asarray(t) for t in weights.non_trainable]
+        self._connection.send((trainable, non_trainable, list(ids), round_num))
+        trainable, seconds = self._connection.recv()
+        return tff.learning.models.ModelWeights(
+            trainable=trainable, non_trainable=list(weights.non_trainable)
+        ), seconds
 
     def close(self) -> None:
-        self._pool.shutdown()
+        try:
+            self._connection.send(None)
+            self._child.join(timeout=60)
+        finally:
+            if self._child.is_alive():
+                self._child.kill()
+                self._child.join()
+            self._connection.close()
 
 
 def forward_flops(config, cached: bool, batch: int) -> int:  # noqa: ANN001
@@ -396,10 +446,11 @@ def measure(partition_dir: str, work_dir: str, size: dict, peak: float) -> dict:
             source, plan, partition.PartitionReader(source).user_ids()
         )
     cores = os.cpu_count() or 1
-    plain = _PlainRound(rows["default"], cores)
+    workers = runtime.RuntimeConfig()
+    plain = _PlainRound(rows["default"], cores, workers.worker_intra_op_threads)
     seconds: dict[str, list[float]] = {name: [] for name in (*_ROWS, "plain")}
     try:
-        with runtime.session(runtime.RuntimeConfig()):
+        with runtime.session(workers):
             states = {name: process.initialize() for name, process in processes.items()}
             plain_weights = states["default"].global_model_weights
             # Round 0 warms up (traces); the plain program's first round is checked
