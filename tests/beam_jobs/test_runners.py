@@ -528,6 +528,10 @@ def test_pipeline_config_reaches_every_beam_job_tfx_component_and_the_tff_worker
         ("pipeline.beam_args=[--direct_num_wokers=2]", "unknown Beam pipeline option"),
         ("pipeline.beam_args=[--runner=PortableRunner]", "PortableRunner needs --job_endpoint"),
         ("runtime.local_workers=0", "config runtime: local_workers must be >= 1"),
+        (
+            "runtime.worker_intra_op_threads=-1",
+            "config runtime: worker_intra_op_threads must be >= 0",
+        ),
     ],
 )
 def test_pipeline_config_refuses_bad_beam_args_and_workers(override, message):

@@ -155,6 +155,9 @@ def _federated_sum(values):
         ({"local_workers": 0}, "local_workers must be >= 1"),
         ({"local_workers": 2, "worker_addresses": ("h:1",)}, "exclude each other"),
         ({"worker_addresses": ("h:1", "h:1")}, "repeat"),
+        ({"worker_intra_op_threads": -1}, "worker_intra_op_threads must be >= 0"),
+        ({"worker_intra_op_threads": 1.5}, "worker_intra_op_threads must be an integer"),
+        ({"worker_intra_op_threads": True}, "worker_intra_op_threads must be an integer"),
     ],
 )
 def test_runtime_config_rejects_impossible_worker_settings(fields, message):
@@ -180,3 +183,24 @@ def test_train_command_rejects_workers_and_local_workers_together(tmp_path, caps
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and "exclude each other" in err[0]
+
+
+def test_train_command_rejects_negative_worker_threads(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    code = cli.main(
+        [
+            "dp-fedemb",
+            "train",
+            "--data",
+            str(tmp_path / "data"),
+            "--output",
+            str(tmp_path / "out"),
+            "--worker-intra-op-threads",
+            "-1",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and err == [
+        "dp-fedemb train: error: --worker-intra-op-threads must be >= 0, got -1"
+    ]
+    assert not (tmp_path / "out").exists()

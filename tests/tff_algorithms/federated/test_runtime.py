@@ -124,12 +124,6 @@ def test_local_worker_runs_ops_on_the_configured_threads(threads, expected, monk
     assert environment.get("TF_NUM_INTRAOP_THREADS") == expected
 
 
-@pytest.mark.parametrize("threads", [-1, 1.5, True])
-def test_worker_intra_op_threads_must_be_a_non_negative_integer(threads):
-    with pytest.raises(ValueError, match="worker_intra_op_threads must be"):
-        runtime.RuntimeConfig(worker_intra_op_threads=threads)
-
-
 def test_worker_logs_of_killed_runs_are_removed_by_the_next_run(tmp_path, monkeypatch):
     """A run killed by SIGKILL cannot remove its worker-log folder; the next run does,
     keeping folders of live runs, folders a failed worker's warning named, and
