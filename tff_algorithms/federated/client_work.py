@@ -42,8 +42,9 @@ Dropped virtual clients (stragglers and failures). A TFF simulation cannot lose 
 client the way a device fleet does, so failures are modelled inside the computation,
 and a dropped client returns an all-zero update and is counted, never stops the round:
 - a failed read: `make_client_dataset` skips elements whose reading raises
-  (`ignore_errors`; the loader must raise per element, see `ClientLoader`), and a client that yields fewer examples
-  than `expected_examples`, or none at all, is dropped (`failed_reads`);
+  (`ignore_errors`; the loader must raise per element, see `ClientLoader`), and a client
+  that yields fewer examples than `expected_examples`, or none at all, is dropped
+  (`failed_reads`);
 - a timeout: `max_local_steps` (deterministic) and `max_seconds` (wall clock, measured
   with `tf.timestamp` inside the client) bound the local work; a client that needs
   more is dropped (`timed_out_clients`);
