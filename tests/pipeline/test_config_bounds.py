@@ -10,7 +10,6 @@ instead of eating the machine.
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 
@@ -31,19 +30,26 @@ TIMEOUT_S = 240
 MAX_LINE_CHARS = 400
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES))
+# Sets the limit, then becomes the command: the limit is set after the exec, not in a
+# `preexec_fn`, which makes Python fork and run its after-fork hooks in the child. With
+# the session's TFF runtime's gRPC threads busy in this process, gRPC once printed a
+# "Kick failed" line into such a child's stderr.
+_LIMITED_EXEC = (
+    "import os, resource, sys; "
+    "resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]),) * 2); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
 def refused(*args: str) -> str:
     """Runs `dp-fedemb run --print-config ARGS` under the limits; asserts a non-zero
     exit and exactly one short stderr line, and returns it."""
     done = subprocess.run(
-        [CONSOLE_SCRIPT, "run", "--print-config", *args],
+        [sys.executable, "-c", _LIMITED_EXEC, str(ADDRESS_SPACE_BYTES)]
+        + [CONSOLE_SCRIPT, "run", "--print-config", *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
-        preexec_fn=_limit_memory,
     )
     assert done.returncode != 0, done.stdout[-2000:]
     assert done.stderr.count("\n") == 1, done.stderr[-3000:]
