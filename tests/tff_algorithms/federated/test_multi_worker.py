@@ -165,41 +165,25 @@ def test_runtime_config_rejects_impossible_worker_settings(fields, message):
         runtime.RuntimeConfig(**fields)
 
 
-def test_train_command_rejects_workers_and_local_workers_together(tmp_path, capsys):
+def _train_command_errors(tmp_path, capsys, *flags: str) -> tuple[int, list[str]]:
+    """`dp-fedemb train` on an empty data folder with `flags`: (exit code, stderr lines)."""
     (tmp_path / "data").mkdir()
     code = cli.main(
-        [
-            "dp-fedemb",
-            "train",
-            "--data",
-            str(tmp_path / "data"),
-            "--output",
-            str(tmp_path / "out"),
-            "--workers",
-            "127.0.0.1:1",
-            "--local-workers",
-            "2",
-        ]
+        ["dp-fedemb", "train", "--data", str(tmp_path / "data")]
+        + ["--output", str(tmp_path / "out"), *flags]
     )
-    err = capsys.readouterr().err.strip().splitlines()
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_train_command_rejects_workers_and_local_workers_together(tmp_path, capsys):
+    code, err = _train_command_errors(
+        tmp_path, capsys, "--workers", "127.0.0.1:1", "--local-workers", "2"
+    )
     assert code != 0 and len(err) == 1 and "exclude each other" in err[0]
 
 
 def test_train_command_rejects_negative_worker_threads(tmp_path, capsys):
-    (tmp_path / "data").mkdir()
-    code = cli.main(
-        [
-            "dp-fedemb",
-            "train",
-            "--data",
-            str(tmp_path / "data"),
-            "--output",
-            str(tmp_path / "out"),
-            "--worker-intra-op-threads",
-            "-1",
-        ]
-    )
-    err = capsys.readouterr().err.strip().splitlines()
+    code, err = _train_command_errors(tmp_path, capsys, "--worker-intra-op-threads", "-1")
     assert code != 0 and err == [
         "dp-fedemb train: error: --worker-intra-op-threads must be >= 0, got -1"
     ]
