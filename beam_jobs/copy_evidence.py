@@ -172,20 +172,26 @@ def shared_noise(
     return correlation, np.sqrt(sy / n), pixels
 
 
-def _bilinear(image: np.ndarray, rows: np.ndarray, columns: np.ndarray):
-    """image sampled at (rows[:, None], columns[None, :]) bilinearly, and where inside."""
-    height, width = image.shape
-    inside = ((rows >= 0) & (rows <= height - 1))[:, None] & (
+def _bilinear(images: np.ndarray, rows: np.ndarray, columns: np.ndarray):
+    """images [..., H, W] sampled at (rows[..., :, None], columns[..., None, :])
+    bilinearly, and where inside; leading axes are images sampled each at their own."""
+    height, width = images.shape[-2:]
+    inside = ((rows >= 0) & (rows <= height - 1))[..., :, None] & (
         (columns >= 0) & (columns <= width - 1)
-    )[None, :]
+    )[..., None, :]
     r = np.clip(rows, 0, height - 1)
     c = np.clip(columns, 0, width - 1)
     r0 = np.minimum(r.astype(np.intp), height - 2) if height > 1 else np.zeros_like(r, np.intp)
     c0 = np.minimum(c.astype(np.intp), width - 2) if width > 1 else np.zeros_like(c, np.intp)
-    wr, wc = (r - r0)[:, None], (c - c0)[None, :]
+    wr, wc = (r - r0)[..., :, None], (c - c0)[..., None, :]
     r1, c1 = np.minimum(r0 + 1, height - 1), np.minimum(c0 + 1, width - 1)
-    top = image[r0][:, c0] * (1 - wc) + image[r0][:, c1] * wc
-    bottom = image[r1][:, c0] * (1 - wc) + image[r1][:, c1] * wc
+
+    def at(rows_at: np.ndarray, columns_at: np.ndarray) -> np.ndarray:
+        picked = np.take_along_axis(images, rows_at[..., :, None], axis=-2)
+        return np.take_along_axis(picked, columns_at[..., None, :], axis=-1)
+
+    top = at(r0, c0) * (1 - wc) + at(r0, c1) * wc
+    bottom = at(r1, c0) * (1 - wc) + at(r1, c1) * wc
     return top * (1 - wr) + bottom * wr, inside
 
 
@@ -204,92 +210,174 @@ def whole_pixel_alignment(
     return (round(dx * width / t) * t / width, round(dy * height / t) * t / height, 1.0)
 
 
-def grey_map_spread(candidate: np.ndarray, reference: np.ndarray, dx: float, dy: float) -> float:
-    """RMS grey levels by which the candidate's pixels spread around a grey map of the
-    reference's, and the reference's around one of the candidate's (the larger), over
-    their overlap at whole-pixel shifts within one of the thumbnails' (dx, dy), at the
-    best shift and the better map: any function of the grey level (gamma), or a line
-    (brightness, contrast: two parameters, so it tells with the few pixels a copy
-    brightened until its paper clips leaves). Pixels clipped in either are left out (a
-    clip merges levels). inf between images of different sizes or with too few pixels."""
-    if candidate.shape[:2] != reference.shape[:2]:
-        return float("inf")
-    x, y = _grey(candidate), _grey(reference)
-    height, width = x.shape
+# Elements (pairs x pixels) computed at once by the pair-batched tests: bounded memory
+# whatever the image size, and parts enough to spread over near_duplicates.THREADS.
+_PART_ELEMENTS = 1 << 18
+
+
+def _parts_by_size(shapes: list[tuple]) -> list[np.ndarray]:
+    """Indices of pairs grouped by their images' sizes (`shapes`, one hashable key a
+    pair), each group cut into parts of about _PART_ELEMENTS pixels."""
+    groups: dict[tuple, list[int]] = {}
+    for i, key in enumerate(shapes):
+        groups.setdefault(key, []).append(i)
+    parts = []
+    for key, indices in groups.items():
+        pixels = max(int(np.prod(key[0][:2])), 1)
+        step = max(1, _PART_ELEMENTS // pixels)
+        parts.extend(
+            np.array(indices[start : start + step]) for start in range(0, len(indices), step)
+        )
+    return parts
+
+
+def grey_map_spread(
+    candidates: list[np.ndarray], references: list[np.ndarray], shifts: np.ndarray
+) -> np.ndarray:
+    """[P] RMS grey levels by which candidate i's pixels spread around a grey map of
+    reference i's, and the reference's around one of the candidate's (the larger), over
+    their overlap at whole-pixel shifts within one of the thumbnails' (shifts[i] = dx,
+    dy), at the best shift and the better map: any function of the grey level (gamma),
+    or a line (brightness, contrast: two parameters, so it tells with the few pixels a
+    copy brightened until its paper clips leaves). Pixels clipped in either are left
+    out (a clip merges levels). inf between images of different sizes or with too few
+    pixels. Pairs of one size are computed together."""
+    spreads = np.full(len(candidates), np.inf)
+    x_grey = [_grey(c) for c in candidates]
+    y_grey = [_grey(r) for r in references]
+    same = [i for i in range(len(candidates)) if x_grey[i].shape == y_grey[i].shape]
+    shifts = np.asarray(shifts, dtype=np.float64)
+
+    def spread(part: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = np.stack([x_grey[i] for i in part])
+        y = np.stack([y_grey[i] for i in part])
+        return part, _best_grey_map_spread(x, y, shifts[part])
+
+    parts = [np.array(same)[p] for p in _parts_by_size([(x_grey[i].shape,) for i in same])]
+    for part, values in near_duplicates.parallel_map(spread, parts):
+        spreads[part] = values
+    return spreads
+
+
+def _best_grey_map_spread(x: np.ndarray, y: np.ndarray, shifts: np.ndarray) -> np.ndarray:
+    """`grey_map_spread` of uint8 images x, y [G, H, W] at their shifts [G, 2]. Each
+    shift's tested pixels are gathered flat, pair after pair in pixel order."""
+    count, height, width = x.shape
     t = near_duplicates.THUMBNAIL
-    centre_x, centre_y = round(dx * width / t), round(dy * height / t)
-    best = float("inf")
-    for shift_y in range(centre_y - 1, centre_y + 2):
-        for shift_x in range(centre_x - 1, centre_x + 2):
-            if abs(shift_x) >= width // 2 or abs(shift_y) >= height // 2:
-                continue
+    centre_x = np.round(shifts[:, 0] * width / t).astype(np.intp)
+    centre_y = np.round(shifts[:, 1] * height / t).astype(np.intp)
+    x_flat, y_flat = x.ravel(), y.ravel()
+    row = np.arange(height)[None, :, None]
+    column = np.arange(width)[None, None, :]
+    clear_x = (x > 1) & (x < 254)
+    best = np.full(count, np.inf)
+    for offset_y in (-1, 0, 1):
+        for offset_x in (-1, 0, 1):
+            shift_y, shift_x = centre_y + offset_y, centre_x + offset_x
+            tried = (np.abs(shift_x) < width // 2) & (np.abs(shift_y) < height // 2)
             # Candidate pixel (r, c) shows reference pixel (r + shift_y, c + shift_x).
-            a = x[
-                max(0, -shift_y) : height - max(0, shift_y),
-                max(0, -shift_x) : width - max(0, shift_x),
-            ]
-            b = y[
-                max(0, shift_y) : height + min(0, shift_y),
-                max(0, shift_x) : width + min(0, shift_x),
-            ]
-            kept = (a > 1) & (a < 254) & (b > 1) & (b < 254)
-            a, b = a[kept], b[kept]
-            for spread in (_spread_around_levels, _spread_around_line):
-                best = min(best, max(spread(a, b), spread(b, a)))
+            moved_row = row + shift_y[:, None, None]
+            moved_column = column + shift_x[:, None, None]
+            inside = (
+                (moved_row >= 0)
+                & (moved_row < height)
+                & (moved_column >= 0)
+                & (moved_column < width)
+                & tried[:, None, None]
+            )
+            positions = np.flatnonzero(inside & clear_x)
+            pair = positions // (height * width)
+            b = y_flat[positions + (shift_y * width + shift_x)[pair]]
+            kept = (b > 1) & (b < 254)
+            a, b, pair = x_flat[positions[kept]], b[kept], pair[kept]
+            one_way, other_way = _map_spreads(a, b, pair, count), _map_spreads(b, a, pair, count)
+            for measured, reverse in zip(one_way, other_way):
+                best = np.minimum(best, np.where(tried, np.maximum(measured, reverse), np.inf))
     return best
 
 
-def _spread_around_levels(values: np.ndarray, levels: np.ndarray) -> float:
-    """RMS of `values` around their mean per grey level of `levels` (uint8), with the
-    levels fitted taken out of the count; inf with fewer than _MIN_SAME_PIXELS left."""
-    count = np.bincount(levels, minlength=256).astype(np.float64)
-    total = np.bincount(levels, values.astype(np.float64), minlength=256)
-    squares = np.bincount(levels, values.astype(np.float64) ** 2, minlength=256)
-    freedom = len(values) - np.count_nonzero(count)
-    if freedom < _MIN_SAME_PIXELS:
-        return float("inf")
-    used = count > 0
-    within = squares.sum() - (total[used] ** 2 / count[used]).sum()
-    return float(np.sqrt(max(within, 0.0) / freedom))
+_LEVELS = np.arange(256, dtype=np.int64)
 
 
-def _spread_around_line(values: np.ndarray, levels: np.ndarray) -> float:
-    """RMS of `values` around their least-squares line in `levels`, two parameters out of
-    the count; inf with fewer than _MIN_LINE_PIXELS left."""
-    freedom = len(values) - 2
-    if freedom < _MIN_LINE_PIXELS:
-        return float("inf")
-    v, u = values.astype(np.float64), levels.astype(np.float64)
-    u_centred = u - u.mean()
-    slope = (u_centred * v).sum() / max((u_centred * u_centred).sum(), 1e-9)
-    residual = v - v.mean() - slope * u_centred
-    return float(np.sqrt((residual * residual).sum() / freedom))
+def _map_spreads(
+    values: np.ndarray, levels: np.ndarray, pair: np.ndarray, count: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """[count] RMS of each pair's `values` (uint8; `pair` says whose each pixel is)
+    around their mean per grey level of its `levels` (uint8), with the levels fitted
+    taken out of the count (inf with fewer than _MIN_SAME_PIXELS left); and [count] RMS
+    around their least-squares line in `levels`, two parameters out of the count (inf
+    with fewer than _MIN_LINE_PIXELS left). Both from sums per pair and level; sums of
+    grey levels are integers, kept exact."""
+    index = pair * 256 + levels
+    v = values.astype(np.int64)
+    size = count * 256
+    tally = np.bincount(index, minlength=size).reshape(count, 256)
+    total = np.bincount(index, v, minlength=size).reshape(count, 256).astype(np.int64)
+    squares = np.bincount(index, v * v, minlength=size).reshape(count, 256).astype(np.int64)
+    n = tally.sum(axis=1)
+    sum_vv = squares.sum(axis=1)
+
+    freedom = n - np.count_nonzero(tally, axis=1)
+    level_means = np.divide(
+        total.astype(np.float64) ** 2, tally, out=np.zeros(tally.shape), where=tally > 0
+    )
+    within = np.maximum(sum_vv - level_means.sum(axis=1), 0.0)
+    around_levels = np.where(
+        freedom >= _MIN_SAME_PIXELS, np.sqrt(within / np.maximum(freedom, 1)), np.inf
+    )
+
+    # The line's moments: within a level bin, the level is the bin's.
+    sum_u, sum_uu = tally @ _LEVELS, tally @ _LEVELS**2
+    sum_v, sum_uv = total.sum(axis=1), total @ _LEVELS
+    # n times the centred sums: integers, exact.
+    uu, vv, uv = n * sum_uu - sum_u**2, n * sum_vv - sum_v**2, n * sum_uv - sum_u * sum_v
+    explained = np.divide(uv.astype(np.float64) ** 2, uu, out=np.zeros(count), where=uu > 0)
+    residual = np.maximum(vv - explained, 0.0) / np.maximum(n, 1)
+    line_freedom = n - 2
+    around_line = np.where(
+        line_freedom >= _MIN_LINE_PIXELS,
+        np.sqrt(residual / np.maximum(line_freedom, 1)),
+        np.inf,
+    )
+    return around_levels, around_line
 
 
 def native_shared_noise(
-    candidate: np.ndarray, reference: np.ndarray, dx: float, dy: float, scale: float
-) -> tuple[float, float, float]:
-    """`shared_noise` at the candidate's own resolution: the reference's own pixels
-    sampled at the thumbnails' alignment (shift dx, dy and scale, in thumbnail pixels,
-    about the centre). A thumbnail averages a large image's noise away; here it is whole."""
-    x = _grey(candidate).astype(np.float32)
-    y = _grey(reference).astype(np.float32)
+    candidates: list[np.ndarray], references: list[np.ndarray], alignments: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`shared_noise` [P] at the candidates' own resolution: reference i's own pixels
+    sampled at the thumbnails' alignment alignments[i] (shift dx, dy and scale, in
+    thumbnail pixels, about the centre). A thumbnail averages a large image's noise away;
+    here it is whole. Pairs of one pair of sizes are computed together."""
+    measured = np.zeros((3, len(candidates)), dtype=np.float32)
+    x_grey = [_grey(c) for c in candidates]
+    y_grey = [_grey(r) for r in references]
+    # float32 as the thumbnails' alignment is measured (near_duplicates.verify).
+    alignments = np.asarray(alignments, dtype=np.float32).reshape(-1, 3)
     t = near_duplicates.THUMBNAIL
     centre = (t - 1) / 2
 
-    def coordinates(size_x: int, size_y: int, shift: float) -> np.ndarray:
+    def coordinates(size_x: int, size_y: int, shift: np.ndarray, scale: np.ndarray):
         # candidate pixel -> thumbnail -> aligned reference thumbnail -> reference pixel
         u = (np.arange(size_x, dtype=np.float32) + 0.5) * t / size_x - 0.5
-        v = centre + scale * (u - centre) + shift
+        v = centre + scale[:, None] * (u - centre) + shift[:, None]
         return (v + 0.5) * size_y / t - 0.5
 
-    rows = coordinates(x.shape[0], y.shape[0], dy)
-    columns = coordinates(x.shape[1], y.shape[1], dx)
-    aligned, valid = _bilinear(y, rows, columns)
-    # Measures at this resolution: blurs in thumbnail pixels scale with the image.
-    factor = x.shape[0] / t
-    correlation, level, pixels = shared_noise(x[None], aligned[None], valid[None], factor)
-    return float(correlation[0]), float(level[0]), float(pixels[0])
+    def tested(part: np.ndarray) -> tuple[np.ndarray, tuple]:
+        x = np.stack([x_grey[i] for i in part]).astype(np.float32)
+        y = np.stack([y_grey[i] for i in part]).astype(np.float32)
+        dx, dy, scale = alignments[part].T
+        rows = coordinates(x.shape[1], y.shape[1], dy, scale)
+        columns = coordinates(x.shape[2], y.shape[2], dx, scale)
+        aligned, valid = _bilinear(y, rows, columns)
+        # Measures at this resolution: blurs in thumbnail pixels scale with the image.
+        return part, shared_noise(x, aligned, valid, x.shape[1] / t)
+
+    shapes = [(x.shape, y.shape) for x, y in zip(x_grey, y_grey)]
+    for part, values in near_duplicates.parallel_map(tested, _parts_by_size(shapes)):
+        measured[:, part] = values
+    correlation, level, pixels = measured
+    return correlation, level, pixels
 
 
 def reencode_difference(

@@ -352,47 +352,90 @@ _SHARED, _NOT_SHARED = "shared", "not shared"
 _NO_NOISE, _FEW_PIXELS = "no noise", "few pixels"
 
 
-def _noise_test(
+def _noise_tests(
     measured: dict[str, np.ndarray],
-    i: int,
-    candidate: np.ndarray | None,
-    reference: np.ndarray | None,
+    candidates: list[np.ndarray | None],
+    references: list[np.ndarray | None],
     config: "DedupConfig",
-) -> str:
-    """Pair i's shared-noise test: at the images' own resolution when both carry their
-    pixels (a thumbnail averages a large image's noise away), else on the thumbnails.
-    At their own resolution both the thumbnails' alignment and, for images of one size,
-    the whole-pixel one (copy_evidence.whole_pixel_alignment) are tried: shared if
-    either shares, untestable if either cannot be tested. Writes the correlation it
-    used back into `measured` (the pair's report)."""
-    tested = [
-        (measured["shared_noise"][i], measured["reference_noise"][i], measured["noise_pixels"][i])
-    ]
-    if candidate is not None and reference is not None:
+) -> list[str | None]:
+    """Each aligned pair's shared-noise test (None for a pair not aligned): at the
+    images' own resolution when both carry their pixels (a thumbnail averages a large
+    image's noise away), else on the thumbnails. At their own resolution both the
+    thumbnails' alignment and, for images of one size, the whole-pixel one
+    (copy_evidence.whole_pixel_alignment) are tried: shared if either shares, untestable
+    if either cannot be tested. Writes the correlation each used back into `measured`
+    (the pair's report). Every pair's native tests are computed together."""
+    aligned = np.isfinite(measured["residual"])
+    tested = {
+        i: [
+            (
+                measured["shared_noise"][i],
+                measured["reference_noise"][i],
+                measured["noise_pixels"][i],
+            )
+        ]
+        for i in np.flatnonzero(aligned)
+    }
+    native: list[tuple[int, tuple[float, float, float]]] = []
+    for i in tested:
+        candidate, reference = candidates[i], references[i]
+        if candidate is None or reference is None:
+            continue
         alignment = (
             float(measured["dx"][i]),
             float(measured["dy"][i]),
             float(measured["scale"][i]),
         )
-        tested = [copy_evidence.native_shared_noise(candidate, reference, *alignment)]
+        tested[i] = []
+        native.append((i, alignment))
         whole = copy_evidence.whole_pixel_alignment(
             candidate.shape, reference.shape, *alignment[:2]
         )
         if whole is not None and whole != alignment:
-            tested.append(copy_evidence.native_shared_noise(candidate, reference, *whole))
-    outcomes = []
-    for correlation, level, pixels in tested:
-        if pixels < config.min_noise_pixels:
-            outcomes.append(_FEW_PIXELS)
-        elif level < config.min_reference_noise:
-            outcomes.append(_NO_NOISE)
-        else:
-            outcomes.append(_SHARED if correlation >= config.min_shared_noise else _NOT_SHARED)
-    measured["shared_noise"][i] = max(correlation for correlation, _, _ in tested)
-    for outcome in (_SHARED, _NO_NOISE, _FEW_PIXELS):
-        if outcome in outcomes:
-            return outcome
-    return _NOT_SHARED
+            native.append((i, whole))
+    if native:
+        results = copy_evidence.native_shared_noise(
+            [candidates[i] for i, _ in native],
+            [references[i] for i, _ in native],
+            np.array([alignment for _, alignment in native]),
+        )
+        for (i, _), values in zip(native, zip(*results)):
+            tested[i].append(values)
+    outcomes: list[str | None] = [None] * len(aligned)
+    for i, results in tested.items():
+        found = []
+        for correlation, level, pixels in results:
+            if pixels < config.min_noise_pixels:
+                found.append(_FEW_PIXELS)
+            elif level < config.min_reference_noise:
+                found.append(_NO_NOISE)
+            else:
+                found.append(_SHARED if correlation >= config.min_shared_noise else _NOT_SHARED)
+        measured["shared_noise"][i] = max(correlation for correlation, _, _ in results)
+        outcomes[i] = next(
+            (o for o in (_SHARED, _NO_NOISE, _FEW_PIXELS) if o in found), _NOT_SHARED
+        )
+    return outcomes
+
+
+def _same_pixels(
+    measured: dict[str, np.ndarray],
+    candidates: list[np.ndarray | None],
+    references: list[np.ndarray | None],
+    asked: list[int],
+) -> np.ndarray:
+    """[P] whether pair i (of `asked`, both images carrying their pixels) is the
+    reference's own pixels through a grey map (copy_evidence.grey_map_spread); False for
+    the pairs not asked."""
+    same = np.zeros(len(candidates), dtype=bool)
+    if asked:
+        spreads = copy_evidence.grey_map_spread(
+            [candidates[i] for i in asked],
+            [references[i] for i in asked],
+            np.stack([measured["dx"][asked], measured["dy"][asked]], axis=1),
+        )
+        same[asked] = spreads <= copy_evidence.SAME_PIXELS_TOLERANCE
+    return same
 
 
 def _copy_evidence(
@@ -414,34 +457,42 @@ def _copy_evidence(
     (`predicted_pixels`) makes it a copy. A lossless pair that passed by shared noise or
     the shape alone with a residual over max_residual (by the detail allowance) is a
     look-alike after all when a filter of the reference leaves more than MAX_UNEXPLAINED
-    of it (copy_prediction). Else it is a look-alike, kept."""
+    of it (copy_prediction). Else it is a look-alike, kept. The pixel tests of all the
+    pairs run together (copy_evidence's pair-batched functions)."""
     shape = (
         measured["residual"]
         <= config.max_residual + config.residual_per_detail * (measured["detail"])
     )
+    candidates = [candidate_native[row] for row in pairs[:, 0]]
+    references = [reference_native[row] for row in pairs[:, 1]]
+    noise = _noise_tests(measured, candidates, references, config)
+    # The reference's own pixels through a grey map: a copy whatever its shape or flat
+    # pixels (a shifted or clipped copy of a frame-filling image).
+    same_pixels = _same_pixels(
+        measured,
+        candidates,
+        references,
+        [
+            i
+            for i, outcome in enumerate(noise)
+            if outcome not in (None, _SHARED)
+            and candidates[i] is not None
+            and references[i] is not None
+        ],
+    )
     evidence = []
     for i in range(len(pairs)):
-        candidate, reference = candidate_native[pairs[i, 0]], reference_native[pairs[i, 1]]
-        if not np.isfinite(measured["residual"][i]):
+        candidate, reference = candidates[i], references[i]
+        if noise[i] is None:
             evidence.append(None)
             continue
-        noise = _noise_test(measured, i, candidate, reference, config)
-        if noise == _SHARED:
+        if noise[i] == _SHARED:
             evidence.append("shared_noise")
-        elif (
-            candidate is not None
-            and reference is not None
-            and copy_evidence.grey_map_spread(
-                candidate, reference, float(measured["dx"][i]), float(measured["dy"][i])
-            )
-            <= copy_evidence.SAME_PIXELS_TOLERANCE
-        ):
-            # The reference's own pixels through a grey map: a copy whatever its shape
-            # or flat pixels (a shifted or clipped copy of a frame-filling image).
+        elif same_pixels[i]:
             evidence.append("same_pixels")
         elif not shape[i]:
             evidence.append(None)
-        elif noise in (_NO_NOISE, _FEW_PIXELS):
+        elif noise[i] in (_NO_NOISE, _FEW_PIXELS):
             # No floor without the detail allowance here: it lost resized photo copies
             # (busy, few flat pixels; BENCHMARKS.md, "Same pixels"); the prediction check
             # below asks the allowance's question instead.

@@ -19,6 +19,7 @@ identities, which the split modes `identity` and `held_out_images` are for
 """
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator
 
@@ -169,10 +170,21 @@ def _random_part(rng: np.random.Generator, channels: int) -> _Part:
     )
 
 
-def identity_parts(config: SyntheticConfig, identity_index: int) -> list[_Part]:
+# An identity's images are rendered one after another: its structure is drawn once.
+@functools.lru_cache(maxsize=256)
+def identity_parts(config: SyntheticConfig, identity_index: int) -> tuple[_Part, ...]:
     """The identity's structure: 4 to 7 parts, fixed by (seed, identity)."""
     rng = np.random.default_rng([config.seed, _STRUCTURE_STREAM, identity_index])
-    return [_random_part(rng, config.channels) for _ in range(rng.integers(4, 8))]
+    return tuple(_random_part(rng, config.channels) for _ in range(rng.integers(4, 8)))
+
+
+@functools.lru_cache(maxsize=8)
+def _pixel_grid(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pixel centres of a size x size image in [-1, 1] (x, y), read-only."""
+    grid = (np.arange(size) + 0.5) / size * 2.0 - 1.0
+    gx, gy = np.meshgrid(grid, grid)
+    gx.flags.writeable = gy.flags.writeable = False
+    return gx, gy
 
 
 def _signed_distance(part: _Part, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -200,8 +212,7 @@ def render_image(config: SyntheticConfig, identity_index: int, image_index: int)
     angle = rng.uniform(-0.5, 0.5)  # about +-29 degrees
     scale = rng.uniform(0.8, 1.15)
     shift = rng.uniform(-0.15, 0.15, size=2)
-    grid = (np.arange(size) + 0.5) / size * 2.0 - 1.0
-    gx, gy = np.meshgrid(grid, grid)
+    gx, gy = _pixel_grid(size)
     px, py = (gx - shift[0]) / scale, (gy - shift[1]) / scale
     cos, sin = np.cos(angle), np.sin(angle)
     x, y = cos * px + sin * py, -sin * px + cos * py
@@ -370,11 +381,14 @@ def write_image_folder(out_dir: str, config: SyntheticConfig) -> dict:
                 f"output directory {out_dir} holds {shown}, which this synth run would not "
                 "write; give an empty directory (or the same settings to continue a run)"
             )
+    made = set()
     for path, identity_index, image_index in images:
         final = os.path.join(out_dir, path)
         if os.path.isfile(final):
             continue
-        os.makedirs(os.path.dirname(final), exist_ok=True)
+        if os.path.dirname(final) not in made:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            made.add(os.path.dirname(final))
         pixels = render_image(config, identity_index, image_index)
         with open(final + _TEMPORARY_SUFFIX, "wb") as f:
             f.write(schema.encode_png(pixels))

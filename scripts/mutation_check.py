@@ -387,8 +387,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dedup-shared-noise",
         "beam_jobs/dedup_batches.py",
-        "outcomes.append(_SHARED if correlation >= config.min_shared_noise else _NOT_SHARED)",
-        "outcomes.append(_SHARED)",
+        "found.append(_SHARED if correlation >= config.min_shared_noise else _NOT_SHARED)",
+        "found.append(_SHARED)",
         (_ALIGNED_LOOKALIKE,),
     ),
     # A copy taken for a look-alike: the whole-pixel alignment of clipped copies.
@@ -404,8 +404,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dedup-same-pixels-skipped",
         "beam_jobs/dedup_batches.py",
-        "candidate is not None\n            and reference is not None\n            and copy_evidence.grey_map_spread(",
-        "False\n            and reference is not None\n            and copy_evidence.grey_map_spread(",
+        "elif same_pixels[i]:",
+        "elif False:",
         (_SHIFTED_FRAME_FILLING_COPY,),
     ),
     Mutant(

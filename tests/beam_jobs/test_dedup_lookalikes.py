@@ -103,8 +103,9 @@ def test_shared_noise_tells_a_copy_from_an_independent_render():
     original, other = _noisy_square(0), _noisy_square(1)
     half = np.asarray(Image.fromarray(original).resize((14, 14), Image.BICUBIC))
     resized = np.asarray(Image.fromarray(half).resize((28, 28), Image.BICUBIC))
-    copy, _, copy_pixels = copy_evidence.native_shared_noise(resized, original, 0.0, 0.0, 1.0)
-    alike, level, pixels = copy_evidence.native_shared_noise(other, original, 0.0, 0.0, 1.0)
+    (copy, alike), (_, level), (copy_pixels, pixels) = copy_evidence.native_shared_noise(
+        [resized, other], [original, original], np.array([[0.0, 0.0, 1.0]] * 2)
+    )
     # A sharp-edged square leaks a little structure into the band: well under the limit.
     assert (
         copy >= copy_evidence.MIN_SHARED_NOISE
