@@ -29,7 +29,9 @@ around each threshold and selects it exactly.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -364,25 +366,67 @@ def _bootstrap_one(
     impostors, impostor_codes = impostors[order], impostor_codes[order]
 
     recalls = np.empty((len(weights), len(fars)))
-    for r, w in enumerate(weights):
-        impostor_mass = np.cumsum(w[impostor_codes[:, 0]] * w[impostor_codes[:, 1]])
-        genuine_mass = np.cumsum(w[genuine_codes])
-        for f, far in enumerate(fars):
-            allowed = np.floor(far * total_impostor[r])
-            index = int(np.searchsorted(impostor_mass, allowed, side="right"))
-            if index < len(impostors):
-                threshold = impostors[index]
-            elif keep_far >= 1.0:
-                threshold = -np.inf
-            else:
-                raise _KeptTooFewImpostors
-            rejected = int(np.searchsorted(genuine, threshold, side="right"))
-            below = genuine_mass[rejected - 1] if rejected else 0.0
-            # No genuine pair drawn (every multi-image identity missed): no recall.
-            recalls[r, f] = (
-                (genuine_mass[-1] - below) / genuine_mass[-1] if genuine_mass[-1] else np.nan
-            )
+
+    def resampled(rows: range) -> None:
+        for r in rows:
+            w = weights[r]
+            allowed = np.floor(np.asarray(fars) * total_impostor[r])
+            crossings = _mass_crossings(impostor_codes, w, allowed)
+            genuine_mass = np.cumsum(w[genuine_codes])
+            for f in range(len(fars)):
+                index = crossings[f]
+                if index < len(impostors):
+                    threshold = impostors[index]
+                elif keep_far >= 1.0:
+                    threshold = -np.inf
+                else:
+                    raise _KeptTooFewImpostors
+                rejected = int(np.searchsorted(genuine, threshold, side="right"))
+                below = genuine_mass[rejected - 1] if rejected else 0.0
+                # No genuine pair drawn (every multi-image identity missed): no recall.
+                recalls[r, f] = (
+                    (genuine_mass[-1] - below) / genuine_mass[-1] if genuine_mass[-1] else np.nan
+                )
+
+    # Resamples are independent and numpy leaves the GIL in their array work: one
+    # range of them per core.
+    threads = max(1, min(len(os.sched_getaffinity(0)), len(weights)))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for done in [pool.submit(resampled, rows) for rows in _ranges(len(weights), threads)]:
+            done.result()
     return recalls
+
+
+def _ranges(count: int, parts: int) -> list[range]:
+    bounds = np.linspace(0, count, parts + 1).astype(int)
+    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+# Impostors weighed per step of `_mass_crossings`: the scan stops at the largest FAR's
+# threshold, a quarter of the kept impostors on average (keep_far is 4 x the largest FAR).
+_MASS_CHUNK = 1 << 15
+
+
+def _mass_crossings(
+    impostor_codes: np.ndarray, weights: np.ndarray, allowed: np.ndarray
+) -> list[int]:
+    """Per allowance: how many impostors (most similar first, identity codes [M, 2]) have
+    a cumulative resample weight of at most it, i.e. searchsorted(cumulative weight,
+    allowed, "right"). The weights are draw counts, so every partial sum is an integer
+    and summing chunk by chunk gives exactly the whole cumulative sum's values."""
+    crossings = [len(impostor_codes)] * len(allowed)
+    pending = list(range(len(allowed)))
+    before = 0.0
+    for start in range(0, len(impostor_codes), _MASS_CHUNK):
+        codes = impostor_codes[start : start + _MASS_CHUNK]
+        mass = before + np.cumsum(weights[codes[:, 0]] * weights[codes[:, 1]])
+        for f in [f for f in pending if mass[-1] > allowed[f]]:
+            crossings[f] = start + int(np.searchsorted(mass, allowed[f], side="right"))
+            pending.remove(f)
+        if not pending:
+            break
+        before = mass[-1]
+    return crossings
 
 
 def percentile_interval(samples: np.ndarray, confidence: float = 0.95) -> tuple[float, float]:

@@ -132,7 +132,10 @@ def test_degenerate_inputs_are_rejected():
 
 
 @pytest.mark.parametrize("quantize", [False, True])
-def test_bootstrap_resamples_equal_weighted_brute_force(quantize):
+@pytest.mark.parametrize("mass_chunk", [None, 5])
+def test_bootstrap_resamples_equal_weighted_brute_force(quantize, mass_chunk, monkeypatch):
+    if mass_chunk:  # the impostors' weight summed in many chunks, as on large test splits
+        monkeypatch.setattr(metrics, "_MASS_CHUNK", mass_chunk)
     rng = np.random.default_rng(4)
     embeddings, labels = _clustered(rng, identities=15, per_identity=4, dim=6, spread=0.9)
     if quantize:  # many ties, exactly: unit vectors of +-0.5 have similarities k/4
