@@ -129,3 +129,24 @@ def test_output_artifacts_are_unique_per_type_and_key():
         for key, channel in node.outputs.items():
             owner = seen.setdefault((channel.type_name, key), node.id)
             assert owner == node.id, f"{owner} and {node.id} both output {key}"
+
+
+def test_tfx_beam_components_are_told_where_the_direct_runners_code_is():
+    """TFX's StatisticsGen packages TFX for Beam's workers unless the arguments say where
+    their code comes from; the DirectRunner never reads that package (definition.py)."""
+    from tfx.utils import dependency_utils
+
+    direct = definition.tfx_beam_args(config_lib.load_config())
+    assert direct[-1] == f"--sdk_container_image={config_lib.IMAGE}"
+    # TFX then adds no package of its own (it would build an sdist and name it here).
+    assert dependency_utils.make_beam_dependency_flags(direct) == direct
+    own_image = ["--runner=DirectRunner", "--sdk_container_image=registry.example/beam:1"]
+    dataflow = [
+        "--runner=DataflowRunner",
+        "--project=p",
+        "--region=europe-west1",
+        "--temp_location=gs://bucket/tmp",
+    ]
+    for given in (own_image, dataflow):
+        config = config_lib.load_config(overrides=[f"pipeline.beam_args=[{', '.join(given)}]"])
+        assert definition.tfx_beam_args(config) == given
