@@ -506,9 +506,13 @@ def test_pipeline_config_reaches_every_beam_job_tfx_component_and_the_tff_worker
         definition.PARTITION: beam_args,
         definition.PRETRAIN: beam_args,
     }
-    # TFX's own Beam components (StatisticsGen, ...) take the pipeline-level args.
+    # TFX's own Beam components (StatisticsGen, ...) take the pipeline-level args, and on
+    # the DirectRunner the pipeline's image as their SDK container (definition.tfx_beam_args).
     pipeline = definition.build_pipeline(config, root="/tmp/unused-root")
-    assert pipeline.beam_pipeline_args == beam_args
+    assert pipeline.beam_pipeline_args == [
+        *beam_args,
+        f"--sdk_container_image={config_lib.IMAGE}",
+    ]
     # Private training connects to the configured TFF workers (tests/tff_algorithms/federated/test_multi_worker.py).
     private_train = next(c for c in components if c.id == definition.PRIVATE_TRAIN)
     assert json.loads(private_train.exec_properties["runtime_config"]) == {
