@@ -243,8 +243,7 @@ def grey_map_spread(
     out (a clip merges levels). inf between images of different sizes or with too few
     pixels. Pairs of one size are computed together."""
     spreads = np.full(len(candidates), np.inf)
-    x_grey = [_grey(c) for c in candidates]
-    y_grey = [_grey(r) for r in references]
+    x_grey, y_grey = _greys(candidates), _greys(references)
     same = [i for i in range(len(candidates)) if x_grey[i].shape == y_grey[i].shape]
     shifts = np.asarray(shifts, dtype=np.float64)
 
@@ -350,8 +349,7 @@ def native_shared_noise(
     thumbnail pixels, about the centre). A thumbnail averages a large image's noise away;
     here it is whole. Pairs of one pair of sizes are computed together."""
     measured = np.zeros((3, len(candidates)), dtype=np.float32)
-    x_grey = [_grey(c) for c in candidates]
-    y_grey = [_grey(r) for r in references]
+    x_grey, y_grey = _greys(candidates), _greys(references)
     # float32 as the thumbnails' alignment is measured (near_duplicates.verify).
     alignments = np.asarray(alignments, dtype=np.float32).reshape(-1, 3)
     t = near_duplicates.THUMBNAIL
@@ -430,6 +428,19 @@ def _untouched(size: int, shift: int, block: int) -> np.ndarray:
     rolled = (index >= size - shift) if shift > 0 else (index < -shift)
     blocks = index // block
     return ~np.isin(blocks, blocks[rolled])
+
+
+def _greys(images: list[np.ndarray]) -> list[np.ndarray]:
+    """`_grey` of each image, converting each distinct image (object) once: an image
+    is in several pairs (its references, both alignments), and a colour one's grey is
+    a new array."""
+    converted: dict[int, np.ndarray] = {}
+    greys = []
+    for image in images:
+        if id(image) not in converted:
+            converted[id(image)] = _grey(image)
+        greys.append(converted[id(image)])
+    return greys
 
 
 def _grey(pixels: np.ndarray) -> np.ndarray:
