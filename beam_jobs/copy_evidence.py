@@ -308,7 +308,8 @@ def _map_spreads(
     with fewer than _MIN_LINE_PIXELS left). Both from sums per pair and level; sums of
     grey levels are integers, kept exact."""
     index = pair * 256 + levels
-    v = values.astype(np.int64)
+    # float64 weights (bincount's fast path); the sums stay exact integers below 2^53.
+    v = values.astype(np.float64)
     size = count * 256
     tally = np.bincount(index, minlength=size).reshape(count, 256)
     total = np.bincount(index, v, minlength=size).reshape(count, 256).astype(np.int64)
