@@ -367,7 +367,7 @@ def _bootstrap_one(
 
     recalls = np.empty((len(weights), len(fars)))
 
-    def resampled(rows: range) -> None:
+    def resampled(rows: np.ndarray) -> None:
         for r in rows:
             w = weights[r]
             allowed = np.floor(np.asarray(fars) * total_impostor[r])
@@ -392,14 +392,10 @@ def _bootstrap_one(
     # range of them per core.
     threads = max(1, min(len(os.sched_getaffinity(0)), len(weights)))
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        for done in [pool.submit(resampled, rows) for rows in _ranges(len(weights), threads)]:
+        parts = np.array_split(np.arange(len(weights)), threads)
+        for done in [pool.submit(resampled, rows) for rows in parts]:
             done.result()
     return recalls
-
-
-def _ranges(count: int, parts: int) -> list[range]:
-    bounds = np.linspace(0, count, parts + 1).astype(int)
-    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 # Impostors weighed per step of `_mass_crossings`: the scan stops at the largest FAR's
