@@ -32,6 +32,10 @@ import numpy as np
 import tensorflow as tf
 from PIL import Image
 
+# Part of the schema's API (records hold PNG or JPEG bytes); defined apart so that image
+# writers need neither TensorFlow nor Beam.
+from beam_jobs.png_encoding import encode_png  # noqa: F401
+
 USER_ID_KEY = "user_id"
 IDENTITY_KEY = "identity"
 IMAGE_KEY = "image/encoded"
@@ -279,15 +283,6 @@ def decode_validated_image(image: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIX
             except Exception:  # noqa: BLE001 - TensorFlow's decoder decides below
                 pass
     return decode_image(image, max_pixels)
-
-
-def encode_png(pixels: np.ndarray) -> bytes:
-    """Encodes HxW or HxWx3 uint8 pixels as PNG."""
-    if pixels.dtype != np.uint8 or pixels.ndim not in (2, 3):
-        raise ValueError(f"expected uint8 HxW or HxWxC pixels, got {pixels.dtype} {pixels.shape}")
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def validate(record: CanonicalRecord, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> str:

@@ -55,6 +55,39 @@ def test_image_folder_layout_with_several_identities_per_user(tmp_path):
     assert sorted(os.listdir(tmp_path / "data" / "u0" / "id1")) == ["0.png", "1.png", "2.png"]
 
 
+def _folder(root) -> dict[str, bytes]:
+    return {
+        os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+        for d, _, names in os.walk(root)
+        for f in names
+    }
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_folder_written_by_several_processes_is_the_one_written_by_one(tmp_path, shared):
+    config = synthetic.SyntheticConfig(
+        identities=31,
+        images_per_identity=3,
+        identities_per_user=2,
+        users_sharing_identities=9 if shared else 0,
+        seed=4,
+    )
+    synthetic.write_image_folder(str(tmp_path / "one"), config, processes=1)
+    expected = _folder(tmp_path / "one")
+    assert len(expected) == config.images
+    synthetic.write_image_folder(str(tmp_path / "three"), config, processes=3)
+    assert _folder(tmp_path / "three") == expected
+    # An interrupted run: a missing image, a temporary left behind and a kept image are
+    # continued to the same folder.
+    first, second = sorted(expected)[:2]
+    os.remove(tmp_path / "three" / first)
+    open(str(tmp_path / "three" / second) + synthetic.TEMPORARY_SUFFIX, "wb").close()
+    kept = os.stat(tmp_path / "three" / second).st_mtime_ns
+    synthetic.write_image_folder(str(tmp_path / "three"), config, processes=2)
+    assert _folder(tmp_path / "three") == {**expected, second + synthetic.TEMPORARY_SUFFIX: b""}
+    assert os.stat(tmp_path / "three" / second).st_mtime_ns == kept
+
+
 def test_beam_transform_equals_the_single_process_generator():
     config = synthetic.SyntheticConfig(identities=7, images_per_identity=2, seed=3)
     expected = [

@@ -6,6 +6,7 @@ the need (no traceback), nothing of the user's is lost, no temporary is left beh
 once space is freed the same command continues to the end.
 """
 
+import errno
 import json
 import os
 import subprocess
@@ -49,6 +50,19 @@ def test_synth_stopped_by_a_full_disk_continues_to_the_same_images(tmp_path):
             timeout=120,
         )
         assert done.returncode == 0, done.stderr
+        assert _files(out) == _files(expected)
+
+
+def test_a_full_disk_stops_the_writing_processes_with_the_disks_error(tmp_path):
+    expected = str(tmp_path / "expected")
+    synthetic.write_image_folder(expected, SYNTH, processes=1)
+    with small_fs.small_filesystem(str(tmp_path / "disk"), 120) as disk:
+        out = os.path.join(disk, "synth")
+        with pytest.raises(OSError) as raised:
+            synthetic.write_image_folder(out, SYNTH, processes=2)
+        assert raised.value.errno == errno.ENOSPC
+        small_fs.resize(disk, 8192)
+        synthetic.write_image_folder(out, SYNTH, processes=2)
         assert _files(out) == _files(expected)
 
 
