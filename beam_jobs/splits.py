@@ -5,7 +5,7 @@ docstring says what each mode does), docs/design.md section 3.
 
 `SplitRecords` groups the records by user (spilled to disk, `beam_jobs.spill`), assigns
 them by `config.mode`, drops and counts what the mode drops, and summarises each split;
-`run_split` reads and writes the records, resolves mode auto first (`resolve_mode`) and
+`run_split` reads and writes the records, resolves mode auto in the same pass and
 stops with `split_protocols.SplitRefused` when the split would drop more than
 `max_dropped_fraction` of the private records (after writing the summary, with the
 split's records removed).
@@ -307,27 +307,14 @@ def _shared_identities(records) -> beam.PCollection:
     )
 
 
-def resolve_mode(
-    input_dir: str, out_dir: str, config: split_protocols.SplitConfig, beam_args=None
-) -> str:
-    """The mode auto stands for on the records of INPUT_DIR: identity_and_user when no
-    identity is held by two users; otherwise SplitRefused naming the modes and the
-    records each would keep (counted by a second pass, only then). The counts are left
-    in OUT_DIR/MODE_CHECK_FILE."""
-    options = records_io.pipeline_options(beam_args)
+def _refuse_auto(
+    input_dir: str, out_dir: str, config: split_protocols.SplitConfig, kinds: dict, beam_args
+) -> None:
+    """Mode auto on records where some identity is held by two users: SplitRefused naming
+    the modes and the records each would keep (counted by a second pass, only then; the
+    counts are left in OUT_DIR/MODE_CHECK_FILE with the identities)."""
     check_path = os.path.join(out_dir, MODE_CHECK_FILE)
-    with beam.Pipeline(options=options) as pipeline:
-        records = pipeline | "Read" >> records_io.ReadRecords(input_dir)
-        _ = (
-            _shared_identities(records)
-            | "Check" >> beam.Map(lambda kinds: {"identities": kinds})
-            | "WriteCheck" >> records_io.WriteJson(check_path)
-        )
-    kinds = records_io.read_json(check_path)["identities"]
-    shared = kinds.get("shared", 0)
-    if not shared:
-        return split_protocols.IDENTITY_AND_USER
-    with beam.Pipeline(options=options) as pipeline:
+    with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
         records = pipeline | "Read" >> records_io.ReadRecords(input_dir)
         summaries = [
             records
@@ -362,6 +349,7 @@ def resolve_mode(
         f"{split_protocols.PROTOCOLS[mode].evaluation}"
         for mode in split_protocols.MODES
     )
+    shared = kinds["shared"]
     raise split_protocols.SplitRefused(
         f"split.mode auto: {shared:,} of {shared + kinds.get('own', 0):,} identities are held "
         f"by more than one user, so the evaluation protocol is yours to choose: set "
@@ -397,11 +385,13 @@ def run_split(
     evaluation_input_dir: str | None = None,
 ) -> dict:
     """Reads IN/records-* (and PUBLIC_IN/records-*, EVALUATION_IN/records-*), writes
-    OUT/<split>/records-* and OUT/split_summary.json. `public_input_dir` is given exactly
-    when `config.public_inputs` is set, `evaluation_input_dir` when
-    `config.evaluation_inputs` is. Mode auto is resolved first (`resolve_mode`); a split
-    dropping more than `config.max_dropped_fraction` of the private records raises
-    SplitRefused with its records removed and its summary kept."""
+        OUT/<split>/records-* and OUT/split_summary.json. `public_input_dir` is given exactly
+        when `config.public_inputs` is set, `evaluation_input_dir` when
+        `config.evaluation_inputs` is. Mode auto splits as identity_and_user unless some identity
+    is held by two users, which the same pass checks (then SplitRefused names the modes and
+    what each keeps, with the split removed: `_refuse_auto`); a split
+        dropping more than `config.max_dropped_fraction` of the private records raises
+        SplitRefused with its records removed and its summary kept."""
     if config.public_inputs != (public_input_dir is not None):
         raise ValueError(
             "run_split needs public_input_dir exactly when config.public_inputs is set"
@@ -411,13 +401,20 @@ def run_split(
             "run_split needs evaluation_input_dir exactly when config.evaluation_inputs is set"
         )
     requested = config.mode
+    check_path = os.path.join(out_dir, MODE_CHECK_FILE)
     if requested == split_protocols.AUTO:
-        config = dataclasses.replace(
-            config, mode=resolve_mode(input_dir, out_dir, config, beam_args)
-        )
+        # Split as identity_and_user, what auto stands for when no identity is held by
+        # two users, and check that in the same pass; the split is removed otherwise.
+        config = dataclasses.replace(config, mode=split_protocols.IDENTITY_AND_USER)
     summary_path = os.path.join(out_dir, SUMMARY_FILE)
     with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
         records = pipeline | "Read" >> records_io.ReadRecords(input_dir)
+        if requested == split_protocols.AUTO:
+            _ = (
+                _shared_identities(records)
+                | "Check" >> beam.Map(lambda kinds: {"identities": kinds})
+                | "WriteCheck" >> records_io.WriteJson(check_path)
+            )
         others = {"public_records": public_input_dir, "evaluation_records": evaluation_input_dir}
         if any(others.values()):
             records = {"records": records} | {
@@ -433,6 +430,13 @@ def run_split(
             | "Requested" >> beam.Map(lambda s: {**s, "requested_mode": requested})
             | "WriteSummary" >> records_io.WriteJson(summary_path)
         )
+    if requested == split_protocols.AUTO:
+        kinds = records_io.read_json(check_path)["identities"]
+        if kinds.get("shared", 0):
+            for name in config.splits:
+                records_io.remove_records(os.path.join(out_dir, name))
+            os.remove(summary_path)
+            _refuse_auto(input_dir, out_dir, config, kinds, beam_args)
     summary = records_io.read_json(summary_path)
     try:
         _refuse_drops(summary, config)
