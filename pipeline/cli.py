@@ -19,6 +19,7 @@ traceback. An unknown command, flag or enum value names the closest valid one.
 """
 
 import errno
+import gc
 import importlib
 import os
 import re
@@ -198,4 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    sys.exit(main())
+    code = main()
+    # The command is done: skip the interpreter's last cyclic collection over TensorFlow's,
+    # TFX's and Beam's heaps (2-4 s at the end of `dp-fedemb run`). atexit handlers still
+    # run, and so does every destructor that reference counting reaches.
+    gc.freeze()
+    sys.exit(code)
