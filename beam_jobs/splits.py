@@ -385,13 +385,13 @@ def run_split(
     evaluation_input_dir: str | None = None,
 ) -> dict:
     """Reads IN/records-* (and PUBLIC_IN/records-*, EVALUATION_IN/records-*), writes
-        OUT/<split>/records-* and OUT/split_summary.json. `public_input_dir` is given exactly
-        when `config.public_inputs` is set, `evaluation_input_dir` when
-        `config.evaluation_inputs` is. Mode auto splits as identity_and_user unless some identity
-    is held by two users, which the same pass checks (then SplitRefused names the modes and
-    what each keeps, with the split removed: `_refuse_auto`); a split
-        dropping more than `config.max_dropped_fraction` of the private records raises
-        SplitRefused with its records removed and its summary kept."""
+    OUT/<split>/records-* and OUT/split_summary.json. `public_input_dir` is given exactly
+    when `config.public_inputs` is set, `evaluation_input_dir` when
+    `config.evaluation_inputs` is. Mode auto splits as identity_and_user and checks in the
+    same pass that no identity is held by two users; if one is, the split is removed and
+    SplitRefused names the modes and what each keeps (`_refuse_auto`). A split dropping
+    more than `config.max_dropped_fraction` of the private records raises SplitRefused with
+    its records removed and its summary kept."""
     if config.public_inputs != (public_input_dir is not None):
         raise ValueError(
             "run_split needs public_input_dir exactly when config.public_inputs is set"
