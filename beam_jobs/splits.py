@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable
 
 import apache_beam as beam
+import tensorflow as tf
 from apache_beam.metrics import Metrics
 
 from beam_jobs import progress, records_io, schema, spill, split_protocols
@@ -433,9 +434,13 @@ def run_split(
     if requested == split_protocols.AUTO:
         kinds = records_io.read_json(check_path)["identities"]
         if kinds.get("shared", 0):
+            # Nothing of the provisional split stays: no records, summary or split folder.
             for name in config.splits:
-                records_io.remove_records(os.path.join(out_dir, name))
-            os.remove(summary_path)
+                folder = os.path.join(out_dir, name)
+                records_io.remove_records(folder)
+                if tf.io.gfile.isdir(folder) and not tf.io.gfile.listdir(folder):
+                    tf.io.gfile.rmtree(folder)
+            tf.io.gfile.remove(summary_path)
             _refuse_auto(input_dir, out_dir, config, kinds, beam_args)
     summary = records_io.read_json(summary_path)
     try:
