@@ -17,8 +17,16 @@ import os
 
 import tensorflow_data_validation as tfdv
 from apache_beam.options.pipeline_options import StandardOptions
-from tfx import v1 as tfx
-from tfx.types import standard_artifacts
+from tfx.components import ExampleValidator, Pusher, SchemaGen, StatisticsGen
+from tfx.dsl.components.common.importer import Importer
+from tfx.dsl.components.common.resolver import Resolver
+from tfx.dsl.input_resolution.strategies.latest_blessed_model_strategy import (
+    LatestBlessedModelStrategy,
+)
+from tfx.orchestration import metadata
+from tfx.orchestration.pipeline import Pipeline
+from tfx.proto import pusher_pb2
+from tfx.types import Channel, standard_artifacts
 
 from beam_jobs import records_io
 from pipeline import config as config_lib
@@ -87,14 +95,14 @@ def build_components(config: config_lib.PipelineConfig) -> list:
     # No top values or rank histograms: for user_id and identity they would list
     # training users' names (and SchemaGen would copy them into a string domain) in
     # published artifacts. Counts, presence and lengths are still computed.
-    statistics_gen = tfx.components.StatisticsGen(
+    statistics_gen = StatisticsGen(
         examples=example_gen.outputs["examples"],
         stats_options=tfdv.StatsOptions(num_top_values=0, num_rank_histogram_buckets=0),
     ).with_id(STATISTICS_GEN)
-    schema_gen = tfx.components.SchemaGen(
+    schema_gen = SchemaGen(
         statistics=statistics_gen.outputs["statistics"], infer_feature_shape=False
     ).with_id(SCHEMA_GEN)
-    example_validator = tfx.components.ExampleValidator(
+    example_validator = ExampleValidator(
         statistics=statistics_gen.outputs["statistics"], schema=schema_gen.outputs["schema"]
     ).with_id(EXAMPLE_VALIDATOR)
     dedup = data.DeduplicateSplits(
@@ -160,7 +168,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         components.append(private_pretrain)
         backbone = private_pretrain.outputs["backbone"]
     elif config.pretrain.source == "import":
-        importer = tfx.dsl.Importer(
+        importer = Importer(
             source_uri=os.path.abspath(config.pretrain.backbone_dir),
             artifact_type=standard_artifacts.Model,
         ).with_id(BACKBONE_IMPORTER)
@@ -178,10 +186,10 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         tensorboard_dir=tensorboard_dir(config),
         code_fingerprint=_code(training.PrivateTrain),
     ).with_id(PRIVATE_TRAIN)
-    baseline_resolver = tfx.dsl.Resolver(
-        strategy_class=tfx.dsl.experimental.LatestBlessedModelStrategy,
-        model=tfx.dsl.Channel(type=standard_artifacts.Model),
-        model_blessing=tfx.dsl.Channel(type=standard_artifacts.ModelBlessing),
+    baseline_resolver = Resolver(
+        strategy_class=LatestBlessedModelStrategy,
+        model=Channel(type=standard_artifacts.Model),
+        model_blessing=Channel(type=standard_artifacts.ModelBlessing),
     ).with_id(BASELINE_RESOLVER)
     evaluate = evaluation.EvaluateAndBless(
         model=private_train.outputs["model"],
@@ -196,11 +204,11 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         confidence=config.evaluate.confidence,
         code_fingerprint=_code(evaluation.EvaluateAndBless),
     ).with_id(EVALUATE)
-    pusher = tfx.components.Pusher(
+    pusher = Pusher(
         model=private_train.outputs["model"],
         model_blessing=evaluate.outputs["blessing"],
-        push_destination=tfx.proto.PushDestination(
-            filesystem=tfx.proto.PushDestination.Filesystem(
+        push_destination=pusher_pb2.PushDestination(
+            filesystem=pusher_pb2.PushDestination.Filesystem(
                 base_directory=os.path.abspath(config.serving_dir)
             )
         ),
@@ -221,13 +229,13 @@ def build_pipeline(
     config: config_lib.PipelineConfig,
     root: str | None = None,
     metadata_connection_config=None,
-) -> tfx.dsl.Pipeline:
+) -> Pipeline:
     """The pipeline; root and MLMD default to OUTPUT/pipeline_root and OUTPUT/metadata.sqlite.
 
     Compiled targets pass metadata_connection_config=None and their own root: the
     orchestrator there owns ML Metadata.
     """
-    return tfx.dsl.Pipeline(
+    return Pipeline(
         pipeline_name=config.pipeline.name,
         pipeline_root=root or pipeline_root(config),
         components=build_components(config),
@@ -264,4 +272,4 @@ def tfx_beam_args(config: config_lib.PipelineConfig) -> list[str]:
 
 
 def local_metadata_config(config: config_lib.PipelineConfig):
-    return tfx.orchestration.metadata.sqlite_metadata_connection_config(metadata_path(config))
+    return metadata.sqlite_metadata_connection_config(metadata_path(config))

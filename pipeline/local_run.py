@@ -26,8 +26,8 @@ from typing import TextIO
 
 from absl import logging as absl_logging
 from ml_metadata.metadata_store import metadata_store
-from tfx import v1 as tfx
 from tfx.orchestration import pipeline as tfx_pipeline
+from tfx.orchestration.local.local_dag_runner import LocalDagRunner
 
 from beam_jobs import progress as beam_progress
 from pipeline import config as config_lib
@@ -195,5 +195,5 @@ def run_pipeline(
             _progress_logging(ComponentProgress(node_ids, progress) if progress else None),
             beam_progress.lines_to(progress),
         ):
-            tfx.orchestration.LocalDagRunner().run(pipeline, run_options=run_options)
+            LocalDagRunner().run(pipeline, run_options=run_options)
         return summarize(config)

@@ -10,7 +10,8 @@ import os
 
 import tensorflow as tf
 from tensorflow_metadata.proto.v0 import anomalies_pb2
-from tfx import v1 as tfx
+from tfx.dsl.component.experimental.annotations import InputArtifact, OutputArtifact, Parameter
+from tfx.dsl.component.experimental.decorators import component
 from tfx.types import standard_artifacts
 
 from pipeline import console
@@ -19,20 +20,20 @@ from pipeline.components import artifacts, layout
 _STAGING = "_staging"
 
 
-@tfx.dsl.components.component
+@component
 def CanonicalExampleGen(
-    examples: tfx.dsl.components.OutputArtifact[standard_artifacts.Examples],
-    input_sources: tfx.dsl.components.Parameter[str],
-    public_input_sources: tfx.dsl.components.Parameter[str],
-    evaluation_input_sources: tfx.dsl.components.Parameter[str],
-    synthetic_config: tfx.dsl.components.Parameter[str],
-    synthetic_public_config: tfx.dsl.components.Parameter[str],
-    split_config: tfx.dsl.components.Parameter[str],
-    max_bad_fraction: tfx.dsl.components.Parameter[float],
-    identity_feature: tfx.dsl.components.Parameter[str],
-    max_image_pixels: tfx.dsl.components.Parameter[int],
-    beam_args: tfx.dsl.components.Parameter[str],
-    code_fingerprint: tfx.dsl.components.Parameter[str],
+    examples: OutputArtifact[standard_artifacts.Examples],
+    input_sources: Parameter[str],
+    public_input_sources: Parameter[str],
+    evaluation_input_sources: Parameter[str],
+    synthetic_config: Parameter[str],
+    synthetic_public_config: Parameter[str],
+    split_config: Parameter[str],
+    max_bad_fraction: Parameter[float],
+    identity_feature: Parameter[str],
+    max_image_pixels: Parameter[int],
+    beam_args: Parameter[str],
+    code_fingerprint: Parameter[str],
 ) -> None:
     """Ingests inputs into canonical records split by identity and user (Split-<name>).
 
@@ -130,15 +131,15 @@ def _anomalies_found(anomalies: standard_artifacts.ExampleAnomalies) -> list[str
     return sorted(found)
 
 
-@tfx.dsl.components.component
+@component
 def DeduplicateSplits(
-    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
-    anomalies: tfx.dsl.components.InputArtifact[standard_artifacts.ExampleAnomalies],
-    deduplicated_examples: tfx.dsl.components.OutputArtifact[standard_artifacts.Examples],
-    dedup_report: tfx.dsl.components.OutputArtifact[artifacts.DedupReport],
-    dedup_config: tfx.dsl.components.Parameter[str],
-    beam_args: tfx.dsl.components.Parameter[str],
-    code_fingerprint: tfx.dsl.components.Parameter[str],
+    examples: InputArtifact[standard_artifacts.Examples],
+    anomalies: InputArtifact[standard_artifacts.ExampleAnomalies],
+    deduplicated_examples: OutputArtifact[standard_artifacts.Examples],
+    dedup_report: OutputArtifact[artifacts.DedupReport],
+    dedup_config: Parameter[str],
+    beam_args: Parameter[str],
+    code_fingerprint: Parameter[str],
 ) -> None:
     """Removes train (and public) images equal or near to evaluation (and private) ones.
 
@@ -203,19 +204,19 @@ def DeduplicateSplits(
         )
 
 
-@tfx.dsl.components.component
+@component
 def PartitionVirtualClients(
-    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
-    partition: tfx.dsl.components.OutputArtifact[artifacts.VirtualClientPartition],
-    schedule_statistics: tfx.dsl.components.OutputArtifact[artifacts.ScheduleStatistics],
-    num_shards: tfx.dsl.components.Parameter[int],
-    users_per_virtual_client: tfx.dsl.components.Parameter[int],
-    virtual_clients_per_round: tfx.dsl.components.Parameter[str],
-    over_selection: tfx.dsl.components.Parameter[float],
-    rounds: tfx.dsl.components.Parameter[int],
-    schedule_mode: tfx.dsl.components.Parameter[str],
-    beam_args: tfx.dsl.components.Parameter[str],
-    code_fingerprint: tfx.dsl.components.Parameter[str],
+    examples: InputArtifact[standard_artifacts.Examples],
+    partition: OutputArtifact[artifacts.VirtualClientPartition],
+    schedule_statistics: OutputArtifact[artifacts.ScheduleStatistics],
+    num_shards: Parameter[int],
+    users_per_virtual_client: Parameter[int],
+    virtual_clients_per_round: Parameter[str],
+    over_selection: Parameter[float],
+    rounds: Parameter[int],
+    schedule_mode: Parameter[str],
+    beam_args: Parameter[str],
+    code_fingerprint: Parameter[str],
 ) -> None:
     """Shards the private train split by user and records the schedule's participation.
 

@@ -26,7 +26,8 @@ import os
 
 import tensorflow as tf
 from tfx import types
-from tfx import v1 as tfx
+from tfx.dsl.component.experimental.annotations import InputArtifact, OutputArtifact, Parameter
+from tfx.dsl.component.experimental.decorators import component
 from tfx.types import standard_artifacts
 
 from pipeline.components import artifacts, layout
@@ -91,21 +92,21 @@ def _blessing_decision(
     return reasons
 
 
-@tfx.dsl.components.component
+@component
 def EvaluateAndBless(
-    model: tfx.dsl.components.InputArtifact[standard_artifacts.Model],
-    privacy_ledger: tfx.dsl.components.InputArtifact[artifacts.PrivacyLedger],
-    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
-    evaluation: tfx.dsl.components.OutputArtifact[standard_artifacts.ModelEvaluation],
-    blessing: tfx.dsl.components.OutputArtifact[standard_artifacts.ModelBlessing],
-    privacy_budget_epsilon: tfx.dsl.components.Parameter[float],
-    gate_far: tfx.dsl.components.Parameter[float],
-    max_recall_regression: tfx.dsl.components.Parameter[float],
-    bootstrap_resamples: tfx.dsl.components.Parameter[int],
-    confidence: tfx.dsl.components.Parameter[float],
-    code_fingerprint: tfx.dsl.components.Parameter[str],
-    baseline_model: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
-    pretrained_backbone: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
+    model: InputArtifact[standard_artifacts.Model],
+    privacy_ledger: InputArtifact[artifacts.PrivacyLedger],
+    examples: InputArtifact[standard_artifacts.Examples],
+    evaluation: OutputArtifact[standard_artifacts.ModelEvaluation],
+    blessing: OutputArtifact[standard_artifacts.ModelBlessing],
+    privacy_budget_epsilon: Parameter[float],
+    gate_far: Parameter[float],
+    max_recall_regression: Parameter[float],
+    bootstrap_resamples: Parameter[int],
+    confidence: Parameter[float],
+    code_fingerprint: Parameter[str],
+    baseline_model: InputArtifact[standard_artifacts.Model] = None,
+    pretrained_backbone: InputArtifact[standard_artifacts.Model] = None,
 ) -> None:
     """Evaluates on the test split (what it holds depends on the split mode,
     beam_jobs.split_protocols.PROTOCOLS)."""

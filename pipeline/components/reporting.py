@@ -11,7 +11,8 @@ import os
 
 import tensorflow as tf
 from tfx import types
-from tfx import v1 as tfx
+from tfx.dsl.component.experimental.annotations import InputArtifact, OutputArtifact, Parameter
+from tfx.dsl.component.experimental.decorators import component
 from tfx.types import standard_artifacts
 
 from pipeline.components import artifacts, evaluation
@@ -25,16 +26,16 @@ def _read_json(artifact: types.Artifact, name: str) -> dict:
         return json.load(f)
 
 
-@tfx.dsl.components.component
+@component
 def RenderReport(
-    model_evaluation: tfx.dsl.components.InputArtifact[standard_artifacts.ModelEvaluation],
-    privacy_ledger: tfx.dsl.components.InputArtifact[artifacts.PrivacyLedger],
-    training_metrics: tfx.dsl.components.InputArtifact[artifacts.TrainingMetrics],
-    schedule_statistics: tfx.dsl.components.InputArtifact[artifacts.ScheduleStatistics],
-    dedup_report: tfx.dsl.components.InputArtifact[artifacts.DedupReport],
-    pushed_model: tfx.dsl.components.InputArtifact[standard_artifacts.PushedModel],
-    report: tfx.dsl.components.OutputArtifact[artifacts.PipelineReport],
-    code_fingerprint: tfx.dsl.components.Parameter[str],
+    model_evaluation: InputArtifact[standard_artifacts.ModelEvaluation],
+    privacy_ledger: InputArtifact[artifacts.PrivacyLedger],
+    training_metrics: InputArtifact[artifacts.TrainingMetrics],
+    schedule_statistics: InputArtifact[artifacts.ScheduleStatistics],
+    dedup_report: InputArtifact[artifacts.DedupReport],
+    pushed_model: InputArtifact[standard_artifacts.PushedModel],
+    report: OutputArtifact[artifacts.PipelineReport],
+    code_fingerprint: Parameter[str],
 ) -> None:
     """Renders index.html (privacy statement, outcome, accounting, utility, training
     history, data) and the model card."""

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import tensorflow as tf
 from tfx import types
-from tfx import v1 as tfx
+from tfx.dsl.component.experimental.annotations import InputArtifact, OutputArtifact, Parameter
+from tfx.dsl.component.experimental.decorators import component
 from tfx.types import standard_artifacts
 
 from pipeline import console
@@ -55,13 +56,13 @@ def _work_dir(output: types.Artifact, *keys: str) -> str:
     return os.path.join(component_root, ".work", key)
 
 
-def _tensorboard_run(tensorboard_dir: str, component: str, output: types.Artifact) -> str:
+def _tensorboard_run(tensorboard_dir: str, component_id: str, output: types.Artifact) -> str:
     # One TensorBoard run per execution: OUTPUT/tensorboard/<component>/execution-<id>.
-    return os.path.join(tensorboard_dir, component, f"execution-{os.path.basename(output.uri)}")
+    return os.path.join(tensorboard_dir, component_id, f"execution-{os.path.basename(output.uri)}")
 
 
 def _run_job(
-    component: str,
+    component_id: str,
     job_config: str,
     partition_dir: str,
     eval_records: str,
@@ -97,7 +98,7 @@ def _run_job(
         runtime_config=workers,
         budget=budget.BudgetPolicy(**json.loads(budget_policy)) if budget_policy else None,
         # Each round on the console as it ends (`dp-fedemb run`) or in the task's log.
-        progress=console.RoundProgress(config.rounds, label=component),
+        progress=console.RoundProgress(config.rounds, label=component_id),
         tensorboard_dir=tensorboard_dir,
         run_id=run_id,
         # Beside the work directories, not in them: a retry or another run whose job
@@ -139,18 +140,18 @@ def _set_budget_properties(privacy_ledger: types.Artifact, charge: dict | None) 
     privacy_ledger.set_int_custom_property(artifacts.BUDGET_OVERRIDDEN, int(charge["overridden"]))
 
 
-@tfx.dsl.components.component
+@component
 def PretrainBackbone(
-    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
-    backbone: tfx.dsl.components.OutputArtifact[standard_artifacts.Model],
+    examples: InputArtifact[standard_artifacts.Examples],
+    backbone: OutputArtifact[standard_artifacts.Model],
     # Not `training_metrics`: TFX's Airflow driver names an artifact "<output key>:<run id>"
     # and ML Metadata keeps (type, name) unique, so PrivateTrain's would collide with it.
-    backbone_metrics: tfx.dsl.components.OutputArtifact[artifacts.TrainingMetrics],
-    train_job_config: tfx.dsl.components.Parameter[str],
-    num_shards: tfx.dsl.components.Parameter[int],
-    beam_args: tfx.dsl.components.Parameter[str],
-    tensorboard_dir: tfx.dsl.components.Parameter[str],
-    code_fingerprint: tfx.dsl.components.Parameter[str],
+    backbone_metrics: OutputArtifact[artifacts.TrainingMetrics],
+    train_job_config: Parameter[str],
+    num_shards: Parameter[int],
+    beam_args: Parameter[str],
+    tensorboard_dir: Parameter[str],
+    code_fingerprint: Parameter[str],
 ) -> None:
     """Non-private (centralized) training on the public split only.
 
@@ -213,17 +214,17 @@ def _planned_run(run_id: str, job_config: str, users: int) -> tuple:
     return run_id, accounting_spec_for(config, users), release_plan_for(config)
 
 
-@tfx.dsl.components.component
+@component
 def PrivatePretrain(
-    partition: tfx.dsl.components.InputArtifact[artifacts.VirtualClientPartition],
-    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
-    backbone: tfx.dsl.components.OutputArtifact[standard_artifacts.Model],
-    backbone_metrics: tfx.dsl.components.OutputArtifact[artifacts.TrainingMetrics],
-    pretrain_job_config: tfx.dsl.components.Parameter[str],
-    train_job_config: tfx.dsl.components.Parameter[str],
-    budget_policy: tfx.dsl.components.Parameter[str],
-    tensorboard_dir: tfx.dsl.components.Parameter[str],
-    code_fingerprint: tfx.dsl.components.Parameter[str],
+    partition: InputArtifact[artifacts.VirtualClientPartition],
+    examples: InputArtifact[standard_artifacts.Examples],
+    backbone: OutputArtifact[standard_artifacts.Model],
+    backbone_metrics: OutputArtifact[artifacts.TrainingMetrics],
+    pretrain_job_config: Parameter[str],
+    train_job_config: Parameter[str],
+    budget_policy: Parameter[str],
+    tensorboard_dir: Parameter[str],
+    code_fingerprint: Parameter[str],
 ) -> None:
     """Logit-DP contrastive pretraining on the private training users (issue 26).
 
@@ -310,11 +311,11 @@ def check_published_schedule(job: dict, statistics: types.Artifact, training_use
         )
 
 
-@tfx.dsl.components.component
+@component
 def CheckTrainingSchedule(
-    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
-    train_job_config: tfx.dsl.components.Parameter[str],
-    code_fingerprint: tfx.dsl.components.Parameter[str],
+    examples: InputArtifact[standard_artifacts.Examples],
+    train_job_config: Parameter[str],
+    code_fingerprint: Parameter[str],
 ) -> None:
     """Stops the run in seconds, with one line naming the setting to change, when the
     training split cannot train (`local_heads.check_split_can_train`: a round its users
@@ -354,20 +355,20 @@ def _private_start(backbone: types.Artifact | None) -> _PrivateStart | None:
     return _PrivateStart(ledger, backbone.get_string_custom_property(RESERVED_TRAIN_RUN_ID))
 
 
-@tfx.dsl.components.component
+@component
 def PrivateTrain(
-    partition: tfx.dsl.components.InputArtifact[artifacts.VirtualClientPartition],
-    schedule_statistics: tfx.dsl.components.InputArtifact[artifacts.ScheduleStatistics],
-    examples: tfx.dsl.components.InputArtifact[standard_artifacts.Examples],
-    model: tfx.dsl.components.OutputArtifact[standard_artifacts.Model],
-    privacy_ledger: tfx.dsl.components.OutputArtifact[artifacts.PrivacyLedger],
-    training_metrics: tfx.dsl.components.OutputArtifact[artifacts.TrainingMetrics],
-    train_job_config: tfx.dsl.components.Parameter[str],
-    runtime_config: tfx.dsl.components.Parameter[str],
-    budget_policy: tfx.dsl.components.Parameter[str],
-    tensorboard_dir: tfx.dsl.components.Parameter[str],
-    code_fingerprint: tfx.dsl.components.Parameter[str],
-    pretrained_backbone: tfx.dsl.components.InputArtifact[standard_artifacts.Model] = None,
+    partition: InputArtifact[artifacts.VirtualClientPartition],
+    schedule_statistics: InputArtifact[artifacts.ScheduleStatistics],
+    examples: InputArtifact[standard_artifacts.Examples],
+    model: OutputArtifact[standard_artifacts.Model],
+    privacy_ledger: OutputArtifact[artifacts.PrivacyLedger],
+    training_metrics: OutputArtifact[artifacts.TrainingMetrics],
+    train_job_config: Parameter[str],
+    runtime_config: Parameter[str],
+    budget_policy: Parameter[str],
+    tensorboard_dir: Parameter[str],
+    code_fingerprint: Parameter[str],
+    pretrained_backbone: InputArtifact[standard_artifacts.Model] = None,
 ) -> None:
     """User-level DP training (DP-FedEmb, DP-FTRL-FedEmb or DP-FedAvg, by config).
 
