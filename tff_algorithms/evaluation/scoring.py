@@ -32,6 +32,8 @@ from tff_algorithms.evaluation import metrics
 from tff_algorithms.modeling import export, models
 
 _EMBED_BATCH = 256
+# `HeldOutEvaluator` keeps its images decoded in memory up to this size (float32).
+_DECODED_BYTES = 256 * 2**20
 # As ingest's default (`data.max_bad_fraction`).
 DEFAULT_MAX_BAD_FRACTION = 0.01
 _BAD_EXAMPLES = 10
@@ -130,7 +132,8 @@ def _users_and_identities(records: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 class HeldOutEvaluator:
-    """Exact recall@FAR of backbone weights on held-out records, streamed in batches.
+    """Exact recall@FAR of backbone weights on held-out records, in batches: decoded once
+    and kept in memory when they fit in `_DECODED_BYTES`, else streamed at every call.
 
     The Keras backbone is built per call: building TFF computations creates Keras
     models in graph mode, which invalidates eager Keras models made before them.
@@ -148,16 +151,20 @@ class HeldOutEvaluator:
         # module docstring), else None: `metrics.recall_at_far`'s `users`.
         self.pair_users = users if genuine_across_users(split_mode) else None
         self._backbone_config = backbone_config
-        self._images = encoded_images(records).map(
-            lambda _, encoded: export.decode_image(encoded, backbone_config.image_shape)
+        images = (
+            encoded_images(records)
+            .map(lambda _, encoded: export.decode_image(encoded, backbone_config.image_shape))
+            .batch(_EMBED_BATCH)
+        )
+        decoded_bytes = len(self.labels) * int(np.prod(backbone_config.image_shape)) * 4
+        self._batches = (
+            [batch.numpy() for batch in images] if decoded_bytes <= _DECODED_BYTES else images
         )
 
     def embeddings(self, weights: tff.learning.models.ModelWeights) -> np.ndarray:
         backbone = models.build_backbone(self._backbone_config)
         models.assign_backbone_weights(backbone, weights)
-        return np.concatenate(
-            [models.embed(backbone, batch).numpy() for batch in self._images.batch(_EMBED_BATCH)]
-        )
+        return np.concatenate([models.embed(backbone, batch).numpy() for batch in self._batches])
 
     def __call__(self, weights: tff.learning.models.ModelWeights) -> dict[str, Any]:
         result = metrics.recall_at_far(self.embeddings(weights), self.labels, users=self.pair_users)

@@ -4,6 +4,7 @@ genuine pairs across users in split mode held_out_images."""
 import dataclasses
 import os
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -38,6 +39,20 @@ def test_serving_evaluation_matches_training_evaluation(trained, data):
     for far, recall in trained.recall_at_far.items():
         assert result["recall_at_far"][far] == pytest.approx(recall, abs=1e-6)
     assert len(result["roc"]["far"]) == len(result["roc"]["recall"])
+
+
+def test_training_evaluation_decoded_once_scores_what_it_scores_streamed(
+    trained, data, monkeypatch
+):
+    weights = models.backbone_weights(
+        models.load_pretrained_backbone(support.SMALL_JOB.backbone_config, trained.saved_model_dir)
+    )
+    kept = evaluation.HeldOutEvaluator(support.SMALL_JOB.backbone_config, data[1])
+    monkeypatch.setattr(evaluation, "_DECODED_BYTES", 0)
+    streamed = evaluation.HeldOutEvaluator(support.SMALL_JOB.backbone_config, data[1])
+    assert isinstance(kept._batches, list) and not isinstance(streamed._batches, list)
+    np.testing.assert_array_equal(kept.embeddings(weights), streamed.embeddings(weights))
+    assert kept(weights) == streamed(weights)
 
 
 def test_a_model_compared_with_itself_differs_by_nothing(trained, data):
