@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import apache_beam as beam
 
 from beam_jobs import schema, synthetic_images
-from beam_jobs.synthetic_images import (  # noqa: F401 - PHOTO to user_holdings re-exported
+from beam_jobs.synthetic_images import (  # noqa: F401 - its public names re-exported
     PHOTO,
     SKETCH,
     STYLES,

@@ -92,9 +92,9 @@ class ClientSteps:
         ]
         # Batched, client k's filters are the k-th block of output channels (what grouped
         # convolution pairs with the k-th block of input channels), or the k-th row.
-        axis = -1 if kind == "default" else 0
+        self._client_axis = -1 if kind == "default" else 0
         sets = (
-            [list(map(np.concatenate, zip(*per_client), [axis] * len(shapes)))]
+            [[np.concatenate(ws, self._client_axis) for ws in zip(*per_client)]]
             if batched
             else per_client
         )
@@ -122,11 +122,8 @@ class ClientSteps:
         """Each client's weights now, in the layout of one client."""
         if not self.batched:
             return [[v.numpy() for v in variables] for variables in self.variables]
-        axis = -1 if self.kind == "default" else 0
-        return [
-            list(ws)
-            for ws in zip(*(np.split(v.numpy(), self.clients, axis) for v in self.variables[0]))
-        ]
+        blocks = [np.split(v.numpy(), self.clients, self._client_axis) for v in self.variables[0]]
+        return [list(ws) for ws in zip(*blocks)]
 
 
 def tf_gradient_tape():  # noqa: ANN201
