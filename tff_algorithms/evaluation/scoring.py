@@ -32,8 +32,6 @@ from tff_algorithms.evaluation import metrics
 from tff_algorithms.modeling import export, models
 
 _EMBED_BATCH = 256
-# `HeldOutEvaluator` keeps its images decoded in memory up to this size (float32).
-_DECODED_BYTES = 256 * 2**20
 # As ingest's default (`data.max_bad_fraction`).
 DEFAULT_MAX_BAD_FRACTION = 0.01
 _BAD_EXAMPLES = 10
@@ -133,7 +131,7 @@ def _users_and_identities(records: str) -> tuple[np.ndarray, np.ndarray]:
 
 class HeldOutEvaluator:
     """Exact recall@FAR of backbone weights on held-out records, in batches: decoded once
-    and kept in memory when they fit in `_DECODED_BYTES`, else streamed at every call.
+    and kept in memory when they fit in `export.DECODED_IN_MEMORY_BYTES`, else streamed at every call.
 
     The Keras backbone is built per call: building TFF computations creates Keras
     models in graph mode, which invalidates eager Keras models made before them.
@@ -158,7 +156,7 @@ class HeldOutEvaluator:
         )
         decoded_bytes = len(self.labels) * int(np.prod(backbone_config.image_shape)) * 4
         self._batches = (
-            [batch.numpy() for batch in images] if decoded_bytes <= _DECODED_BYTES else images
+            [batch.numpy() for batch in images] if decoded_bytes <= export.DECODED_IN_MEMORY_BYTES else images
         )
 
     def embeddings(self, weights: tff.learning.models.ModelWeights) -> np.ndarray:

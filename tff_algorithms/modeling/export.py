@@ -21,6 +21,9 @@ from tff_algorithms.modeling import models
 SIGNATURE = "serving_default"
 INPUT_KEY = "images"
 OUTPUT_KEY = "embedding"
+# Passes that repeat over the same images (held-out evaluation, the centralized oracle's
+# epochs) keep them decoded in memory (float32) up to this size, else decode every pass.
+DECODED_IN_MEMORY_BYTES = 256 * 2**20
 
 
 # Graph-first (explicit conds): AutoGraph would only re-trace it, in every dataset map

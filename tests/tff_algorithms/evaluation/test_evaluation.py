@@ -13,7 +13,7 @@ from tests import support
 from tff_algorithms.evaluation import metrics
 from tff_algorithms.evaluation import scoring as evaluation
 from tff_algorithms.jobs import train_job
-from tff_algorithms.modeling import models
+from tff_algorithms.modeling import export, models
 
 SYNTH = support.TRAIN_CLI_DATA
 HELD_OUT_IDENTITIES = SYNTH.identities - support.SMALL_JOB_TRAIN_IDENTITIES
@@ -48,7 +48,7 @@ def test_training_evaluation_decoded_once_scores_what_it_scores_streamed(
         models.load_pretrained_backbone(support.SMALL_JOB.backbone_config, trained.saved_model_dir)
     )
     kept = evaluation.HeldOutEvaluator(support.SMALL_JOB.backbone_config, data[1])
-    monkeypatch.setattr(evaluation, "_DECODED_BYTES", 0)
+    monkeypatch.setattr(export, "DECODED_IN_MEMORY_BYTES", 0)
     streamed = evaluation.HeldOutEvaluator(support.SMALL_JOB.backbone_config, data[1])
     assert isinstance(kept._batches, list) and not isinstance(streamed._batches, list)
     np.testing.assert_array_equal(kept.embeddings(weights), streamed.embeddings(weights))
@@ -77,8 +77,6 @@ def test_a_model_that_cannot_decode_an_accepted_image_is_one_line_naming_it(tmp_
     import io
 
     from PIL import Image
-
-    from tff_algorithms.modeling import export
 
     class OneChannel(tf.Module):
         @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name=export.INPUT_KEY)])

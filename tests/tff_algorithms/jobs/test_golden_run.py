@@ -189,3 +189,23 @@ def test_centralized_golden_run(data, tmp_path):
             assert variable["sum_of_squares"] == pytest.approx(
                 recorded["sum_of_squares"], rel=1e-2
             ), name
+
+
+def test_the_oracle_trains_the_same_with_its_examples_cached_or_decoded_every_epoch(
+    data, tmp_path, monkeypatch
+):
+    """Its epochs replay the examples from memory when they fit (`centralized.training`);
+    the same seeded shuffles then see the same examples, so the model is the same to the
+    bit as when every epoch reads and decodes them again."""
+    from beam_jobs import partition
+    from tff_algorithms.algorithms.centralized import training as centralized
+
+    two_epochs = dataclasses.replace(CENTRALIZED, rounds=2)
+    reader = partition.PartitionReader(data[0])
+    shape = two_epochs.image_shape
+    assert "Cache" in type(centralized._all_training_examples(reader, data[0], shape)).__name__
+    cached = train_job.run_train_job(two_epochs, *data, str(tmp_path / "cached"))
+    monkeypatch.setattr(export, "DECODED_IN_MEMORY_BYTES", 0)
+    assert "Cache" not in type(centralized._all_training_examples(reader, data[0], shape)).__name__
+    decoded = train_job.run_train_job(two_epochs, *data, str(tmp_path / "decoded"))
+    support.assert_same_trained_outputs(cached, decoded)
