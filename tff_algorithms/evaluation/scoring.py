@@ -156,7 +156,9 @@ class HeldOutEvaluator:
         )
         decoded_bytes = len(self.labels) * int(np.prod(backbone_config.image_shape)) * 4
         self._batches = (
-            [batch.numpy() for batch in images] if decoded_bytes <= export.DECODED_IN_MEMORY_BYTES else images
+            [batch.numpy() for batch in images]
+            if decoded_bytes <= export.DECODED_IN_MEMORY_BYTES
+            else images
         )
 
     def embeddings(self, weights: tff.learning.models.ModelWeights) -> np.ndarray:
