@@ -131,7 +131,8 @@ def _users_and_identities(records: str) -> tuple[np.ndarray, np.ndarray]:
 
 class HeldOutEvaluator:
     """Exact recall@FAR of backbone weights on held-out records, in batches: decoded once
-    and kept in memory when they fit in `export.DECODED_IN_MEMORY_BYTES`, else streamed at every call.
+    and kept in memory when they fit in `export.DECODED_IN_MEMORY_BYTES`, else streamed
+    at every call.
 
     The Keras backbone is built per call: building TFF computations creates Keras
     models in graph mode, which invalidates eager Keras models made before them.
