@@ -17,7 +17,7 @@ import os
 
 import tensorflow_data_validation as tfdv
 from apache_beam.options.pipeline_options import StandardOptions
-from tfx.components import ExampleValidator, Pusher, SchemaGen, StatisticsGen
+from tfx.components import ExampleValidator, SchemaGen, StatisticsGen
 from tfx.dsl.components.common.importer import Importer
 from tfx.dsl.components.common.resolver import Resolver
 from tfx.dsl.input_resolution.strategies.latest_blessed_model_strategy import (
@@ -32,6 +32,7 @@ from beam_jobs import records_io
 from pipeline import config as config_lib
 from pipeline import config_checks, fingerprint
 from pipeline.components import data, evaluation, reporting, training
+from pipeline.components.pushing import Pusher
 from tff_algorithms.config import job_config, job_plan
 
 # Node ids, used by partial runs and tests.

@@ -20,7 +20,7 @@ from ml_metadata.proto import metadata_store_pb2
 
 from pipeline import config as config_lib
 from pipeline import console, definition, lineage, local_run
-from pipeline.components import artifacts
+from pipeline.components import artifacts, pushing
 from tests import support
 from tff_algorithms.base import job_files
 
@@ -199,12 +199,32 @@ def test_tensorboard_shows_each_training_round(first_run):
 
 def test_unchanged_reruns_reuse_cached_results(first_run):
     config, _, store, _ = first_run
+    serving = os.path.abspath(config.serving_dir)
+    pushed_before = sorted(os.listdir(serving))
+    # Other modules share this store and may run the pipeline too: the newest push.
+    first_push = max(store.get_artifacts_by_type("PushedModel"), key=lambda a: a.id)
+    assert first_push.custom_properties["pushed"].int_value == 1
     local_run.run_pipeline(config, progress=None)
     for node, state in _states(store, UPSTREAM_OF_EVALUATION, 1).items():
         assert state == CACHED, node
     # The resolver now yields the first run's blessed model as the baseline: new inputs.
     for node, state in _states(store, (definition.EVALUATE, definition.PUSHER), 1).items():
         assert state == COMPLETE, node
+    # Blessed again, the same model is recorded as pushed where it already is: no new
+    # serving version (pipeline/components/pushing.py).
+    assert sorted(os.listdir(serving)) == pushed_before
+    second_push = max(store.get_artifacts_by_type("PushedModel"), key=lambda a: a.id)
+    assert second_push.id != first_push.id
+    assert second_push.custom_properties["pushed"].int_value == 1
+    assert second_push.custom_properties[pushing.ALREADY_SERVED].int_value == 1
+    destination = "pushed_destination"
+    assert (
+        second_push.custom_properties[destination].string_value
+        == first_push.custom_properties[destination].string_value
+    )
+    assert lineage.privacy_of_pushed_model(store, second_push.id).epsilon == (
+        lineage.privacy_of_pushed_model(store, first_push.id).epsilon
+    )
     artifact_count = len(store.get_artifacts())
     local_run.run_pipeline(config, progress=None)
     for node, state in _states(store, COMPONENTS, 2).items():
