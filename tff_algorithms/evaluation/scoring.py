@@ -155,10 +155,9 @@ class HeldOutEvaluator:
             .map(lambda _, encoded: export.decode_image(encoded, backbone_config.image_shape))
             .batch(_EMBED_BATCH)
         )
-        decoded_bytes = len(self.labels) * int(np.prod(backbone_config.image_shape)) * 4
         self._batches = (
             [batch.numpy() for batch in images]
-            if decoded_bytes <= export.DECODED_IN_MEMORY_BYTES
+            if export.decoded_fit_in_memory(len(self.labels), backbone_config.image_shape)
             else images
         )
 

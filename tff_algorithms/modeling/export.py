@@ -26,6 +26,13 @@ OUTPUT_KEY = "embedding"
 DECODED_IN_MEMORY_BYTES = 256 * 2**20
 
 
+def decoded_fit_in_memory(num_images: int, image_shape: tuple[int, int, int]) -> bool:
+    """Whether `num_images` decoded float32 images of `image_shape` fit in
+    `DECODED_IN_MEMORY_BYTES`."""
+    height, width, channels = image_shape
+    return num_images * height * width * channels * 4 <= DECODED_IN_MEMORY_BYTES
+
+
 # Graph-first (explicit conds): AutoGraph would only re-trace it, in every dataset map
 # and export that calls it.
 @tf.autograph.experimental.do_not_convert

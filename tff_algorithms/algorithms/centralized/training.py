@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import tensorflow as tf
 
 from beam_jobs import partition
@@ -38,8 +37,8 @@ def _all_training_examples(
     examples = tf.data.TFRecordDataset(files).map(
         lambda s: client_data.parse_example(s, image_shape)
     )
-    decoded_bytes = reader.manifest["records"] * int(np.prod(image_shape)) * 4
-    return examples.cache() if decoded_bytes <= export.DECODED_IN_MEMORY_BYTES else examples
+    fits = export.decoded_fit_in_memory(reader.manifest["records"], image_shape)
+    return examples.cache() if fits else examples
 
 
 def train_centralized(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
