@@ -7,14 +7,24 @@ Pusher would copy it into a new timestamped version, which a model server watchi
 directory loads as a new model. This executor records the existing version as the push
 instead, so re-running a finished pipeline changes nothing that serves. A blessed model
 that differs from the newest version, or equals only an older one (pushing it makes it
-the one served again), is pushed as TFX pushes it.
+the one served again), is pushed to a new version.
+
+A version appears whole or not at all: it is copied under a temporary name TF Serving
+ignores (it loads only all-digit names), synced, and renamed to its version number
+(issue 63). A temporary folder of an interrupted push, or a torn version an earlier
+release left (it copied straight into the version, so a kill left a version without a
+complete saved_model.pb), is removed before the next push, with one line; a torn
+version holding a file the product never writes there stops the push instead.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import time
 from typing import Any
 
+from tensorflow.core.protobuf import saved_model_pb2
 from tfx import types
 from tfx.components import Pusher as TfxPusher
 from tfx.components.pusher import executor as tfx_executor
@@ -24,7 +34,17 @@ from tfx.proto import pusher_pb2
 from tfx.types import artifact_utils, standard_component_specs
 from tfx.utils import io_utils, proto_utils
 
+from pipeline import console
+
 _CHUNK_BYTES = 1 << 20
+# A push in progress; TF Serving loads only versions named by digits.
+TEMPORARY_PREFIX = ".pushing-"
+SAVED_MODEL_FILE = "saved_model.pb"
+# What a version holds: the SavedModel's files and the model card RenderReport writes.
+_VERSION_FILES = re.compile(
+    r"(saved_model\.pb|fingerprint\.pb|keras_metadata\.pb|model_card\.(json|md|html)"
+    r"|(variables|assets)/.+)"
+)
 # The PushedModel's custom property when the newest version already held the model.
 ALREADY_SERVED = "already_served"
 
@@ -71,6 +91,96 @@ def newest_version_holding(model_path: str, base_directory: str) -> str | None:
     return newest
 
 
+def _is_whole_saved_model(version: str) -> bool:
+    """Whether `version` has a saved_model.pb that parses (an earlier release copied it
+    last, so a whole one means the version was complete)."""
+    path = os.path.join(version, SAVED_MODEL_FILE)
+    if not fileio.exists(path):
+        return False
+    with fileio.open(path, "rb") as f:
+        content = f.read()
+    try:
+        return bool(content) and bool(saved_model_pb2.SavedModel.FromString(content).meta_graphs)
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError: a truncated copy
+        return False
+
+
+def _remove_own(path: str, what: str) -> None:
+    """Removes `path` after checking every file in it is one a serving version holds;
+    otherwise stops naming the file (ValueError) and removes nothing."""
+    for name in sorted(_files_under(path)):
+        if not _VERSION_FILES.fullmatch(name.replace(os.sep, "/")):
+            raise ValueError(
+                f"{what} {path} holds {name}, which dp-fedemb does not write there; "
+                "move it elsewhere (or remove the folder) and re-run"
+            )
+    fileio.rmtree(path)
+
+
+def remove_torn_versions(base_directory: str) -> list[str]:
+    """Removes interrupted pushes and torn versions under `base_directory`, one line
+    each, and returns their paths (module docstring)."""
+    if not fileio.isdir(base_directory):
+        return []
+    removed = []
+    for name in sorted(entry.rstrip("/") for entry in fileio.listdir(base_directory)):
+        path = os.path.join(base_directory, name)
+        if name.startswith(TEMPORARY_PREFIX):
+            _remove_own(path, "interrupted push")
+            console.note(f"removed {path}: a push that was interrupted (never served)")
+        elif name.isdigit() and not _is_whole_saved_model(path):
+            _remove_own(path, "torn serving version")
+            console.note(
+                f"removed torn serving version {path}: an interrupted push left it "
+                f"without a complete {SAVED_MODEL_FILE}"
+            )
+        else:
+            continue
+        removed.append(path)
+    return removed
+
+
+def _sync_tree(root: str) -> None:
+    """fsyncs every file and folder under a local `root`, so the rename publishes data
+    that is on disk (object stores have nothing to sync)."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            descriptor = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        descriptor = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def push_new_version(model_path: str, base_directory: str) -> str:
+    """Copies the SavedModel at `model_path` to a new version under `base_directory`
+    (its unix time, later than every version there) through a temporary name and one
+    rename; returns the version's path."""
+    fileio.makedirs(base_directory)
+    versions = [
+        int(v.rstrip("/")) for v in fileio.listdir(base_directory) if v.rstrip("/").isdigit()
+    ]
+    version = str(max([int(time.time()), *(v + 1 for v in versions)]))
+    temporary = os.path.join(base_directory, TEMPORARY_PREFIX + version)
+    # saved_model.pb last, as TFX copies it: a reader of the folder sees it only complete.
+    io_utils.copy_dir(model_path, temporary, deny_regex_patterns=[re.escape(SAVED_MODEL_FILE)])
+    io_utils.copy_file(
+        os.path.join(model_path, SAVED_MODEL_FILE), os.path.join(temporary, SAVED_MODEL_FILE)
+    )
+    if "://" not in base_directory:
+        _sync_tree(temporary)
+    serving_path = os.path.join(base_directory, version)
+    fileio.rename(temporary, serving_path)
+    if "://" not in base_directory:
+        _sync_tree(base_directory)
+    return serving_path
+
+
 def _filesystem_base_directory(exec_properties: dict[str, Any]) -> str | None:
     destination = pusher_pb2.PushDestination()
     proto_utils.json_to_proto(
@@ -82,8 +192,9 @@ def _filesystem_base_directory(exec_properties: dict[str, Any]) -> str | None:
 
 
 class Executor(tfx_executor.Executor):
-    """TFX's Pusher executor; a blessed model already in the newest version is recorded
-    as pushed there (the PushedModel artifact archives it, as TFX's does)."""
+    """TFX's Pusher executor; to a filesystem destination a blessed model is pushed whole
+    through a rename, or, when the newest version already holds it, recorded as pushed
+    there (module docstring)."""
 
     def Do(  # noqa: N802 - TFX's method name
         self,
@@ -96,17 +207,22 @@ class Executor(tfx_executor.Executor):
             super().Do(input_dict, output_dict, exec_properties)
             return
         model_path = self.GetModelPath(input_dict)
-        held = newest_version_holding(model_path, base_directory)
-        if held is None:
-            super().Do(input_dict, output_dict, exec_properties)
-            return
+        remove_torn_versions(base_directory)
         model_push = artifact_utils.get_single_instance(
             output_dict[standard_component_specs.PUSHED_MODEL_KEY]
         )
+        held = newest_version_holding(model_path, base_directory)
+        serving_path = held or push_new_version(model_path, base_directory)
+        # Archived in the PushedModel artifact, as TFX's executor does.
         io_utils.copy_dir(model_path, model_push.uri)
-        self._MarkPushed(model_push, pushed_destination=held, pushed_version=os.path.basename(held))
-        # For a reader of ML Metadata: this push copied nothing to the destination.
-        model_push.set_int_custom_property(ALREADY_SERVED, 1)
+        self._MarkPushed(
+            model_push,
+            pushed_destination=serving_path,
+            pushed_version=os.path.basename(serving_path),
+        )
+        if held is not None:
+            # For a reader of ML Metadata: this push copied nothing to the destination.
+            model_push.set_int_custom_property(ALREADY_SERVED, 1)
 
 
 class Pusher(TfxPusher):
