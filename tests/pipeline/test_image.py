@@ -22,7 +22,7 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 from pipeline import cli, definition
 from pipeline import config as config_lib
 from tests import paths
-from tff_algorithms.federated import runtime
+from tff_algorithms.federated import local_workers
 
 REPO = str(paths.REPO)
 IMAGE = config_lib.IMAGE
@@ -78,7 +78,7 @@ def test_dockerfile_installs_the_readme_way():
 
 def test_worker_binary_is_in_the_locked_environment():
     # The file the Dockerfile links onto PATH: TFF's own, which the runtime starts locally.
-    assert os.access(runtime.WORKER_BINARY, os.X_OK), runtime.WORKER_BINARY
+    assert os.access(local_workers.WORKER_BINARY, os.X_OK), local_workers.WORKER_BINARY
 
 
 @pytest.fixture(scope="module")

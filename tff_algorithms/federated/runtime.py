@@ -8,34 +8,13 @@ parent's stdout/stderr open (docs/design.md section 1). `TffRuntime` replaces th
 * each local worker dies with the process that started it, even on SIGKILL
   (Linux `PR_SET_PDEATHSIG`), and is stopped on normal exit, on exceptions
   (context manager / `atexit`) and on SIGTERM/SIGINT;
-* local workers listen on 127.0.0.1 only: no other host can reach them (see below);
+* local workers listen on 127.0.0.1 only: no other host can reach them (local_workers.py);
 * remote workers (addresses such as "10.0.0.5:8000", started by a cluster
   scheduler) are only connected to, never started or stopped (docs/design.md section 8),
   over mutual TLS: the runtime verifies the worker against a CA and presents a client
   certificate, which a TLS-terminating proxy in front of the worker checks
   (docs/scaling.md). A remote address that is not loopback is refused without TLS
   unless `allow_insecure_workers` says the network is isolated.
-
-Why the loopback worker (issue 19). worker_binary serves insecure, unauthenticated
-gRPC, and whoever reaches it can run TF graphs that read the private data, the
-checkpoints and the seeds. The options weighed:
-
-* an in-process C++ executor stack, no worker process: TFF 0.87's pip package ships
-  no `executor_bindings` (no extension module at all); its own local factory
-  (`executor_factory.local_cpp_executor_factory`) starts worker_binary too;
-* a Unix domain socket, or a listen-address flag: worker_binary's flags are `--port`,
-  `--max_concurrent_computation_calls` and `--grpc_max_message_length_megabytes`; it
-  always listens on "[::]:port";
-* its own network namespace: needs unprivileged user namespaces (off under Docker's
-  and Kubernetes' default seccomp profile, restricted on recent Ubuntu) and a relay
-  process between a socket the trainer can reach and the worker's namespace;
-* the worker bound to loopback, chosen: `loopback_shim`, preloaded into worker_binary,
-  turns its wildcard bind into a 127.0.0.1 bind. The worker stays the same single
-  child process, so every guarantee above holds unchanged. What changes: starting a
-  local worker needs a C compiler once (the shim is built and cached on first use;
-  without one the runtime refuses to start local workers and names the fix), and the
-  runtime refuses a worker that runs without the shim. Loopback is reachable by other
-  users of the same host; on a shared host, run training in its own container or VM.
 
 With one worker the context is TFF's synchronous remote-execution context. With
 several, computations are compiled to mergeable form and each round's clients are
@@ -45,29 +24,29 @@ aggregates are merged, and the rest (DP noise, server update) runs once on the m
 value. Results equal one worker's up to float32 summation order
 (tests/tff_algorithms/federated/test_multi_worker.py); with three or more workers the partial sums merge in the
 order workers finish, so the last bits can vary between runs.
+
+Every call to a worker has a deadline, and a worker lost during a round is restarted
+(local) or dropped (remote) and the round tried again from the same state, within
+`max_worker_losses` (`liveness.py`, `TffRuntime.run_round`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import dataclasses
 import gc
 import ipaddress
 import os
-import re
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
-import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
+from typing import TypeVar
 
 import grpc
-import portpicker
 import tensorflow_federated as tff
 from absl import logging
 from tensorflow_federated.python.core.backends.native import compiler as native_compiler
@@ -77,9 +56,8 @@ from tensorflow_federated.python.core.environments.tensorflow_frontend import (
 )
 
 from tff_algorithms.base import validation
-from tff_algorithms.federated import loopback_shim
-
-WORKER_BINARY = os.path.join(os.path.dirname(tff.__file__), "data", "worker_binary")
+from tff_algorithms.federated import liveness, local_workers
+from tff_algorithms.federated.local_workers import LocalWorker
 
 _GRPC_MAX_MESSAGE_BYTES = 2 * 1000 * 1000 * 1000
 _GRPC_CHANNEL_OPTIONS = (
@@ -87,11 +65,7 @@ _GRPC_CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", _GRPC_MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", _GRPC_MAX_MESSAGE_BYTES),
 )
-_PR_SET_PDEATHSIG = 1
-
-
-class WorkerStartError(RuntimeError):
-    """A worker did not become ready; the message carries the end of its log."""
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +103,16 @@ class RuntimeConfig:
       worker_key: PEM file of that certificate's private key.
       allow_insecure_workers: allow plaintext, unauthenticated gRPC to worker
         addresses that are not loopback; only for a network nothing else can reach.
+      first_round_deadline_s: how long a call to a worker may take before any round was
+        measured (the first round, the one after a worker was replaced) and outside
+        rounds; a worker that has not answered by then is lost (`liveness`).
+      round_deadline_factor: a round's deadline is this many times the longest round
+        measured in this process, so that a slow round is never taken for a lost worker.
+      min_round_deadline_s: the shortest round deadline, for rounds of a few seconds.
+      max_worker_losses: lost workers a run survives: a lost local worker is restarted,
+        a lost remote one dropped, and the round tried again from the same state on the
+        workers left. One more loss, or none left, stops training with one line naming
+        the worker; re-running resumes from the last checkpoint. 0: stop at the first.
     """
 
     worker_addresses: tuple[str, ...] = ()
@@ -142,6 +126,10 @@ class RuntimeConfig:
     worker_cert: str | None = None
     worker_key: str | None = None
     allow_insecure_workers: bool = False
+    first_round_deadline_s: float = 900.0
+    round_deadline_factor: float = 10.0
+    min_round_deadline_s: float = 60.0
+    max_worker_losses: int = 2
 
     @property
     def uses_tls(self) -> bool:
@@ -161,8 +149,14 @@ class RuntimeConfig:
             )
         if len(set(self.worker_addresses)) != len(self.worker_addresses):
             raise ValueError(f"worker addresses repeat: {', '.join(self.worker_addresses)}")
-        if self.ready_timeout_s <= 0:
-            raise ValueError(f"ready_timeout_s must be positive, got {self.ready_timeout_s}")
+        for name in ("ready_timeout_s", "first_round_deadline_s", "min_round_deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.round_deadline_factor >= 1:
+            raise ValueError(
+                f"round_deadline_factor must be >= 1, got {self.round_deadline_factor}"
+            )
+        validation.check_int("max_worker_losses", self.max_worker_losses, 0)
         if self.uses_tls:
             missing = [name for name in _TLS_SETTINGS if not getattr(self, name)]
             if missing:
@@ -230,116 +224,6 @@ def _read_pem(setting: str, path: str) -> bytes:
     return data
 
 
-def _die_with_parent() -> None:
-    """Runs in the worker child before exec: SIGKILL it when its parent dies, and
-    default SIGINT handling, which `stop` relies on (a parent started as a background
-    job without job control inherits SIGINT ignored, and so would the worker)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    libc.signal(signal.SIGINT, 0)  # SIG_DFL; async-signal-safe, unlike Python's signal()
-
-
-class LocalWorker:
-    """One `worker_binary` child process, listening on and reached at 127.0.0.1 only.
-
-    worker_binary has no bind-address flag and would listen on every interface, with
-    no authentication; the preloaded `loopback_shim` library turns that bind into a
-    loopback one, and `check_loopback_only` refuses a worker it is not loaded into.
-    """
-
-    def __init__(
-        self,
-        log_dir: str,
-        max_concurrent_computation_calls: int,
-        taken_ports: Collection[int] = (),
-        intra_op_threads: int = 0,
-    ) -> None:
-        # A port picked for a sibling worker that has not bound it yet looks free.
-        self.port = portpicker.pick_unused_port()
-        while self.port in taken_ports:
-            self.port = portpicker.pick_unused_port()
-        self.log_path = os.path.join(log_dir, f"worker_{self.port}.log")
-        argv = [
-            WORKER_BINARY,
-            f"--port={self.port}",
-            f"--max_concurrent_computation_calls={max_concurrent_computation_calls}",
-        ]
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self._log.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(argv)}\n".encode())
-        self._log.flush()
-        self.shim_path = loopback_shim.library_path()
-        preload = " ".join(filter(None, [self.shim_path, os.environ.get("LD_PRELOAD")]))
-        env = {**os.environ, "LD_PRELOAD": preload}
-        if intra_op_threads:
-            env["TF_NUM_INTRAOP_THREADS"] = str(intra_op_threads)
-        self.process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
-            close_fds=True,
-            env=env,
-        )
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def check_loopback_only(self) -> None:
-        """Raises WorkerStartError unless the loopback shim is mapped into the worker:
-        the dynamic loader only warns, in the worker's log, about a preload it cannot
-        load, and the worker would then listen on every interface."""
-        with open(f"/proc/{self.process.pid}/maps") as maps:
-            if self.shim_path not in maps.read():
-                raise WorkerStartError(
-                    f"worker_binary pid {self.process.pid} runs without {self.shim_path}, "
-                    f"so it may listen on every interface; log {self.log_path}:\n"
-                    f"{self.log_tail()}"
-                )
-
-    def log_tail(self, max_bytes: int = 2000) -> str:
-        with open(self.log_path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            return f.read().decode("utf-8", "replace")
-
-    def stop(self, timeout_s: float = 10.0) -> bool:
-        """Stops the worker; True when it was still running and exited on SIGINT."""
-        clean = self.process.poll() is None
-        if clean:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                clean = False
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-        return clean
-
-
-def _wait_ready(
-    stub: tff.framework.RemoteExecutorGrpcStub,
-    address: str,
-    timeout_s: float,
-    worker: LocalWorker | None,
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not stub.is_ready:
-        if worker is not None and worker.process.poll() is not None:
-            raise WorkerStartError(
-                f"worker_binary at {address} exited with code {worker.process.returncode}; "
-                f"log {worker.log_path}:\n{worker.log_tail()}"
-            )
-        if time.monotonic() > deadline:
-            tail = f"; log {worker.log_path}:\n{worker.log_tail()}" if worker else ""
-            raise WorkerStartError(
-                f"TFF worker at {address} not ready after {timeout_s:.0f}s{tail}"
-            )
-        time.sleep(0.1)
-
-
 def _executor_factory(
     stub: tff.framework.RemoteExecutorGrpcStub, default_num_clients: int
 ) -> tff.framework.ResourceManagingExecutorFactory:
@@ -353,30 +237,15 @@ def _executor_factory(
     return tff.framework.ResourceManagingExecutorFactory(executor_stack_fn=stack_fn)
 
 
-# Local workers' logs: TEMP/dp_fedemb_tff_<pid>_<random>/, removed when the workers
-# stop cleanly, kept (and named in a warning) when one failed.
-_TEMP_LOG_PREFIX = "dp_fedemb_tff_"
-_KILLED_RUN_LOGS = re.compile(rf"^{_TEMP_LOG_PREFIX}(\d+)_[A-Za-z0-9_]+$")
+@dataclasses.dataclass
+class _Target:
+    """A worker the runtime reaches: its address, channel and stub, and the local
+    process when the runtime owns it."""
 
-
-def _remove_logs_of_killed_runs() -> None:
-    """Removes the worker-log folders of runs killed before they could (SIGKILL, power
-    loss): those whose process is gone and that hold only worker logs."""
-    temp = tempfile.gettempdir()
-    for name in os.listdir(temp):
-        match = _KILLED_RUN_LOGS.match(name)
-        path = os.path.join(temp, name)
-        if not match or os.path.islink(path) or not os.path.isdir(path):
-            continue
-        try:
-            os.kill(int(match.group(1)), 0)
-            continue  # its process still runs
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError):
-            continue
-        if all(n.endswith(".log") for n in os.listdir(path)):
-            shutil.rmtree(path, ignore_errors=True)
+    address: str
+    worker: LocalWorker | None
+    channel: grpc.Channel
+    stub: liveness.WorkerStub
 
 
 class TffRuntime:
@@ -390,7 +259,16 @@ class TffRuntime:
         self.config = config
         self.local_workers: list[LocalWorker] = []
         self.addresses: tuple[str, ...] = ()
+        self.deadlines = liveness.Deadlines(
+            config.round_deadline_factor,
+            config.min_round_deadline_s,
+            config.first_round_deadline_s,
+        )
+        self.worker_losses: list[str] = []
+        self._targets: list[_Target] = []
         self._channels: list[grpc.Channel] = []
+        self._credentials: grpc.ChannelCredentials | None = None
+        self._log_dir = ""
         self._started = False
         self._lock = threading.Lock()
         self._temp_log_dir: str | None = None
@@ -408,53 +286,127 @@ class TffRuntime:
             raise
         return self
 
+    def _start_local_worker(self) -> LocalWorker:
+        worker = LocalWorker(
+            self._log_dir,
+            self.config.max_concurrent_computation_calls,
+            taken_ports=[w.port for w in self.local_workers],
+            intra_op_threads=self.config.worker_intra_op_threads,
+        )
+        self.local_workers.append(worker)
+        logging.info(
+            "Started TFF worker_binary pid %d, log %s", worker.process.pid, worker.log_path
+        )
+        return worker
+
+    def _connect(self, address: str, worker: LocalWorker | None) -> _Target:
+        if self._credentials is None:
+            channel = grpc.insecure_channel(address, options=_GRPC_CHANNEL_OPTIONS)
+        else:
+            channel = grpc.secure_channel(address, self._credentials, options=_GRPC_CHANNEL_OPTIONS)
+        self._channels.append(channel)
+        stub = liveness.WorkerStub(channel, address, self.deadlines)
+        local_workers.wait_ready(stub, address, self.config.ready_timeout_s, worker)
+        if worker is not None:
+            worker.check_loopback_only()
+        return _Target(address, worker, channel, stub)
+
     def _start_workers_and_context(self) -> None:
         config = self.config
         # Before any worker starts: a bad TLS file fails without side effects.
-        credentials = config.channel_credentials()
+        self._credentials = config.channel_credentials()
         if config.worker_addresses:
             targets = [(address, None) for address in config.worker_addresses]
         else:
             if config.log_dir:
-                log_dir = config.log_dir
-                os.makedirs(log_dir, exist_ok=True)
+                self._log_dir = config.log_dir
+                os.makedirs(self._log_dir, exist_ok=True)
             else:
-                _remove_logs_of_killed_runs()
-                log_dir = self._temp_log_dir = tempfile.mkdtemp(
-                    prefix=f"{_TEMP_LOG_PREFIX}{os.getpid()}_"
+                local_workers.remove_logs_of_killed_runs()
+                self._log_dir = self._temp_log_dir = tempfile.mkdtemp(
+                    prefix=f"{local_workers.TEMP_LOG_PREFIX}{os.getpid()}_"
                 )
             for _ in range(config.local_workers):
-                worker = LocalWorker(
-                    log_dir,
-                    config.max_concurrent_computation_calls,
-                    taken_ports=[w.port for w in self.local_workers],
-                    intra_op_threads=config.worker_intra_op_threads,
-                )
-                self.local_workers.append(worker)
-                logging.info(
-                    "Started TFF worker_binary pid %d, log %s", worker.process.pid, worker.log_path
-                )
+                self._start_local_worker()
             targets = [(worker.address, worker) for worker in self.local_workers]
-        stubs = []
-        for address, worker in targets:
-            if credentials is None:
-                channel = grpc.insecure_channel(address, options=_GRPC_CHANNEL_OPTIONS)
-            else:
-                channel = grpc.secure_channel(address, credentials, options=_GRPC_CHANNEL_OPTIONS)
-            self._channels.append(channel)
-            stub = tff.framework.RemoteExecutorGrpcStub(channel)
-            _wait_ready(stub, address, config.ready_timeout_s, worker)
-            if worker is not None:
-                worker.check_loopback_only()
-            stubs.append(stub)
-        self.addresses = tuple(address for address, _ in targets)
-        self._context = self._make_context(stubs)
-        tff.framework.set_default_context(self._context)
+        self._targets = [self._connect(address, worker) for address, worker in targets]
+        self._install_context()
         with _running_lock:
             _running.append(self)
         _collect_import_time_context()
 
-    def _make_context(self, stubs: Sequence[tff.framework.RemoteExecutorGrpcStub]):
+    def _install_context(self) -> None:
+        """A context over the current workers, made the default when this runtime's is."""
+        previous = getattr(self, "_context", None)
+        self.addresses = tuple(target.address for target in self._targets)
+        self._context = self._make_context([target.stub for target in self._targets])
+        current = tff.framework.get_context_stack().current
+        if previous is None or current is previous:
+            tff.framework.set_default_context(self._context)
+
+    def run_round(self, round_number: int, attempt: Callable[[], _T]) -> _T:
+        """`attempt()` under the round's deadline, tried again after a lost worker.
+
+        The policy of `liveness`: a lost local worker is restarted, a lost remote one
+        dropped, and `attempt` called again (it must start from the same state); past
+        `max_worker_losses`, or with no worker left, a one-line WorkerLostError.
+        """
+        while True:
+            try:
+                with self.deadlines.round() as (seconds, why):
+                    return attempt()
+            except liveness.WorkerLostError as lost:
+                self._recover(round_number, lost, seconds, why)
+
+    def _recover(
+        self, round_number: int, lost: liveness.WorkerLostError, seconds: float, why: str
+    ) -> None:
+        self.worker_losses.append(f"round {round_number}: {lost}")
+        where = (
+            f"TFF worker {lost.address} lost in round {round_number}: {lost.reason}; "
+            f"the round's deadline was {seconds:.0f} s ({why})"
+        )
+        target = next(t for t in self._targets if t.address == lost.address)
+        remote_left = [t for t in self._targets if t is not target]
+        limit = self.config.max_worker_losses
+        if len(self.worker_losses) > limit or (target.worker is None and not remote_left):
+            reason = (
+                f"{len(self.worker_losses)} lost workers, max_worker_losses is {limit}"
+                if len(self.worker_losses) > limit
+                else "no worker left to retry on (max_worker_losses allows more)"
+            )
+            raise liveness.WorkerLostError(
+                lost.address,
+                f"{where}; stopping: {reason}; nothing of the round was released or "
+                "charged, and re-running the same command resumes from the last checkpoint",
+            ) from None
+        target.channel.close()
+        if target.worker is None:
+            self._targets = remote_left
+            action = f"retrying the round on the {len(remote_left)} workers left"
+        else:
+            # Ours: SIGKILL also ends a stopped process, which SIGINT would not.
+            target.worker.process.kill()
+            target.worker.stop()
+            self.local_workers.remove(target.worker)
+            fresh = self._connect_fresh_local_worker()
+            self._targets = [fresh if t is target else t for t in self._targets]
+            action = f"restarted it as {fresh.address}, retrying the round"
+        logging.warning(
+            "%s; %s from the same state (loss %d of max_worker_losses %d)",
+            where,
+            action,
+            len(self.worker_losses),
+            limit,
+        )
+        self.deadlines.forget_measurements()
+        self._install_context()
+
+    def _connect_fresh_local_worker(self) -> _Target:
+        worker = self._start_local_worker()
+        return self._connect(worker.address, worker)
+
+    def _make_context(self, stubs: Sequence[liveness.WorkerStub]):
         n = self.config.default_num_clients
         if len(stubs) == 1:
             return tff.framework.SyncExecutionContext(
@@ -483,6 +435,7 @@ class TffRuntime:
         with self._lock:
             workers, self.local_workers = self.local_workers, []
             channels, self._channels = self._channels, []
+            self._targets = []
         if not workers and not channels:
             return
         with _running_lock:
@@ -492,7 +445,7 @@ class TffRuntime:
         tff.framework.set_default_context(previous)
         for channel in channels:
             channel.close()
-        clean = True
+        clean = not self.worker_losses  # a lost worker's log is worth keeping
         for worker in workers:
             clean = worker.stop() and clean
             logging.info("Stopped TFF worker_binary pid %d", worker.process.pid)
@@ -500,7 +453,9 @@ class TffRuntime:
             shutil.rmtree(self._temp_log_dir, ignore_errors=True)
         elif self._temp_log_dir:
             # Renamed out of `_remove_logs_of_killed_runs`' way: this one is for the user.
-            kept = self._temp_log_dir.replace(_TEMP_LOG_PREFIX, f"{_TEMP_LOG_PREFIX}kept_", 1)
+            kept = self._temp_log_dir.replace(
+                local_workers.TEMP_LOG_PREFIX, f"{local_workers.TEMP_LOG_PREFIX}kept_", 1
+            )
             with contextlib.suppress(OSError):
                 os.rename(self._temp_log_dir, kept)
                 self._temp_log_dir = kept
@@ -562,6 +517,12 @@ def stop() -> None:
 
 def active() -> TffRuntime | None:
     return _active
+
+
+def current() -> TffRuntime | None:
+    """The runtime whose context computations run in now (the innermost of nested ones)."""
+    with _running_lock:
+        return _running[-1] if _running else None
 
 
 @contextlib.contextmanager

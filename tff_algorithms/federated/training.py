@@ -47,7 +47,7 @@ from absl import logging
 from tff_algorithms.base import owned_files
 from tff_algorithms.config import loop_schedule
 from tff_algorithms.config.report_policy import ReportPolicy
-from tff_algorithms.federated import dropouts
+from tff_algorithms.federated import dropouts, runtime
 
 CHECKPOINT_PREFIX = "round_"
 
@@ -256,14 +256,22 @@ def train(
         round_start = time.perf_counter()
         if before_round is not None:
             state = before_round(round_num, state)
-        if report_policy is None:
-            client_ids = list(clients_for_round(round_num))
-            output = process.next(state, client_ids)
-        else:
+        round_state = state
+
+        def attempt(round_num: int = round_num, round_state: Any = round_state):
+            if report_policy is None:
+                client_ids = list(clients_for_round(round_num))
+                return process.next(round_state, client_ids), client_ids, None
             applied = dropouts.run_round(
-                process, state, round_num, clients_for_round, report_policy
+                process, round_state, round_num, clients_for_round, report_policy
             )
-            output, client_ids = applied.output, applied.client_ids
+            return applied.output, applied.client_ids, applied
+
+        # Under a deadline; a lost worker's round is tried again from the same state.
+        workers = runtime.current()
+        output, client_ids, applied = (
+            attempt() if workers is None else workers.run_round(round_num + 1, attempt)
+        )
         state = output.state
         done = round_num + 1
         ledger.record_round(done)
@@ -272,7 +280,7 @@ def train(
             "epsilon": ledger.epsilon,
             "round_seconds": time.perf_counter() - round_start,
         }
-        if report_policy is not None and applied.discarded_kept_clients:
+        if applied is not None and applied.discarded_kept_clients:
             record["discarded_attempts_kept_clients"] = list(applied.discarded_kept_clients)
         last = done == config.total_rounds
         if evaluate is not None and loop_schedule.evaluation_due(

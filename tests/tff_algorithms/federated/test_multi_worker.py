@@ -18,7 +18,7 @@ from pipeline import cli
 from tests import support
 from tff_algorithms.config import model_config
 from tff_algorithms.config.client_config import ClientConfig
-from tff_algorithms.federated import aggregators, client_work, processes, runtime
+from tff_algorithms.federated import aggregators, client_work, local_workers, processes, runtime
 from tff_algorithms.jobs import train_job
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
@@ -36,8 +36,8 @@ def two_workers(tmp_path_factory):
     """Two workers on 127.0.0.1 that the tests connect to by address (never stopped by
     a runtime: only by this fixture, as a cluster scheduler would)."""
     log_dir = str(tmp_path_factory.mktemp("worker_logs"))
-    first = runtime.LocalWorker(log_dir, -1)
-    second = runtime.LocalWorker(log_dir, -1, taken_ports=[first.port])
+    first = local_workers.LocalWorker(log_dir, -1)
+    second = local_workers.LocalWorker(log_dir, -1, taken_ports=[first.port])
     yield first, second
     for worker in (first, second):
         worker.stop()

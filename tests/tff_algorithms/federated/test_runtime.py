@@ -12,7 +12,7 @@ import pytest
 import tensorflow_federated as tff
 
 from tests import paths, processes
-from tff_algorithms.federated import runtime
+from tff_algorithms.federated import local_workers, runtime
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
 pytestmark = pytest.mark.slow
@@ -162,7 +162,7 @@ def test_leak_detector_finds_an_orphaned_worker(tmp_path):
     marker = "leak-detector-self-test"
     env = dict(os.environ, **{processes.MARKER_ENV: marker})
     orphan = subprocess.Popen(
-        [runtime.WORKER_BINARY, "--port=0"],
+        [local_workers.WORKER_BINARY, "--port=0"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -186,7 +186,7 @@ def _federated_sum(values):
 
 def test_two_remote_workers_give_the_one_worker_result(tmp_path):
     values = [float(v) for v in range(1, 11)]
-    workers = [runtime.LocalWorker(str(tmp_path), -1) for _ in range(2)]
+    workers = [local_workers.LocalWorker(str(tmp_path), -1) for _ in range(2)]
     try:
         with runtime.TffRuntime(runtime.RuntimeConfig(worker_addresses=(workers[0].address,))):
             one = _federated_sum(values)

@@ -28,7 +28,7 @@ from beam_jobs import synthetic
 from pipeline import cli
 from pipeline import config as config_lib
 from tests import support
-from tff_algorithms.federated import runtime
+from tff_algorithms.federated import local_workers, runtime
 from tff_algorithms.jobs import train_job
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
@@ -224,11 +224,11 @@ class TlsProxy:
 def workers(tmp_path_factory, pki):
     """Two worker_binary processes, each behind its own TLS proxy: (workers, proxies)."""
     log_dir = str(tmp_path_factory.mktemp("worker_logs"))
-    started: list[runtime.LocalWorker] = []
+    started: list[local_workers.LocalWorker] = []
     proxies: list[TlsProxy] = []
     try:
         for _ in range(2):
-            started.append(runtime.LocalWorker(log_dir, -1, taken_ports=[w.port for w in started]))
+            started.append(local_workers.LocalWorker(log_dir, -1, taken_ports=[w.port for w in started]))
             proxies.append(TlsProxy(pki, started[-1].port))
         yield started, proxies
     finally:
@@ -318,7 +318,7 @@ def test_runtime_with_a_certificate_from_another_ca_is_rejected(workers, pki):
     config = dataclasses.replace(
         _tls_config(pki, (proxy.address,), client="rogue"), ready_timeout_s=REJECT_TIMEOUT_S
     )
-    with pytest.raises(runtime.WorkerStartError, match="not ready"):
+    with pytest.raises(local_workers.WorkerStartError, match="not ready"):
         runtime.TffRuntime(config).start()
     assert proxy.connections == before
 
