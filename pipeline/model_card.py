@@ -116,9 +116,12 @@ def build_model_card(
     pushed_to: str | None,
     version: str | None = None,
     composition: Mapping[str, Any] | None = None,
+    serving_bounds: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """The card as a dict in the Model Card Toolkit schema's field names; `composition`:
-    the model's private runs (its epsilon is theirs composed)."""
+    the model's private runs (its epsilon is theirs composed); `serving_bounds`: the
+    signature's pixel bounds an image and a call (`modeling.bounded_decode`), which a
+    caller must know."""
     spec = ledger["spec"]
     split_mode = evaluation.get("split_mode")
     evaluation_inputs = bool(evaluation.get("evaluation_inputs"))
@@ -135,6 +138,12 @@ def build_model_card(
             f"{config.get('image_size', '?')}×{config.get('image_size', '?')}×"
             f"{config.get('channels', '?')}"
         )
+    bounds = (
+        f"; at most {serving_bounds[0]:,} pixels an image and {serving_bounds[1]:,} a call, "
+        "checked from the headers before decoding (over them the call fails)"
+        if serving_bounds
+        else ""
+    )
     intervals = (
         f" Intervals: {bootstrap['confidence']:.0%} bootstrap over {bootstrap['resamples']} "
         "resamples of the held-out identities; a gain's interval is paired."
@@ -153,7 +162,7 @@ def build_model_card(
             "documentation": (
                 "Serving signature serving_default: input `images` (a batch of PNG or JPEG "
                 "bytes), output `embedding` (unit-norm float32 vectors); compare two "
-                "embeddings by their dot product. Privacy: " + statement
+                f"embeddings by their dot product{bounds}. Privacy: " + statement
             ),
             "version": {"name": version or "", "diff": ""},
             "path": pushed_to or "",
@@ -181,7 +190,8 @@ def build_model_card(
                     ),
                 },
             ],
-            "input_format": "images: string[batch], PNG or JPEG bytes (decoded inside the model)",
+            "input_format": "images: string[batch], PNG or JPEG bytes (decoded inside the "
+            f"model){bounds}",
             "output_format": "embedding: float32[batch, embedding size], unit L2 norm",
         },
         "quantitative_analysis": {"performance_metrics": performance_metrics(evaluation)},

@@ -42,6 +42,7 @@ def RenderReport(
     from beam_jobs import dedup, partition
     from pipeline import model_card
     from pipeline import report as report_lib
+    from tff_algorithms.modeling import bounded_decode
 
     del code_fingerprint
     pushed = pushed_model.get_int_custom_property("pushed") == 1
@@ -57,6 +58,7 @@ def RenderReport(
         **inputs,
         pushed_to=pushed_to,
         version=os.path.basename(pushed_to.rstrip("/")) if pushed_to else None,
+        serving_bounds=(bounded_decode.MAX_IMAGE_PIXELS, bounded_decode.MAX_BATCH_PIXELS),
     )
     model_card.write_model_card(card, report.uri)
     card_link = model_card.HTML_FILE

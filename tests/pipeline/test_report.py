@@ -214,6 +214,7 @@ def test_model_card_fields_and_renderings(tmp_path):
         inputs["schedule"],
         pushed_to="/srv/models/17",
         version="17",
+        serving_bounds=(25_000_000, 100_000_000),
     )
     # The Model Card Toolkit schema's top-level sections and field names.
     assert set(card) == {
@@ -243,6 +244,9 @@ def test_model_card_fields_and_renderings(tmp_path):
     for title in ("Privacy guarantee", "Intended use", "Data", "Utility", "Limits"):
         assert f"## {title}" in markdown and f">{title}</h2>" in page, title
     assert "| recall at FAR 0.01 | 0.4000 | [0.3800, 0.4200] |" in markdown
+    # The serving signature's pixel bounds, which a caller must respect (issue 63).
+    bounds = "at most 25,000,000 pixels an image and 100,000,000 a call"
+    assert bounds in card["model_parameters"]["input_format"] and bounds in markdown
 
 
 def test_report_and_card_render_in_headless_chromium(page, tmp_path):

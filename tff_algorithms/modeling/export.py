@@ -7,7 +7,9 @@ training data should be decoded with: decode, convert to float in [0, 1], resize
 to the backbone's input size. It decodes every image ingest accepts
 (`beam_jobs.schema.validate`), for one or three channels; bytes that are not a
 decodable PNG or JPEG make the call fail with `tf.errors.InvalidArgumentError`, the
-whole batch. Only backbone weights go in; there is no head.
+whole batch, as do images whose headers declare more pixels than the model's bounds
+(`bounded_decode`, checked before anything is decoded). Only backbone weights go in;
+there is no head.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_algorithms.config import model_config
-from tff_algorithms.modeling import models
+from tff_algorithms.modeling import bounded_decode, models
 
 SIGNATURE = "serving_default"
 INPUT_KEY = "images"
@@ -75,6 +77,7 @@ class _EmbeddingServer(tf.Module):
         input_signature=[tf.TensorSpec([None], tf.string, name=INPUT_KEY)], autograph=False
     )
     def serve(self, images: tf.Tensor) -> dict[str, tf.Tensor]:
+        images = bounded_decode.check_pixel_bounds(images)
         decoded = tf.map_fn(
             lambda encoded: decode_image(encoded, self._image_shape),
             images,
