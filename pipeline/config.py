@@ -212,6 +212,10 @@ class BudgetSection:
     # Start a training that would exceed it anyway; recorded in the ledger and in ML
     # Metadata (PrivacyLedger property budget_overridden).
     override: bool = False
+    # Accept a ledger whose chain or recorded charges disagree because you repaired it
+    # on purpose (docs/privacy.md, "A budget per set of users"): sealed again as it is,
+    # the repair recorded in the ledger and in ML Metadata.
+    accept_repaired_ledger: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +275,7 @@ class PipelineConfig:
             ),
             "total_epsilon": self.budget.dataset_epsilon,
             "override": self.budget.override,
+            "accept_repaired_ledger": self.budget.accept_repaired_ledger,
         }
 
     def train_job_dict(self) -> dict[str, Any]:

@@ -30,8 +30,8 @@ from tfx.orchestration import pipeline as tfx_pipeline
 from tfx.orchestration.local.local_dag_runner import LocalDagRunner
 
 from beam_jobs import progress as beam_progress
+from pipeline import budget_records, console, definition, lineage
 from pipeline import config as config_lib
-from pipeline import console, definition, lineage
 from pipeline.components import artifacts, evaluation, reporting
 
 
@@ -183,6 +183,8 @@ def run_pipeline(
     os.makedirs(output_dir, exist_ok=True)
     with _only_run_in(output_dir):
         console.keep_log_in(output_dir, "run")
+        # Before anything is charged: the ledger against ML Metadata's records of it.
+        budget_records.check_budget_ledger(config)
         pipeline = definition.build_pipeline(
             config, metadata_connection_config=definition.local_metadata_config(config)
         )

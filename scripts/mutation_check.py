@@ -355,6 +355,38 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_the_budget_is_fixed_by_the_first_charge_and_a_change_is_an_override",
         ),
     ),
+    # The ledger's tamper evidence (issue 63): its chain, the budget in the first link,
+    # and the cross-check against the product's own records of each charge.
+    Mutant(
+        "budget-chain-verified",
+        "tff_algorithms/privacy/budget_chain.py",
+        "if problem is not None and not accept_repair:",
+        "if False:",
+        (
+            "tests/tff_algorithms/privacy/test_budget_chain.py::"
+            "test_each_edit_of_budget_or_spec_is_refused_naming_the_entry",
+        ),
+    ),
+    Mutant(
+        "budget-chain-fixes-the-budget",
+        "tff_algorithms/privacy/budget_chain.py",
+        "return _digest(CHAIN_SCHEME, fingerprint, budget)",
+        "return _digest(CHAIN_SCHEME, fingerprint)",
+        (
+            "tests/tff_algorithms/privacy/test_budget_chain.py::"
+            "test_each_edit_of_budget_or_spec_is_refused_naming_the_entry",
+        ),
+    ),
+    Mutant(
+        "budget-ledger-cross-checked",
+        "tff_algorithms/privacy/budget_chain.py",
+        "if mismatches and not accept_repair:",
+        "if False:",
+        (
+            "tests/tff_algorithms/privacy/test_budget_chain.py::"
+            "test_a_deleted_last_entry_is_refused_against_what_the_product_recorded",
+        ),
+    ),
     Mutant(
         "dedup-verification",
         "beam_jobs/dedup_batches.py",

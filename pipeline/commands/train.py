@@ -210,6 +210,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "start even if the dataset budget would be exceeded (recorded in the ledger)",
         False,
     )
+    define(
+        "boolean",
+        "accept-repaired-budget-ledger",
+        "accept a budget ledger whose chain or records disagree because you repaired it on "
+        "purpose (sealed again as it is; the repair is recorded in the ledger)",
+        False,
+    )
     define("string", "pretrained", "pretrained backbone (SavedModel or weights file)")
     define("float", "validation-fraction", "share of identities held out for validation", 0.1)
     define("float", "test-fraction", "share of identities held out for test", 0.1)
@@ -255,10 +262,10 @@ def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazil
     if (ledger is None) != (total is None):
         raise ValueError("--budget-ledger and --dataset-budget-epsilon go together")
     if ledger is None:
-        if value["override-budget"]:
-            raise ValueError("--override-budget needs --budget-ledger")
         return None
-    return budget.BudgetPolicy(ledger, total, value["override-budget"])
+    return budget.BudgetPolicy(
+        ledger, total, value["override-budget"], value["accept-repaired-budget-ledger"]
+    )
 
 
 def _train(value: Mapping[str, Any]) -> dict[str, Any]:
@@ -403,8 +410,11 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     checks.no_arguments(args)
     value = {name: flag_values[name].value for name in flag_values}
     checks.required(flag_values, "data", "output")
-    if value["override-budget"] and value["budget-ledger"] is None:
-        raise ValueError("--override-budget needs --budget-ledger (and --dataset-budget-epsilon)")
+    for needs_ledger in ("override-budget", "accept-repaired-budget-ledger"):
+        if value[needs_ledger] and value["budget-ledger"] is None:
+            raise ValueError(
+                f"--{needs_ledger} needs --budget-ledger (and --dataset-budget-epsilon)"
+            )
     if (value["budget-ledger"] is None) != (value["dataset-budget-epsilon"] is None):
         raise ValueError("--budget-ledger and --dataset-budget-epsilon go together; give both")
     if value["noise-seed"] is not None and not value["testing-fixed-noise"]:

@@ -63,3 +63,7 @@ DATASET_FINGERPRINT = "dataset_fingerprint"
 DATASET_EPSILON = "dataset_epsilon"  # composed over every run charged, this one included
 DATASET_BUDGET_EPSILON = "dataset_budget_epsilon"
 BUDGET_OVERRIDDEN = "budget_overridden"  # 1: over budget, started on an explicit override
+BUDGET_RUN_ID = "budget_run_id"  # the run's id in the budget ledger
+BUDGET_LEDGER = "budget_ledger"  # the ledger's path
+BUDGET_CHAIN = "budget_chain"  # the run's entry's chain (tff_algorithms.privacy.budget_chain)
+BUDGET_LEDGER_REPAIRED = "budget_ledger_repaired"  # 1: a repaired ledger accepted at the charge

@@ -124,12 +124,22 @@ def _set_recall_properties(artifact: types.Artifact, metrics: dict) -> None:
         artifact.set_float_custom_property(f"recall_at_far_{far}", float(recall))
 
 
-def _set_budget_properties(privacy_ledger: types.Artifact, charge: dict | None) -> None:
-    """The cross-run budget charge (tff_algorithms.privacy.budget.BudgetCharge) as lineage."""
-    if charge is None:
+def _set_budget_properties(
+    privacy_ledger: types.Artifact, charge: dict | None, budget_policy: str | None
+) -> None:
+    """The cross-run budget charge (tff_algorithms.privacy.budget.BudgetCharge) as lineage;
+    `dp-fedemb run` checks the ledger against it (pipeline/budget_records.py)."""
+    if charge is None or not budget_policy:
         return
     privacy_ledger.set_string_custom_property(artifacts.DATASET_FINGERPRINT, charge["fingerprint"])
-    privacy_ledger.set_string_custom_property("budget_run_id", charge["run_id"])
+    privacy_ledger.set_string_custom_property(artifacts.BUDGET_RUN_ID, charge["run_id"])
+    privacy_ledger.set_string_custom_property(
+        artifacts.BUDGET_LEDGER, json.loads(budget_policy)["ledger_path"]
+    )
+    privacy_ledger.set_string_custom_property(artifacts.BUDGET_CHAIN, charge["chain"])
+    privacy_ledger.set_int_custom_property(
+        artifacts.BUDGET_LEDGER_REPAIRED, int(charge["ledger_repaired"])
+    )
     spent = charge["spent_after"]
     privacy_ledger.set_float_custom_property(
         artifacts.DATASET_EPSILON, float("inf") if spent is None else spent
@@ -442,5 +452,5 @@ def PrivateTrain(
     model.set_string_custom_property("algorithm", job["algorithm"])
     privacy_ledger.set_int_custom_property("rounds", ledger.rounds_recorded)
     privacy_ledger.set_string_custom_property("mechanism", ledger.spec.mechanism.value)
-    _set_budget_properties(privacy_ledger, result.metrics["dataset_budget"])
+    _set_budget_properties(privacy_ledger, result.metrics["dataset_budget"], budget_policy)
     _set_recall_properties(training_metrics, result.metrics)

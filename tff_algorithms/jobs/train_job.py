@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -156,6 +157,8 @@ def run_train_job(
             claimed.run_id,
             spec,
             releases,
+            # Checked against the entry whenever the ledger is opened (budget_chain).
+            recorded_in=os.path.join(os.path.abspath(output_dir), job_files.METRICS_FILE),
         )
     # Tightened even when the job is finished: the checkpoints hold the noise state.
     checkpoint_dir = job_outputs.make_checkpoint_dir(output_dir)

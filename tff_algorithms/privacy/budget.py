@@ -47,6 +47,12 @@ charged and recorded as overridden with the budget it asked for. An existing led
 that is empty, unreadable or read-only is refused, never replaced: a new file would
 forget every earlier charge.
 
+Every entry is chained to the one before, and opening the ledger verifies the chains
+and, where the caller has them, the product's other records of each charge
+(`budget_chain`: a broken chain or a mismatch stops the run in one line, unless the
+recorded repair override is given). A `dp-fedemb train` entry names the metrics.json its
+run writes (``recorded_in``), which is checked against it when both exist.
+
 Runs are identified by a run id (train_job keeps one per output directory), so a run
 that crashes and resumes is charged once.
 
@@ -76,7 +82,7 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from tff_algorithms.base import bounded_load, secret_files, validation
-from tff_algorithms.privacy import accounting, accounting_spec, dplc_releases
+from tff_algorithms.privacy import accounting, accounting_spec, budget_chain, dplc_releases
 
 BUDGET_LEDGER_FORMAT = "dp-fedemb-budget-ledger/1"
 FINGERPRINT_SCHEME = "sha256 of sorted training user ids"
@@ -172,11 +178,14 @@ class BudgetPolicy:
       ledger_path: the ledger JSON file (created on first use); a local or mounted path.
       total_epsilon: the most epsilon all runs on one dataset may spend together.
       override: start a run that would exceed the budget anyway; recorded.
+      accept_repaired_ledger: accept a ledger whose chain or records disagree (the user
+        repaired it on purpose): sealed again as it is, and the repair recorded.
     """
 
     ledger_path: str
     total_epsilon: float
     override: bool = False
+    accept_repaired_ledger: bool = False
 
     def __post_init__(self) -> None:
         if not self.ledger_path:
@@ -192,6 +201,11 @@ class BudgetPolicy:
             raise ValueError(f"dataset budget epsilon must be finite and > 0, got {value}")
         if not isinstance(self.override, bool):
             raise ValueError(f"budget override must be true or false, got {self.override!r}")
+        if not isinstance(self.accept_repaired_ledger, bool):
+            raise ValueError(
+                "the repaired-ledger override must be true or false, got "
+                f"{self.accept_repaired_ledger!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +223,8 @@ class BudgetCharge:
     total_epsilon: float
     overridden: bool  # this run exceeded the budget and started on an explicit override
     resumed: bool  # the run was already charged (a resumed run is charged once)
+    chain: str  # the run's entry's chain (`budget_chain`), what metrics.json and MLMD keep
+    ledger_repaired: bool = False  # the ledger was accepted repaired at this charge
 
     def to_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)
@@ -255,12 +271,66 @@ def _read(path: str, *, writing: bool = True) -> dict[str, Any]:
     _check_usable(path, writing=writing)
     text = secret_files.read_text(path)
     if text is None:
-        return _empty_ledger()
+        return {**_empty_ledger(), budget_chain.CHAIN_KEY: budget_chain.CHAIN_SCHEME}
     # The ledger grows with every run: nesting and integers bounded, not its size.
     data = bounded_load.load_json(text, f"budget ledger {path}", bound_size=False)
     if not isinstance(data, dict) or data.get("format") != BUDGET_LEDGER_FORMAT:
         raise ValueError(f"{path} is not a budget ledger (format {BUDGET_LEDGER_FORMAT!r})")
     return data
+
+
+def _recorded_in_metrics(data: Mapping[str, Any]) -> list[budget_chain.RecordedCharge]:
+    """The charges that finished `dp-fedemb train` runs recorded in their metrics.json
+    (an entry's ``recorded_in``; a file since removed or not yet written has none)."""
+    found = []
+    for fingerprint, dataset in data["datasets"].items():
+        for entry in dataset["runs"]:
+            path = entry.get("recorded_in")
+            text = secret_files.read_text(path) if isinstance(path, str) else None
+            if text is None:
+                continue
+            metrics = bounded_load.load_json(text, f"metrics {path}", bound_size=False)
+            charge = metrics.get("dataset_budget") if isinstance(metrics, dict) else None
+            if isinstance(charge, dict) and charge.get("run_id") == entry["run_id"]:
+                found.append(
+                    budget_chain.RecordedCharge(
+                        fingerprint, entry["run_id"], charge.get("chain"), path
+                    )
+                )
+    return found
+
+
+def _open(
+    path: str,
+    recorded: Sequence[budget_chain.RecordedCharge] = (),
+    *,
+    writing: bool = True,
+    accept_repair: bool = False,
+) -> tuple[dict[str, Any], budget_chain.Verified]:
+    """The ledger, verified (`budget_chain.verify`, with the metrics.json its entries
+    name and `recorded`), and what verifying did (a migration, a repair)."""
+    data = _read(path, writing=writing)
+    verified = budget_chain.verify(
+        path, data, [*_recorded_in_metrics(data), *recorded], accept_repair=accept_repair
+    )
+    return data, verified
+
+
+def check_ledger(
+    path: str,
+    recorded: Sequence[budget_chain.RecordedCharge],
+    *,
+    accept_repair: bool = False,
+) -> None:
+    """Verifies the ledger at `path` against the charges the product recorded elsewhere
+    (`dp-fedemb run`: ML Metadata), before a run charges it; ValueError in one line
+    naming the entry. A ledger that does not exist yet has nothing to check."""
+    if not os.path.lexists(path):
+        return
+    with _locked(path):
+        data, verified = _open(path, recorded, accept_repair=accept_repair)
+        if verified.changed:
+            _write_atomically(path, data)
 
 
 def _write_atomically(path: str, data: Mapping[str, Any]) -> None:
@@ -309,23 +379,33 @@ def charge_run(
     run_id: str,
     spec: accounting_spec.AccountingSpec,
     releases: dplc_releases.ReleasePlan | None = None,
+    recorded_in: str | None = None,
 ) -> BudgetCharge:
     """Charges a run's planned schedule to its dataset, or refuses it (ValueError).
 
     `releases`: the run's shared-negatives releases, charged with its schedule.
+    `recorded_in`: the metrics.json the run will record its charge in, which later
+    openings of the ledger check the entry against.
 
     A run id already in the ledger is not charged again (a resumed run). Otherwise the
     run is refused when the composed epsilon of the dataset's runs and this one, at this
     run's delta, exceeds `policy.total_epsilon`, unless `policy.override`.
     """
-    (charge,) = _charge(policy, fingerprint, users, [(run_id, spec, releases)], together=False)
+    (charge,) = _charge(
+        policy,
+        fingerprint,
+        users,
+        [(run_id, spec, releases)],
+        together=False,
+        recorded_in=recorded_in,
+    )
     return charge
 
 
 def dataset_spent(ledger_path: str, fingerprint: str, delta: float) -> float:
     """Composed epsilon at `delta` of every run charged to the dataset (0 if none)."""
     with _locked(ledger_path):
-        dataset = _read(ledger_path, writing=False)["datasets"].get(fingerprint)
+        dataset = _open(ledger_path, writing=False)[0]["datasets"].get(fingerprint)
     if not dataset:
         return 0.0
     return composed_epsilon(_specs(dataset), delta, [_releases(run) for run in dataset["runs"]])
@@ -358,6 +438,7 @@ def _charge(
     runs: Sequence[tuple[str, accounting_spec.AccountingSpec, dplc_releases.ReleasePlan | None]],
     *,
     together: bool,
+    recorded_in: str | None = None,
 ) -> list[BudgetCharge]:
     """`charge_run` (one run) and `charge_runs` (`together`): charges the runs not yet in
     the ledger, all or none, under one lock, and returns each run's charge.
@@ -372,7 +453,7 @@ def _charge(
         raise ValueError("charge_runs needs at least one run")
     delta = runs[-1][1].delta
     with _locked(policy.ledger_path):
-        data = _read(policy.ledger_path)
+        data, verified = _open(policy.ledger_path, accept_repair=policy.accept_repaired_ledger)
         dataset = data["datasets"].setdefault(fingerprint, {"users": users, "runs": []})
         budget_epsilon = _fixed_budget(dataset, policy)
         budget_changed = budget_epsilon != policy.total_epsilon
@@ -444,10 +525,13 @@ def _charge(
                     "overridden": over or budget_changed,
                     "charged_at": time.time(),
                     **({"charged_with": [r for r, _, _ in runs]} if together else {}),
+                    **({} if recorded_in is None else {"recorded_in": recorded_in}),
                 }
             )
-        if new:
+            budget_chain.seal_last(fingerprint, dataset)
+        if new or verified.changed:
             _write_atomically(policy.ledger_path, data)
+        chains = {run["run_id"]: run[budget_chain.CHAIN_KEY] for run in dataset["runs"]}
     return [
         BudgetCharge(
             fingerprint,
@@ -463,6 +547,8 @@ def _charge(
                 bool(charged[run_id]["overridden"]) if run_id in charged else over or budget_changed
             ),
             resumed=run_id in charged,
+            chain=chains[run_id],
+            ledger_repaired=verified.repaired,
         )
         for (run_id, _, _), run_epsilon in zip(runs, run_epsilons)
     ]
