@@ -83,6 +83,7 @@ class Deadlines:
         self.first_s = first_s
         self._longest_s: float | None = None
         self._round_ends: float | None = None
+        self._failed: WorkerLostError | None = None
         self._lock = threading.Lock()
 
     def budget(self) -> tuple[float, str]:
@@ -104,6 +105,7 @@ class Deadlines:
         started = time.monotonic()
         with self._lock:
             self._round_ends = started + seconds
+            self._failed = None
         try:
             yield seconds, why
             took = time.monotonic() - started
@@ -112,6 +114,23 @@ class Deadlines:
         finally:
             with self._lock:
                 self._round_ends = None
+                self._failed = None
+
+    def fail_round(self, lost: WorkerLostError) -> WorkerLostError:
+        """The round's first lost worker; every later call of the round raises it too.
+
+        TFF's context runs the workers' shares one after another on its event loop, and
+        a share whose worker was lost leaves the others queued, to run after the
+        deadline has passed: they must not blame their own, healthy, workers.
+        """
+        with self._lock:
+            if self._round_ends is not None and self._failed is None:
+                self._failed = lost
+            return self._failed or lost
+
+    def failed(self) -> WorkerLostError | None:
+        with self._lock:
+            return self._failed
 
     def forget_measurements(self) -> None:
         """After a worker was replaced: its first round compiles again, like a first one."""
@@ -140,6 +159,9 @@ class WorkerStub(tff.framework.RemoteExecutorGrpcStub):
     def _call(self, method: str, request: object, timeout_s: float | None = None) -> object:
         if self.lost is not None:
             raise WorkerLostError(self.address, self.lost)
+        failed = self._deadlines.failed()
+        if failed is not None:
+            raise WorkerLostError(failed.address, failed.reason)
         timeout = self._deadlines.timeout_s() if timeout_s is None else timeout_s
         try:
             return getattr(self._stub, method)(request, timeout=timeout)
@@ -147,8 +169,11 @@ class WorkerStub(tff.framework.RemoteExecutorGrpcStub):
             code = e.code() if isinstance(e, grpc.Call) else None
             if code not in _LOST_CODES:
                 raise
+            failed = self._deadlines.failed()
+            if failed is not None:  # the round failed while this call waited
+                raise WorkerLostError(failed.address, failed.reason) from None
             self.lost = f"{_LOST_CODES[code]} ({code.name} in {method} after {timeout:.0f} s)"
-            raise WorkerLostError(self.address, self.lost) from None
+            raise self._deadlines.fail_round(WorkerLostError(self.address, self.lost)) from None
 
     def _dispose(self, method: str, request: object) -> object:
         try:

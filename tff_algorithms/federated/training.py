@@ -17,6 +17,10 @@ version can exist with truncated files, and on object stores a rename is a copy
 that a kill can interrupt. The loader therefore reads the newest version that reads
 back, removing newer ones that do not (`_load_newest_intact`).
 
+Each round runs under the runtime's deadline (`runtime.TffRuntime.run_round`): a worker
+lost mid-round is replaced or dropped and the round tried again from the same state,
+or training stops with one line; only an applied round is checkpointed and charged.
+
 Each version holds everything resume needs: the whole process state (model, server
 optimizer and aggregator state, tree-noise state included), the number of completed rounds
 (the schedule is a pure function of the round, so that is its position), the
