@@ -22,6 +22,7 @@ counted per source mode in the Beam counters `converted_image_<mode>`. Sources i
 summary are shown with non-printable characters escaped.
 """
 
+import contextlib
 import dataclasses
 import os
 import sqlite3
@@ -251,6 +252,31 @@ def _split_clause(split_name: str | None) -> tuple[str, tuple]:
     return (" AND split_name = ?", (split_name,)) if split_name is not None else ("", ())
 
 
+# Each row's types come first, and a value is fetched only when it is a blob of at most
+# the bound: a value the file controls never sizes an allocation (issue 63: an INTEGER
+# of 5,000,000,000 in bytes() was a MemoryError).
+_ROWS_QUERY = (
+    "SELECT rowid, typeof(client_id), CASE WHEN typeof(client_id) = 'text' THEN client_id END, "
+    "typeof(serialized_example_proto), length(serialized_example_proto), "
+    "CASE WHEN typeof(serialized_example_proto) = 'blob' "
+    "AND length(serialized_example_proto) <= ? THEN serialized_example_proto END "
+    "FROM examples WHERE rowid BETWEEN ? AND ?"
+)
+
+
+def _row_error(
+    client_type: str, proto_type: str, proto_bytes: int | None, max_bytes: int
+) -> tuple[str, str] | None:
+    """(reason, detail) of a row whose types or size are not TFF client data's."""
+    if client_type != "text":
+        return schema.INVALID_NAME, f"client_id is {client_type}, not text"
+    if proto_type != "blob":
+        return schema.MISSING_FIELD, f"serialized_example_proto is {proto_type}, not a blob"
+    if proto_bytes > max_bytes:
+        return schema.IMAGE_TOO_LARGE, f"serialized_example_proto over {max_bytes} bytes"
+    return None
+
+
 class _ReadSqlRowsFn(beam.DoFn):
     def __init__(
         self,
@@ -263,19 +289,28 @@ class _ReadSqlRowsFn(beam.DoFn):
         self._split_name = split_name
         self._identity_feature = identity_feature
         self._max_pixels = max_pixels
+        # A serialized example holds one image (or its pixels) and a few small features.
+        self._max_bytes = image_files.max_encoded_bytes(max_pixels) + 65536
 
     def process(self, rowid_range: tuple[int, int]):
         clause, params = _split_clause(self._split_name)
-        query = f"SELECT rowid, client_id, serialized_example_proto FROM examples WHERE rowid BETWEEN ? AND ?{clause}"
         with _connect(self._database) as connection:
-            rows = connection.execute(query, (*rowid_range, *params)).fetchall()
-        for rowid, client_id, serialized in rows:
+            rows = connection.execute(
+                _ROWS_QUERY + clause, (self._max_bytes, *rowid_range, *params)
+            ).fetchall()
+        for rowid, client_type, client_id, proto_type, proto_bytes, serialized in rows:
             source = f"{self._database}#rowid={rowid}"
-            # Every row, good or bad, shows its client is not empty.
-            yield beam.pvalue.TaggedOutput(_ROW_CLIENT_TAG, _client_key(str(client_id)))
+            if client_type == "text":
+                # Every row of a client, good or bad, shows the client is not empty.
+                yield beam.pvalue.TaggedOutput(_ROW_CLIENT_TAG, _client_key(client_id))
+            problem = _row_error(client_type, proto_type, proto_bytes, self._max_bytes)
+            if problem is not None:
+                reason, detail = problem
+                yield _bad(reason, source, detail)
+                continue
             try:
                 record = tff_example_to_record(
-                    str(client_id), bytes(serialized), self._identity_feature, self._max_pixels
+                    client_id, serialized, self._identity_feature, self._max_pixels
                 )
             except schema.RecordError as e:
                 yield _bad(e.reason, source, str(e))
@@ -288,13 +323,24 @@ def _client_key(client_id: str) -> bytes:
     return client_id.encode("utf-8", "surrogateescape")
 
 
-def _client_metadata(database: str, split_name: str | None) -> list[bytes]:
+def _client_metadata(database: str, split_name: str | None):
+    """Listed client ids (keys); a listing whose client_id is not text is a bad input."""
     clause, params = _split_clause(split_name)
     with _connect(database) as connection:
         rows = connection.execute(
-            f"SELECT DISTINCT client_id FROM client_metadata WHERE 1=1{clause}", params
-        )
-        return [_client_key(str(client_id)) for (client_id,) in rows]
+            "SELECT DISTINCT typeof(client_id), "
+            f"CASE WHEN typeof(client_id) = 'text' THEN client_id END FROM client_metadata WHERE 1=1{clause}",
+            params,
+        ).fetchall()
+    for client_type, client_id in rows:
+        if client_type == "text":
+            yield _client_key(client_id)
+        else:
+            yield _bad(
+                schema.INVALID_NAME,
+                f"{database}#client_metadata",
+                f"client_id is {client_type}, not text",
+            )
 
 
 def _empty_clients(joined: tuple[str, dict], database: str):
@@ -307,22 +353,60 @@ def _empty_clients(joined: tuple[str, dict], database: str):
         )
 
 
-def _check_tff_database(database: str) -> None:
+# The columns TFF's client-data files have, and the type affinity each must have
+# (https://www.sqlite.org/datatype3.html, 3.1): examples as blobs, client ids as text.
+_TFF_COLUMNS = {
+    "examples": {"client_id": "text", "serialized_example_proto": "blob"},
+    "client_metadata": {"client_id": "text"},
+}
+
+
+def _affinity(declared: str) -> str:
+    declared = declared.upper()
+    if "INT" in declared:
+        return "integer"
+    if any(word in declared for word in ("CHAR", "CLOB", "TEXT")):
+        return "text"
+    if "BLOB" in declared or not declared:
+        return "blob"
+    if any(word in declared for word in ("REAL", "FLOA", "DOUB")):
+        return "real"
+    return "numeric"
+
+
+def _check_tff_database(database: str, split_name: str | None) -> None:
+    """The tables, columns and column types of TFF client data, before any row is read."""
     if not os.path.isfile(database):
         raise ValueError(f"SQLite client-data file {database} does not exist")
     try:
-        with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as connection:
+        with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as db:
             tables = {
-                name
-                for (name,) in connection.execute(
-                    "SELECT name FROM sqlite_master WHERE type='table'"
-                )
+                name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")
+            }
+            missing = set(_TFF_COLUMNS) - tables
+            if missing:
+                raise ValueError(f"{database} lacks the TFF client-data tables {sorted(missing)}")
+            columns = {
+                table: {row[1]: row[2] for row in db.execute(f"PRAGMA table_info({table})")}
+                for table in _TFF_COLUMNS
             }
     except sqlite3.DatabaseError as e:
         raise ValueError(f"{database} is not a SQLite database: {e}") from e
-    missing = {"examples", "client_metadata"} - tables
-    if missing:
-        raise ValueError(f"{database} lacks the TFF client-data tables {sorted(missing)}")
+    for table, wanted in _TFF_COLUMNS.items():
+        needed = {**wanted, **({"split_name": "text"} if split_name is not None else {})}
+        for column, affinity in needed.items():
+            if column not in columns[table]:
+                raise ValueError(
+                    f"{database}: table {table} has no column {column} (it has "
+                    f"{', '.join(sorted(columns[table])) or 'none'}); TFF client data has "
+                    f"{', '.join(sorted(needed))}"
+                )
+            declared = columns[table][column]
+            if _affinity(declared) != affinity:
+                raise ValueError(
+                    f"{database}: column {table}.{column} is declared {declared or 'untyped'}; "
+                    f"TFF client data stores it as {affinity.upper()}"
+                )
 
 
 class ReadSqlClientData(beam.PTransform):
@@ -338,7 +422,7 @@ class ReadSqlClientData(beam.PTransform):
         max_image_pixels: int = schema.DEFAULT_MAX_IMAGE_PIXELS,
     ):
         super().__init__()
-        _check_tff_database(database)
+        _check_tff_database(database, split_name)
         self._database = database
         self._split_name = split_name
         self._identity_feature = identity_feature
@@ -362,18 +446,21 @@ class ReadSqlClientData(beam.PTransform):
             | "DistinctClients" >> beam.Distinct()
             | "KeySeen" >> beam.Map(lambda client_id: (client_id, None))
         )
-        listed_clients = (
+        listed = (
             pbegin
             | "MetadataSource" >> beam.Create([database])
-            | "ListedClients" >> beam.FlatMap(_client_metadata, split_name)
-            | "KeyListed" >> beam.Map(lambda client_id: (client_id, None))
+            | "ListedClients"
+            >> beam.FlatMap(_client_metadata, split_name).with_outputs(BAD_TAG, main="listed")
+        )
+        listed_clients = listed.listed | "KeyListed" >> beam.Map(
+            lambda client_id: (client_id, None)
         )
         empty_users = (
             {"listed": listed_clients, "examples": seen_clients}
             | "JoinClients" >> beam.CoGroupByKey()
             | "EmptyClients" >> beam.FlatMap(_empty_clients, database)
         )
-        bad = (outputs[BAD_TAG], empty_users) | "AllBad" >> beam.Flatten()
+        bad = (outputs[BAD_TAG], listed[BAD_TAG], empty_users) | "AllBad" >> beam.Flatten()
         return {"records": outputs.records, "bad": bad}
 
 

@@ -189,3 +189,92 @@ def test_not_a_tff_database_is_one_clear_error(tmp_path):
         connection.execute("CREATE TABLE things (x)")
     with pytest.raises(ValueError, match="lacks the TFF client-data tables"):
         ingest.reader_for(database)
+
+
+def _labelled_png_example(label: int) -> bytes:
+    example = tf.train.Example()
+    example.features.feature["image/encoded"].bytes_list.value.append(_png(label))
+    example.features.feature["label"].int64_list.value.append(label)
+    return example.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("examples", "message"),
+    [
+        ("client_id TEXT, proto BLOB", "table examples has no column serialized_example_proto"),
+        ("user TEXT, serialized_example_proto BLOB", "table examples has no column client_id"),
+        (
+            "client_id TEXT, serialized_example_proto TEXT",
+            "column examples.serialized_example_proto is declared TEXT; TFF client data "
+            "stores it as BLOB",
+        ),
+        (
+            "client_id INTEGER, serialized_example_proto BLOB",
+            "column examples.client_id is declared INTEGER",
+        ),
+    ],
+)
+def test_sql_columns_and_their_types_are_checked_before_reading(tmp_path, examples, message):
+    database = str(tmp_path / "odd.sqlite")
+    with sqlite3.connect(database) as connection:
+        connection.execute(f"CREATE TABLE examples ({examples})")
+        connection.execute("CREATE TABLE client_metadata (client_id TEXT)")
+    with pytest.raises(ValueError, match=message) as refused:
+        ingest.reader_for(database)
+    assert "\n" not in str(refused.value)
+    # A split asks for split_name in both tables.
+    _tff_database(str(tmp_path / "tff.sqlite"), [], [])
+    ingest.ReadSqlClientData(str(tmp_path / "tff.sqlite"), split_name="train")
+
+
+def test_sql_rows_of_the_wrong_type_are_counted_bad_rows_never_read(tmp_path):
+    """TEXT, NULL or INTEGER examples and NULL or BLOB client ids, in columns whose
+    declared types are right (SQLite stores any type in any column): each row a counted
+    bad input; an INTEGER of 5e9 is never turned into 5 GB of zero bytes; a NULL client
+    never becomes a user named "None"."""
+    database = str(tmp_path / "typed.sqlite")
+    with sqlite3.connect(database) as connection:
+        connection.execute(
+            "CREATE TABLE examples (split_name TEXT, client_id TEXT, serialized_example_proto BLOB)"
+        )
+        connection.execute("CREATE TABLE client_metadata (client_id TEXT, split_name TEXT)")
+        rows = [
+            ("good", _labelled_png_example(1)),
+            ("text", "a string, not a proto"),
+            ("null", None),
+            ("integer", 5_000_000_000),
+            (None, _labelled_png_example(2)),
+            (b"a blob", _labelled_png_example(3)),  # TEXT affinity keeps a blob a blob
+        ]
+        connection.executemany("INSERT INTO examples VALUES ('train', ?, ?)", rows)
+        connection.executemany(
+            "INSERT INTO client_metadata VALUES (?, 'train')", [("good",), (None,)]
+        )
+    out = str(tmp_path / "out")
+    summary = ingest.run_ingest([database], out, max_bad_fraction=1.0)
+    assert summary["records"] == 1
+    # Three rows with no blob; a NULL and a BLOB client id, and a NULL listing.
+    assert summary["bad_by_reason"] == {
+        schema.MISSING_FIELD: 3,
+        schema.INVALID_NAME: 3,
+    }
+    (written,) = [
+        r.numpy()
+        for r in tf.data.TFRecordDataset(tf.io.gfile.glob(records_io.records_pattern(out)))
+    ]
+    assert schema.parse(written).user_id == "good"
+
+
+def test_an_oversized_sql_example_is_counted_without_being_fetched(tmp_path):
+    database = str(tmp_path / "big.sqlite")
+    _tff_database(database, [("u", _labelled_png_example(1)), ("v", b"\0" * 5000)], [])
+    with sqlite3.connect(database) as connection:
+        connection.execute("INSERT INTO examples VALUES ('train', 'w', zeroblob(200000))")
+    out = str(tmp_path / "out")
+    # 10 pixels allow 80 bytes of image and 64 KiB of the rest: v's 5000 zero bytes are
+    # read and are no example; w's 200 kB are over the bound and never fetched.
+    summary = ingest.run_ingest([database], out, max_bad_fraction=1.0, max_image_pixels=10)
+    assert summary["bad_by_reason"] == {
+        schema.MISSING_FIELD: 1,
+        schema.IMAGE_TOO_LARGE: 2,  # w's row; u's image, 36 pixels
+    }
