@@ -61,10 +61,21 @@ _STORAGE_ERRORS = {
     errno.EDQUOT: "Disk quota exceeded",
     errno.EROFS: "Read-only file system",
 }
-_STORAGE_HINT = (
-    "free space (or write to a larger disk) and re-run the same command: it continues "
-    "where it stopped"
-)
+_RERUN = "re-run the same command: it continues where it stopped"
+_STORAGE_HINTS = {
+    errno.ENOSPC: f"free space (or write to a larger disk) and {_RERUN}",
+    errno.EDQUOT: f"free space within your quota (or write to another disk) and {_RERUN}",
+    errno.EROFS: f"the file system is read-only: make it writable (or write to another disk) and {_RERUN}",
+}
+# Bytes a library put in its message (Beam's TFRecord reader prints a record with a
+# bad checksum: user names, images): never on the console or in a log line. A
+# SHA-256 (64 hex digits) is not data.
+_DATA_IN_MESSAGE = re.compile(r"""b'(?:[^'\\]|\\.)*'|b"(?:[^"\\]|\\.)*"|[0-9a-fA-F]{65,}""")
+
+
+def _without_data(text: str) -> str:
+    """`text` with byte literals and long hex runs replaced by their length."""
+    return _DATA_IN_MESSAGE.sub(lambda m: f"<{len(m.group(0))} characters of data not shown>", text)
 
 
 def _storage_error(error: BaseException) -> str | None:
@@ -77,12 +88,12 @@ def _storage_error(error: BaseException) -> str | None:
         seen.add(id(current))
         if isinstance(current, OSError) and current.errno in _STORAGE_ERRORS:
             where = f" writing {current.filename}" if current.filename else ""
-            return f"{_STORAGE_ERRORS[current.errno]}{where}; {_STORAGE_HINT}"
+            return f"{_STORAGE_ERRORS[current.errno]}{where}; {_STORAGE_HINTS[current.errno]}"
         text = str(current)
-        for reason in _STORAGE_ERRORS.values():
+        for number, reason in _STORAGE_ERRORS.items():
             if reason in text and type(current).__module__.startswith("tensorflow"):
                 first = _one_line(text)[:300]
-                return f"{reason} ({first}); {_STORAGE_HINT}"
+                return f"{reason} ({first}); {_STORAGE_HINTS[number]}"
         current = current.__cause__ or current.__context__
     return None
 
@@ -193,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         storage = _storage_error(e)
         if storage is None and not isinstance(e, (ValueError, OSError)):
             raise  # a bug: keep its traceback
-        message = storage or (_one_line(str(e)) if str(e) else type(e).__name__)
+        message = storage or (_without_data(_one_line(str(e))) if str(e) else type(e).__name__)
         print(f"dp-fedemb {name}: error: {checks.shown(message)}", file=sys.stderr)
         return EXIT_INPUT_ERROR
 

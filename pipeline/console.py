@@ -52,6 +52,11 @@ KNOWN_NOISE: tuple[re.Pattern[str], ...] = tuple(
         # Python warnings printed by child processes (ours go to the log directly).
         r"^\S+\.py:\d+: (FutureWarning|DeprecationWarning|UserWarning|RuntimeWarning): ",
         r"^  warnings\.warn\(",
+        # TensorFlow's kernel log of a write that failed on a full disk, a quota or a
+        # read-only file system (checkpoint, export): the command's error line names the
+        # file and the fix.
+        r"tensorflow/core/framework/op_kernel\.cc.*OP_REQUIRES failed at .*"
+        r"(No space left on device|Disk quota exceeded|Read-only file system)",
         # TFX 1.15 on a local ML Metadata store, every run.
         r"ArtifactQuery\.property_predicate is not supported",
         r"artifact does not have payload_format",

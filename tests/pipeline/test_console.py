@@ -129,3 +129,37 @@ def test_a_full_disk_stops_the_log_copy_not_the_command(tmp_path, capfd):
         err = capfd.readouterr().err
         assert "dp-fedemb test2: warning: could not keep the full log" in err
         assert f"{UNKNOWN}\n" in err
+
+
+_FULL_CHECKPOINT = """
+import sys
+import tensorflow as tf
+from pipeline import console
+
+with console.QuietStderr():
+    console.keep_log_in(sys.argv[2], "test")
+    try:
+        tf.train.Checkpoint(v=tf.Variable(tf.zeros([1 << 20]))).write(sys.argv[1])
+    except tf.errors.OpError as e:
+        print("refused:", type(e).__name__)
+"""
+
+
+def test_tensorflows_op_requires_line_of_a_full_disk_stays_off_the_console(tmp_path):
+    """Issue 63: a checkpoint or export on a full disk added TensorFlow's kernel line
+    `W tensorflow/core/framework/op_kernel.cc ... OP_REQUIRES failed ...` to the console;
+    the command's own error line says what to do. It stays in the full log."""
+    from tests import small_fs
+
+    with small_fs.small_filesystem(str(tmp_path / "disk"), 64) as disk:
+        done = subprocess.run(
+            [sys.executable, "-c", _FULL_CHECKPOINT, f"{disk}/ckpt", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    assert "refused:" in done.stdout, done.stdout
+    assert "OP_REQUIRES" not in done.stderr, done.stderr
+    (log,) = os.listdir(tmp_path / console.LOG_DIR)
+    logged = (tmp_path / console.LOG_DIR / log).read_text()
+    assert "OP_REQUIRES failed" in logged and "No space left on device" in logged

@@ -145,3 +145,25 @@ def test_users_sharing_identities_from_synth_to_split(tmp_path, capsys):
     )
     assert code == 0 and split["dropped_records"] == 0 and split["mode"] == "identity"
     assert split["users"]["train"] == 30 and split["records"]["test"] > 0
+
+
+def test_a_tfrecord_with_a_bad_checksum_fails_without_printing_the_record(tmp_path, capsys):
+    """Issue 63: Beam's error printed the record (user, identity, image) in hex."""
+    import numpy as np
+    import tensorflow as tf
+
+    from beam_jobs import schema
+
+    image = schema.encode_png(np.full((6, 6), 3, np.uint8))
+    record = schema.serialize(schema.CanonicalRecord("alice-private", "face", image))
+    path = tmp_path / "bad.tfrecord"
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        writer.write(record)
+    damaged = bytearray(path.read_bytes())
+    damaged[20] ^= 0xFF  # inside the record: its checksum no longer matches
+    path.write_bytes(bytes(damaged))
+    code, _, err = _run(capsys, "ingest", "--input", str(path), "--out", str(tmp_path / "o"))
+    assert code == 1 and err.count("\n") == 1, err
+    assert "Not a valid TFRecord" in err and "data not shown" in err, err
+    for secret in (b"alice-private", image[:16]):
+        assert secret.hex() not in err and secret.decode("latin-1") not in err, err

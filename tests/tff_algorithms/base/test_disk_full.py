@@ -102,3 +102,15 @@ def test_train_stopped_by_a_full_disk_loses_nothing_and_the_rerun_completes(tmp_
         assert metrics["rounds"] == 2 and metrics["epsilon"] > 0
         assert os.path.exists(os.path.join(output, job_files.SAVED_MODEL_DIR, "saved_model.pb"))
         assert _files(data) == images
+
+
+def test_a_read_only_file_system_is_called_read_only(tmp_path):
+    """Issue 63: it was reported as "free space (or write to a larger disk)"."""
+    with small_fs.small_filesystem(str(tmp_path / "disk"), 8192) as disk:
+        os.makedirs(os.path.join(disk, "synth"))
+        small_fs.remount(disk, "ro")
+        line, _ = support.run_refused(
+            "data", "synth", "--out", os.path.join(disk, "synth"), *_SYNTH_FLAGS, timeout=120
+        )
+    assert "Read-only file system" in line and "the file system is read-only" in line, line
+    assert "free space" not in line, line
