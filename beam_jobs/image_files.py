@@ -33,6 +33,10 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 EMPTY_USER = "empty_user"
 UNREADABLE_FILE = "unreadable_file"
 MISPLACED_FILE = "misplaced_file"
+# A hidden entry (a name with a leading ".": .git, .DS_Store, a sync tool's folder) is
+# skipped without being read, and counted apart from bad inputs: it is not a bad share.
+HIDDEN_ENTRY = "hidden_entry"
+SKIPPED_REASONS = frozenset({HIDDEN_ENTRY})
 
 FILE_NAME_FIELD = "file name"
 # No PNG or JPEG within the pixel limit needs more than this many bytes per pixel
@@ -91,12 +95,16 @@ def _is_remote(path: bytes) -> bool:
 
 
 def _entries(folder: bytes) -> list[bytes]:
-    """Names in `folder`, sorted; hidden names (a leading ".") are not inputs."""
+    """Names in `folder`, sorted, hidden ones (`HIDDEN_ENTRY`) included."""
     if _is_remote(folder):
         names = [os.fsencode(n.rstrip("/")) for n in tf.io.gfile.listdir(os.fsdecode(folder))]
     else:
         names = os.listdir(folder)
-    return sorted(name for name in names if not name.startswith(b"."))
+    return sorted(names)
+
+
+def _hidden(path: bytes) -> BadInput:
+    return bad_input(HIDDEN_ENTRY, path, "a hidden name (leading '.'): skipped, not read")
 
 
 def _is_folder(path: bytes) -> bool:
@@ -182,6 +190,7 @@ def list_user_folders(root: str) -> list[bytes]:
     survive to be counted (Beam's string coder would refuse it as str)."""
     root_bytes = os.fsencode(root)
     paths = (os.path.join(root_bytes, name) for name in _entries(root_bytes))
+    # Hidden ones too, so that reading them counts them (`read_user_folder`).
     return [path for path in paths if _is_folder(path)]
 
 
@@ -190,13 +199,20 @@ def read_user_folder(user_folder: bytes, max_pixels: int) -> Iterator[CheckedIma
     user folder is misplaced_file, a user folder without image files empty_user.
 
     Files with an invalid user, identity or file name are invalid_name and never read;
-    files that are not .png/.jpg/.jpeg are unsupported_image_format.
+    files that are not .png/.jpg/.jpeg are unsupported_image_format. A hidden user
+    folder, identity folder or file is `HIDDEN_ENTRY`, never read.
     """
+    if os.path.basename(user_folder.rstrip(b"/")).startswith(b"."):
+        yield _hidden(user_folder)
+        return
     user_id = os.fsdecode(os.path.basename(user_folder.rstrip(b"/")))
     user_error = _name_error(user_id, schema.USER_ID_KEY)
     images = 0
     for identity in _entries(user_folder):
         folder = os.path.join(user_folder, identity)
+        if identity.startswith(b"."):
+            yield _hidden(folder)
+            continue
         if not _is_folder(folder):
             yield bad_input(MISPLACED_FILE, folder, "files must sit in ROOT/<user_id>/<identity>/")
             continue
@@ -204,6 +220,9 @@ def read_user_folder(user_folder: bytes, max_pixels: int) -> Iterator[CheckedIma
         folder_error = user_error or _name_error(identity_name, schema.IDENTITY_KEY)
         for name in _entries(folder):
             path = os.path.join(folder, name)
+            if name.startswith(b"."):
+                yield _hidden(path)
+                continue
             file_name = os.fsdecode(name)
             if not file_name.lower().endswith(IMAGE_EXTENSIONS):
                 yield bad_input(schema.UNSUPPORTED_IMAGE_FORMAT, path, "not a .png/.jpg/.jpeg file")
@@ -228,7 +247,9 @@ def bad_share_error(
     what: str, records: int, bad_by_reason: dict[str, int], max_bad_fraction: float, setting: str
 ) -> str | None:
     """The one-line error when bad inputs are over `max_bad_fraction` of all, else None;
-    `setting` names the limit as the user sets it."""
+    `setting` names the limit as the user sets it. Skipped entries (`SKIPPED_REASONS`)
+    are neither bad nor inputs."""
+    bad_by_reason = {r: n for r, n in bad_by_reason.items() if r not in SKIPPED_REASONS}
     bad = sum(bad_by_reason.values())
     total = records + bad
     if total == 0 or bad / total <= max_bad_fraction:

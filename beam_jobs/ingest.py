@@ -484,6 +484,8 @@ def reader_for(
 def _summary(
     records: int, bad_counts: dict[str, int], bad_examples: list, max_bad_fraction: float
 ) -> dict:
+    skipped = {r: n for r, n in bad_counts.items() if r in image_files.SKIPPED_REASONS}
+    bad_counts = {r: n for r, n in bad_counts.items() if r not in skipped}
     bad = sum(bad_counts.values())
     total = records + bad
     bad_fraction = bad / total if total else 0.0
@@ -491,6 +493,8 @@ def _summary(
         "records": records,
         "bad": bad,
         "bad_by_reason": dict(sorted(bad_counts.items())),
+        # Hidden entries, not read and not bad (image_files.HIDDEN_ENTRY).
+        "skipped_by_reason": dict(sorted(skipped.items())),
         "bad_fraction": bad_fraction,
         "max_bad_fraction": max_bad_fraction,
         "within_limit": total > 0 and bad_fraction <= max_bad_fraction,

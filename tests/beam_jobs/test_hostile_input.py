@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from beam_jobs import ingest, records_io, schema, split_protocols, splits, synthetic
+from beam_jobs import image_files, ingest, records_io, schema, split_protocols, splits, synthetic
 from pipeline import cli
 from pipeline import config as config_lib
 
@@ -385,3 +385,24 @@ def test_config_values_reach_ingest():
     config = config_lib.config_from_dict({"data": {"max_image_pixels": 1234}})
     assert config.data.max_image_pixels == 1234
     assert json.loads(json.dumps(config.to_dict()))["data"]["max_image_pixels"] == 1234
+
+
+def test_hidden_folders_and_files_are_counted_as_skipped_not_bad(tmp_path):
+    """Issue 63: names with a leading "." (a .git or sync folder, .DS_Store) were skipped
+    without a count. Counted apart (`skipped_by_reason`), never read, and no bad share:
+    a .DS_Store in every folder does not fail the 1% limit."""
+    root = tmp_path / "images"
+    for user in ("u1", "u2"):
+        _write(str(root / user / "face" / "a.png"), _grey_png(1))
+        _write(str(root / user / "face" / ".DS_Store"), b"\0\0\0\1Bud1")
+    _write(str(root / "u1" / ".thumbnails" / "a.png"), _grey_png(2))
+    _write(str(root / ".git" / "objects" / "x.png"), _grey_png(3))
+    out = str(tmp_path / "out")
+    summary = ingest.run_ingest([str(root)], out)
+    assert summary["records"] == 2 and summary["bad"] == 0
+    assert summary["skipped_by_reason"] == {image_files.HIDDEN_ENTRY: 4}
+    assert sorted(r.user_id for r in _read_records(out)) == ["u1", "u2"]
+    error = image_files.bad_share_error(
+        "x", 2, {image_files.HIDDEN_ENTRY: 40, schema.CORRUPT_IMAGE: 1}, 0.3, "limit"
+    )
+    assert error is not None and "1 of 3 inputs are bad" in error and "hidden" not in error

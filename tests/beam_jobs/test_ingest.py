@@ -65,6 +65,7 @@ def test_image_folder_records_and_bad_input_accounting(image_folder):
                             "empty_user": 1,
                             "unsupported_image_format": 1,
                         },
+                        "skipped_by_reason": {},
                         "bad_fraction": 0.5,
                         "max_bad_fraction": 0.5,
                         "within_limit": True,
