@@ -60,7 +60,7 @@ def worker_flags(port: int, max_concurrent_computation_calls: int) -> list[str]:
     ]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the worker child before exec: SIGKILL it when its parent dies, and
     default SIGINT handling, which `stop` relies on (a parent started as a background
     job without job control inherits SIGINT ignored, and so would the worker)."""
@@ -103,7 +103,7 @@ class LocalWorker:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
             close_fds=True,
             env=env,
         )
