@@ -70,7 +70,7 @@ def train_keys() -> list[str]:
 _TRAIN_CHOICES = {
     "head_init": client_config.HEAD_INITS,
     "head_loss": client_config.HEAD_LOSSES,
-    "architecture": model_config.ARCHITECTURES,
+    "batch_norm": model_config.BATCH_NORM_MODES,
     "server_optimizer": model_config.OPTIMIZERS,
 }
 
@@ -119,6 +119,11 @@ def _check_train_light(values: Mapping[str, Any], key: str) -> None:
             raise ValueError(
                 f"config {key}: {name} must be {wanted}, got {bounded_load.shown(value)}"
             )
+        if name == "architecture" and isinstance(value, str):
+            try:
+                model_config.check_architecture(value)
+            except ValueError as error:
+                raise ValueError(f"config {key}: {error}") from None
         choices = _TRAIN_CHOICES.get(name)
         if choices and isinstance(value, str) and value not in choices:
             raise ValueError(

@@ -33,7 +33,7 @@ from pipeline import config as config_lib
 from pipeline import config_checks, fingerprint
 from pipeline.components import data, evaluation, reporting, training
 from pipeline.components.pushing import Pusher
-from tff_algorithms.config import job_config, job_plan
+from tff_algorithms.config import job_config, job_plan, model_config
 
 # Node ids, used by partial runs and tests.
 EXAMPLE_GEN = "CanonicalExampleGen"
@@ -66,14 +66,26 @@ def tensorboard_dir(config: config_lib.PipelineConfig) -> str:
     return os.path.join(os.path.abspath(config.pipeline.output_dir), "tensorboard")
 
 
-def _code(component_factory) -> str:
-    return fingerprint.code_fingerprint(component_factory.__module__)
+def _code(component_factory, model_digests: tuple[str, ...]) -> str:
+    """The component's code fingerprint, with the digests of the backbone files or factories
+    the user brings (`_model_digests`): TFX caching then sees an edited model."""
+    return "+".join([fingerprint.code_fingerprint(component_factory.__module__), *model_digests])
+
+
+def _model_digests(*jobs: dict) -> tuple[str, ...]:
+    """`model_config.source_digest` of each job's architecture, where it has one."""
+    digests = {
+        model_config.source_digest(str(job.get("architecture") or model_config.SMALL_CNN))
+        for job in jobs
+    }
+    return tuple(sorted(digests - {None}))
 
 
 def build_components(config: config_lib.PipelineConfig) -> list:
     beam_args = json.dumps(list(config.pipeline.beam_args))
     train_job = config.train_job_dict()
     schedule_counts = job_config.TrainJobConfig.from_dict(train_job)
+    model_digests = _model_digests(train_job, config.pretrain_job_dict())
 
     example_gen = data.CanonicalExampleGen(
         input_sources=json.dumps([os.path.abspath(s) for s in config.data.inputs]),
@@ -91,7 +103,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         identity_feature=config.data.identity_feature or "",
         max_image_pixels=config.data.max_image_pixels or 0,
         beam_args=beam_args,
-        code_fingerprint=_code(data.CanonicalExampleGen),
+        code_fingerprint=_code(data.CanonicalExampleGen, ()),
     ).with_id(EXAMPLE_GEN)
     # No top values or rank histograms: for user_id and identity they would list
     # training users' names (and SchemaGen would copy them into a string domain) in
@@ -111,13 +123,13 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         anomalies=example_validator.outputs["anomalies"],
         dedup_config=json.dumps(dataclasses.asdict(config.dedup), sort_keys=True),
         beam_args=beam_args,
-        code_fingerprint=_code(data.DeduplicateSplits),
+        code_fingerprint=_code(data.DeduplicateSplits, ()),
     ).with_id(DEDUP)
     # Before anything slow: a schedule the training split cannot carry stops the run here.
     check_schedule = training.CheckTrainingSchedule(
         examples=example_gen.outputs["examples"],
         train_job_config=json.dumps(train_job, sort_keys=True),
-        code_fingerprint=_code(training.CheckTrainingSchedule),
+        code_fingerprint=_code(training.CheckTrainingSchedule, ()),
     ).with_id(CHECK_SCHEDULE)
     statistics_gen.add_upstream_node(check_schedule)
     examples = dedup.outputs["deduplicated_examples"]
@@ -131,7 +143,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         rounds=train_job["rounds"],
         schedule_mode=job_plan.schedule_mode(train_job["algorithm"]),
         beam_args=beam_args,
-        code_fingerprint=_code(data.PartitionVirtualClients),
+        code_fingerprint=_code(data.PartitionVirtualClients, ()),
     ).with_id(PARTITION)
     components = [
         example_gen,
@@ -151,7 +163,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
             num_shards=config.partition.num_shards,
             beam_args=beam_args,
             tensorboard_dir=tensorboard_dir(config),
-            code_fingerprint=_code(training.PretrainBackbone),
+            code_fingerprint=_code(training.PretrainBackbone, model_digests),
         ).with_id(PRETRAIN)
         components.append(pretrain)
         backbone = pretrain.outputs["backbone"]
@@ -164,7 +176,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
             train_job_config=json.dumps(train_job, sort_keys=True),
             budget_policy=json.dumps(config.budget_policy_dict(), sort_keys=True),
             tensorboard_dir=tensorboard_dir(config),
-            code_fingerprint=_code(training.PrivatePretrain),
+            code_fingerprint=_code(training.PrivatePretrain, model_digests),
         ).with_id(PRIVATE_PRETRAIN)
         components.append(private_pretrain)
         backbone = private_pretrain.outputs["backbone"]
@@ -185,7 +197,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         runtime_config=json.dumps(dataclasses.asdict(config.runtime), sort_keys=True),
         budget_policy=json.dumps(config.budget_policy_dict(), sort_keys=True),
         tensorboard_dir=tensorboard_dir(config),
-        code_fingerprint=_code(training.PrivateTrain),
+        code_fingerprint=_code(training.PrivateTrain, model_digests),
     ).with_id(PRIVATE_TRAIN)
     baseline_resolver = Resolver(
         strategy_class=LatestBlessedModelStrategy,
@@ -203,7 +215,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         max_recall_regression=config.evaluate.max_recall_regression,
         bootstrap_resamples=config.evaluate.bootstrap_resamples,
         confidence=config.evaluate.confidence,
-        code_fingerprint=_code(evaluation.EvaluateAndBless),
+        code_fingerprint=_code(evaluation.EvaluateAndBless, model_digests),
     ).with_id(EVALUATE)
     pusher = Pusher(
         model=private_train.outputs["model"],
@@ -221,7 +233,7 @@ def build_components(config: config_lib.PipelineConfig) -> list:
         schedule_statistics=partition.outputs["schedule_statistics"],
         dedup_report=dedup.outputs["dedup_report"],
         pushed_model=pusher.outputs["pushed_model"],
-        code_fingerprint=_code(reporting.RenderReport),
+        code_fingerprint=_code(reporting.RenderReport, ()),
     ).with_id(REPORT)
     return components + [private_train, baseline_resolver, evaluate, pusher, report]
 

@@ -128,7 +128,18 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("integer", "batch-size", "local batch size")
     define("integer", "max-examples-per-client", "cap on examples per virtual client")
     define("integer", "head-capacity", "local head rows")
-    define("string", "architecture", "small_cnn | mobilenet_v2 | resnet50")
+    define(
+        "string",
+        "architecture",
+        "small_cnn | mobilenet_v2 | resnet50 | keras:<Name> (tf.keras.applications) | "
+        "file:<path> (a saved Keras model) | python:<module>:<function> (a factory)",
+    )
+    define(
+        "string",
+        "batch-norm",
+        "auto | freeze | group_norm: what the backbone's BatchNormalization layers become "
+        "(auto: freeze for file:, group_norm otherwise)",
+    )
     define("integer", "embedding-size", "embedding size")
     define("integer", "image-size", "backbone input side in pixels")
     define("integer", "channels", "backbone input channels (1 or 3)")
@@ -386,7 +397,7 @@ def help_defaults() -> dict[str, str]:
 _CHOICES = {
     "head-init": client_config.HEAD_INITS,
     "head-loss": client_config.HEAD_LOSSES,
-    "architecture": model_config.ARCHITECTURES,
+    "batch-norm": model_config.BATCH_NORM_MODES,
     "server-optimizer": model_config.OPTIMIZERS,
     "cache-features": ("auto", "true", "false"),
     "split-mode": (split_protocols.AUTO, *split_protocols.MODES),
@@ -429,11 +440,20 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
         )
     if value["noise-multiplier"] is not None and value["target-epsilon"] is not None:
         raise ValueError("give at most one of --noise-multiplier and --target-epsilon")
+    if value["architecture"] is not None:
+        model_config.check_architecture(value["architecture"])
     layers = value["trainable-layers"]
-    if layers is not None and layers != recipes.EVERY_LAYER and value["pretrained"] is None:
+    starts_trained = (value["architecture"] or "").startswith(model_config.FILE_PREFIX)
+    if (
+        layers is not None
+        and layers != recipes.EVERY_LAYER
+        and value["pretrained"] is None
+        and not starts_trained
+    ):
         raise ValueError(
             f"--trainable-layers {','.join(layers)} would keep the other layers at their "
-            "random initial values: give --pretrained, or drop --trainable-layers"
+            "random initial values: give --pretrained or a file: architecture, or drop "
+            "--trainable-layers"
         )
     for name, choices in {"algorithm": algorithms.names(), **_CHOICES}.items():
         if value[name] is not None and value[name] not in choices:

@@ -44,6 +44,7 @@ _CONFIG_FIELDS = (
     "max_examples_per_client",
     "head_capacity",
     "architecture",
+    "batch_norm",
     "embedding_size",
     "image_size",
     "channels",

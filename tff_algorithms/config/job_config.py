@@ -105,7 +105,11 @@ class TrainJobConfig:
         identities each (the paper's EMNIST head). None means users_per_virtual_client,
         exact when every user holds one identity (faces). A job whose virtual clients may
         hold more identities is refused before training (`jobs.local_heads`).
-      architecture, embedding_size, image_size, channels: the backbone and its input.
+      architecture, embedding_size, image_size, channels: the backbone and its input
+        (`model_config`: a built-in, or keras:<Name>, file:<path>,
+        python:<module>:<function>).
+      batch_norm: what the backbone's BatchNormalization layers become
+        (`model_config.BATCH_NORM_MODES`; auto: freeze for file:, else group_norm).
       trainable_layers: layer-name patterns of the backbone layers training updates
         (`model_config.BackboneConfig.trainable_layers`); the others keep their initial
         (pretrained) values and are neither aggregated nor noised.
@@ -205,6 +209,7 @@ class TrainJobConfig:
     max_examples_per_client: int = 2048
     head_capacity: int | None = client_config.ClientConfig.head_capacity
     architecture: str = model_config.SMALL_CNN
+    batch_norm: str = model_config.BATCH_NORM_AUTO
     embedding_size: int = 128
     image_size: int = 28
     channels: int = 1
@@ -456,6 +461,7 @@ class TrainJobConfig:
             (self.image_size, self.image_size, self.channels),
             self.embedding_size,
             trainable_layers=self.trainable_layers,
+            batch_norm=self.batch_norm,
         )
 
     @property
@@ -529,6 +535,8 @@ class TrainJobConfig:
                 del values[name]
         if values["server_optimizer"] == model_config.SGD:
             del values["server_optimizer"]
+        if values["batch_norm"] == model_config.BATCH_NORM_AUTO:
+            del values["batch_norm"]
         # An algorithm's own settings as its section, with the schedule's counts in its
         # words; the jobs of algorithms without one record none.
         del values["settings"]

@@ -1,10 +1,29 @@
 """Which backbone to build: its architecture, input shape, embedding size and the layers
-training updates. No TensorFlow at import (`models` builds the backbone)."""
+training updates. No TensorFlow at import (`models` builds the backbone).
+
+An architecture is a built-in name (`ARCHITECTURES`) or one the user brings
+(`modeling/user_backbones.py` builds them):
+
+- `keras:<Name>`: a `tf.keras.applications` constructor, without its top and with
+  `weights=None`, then the product's pooling and embedding layer;
+- `file:<path>`: a saved Keras model (`.keras`, `.h5`, a SavedModel folder) whose output
+  is the embedding; its weights are the start;
+- `python:<module>:<function>`: a factory `function(image_shape, embedding_size)` that
+  returns an uncompiled Keras model (for custom layers), `<module>` a dotted name on the
+  Python path or a `.py` file.
+
+A file's bytes or a factory module's source are part of what a job is
+(`source_digest`), so a changed model is a new job, never a silent resume.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import importlib.util
 import math
+import os
 from typing import Any
 
 from tff_algorithms.base import validation
@@ -13,6 +32,20 @@ SMALL_CNN = "small_cnn"
 MOBILENET_V2 = "mobilenet_v2"
 RESNET50 = "resnet50"
 ARCHITECTURES = (SMALL_CNN, MOBILENET_V2, RESNET50)
+# The prefixes of the architectures a user brings (module docstring).
+KERAS_PREFIX = "keras:"
+FILE_PREFIX = "file:"
+PYTHON_PREFIX = "python:"
+USER_PREFIXES = (KERAS_PREFIX, FILE_PREFIX, PYTHON_PREFIX)
+# What a backbone's BatchNormalization layers become (no example's output may depend on
+# another's inside a private step): `freeze` runs them with their stored statistics
+# (inference mode; their scale and offset still train), `group_norm` replaces them with
+# GroupNormalization. `auto`: freeze for a `file:` model (its statistics are trained),
+# group_norm for every backbone built from scratch.
+BATCH_NORM_AUTO = "auto"
+BATCH_NORM_FREEZE = "freeze"
+BATCH_NORM_GROUP_NORM = "group_norm"
+BATCH_NORM_MODES = (BATCH_NORM_AUTO, BATCH_NORM_FREEZE, BATCH_NORM_GROUP_NORM)
 # The optimizers a private step loop applies its noised gradient with
 # (`tff_algorithms.modeling.optimizers`): momentum SGD, Adam, LAMB.
 SGD = "sgd"
@@ -35,12 +68,108 @@ OPTIMIZER_DESCRIBE = {
 ALL_LAYERS = ("*",)
 
 
+def is_user_architecture(architecture: str) -> bool:
+    """Whether `architecture` names a backbone the user brings (module docstring)."""
+    return architecture.startswith(USER_PREFIXES)
+
+
+def check_architecture(architecture: Any) -> None:
+    """One line for an architecture that is neither built in nor a well-formed user form."""
+    if not isinstance(architecture, str) or not (
+        architecture in ARCHITECTURES or is_user_architecture(architecture)
+    ):
+        raise ValueError(
+            f"architecture must be one of {', '.join(ARCHITECTURES)}, keras:<Name>, "
+            f"file:<path> or python:<module>:<function>, got {architecture!r}"
+        )
+    rest = architecture.split(":", 1)[1] if is_user_architecture(architecture) else "x"
+    if architecture.startswith(PYTHON_PREFIX):
+        module, _, function = rest.rpartition(":")
+        if not module or not function.isidentifier():
+            raise ValueError(
+                f"architecture {architecture!r} must be python:<module>:<function> "
+                "(a dotted module on the Python path, or a .py file)"
+            )
+    elif not rest:
+        raise ValueError(f"architecture {architecture!r} names nothing after its prefix")
+
+
+def resolved_batch_norm(architecture: str, batch_norm: str) -> str:
+    """`freeze` or `group_norm`: what `batch_norm` means for `architecture`."""
+    if batch_norm != BATCH_NORM_AUTO:
+        return batch_norm
+    return BATCH_NORM_FREEZE if architecture.startswith(FILE_PREFIX) else BATCH_NORM_GROUP_NORM
+
+
+def python_module_source(module: str) -> str:
+    """The source file of a factory's module (a dotted name or a .py path), found without
+    importing it."""
+    if module.endswith(".py"):
+        path = os.path.abspath(module)
+    else:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        path = spec.origin if spec is not None and spec.origin not in (None, "built-in") else ""
+    if not path or not os.path.isfile(path):
+        raise ValueError(
+            f"architecture python:{module}:...: module {module!r} is not found (run from its "
+            "folder, add it to PYTHONPATH, or give the path of its .py file)"
+        )
+    return path
+
+
+def source_digest(architecture: str) -> str | None:
+    """SHA-256 of what a user's backbone is built from: a `file:` model's bytes (every file
+    of a SavedModel folder, with its relative path), a `python:` factory module's source;
+    None for built-ins and `keras:` (the locked Keras builds them)."""
+    digest = hashlib.sha256()
+    if architecture.startswith(FILE_PREFIX):
+        path = architecture[len(FILE_PREFIX) :]
+        if os.path.isdir(path):
+            for folder, dirs, files in os.walk(path):
+                dirs.sort()
+                for name in sorted(files):
+                    full = os.path.join(folder, name)
+                    digest.update(os.path.relpath(full, path).encode() + b"\0")
+                    digest.update(_file_digest(full) + b"\0")
+        elif os.path.isfile(path):
+            digest.update(_file_digest(path))
+        else:
+            raise ValueError(
+                f"architecture {architecture}: no such file or folder (give a .keras or .h5 "
+                "file or a SavedModel folder)"
+            )
+        return digest.hexdigest()
+    if architecture.startswith(PYTHON_PREFIX):
+        module = architecture[len(PYTHON_PREFIX) :].rpartition(":")[0]
+        digest.update(_file_digest(python_module_source(module)))
+        return digest.hexdigest()
+    return None
+
+
+def _file_digest(path: str) -> bytes:
+    stat = os.stat(path)
+    return _file_digest_of(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+# Keyed by size and modification time: a job reads its config's backbone many times.
+@functools.lru_cache(maxsize=256)
+def _file_digest_of(path: str, size: int, mtime_ns: int) -> bytes:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.digest()
+
+
 @dataclasses.dataclass(frozen=True)
 class BackboneConfig:
     """Which backbone to build.
 
     Attributes:
-      architecture: one of `ARCHITECTURES`.
+      architecture: one of `ARCHITECTURES`, or a user's (module docstring).
       image_shape: (height, width, channels) of the float [0, 1] input.
       embedding_size: size of the embedding vector.
       max_groups: GroupNormalization uses the largest divisor of the channel
@@ -51,6 +180,8 @@ class BackboneConfig:
         Private training noises every trainable coordinate, so the noise norm on
         the averaged update grows with the square root of their number: freezing
         is the paper's "parameter freezing" for small populations.
+      batch_norm: one of `BATCH_NORM_MODES` (`resolved_batch_norm`); the built-in
+        backbones always use GroupNormalization.
     """
 
     architecture: str = SMALL_CNN
@@ -58,11 +189,13 @@ class BackboneConfig:
     embedding_size: int = 128
     max_groups: int = 32
     trainable_layers: tuple[str, ...] = ALL_LAYERS
+    batch_norm: str = BATCH_NORM_AUTO
 
     def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES:
+        check_architecture(self.architecture)
+        if self.batch_norm not in BATCH_NORM_MODES:
             raise ValueError(
-                f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}"
+                f"batch_norm must be one of {', '.join(BATCH_NORM_MODES)}, got {self.batch_norm!r}"
             )
         if len(self.image_shape) != 3 or min(self.image_shape) < 1:
             raise ValueError(
@@ -70,7 +203,7 @@ class BackboneConfig:
             )
         if self.embedding_size < 1:
             raise ValueError(f"embedding_size must be positive, got {self.embedding_size}")
-        if self.architecture != SMALL_CNN and min(self.image_shape[:2]) < 32:
+        if self.architecture in (MOBILENET_V2, RESNET50) and min(self.image_shape[:2]) < 32:
             raise ValueError(
                 f"{self.architecture} needs images of at least 32x32, got {self.image_shape}"
             )
@@ -82,12 +215,22 @@ class BackboneConfig:
         # Tuples keep the config hashable (JSON gives lists).
         object.__setattr__(self, "image_shape", tuple(self.image_shape))
         object.__setattr__(self, "trainable_layers", tuple(self.trainable_layers))
-        if self.trainable_layers != ALL_LAYERS:
-            # Unknown layer names are found by building the backbone, which needs
-            # TensorFlow: imported here so that reading a config does not import it.
+        if self.trainable_layers != ALL_LAYERS or is_user_architecture(self.architecture):
+            # Unknown layer names, and a user's model that cannot train privately, are
+            # found by building the backbone, which needs TensorFlow: imported here so
+            # that reading a config of a built-in does not import it.
             from tff_algorithms.modeling import models
 
             models.check_trainable_layers(self)
+
+    @property
+    def source_digest(self) -> str | None:
+        """`source_digest` of the architecture."""
+        return source_digest(self.architecture)
+
+    @property
+    def resolved_batch_norm(self) -> str:
+        return resolved_batch_norm(self.architecture, self.batch_norm)
 
 
 def check_optimizer_settings(section: str, settings: Any) -> None:

@@ -76,18 +76,32 @@ class FeatureCut:
         """(prefix, suffix) Keras models sharing `model`'s layers and variables:
         images -> features, and features -> embedding.
 
-        The top-level layers are re-applied in order on fresh inputs (Keras builds a
-        model from an intermediate tensor only eagerly, and TFF traces in graph mode);
-        `cut_for` checks that this reproduces the backbone.
+        The suffix's top-level layers are re-applied in order on a fresh input (Keras
+        builds a model from an intermediate tensor only eagerly, and TFF traces the
+        suffix in graph mode). The prefix runs only eagerly (the cache is built before
+        training): a prefix with branches (residual blocks, as in a keras.applications
+        trunk) is the backbone's own graph up to the cut, a plain chain is re-applied.
+        `cut_for` checks that either reproduces the backbone.
         """
         layers = model.layers
         first = [layer.name for layer in layers].index(self.layer)
-        images = tf.keras.Input(model.input_shape[1:])
         features = tf.keras.Input(self.feature_shape)
-        return _chain(images, layers[1:first]), _chain(features, layers[first:])
+        suffix = _chain(features, layers[first:])
+        if tf.executing_eagerly() and _branches(layers[1:first]):
+            return tf.keras.Model(model.inputs, layers[first].input), suffix
+        return _chain(tf.keras.Input(model.input_shape[1:]), layers[1:first]), suffix
 
     def suffix(self, model: tf.keras.Model) -> tf.keras.Model:
         return self.split(model)[1]
+
+
+def _branches(layers: list[tf.keras.layers.Layer]) -> bool:
+    """Whether any layer takes more than one input (a merge of branches)."""
+    return any(
+        isinstance(node.input_tensors, (list, tuple)) and len(node.input_tensors) > 1
+        for layer in layers
+        for node in layer.inbound_nodes
+    )
 
 
 def _chain(inputs: tf.Tensor, layers: list[tf.keras.layers.Layer]) -> tf.keras.Model:

@@ -51,6 +51,8 @@ JOB_FORMAT = "dp-fedemb-train-job/1"
 
 # Fields that may differ when a job is re-run on the same output directory.
 _RESUMABLE_CHANGES = frozenset({"evaluate_every", "max_epsilon"})
+# The job record's digest of a user's model file or factory (`job_record`).
+MODEL_SOURCE_KEY = "model_source"
 # Client-work counts of the applied attempt of each round, recorded in the history.
 CLIENT_COUNTS = (*dropouts.DROP_REASONS, "dropped_clients", dropouts.KEPT_CLIENTS)
 
@@ -190,11 +192,17 @@ def _export(
 
 
 def job_record(config: TrainJobConfig, reader: partition.PartitionReader) -> dict[str, Any]:
-    return {
+    """What makes a job this job: its config, its users, and for a backbone the user brings
+    the digest of its file or factory (a changed model is a new job, never a resume)."""
+    record = {
         "format": JOB_FORMAT,
         "config": config.to_dict(),
         "partition": {"users": reader.manifest["users"], "records": reader.manifest["records"]},
     }
+    digest = config.backbone_config.source_digest
+    if digest is not None:
+        record[MODEL_SOURCE_KEY] = digest
+    return record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +265,8 @@ def claim_output_dir(
         )
         if previous.get("partition") != job["partition"]:
             changed.append("partition (users/records)")
+        if previous.get(MODEL_SOURCE_KEY) != job.get(MODEL_SOURCE_KEY):
+            changed.append(f"backbone ({config.architecture} changed since the job began)")
         if changed:
             raise ValueError(
                 f"{output_dir} holds a training job with different {', '.join(changed)}; "

@@ -32,7 +32,9 @@ from tff_algorithms.config.model_config import (
     RESNET50,
     SMALL_CNN,
     BackboneConfig,
+    is_user_architecture,
 )
+from tff_algorithms.modeling import user_backbones
 
 
 def _num_groups(channels: int, max_groups: int) -> int:
@@ -142,18 +144,31 @@ def build_backbone(config: BackboneConfig, seed: int = 0) -> tf.keras.Model:
     seeder = _Seeder(seed)
     if config.architecture == SMALL_CNN:
         model = _small_cnn(config, seeder)
+    elif is_user_architecture(config.architecture):
+        model = user_backbones.build(config, seeder, _group_norm)
     else:
         model = _application(config, seeder)
     _freeze_layers(model, config.trainable_layers)
     return model
 
 
-@functools.lru_cache(maxsize=32)
 def check_trainable_layers(config: BackboneConfig) -> None:
-    """Unknown layer names are a config error, found before anything runs; a config is
-    checked once (building a throwaway ResNet-50 takes seconds)."""
-    with tf.Graph().as_default():
-        build_backbone(config)
+    """Unknown layer names, and a user's backbone that cannot be built or cannot train
+    privately, are config errors found before anything runs; a config (with its model
+    file's or factory's digest) is checked once (building a throwaway ResNet-50 takes
+    seconds)."""
+    _check_backbone(config, config.source_digest)
+
+
+@functools.lru_cache(maxsize=32)
+def _check_backbone(config: BackboneConfig, digest: str | None) -> None:
+    del digest  # part of the cache key only
+    if not is_user_architecture(config.architecture):
+        with tf.Graph().as_default():
+            build_backbone(config)
+        return
+    # Eagerly: the user's model is loaded once, and checked numerically (`dp_layers`).
+    user_backbones.check(build_backbone(config), config)
 
 
 def layer_names(model: tf.keras.Model) -> list[str]:
