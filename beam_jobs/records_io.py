@@ -7,6 +7,7 @@ DIR/records-SSSSS-of-NNNNN.tfrecord, and writes its summary or report as one JSO
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 
 import apache_beam as beam
@@ -107,13 +108,40 @@ class ReadRecords(beam.PTransform):
         return pbegin | beam.io.ReadFromTFRecord(self._pattern)
 
 
+def remove_interrupted_writes(path_prefix: str) -> list[str]:
+    """Removes the staging folders that interrupted Beam writes to `path_prefix` left,
+    and returns them.
+
+    Beam's file sinks stage a write in <folder>/beam-temp-<prefix>-<uuid1 hex>/ and
+    remove it when the write finishes; a killed job leaves it (one held a copy of the
+    records: issue 63). Only folders so named after this job's own prefix, holding
+    plain files only, are removed.
+    """
+    directory, prefix = os.path.split(path_prefix)
+    staging = re.compile(rf"beam-temp-{re.escape(prefix)}-[0-9a-f]{{32}}")
+    if not tf.io.gfile.isdir(directory):
+        return []
+    removed = []
+    for name in sorted(entry.rstrip("/") for entry in tf.io.gfile.listdir(directory)):
+        folder = os.path.join(directory, name)
+        if not staging.fullmatch(name) or not tf.io.gfile.isdir(folder):
+            continue
+        if any(tf.io.gfile.isdir(os.path.join(folder, e)) for e in tf.io.gfile.listdir(folder)):
+            continue  # not what Beam stages: left alone
+        tf.io.gfile.rmtree(folder)
+        removed.append(folder)
+    return removed
+
+
 class WriteRecords(beam.PTransform):
-    """Writes serialized canonical records as DIR/records-*.tfrecord."""
+    """Writes serialized canonical records as DIR/records-*.tfrecord (an interrupted
+    earlier write's staging folder removed first)."""
 
     def __init__(self, directory: str, num_shards: int = 0):
         super().__init__()
         self._directory = directory
         self._num_shards = num_shards
+        remove_interrupted_writes(os.path.join(directory, RECORDS_PREFIX))
 
     def expand(self, records):
         return records | beam.io.WriteToTFRecord(
@@ -124,11 +152,13 @@ class WriteRecords(beam.PTransform):
 
 
 class WriteJson(beam.PTransform):
-    """Writes a single-element PCollection of a JSON-able object to one exact path."""
+    """Writes a single-element PCollection of a JSON-able object to one exact path (an
+    interrupted earlier write's staging folder removed first)."""
 
     def __init__(self, path: str):
         super().__init__()
         self._path = path
+        remove_interrupted_writes(path)
 
     def expand(self, pcoll):
         return (

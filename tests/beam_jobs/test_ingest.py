@@ -1,6 +1,7 @@
 """Ingest: image folders, canonical TFRecords, TFF SQLite client data, bad-input accounting."""
 
 import os
+import re
 import sqlite3
 
 import apache_beam as beam
@@ -279,3 +280,37 @@ def test_an_oversized_sql_example_is_counted_without_being_fetched(tmp_path):
         schema.MISSING_FIELD: 1,
         schema.IMAGE_TOO_LARGE: 2,  # w's row; u's image, 36 pixels
     }
+
+
+def _fail(record):
+    raise RuntimeError("the job was interrupted")
+
+
+def test_an_interrupted_writes_staging_folder_is_removed_by_the_rerun(tmp_path):
+    """Issue 63: a Beam job interrupted in its write left beam-temp-* folders (one held
+    a copy of the records) that the re-run kept."""
+    out = str(tmp_path / "out")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
+            _ = (
+                pipeline
+                | beam.Create([b"a record"])
+                | beam.Map(_fail)
+                | records_io.WriteRecords(out)
+            )
+    (left,) = os.listdir(out)  # what Beam staged and the interruption left
+    assert re.fullmatch(r"beam-temp-records-[0-9a-f]{32}", left), left
+    (tmp_path / "out" / left / "0f1e").write_bytes(b"a staged shard")
+    # Not Beam's staging of this job: kept.
+    os.makedirs(tmp_path / "out" / "beam-temp-mine")
+    os.makedirs(tmp_path / "out" / f"beam-temp-records-{'0' * 32}" / "sub")
+
+    folder = tmp_path / "images" / "u" / "face"
+    os.makedirs(folder)
+    (folder / "a.png").write_bytes(_png(1))
+    summary = ingest.run_ingest([str(tmp_path / "images")], out)
+    assert summary["records"] == 1
+    assert sorted(n for n in os.listdir(out) if n.startswith("beam-temp")) == [
+        "beam-temp-mine",
+        f"beam-temp-records-{'0' * 32}",
+    ]
