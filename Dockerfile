@@ -20,7 +20,7 @@ WORKDIR /opt/dp-fedemb
 COPY . .
 RUN make setup && rm -rf .cache /root/.cache
 RUN mkdir -p /opt/dp-fedemb-lib \
- && cp "$(XDG_CACHE_HOME=/tmp/shim .venv/bin/python -c 'from tff_algorithms import loopback_shim; print(loopback_shim.library_path())')" \
+ && cp "$(XDG_CACHE_HOME=/tmp/shim .venv/bin/python -c 'from tff_algorithms.federated import loopback_shim; print(loopback_shim.library_path())')" \
        /opt/dp-fedemb-lib/dp_fedemb_loopback_bind.so \
  && rm -rf /tmp/shim
 
