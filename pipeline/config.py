@@ -172,6 +172,12 @@ class RuntimeSection:
     worker addresses, read where training runs; without them, an address that is
     not loopback needs allow_insecure_workers (an isolated network only).
     worker_intra_op_threads: threads one op of a local worker may use (0: every core).
+    first_round_deadline_s, round_deadline_factor, min_round_deadline_s: how long a call
+    to a worker may take (before a round was measured; else this many times the longest
+    round, at least the minimum) before the worker counts as lost; max_worker_losses:
+    lost workers a run survives (a local one restarted, a remote one dropped, the round
+    run again from the same state), then one line and a re-run resumes
+    (tff_algorithms/federated/liveness.py).
     """
 
     worker_addresses: tuple[str, ...] = ()
@@ -181,6 +187,10 @@ class RuntimeSection:
     worker_cert: str | None = None
     worker_key: str | None = None
     allow_insecure_workers: bool = False
+    first_round_deadline_s: float = 900.0
+    round_deadline_factor: float = 10.0
+    min_round_deadline_s: float = 60.0
+    max_worker_losses: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
