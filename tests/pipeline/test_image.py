@@ -63,10 +63,10 @@ def test_dockerfile_installs_the_readme_way():
     assert "bash scripts/setup_env.sh" in _read("Makefile").split("\nsetup:")[1].split("\n\n")[0]
     for run in runs:
         assert not re.search(r"\bpip3? install\b|\buv pip\b", run), run
-    # What the worker StatefulSet (docs/scaling.md) runs: worker_binary by name, with the
-    # loopback shim preloaded from a fixed path.
-    scaling = _read("docs", "scaling.md")
-    assert 'command: ["worker_binary"' in scaling and f"value: {SHIM}" in scaling
+    # What the worker StatefulSet (deploy/, tests/repo/test_deploy.py) runs: worker_binary
+    # by name, with the loopback shim preloaded from a fixed path.
+    stateful_set = _read("deploy", "worker-statefulset.yaml")
+    assert 'command: ["worker_binary"' in stateful_set and f"value: {SHIM}" in stateful_set
     assert "/usr/local/bin/worker_binary" in dockerfile and SHIM in dockerfile
     assert "loopback_shim.library_path()" in dockerfile
     # The same Beam as the lock for the SDK harness entry point.
