@@ -69,8 +69,10 @@ _STORAGE_HINTS = {
 }
 # Bytes a library put in its message (Beam's TFRecord reader prints a record with a
 # bad checksum: user names, images): never on the console or in a log line. A
-# SHA-256 (64 hex digits) is not data.
-_DATA_IN_MESSAGE = re.compile(r"""b'(?:[^'\\]|\\.)*'|b"(?:[^"\\]|\\.)*"|[0-9a-fA-F]{65,}""")
+# SHA-256 (64 hex digits) is not data, nor a "b" ending a word before a quote.
+_DATA_IN_MESSAGE = re.compile(
+    r"""(?<![\w\\'"])(?:b'(?:[^'\\]|\\.)*'|b"(?:[^"\\]|\\.)*")|[0-9a-fA-F]{65,}"""
+)
 
 
 def _without_data(text: str) -> str:
