@@ -84,9 +84,7 @@ class _FaultInRound2:
 
 def _run(data, output_dir: str, fault: _FaultInRound2 | None, **settings):
     config = runtime.RuntimeConfig(local_workers=2, **{**LIVENESS, **settings})
-    return train_job.run_train_job(
-        CONFIG, *data, output_dir, runtime_config=config, progress=fault
-    )
+    return train_job.run_train_job(CONFIG, *data, output_dir, runtime_config=config, progress=fault)
 
 
 def _gone(pid: int) -> bool:
