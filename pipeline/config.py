@@ -413,6 +413,8 @@ def _overlay_default(field: dataclasses.Field, value: Any) -> Any:
     algorithm = algorithms.find(value.get("algorithm"))
     if algorithm is not None and algorithm.recipe is not None:
         default = recipes.own_recipe_values(default, algorithm.recipe)
+    if field.name == "train":
+        default = recipes.for_architecture(default, value.get("architecture"))
     return recipes.overlay(default, value)
 
 

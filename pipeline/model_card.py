@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline import privacy_text
+from tff_algorithms.config import model_config
 
 SCHEMA_VERSION = "0.0.2"
 JSON_FILE = "model_card.json"
@@ -137,6 +138,10 @@ def build_model_card(
             f", {config['embedding_size']}-dimensional embedding, input "
             f"{config.get('image_size', '?')}×{config.get('image_size', '?')}×"
             f"{config.get('channels', '?')}"
+        )
+    if "architecture" in config:
+        architecture += "; normalisation: " + model_config.normalisation_text(
+            config["architecture"], config.get("batch_norm", model_config.BATCH_NORM_AUTO)
         )
     bounds = (
         f"; at most {serving_bounds[0]:,} pixels an image and {serving_bounds[1]:,} a call, "

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline import privacy_text
+from tff_algorithms.config import model_config
 
 # Populations the ledger's schedule is extrapolated to (paper Fig. 2c/2d).
 EXTRAPOLATION_POPULATIONS = (10**5, 10**6, 10**7)
@@ -290,6 +291,28 @@ def extrapolation_caption(ledger: Mapping[str, Any]) -> str:
     )
 
 
+def _model_rows(training_metrics: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The backbone as trained: architecture, input, embedding, normalisation."""
+    config = training_metrics.get("config") or {}
+    if "architecture" not in config:
+        return []
+    return [
+        ("architecture", str(config["architecture"])),
+        (
+            "input",
+            f"{config.get('image_size', '?')}×{config.get('image_size', '?')}×"
+            f"{config.get('channels', '?')}",
+        ),
+        ("embedding size", str(config.get("embedding_size", "?"))),
+        (
+            "normalisation",
+            model_config.normalisation_text(
+                config["architecture"], config.get("batch_norm", model_config.BATCH_NORM_AUTO)
+            ),
+        ),
+    ]
+
+
 def _dedup_rows(dedup: Mapping[str, Any]) -> list[tuple]:
     rows = []
     for name, part in sorted(dedup.items()):
@@ -400,6 +423,11 @@ def render_report(
                 "identities (held out from training, not the test split).",
             ),
             _table(rows, header=header),
+        ]
+    if _model_rows(training_metrics):
+        sections += [
+            _section("model", "Model"),
+            _table(_model_rows(training_metrics), header=("quantity", "value")),
         ]
     sections += [
         _section("data", "Data"),

@@ -121,6 +121,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "SeededGaussianSumQuery(1e9, clip_norm * noise_multiplier, noise_seed)",
         (_AGGREGATORS + "test_each_virtual_client_is_clipped_to_the_bound",),
     ),
+    # --- a user's backbone: no example's output depends on another's -----------------
+    Mutant(
+        "user-backbone-batch-norm-frozen",
+        "tff_algorithms/modeling/dp_layers.py",
+        "        del training\n        return super().call(inputs, training=False)",
+        "        return super().call(inputs, training=training)",
+        (
+            "tests/tff_algorithms/modeling/test_user_backbones.py::test_a_user_file_with_batch_norm_trains_per_example_in_both_modes[freeze]",
+        ),
+    ),
+    Mutant(
+        "user-backbone-unclassified-layer-refused",
+        "tff_algorithms/modeling/dp_layers.py",
+        '    if isinstance(layer, _PER_EXAMPLE_CLASSES) and type(layer).__name__ != "Lambda":\n        return Kind.PER_EXAMPLE\n',
+        "    return Kind.PER_EXAMPLE\n",
+        (
+            "tests/tff_algorithms/modeling/test_user_backbones.py::test_bad_user_models_are_refused_in_one_line_each",
+        ),
+    ),
     Mutant(
         "aggregator-tree-clip",
         "tff_algorithms/federated/aggregators.py",

@@ -113,7 +113,8 @@ def job_config(value: Mapping[str, Any]) -> job_config_lib.TrainJobConfig:
     algorithm starts from (`Algorithm.starting_values`: centralized, the pretraining
     recipe; logit-dp, the private contrastive recipe; dp-sgd-centralized and
     dp-last-layer, their own recipe; over --recipe), by recipes' layering rule."""
-    values, given = recipes.recipe(value["recipe"]), config_values(value)
+    given = config_values(value)
+    values = recipes.for_architecture(recipes.recipe(value["recipe"]), given.get("architecture"))
     algorithm = chosen_algorithm(value)
     values = algorithm.starting_values(values)
     if value["pretrained"] is None and not algorithm.keeps_recipe_layers:

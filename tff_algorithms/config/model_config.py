@@ -101,6 +101,18 @@ def resolved_batch_norm(architecture: str, batch_norm: str) -> str:
     return BATCH_NORM_FREEZE if architecture.startswith(FILE_PREFIX) else BATCH_NORM_GROUP_NORM
 
 
+def normalisation_text(architecture: str, batch_norm: str) -> str:
+    """What the report and the model card say of a backbone's normalisation layers."""
+    if not is_user_architecture(architecture):
+        return "GroupNormalization (built in; no BatchNormalization)"
+    if resolved_batch_norm(architecture, batch_norm) == BATCH_NORM_FREEZE:
+        return (
+            "BatchNormalization frozen (batch_norm freeze): inference mode with its stored "
+            "statistics, its scale and offset trained"
+        )
+    return "BatchNormalization replaced by GroupNormalization (batch_norm group_norm)"
+
+
 def python_module_source(module: str) -> str:
     """The source file of a factory's module (a dotted name or a .py path), found without
     importing it."""

@@ -113,6 +113,16 @@ def check_start(values: Mapping[str, Any], pretrained: bool, where: str) -> None
         )
 
 
+def for_architecture(values: Mapping[str, Any], architecture: str | None) -> dict[str, Any]:
+    """A recipe's `values` for a job of `architecture`: the recipes' trainable_layers name
+    the small CNN's layers, so another backbone (a built-in trunk, a user's model) trains
+    every layer unless the user names its own."""
+    values = dict(values)
+    if architecture not in (None, SMALL_CNN) and values.get("trainable_layers") is not None:
+        values["trainable_layers"] = list(EVERY_LAYER)
+    return values
+
+
 def recipe(name: str) -> dict[str, Any]:
     """A copy of the recipe called `name`."""
     if name not in RECIPES:

@@ -24,8 +24,10 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import sys
+import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -115,24 +117,22 @@ def _file_template(path: str) -> _Template:
             f"architecture file:{path}: no such file or folder (give a .keras or .h5 file or "
             "a SavedModel folder)"
         )
+    custom = _custom_classes(path)
+    if custom:
+        raise ValueError(
+            f"architecture file:{path} uses custom layer class {custom[0]}: build it with a "
+            "python:<module>:<function> factory, and start from the file's weights with "
+            "pretrain.source import"
+        )
     try:
         with tf.init_scope(), _no_downloads(f"file:{path}"):
             model = tf.keras.models.load_model(
                 path, custom_objects=dp_layers.CUSTOM_OBJECTS, compile=False
             )
-    except ValueError as error:
-        text = _first_line(error)
-        if "Unknown layer" in text or "Unknown object" in text or "custom" in text.lower():
-            raise ValueError(
-                f"architecture file:{path} uses a custom layer ({text}): build it with a "
-                "python:<module>:<function> factory, and start from the file's weights with "
-                "pretrain.source import"
-            ) from None
-        raise ValueError(f"architecture file:{path} is not a Keras model: {text}") from None
-    except (OSError, TypeError, KeyError, tf.errors.OpError) as error:
+    except Exception as error:  # noqa: BLE001 - Keras raises anything on a file it cannot read
         raise ValueError(
             f"architecture file:{path} is not a Keras model (.keras, .h5 or a Keras "
-            f"SavedModel folder): {_first_line(error)}"
+            f"SavedModel folder): {type(error).__name__}: {_first_line(error)}"
         ) from None
     if not isinstance(model, tf.keras.Model):
         raise ValueError(
@@ -141,6 +141,60 @@ def _file_template(path: str) -> _Template:
         )
     values = {layer.name: layer.get_weights() for layer in _leaves(model)}
     return _Template(model, values)
+
+
+def _custom_classes(path: str) -> list[str]:
+    """Layer classes a saved model names that Keras does not know (a custom layer needs
+    its code, which a file does not hold), read from the file's JSON config."""
+    try:
+        if zipfile.is_zipfile(path):  # .keras
+            with zipfile.ZipFile(path) as archive:
+                config = json.loads(archive.read("config.json"))
+        elif os.path.isfile(path):  # .h5
+            import h5py
+
+            with h5py.File(path, "r") as file:
+                text = file.attrs.get("model_config")
+            config = json.loads(text.decode() if isinstance(text, bytes) else text)
+        else:
+            return []
+    except (OSError, KeyError, ValueError, TypeError):
+        return []  # not a model file: `load_model` says so
+    unknown = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            name = node.get("class_name")
+            if isinstance(name, str) and isinstance(node.get("config"), dict):
+                known = name in _KERAS_MODEL_CLASSES or hasattr(tf.keras.layers, name)
+                if not known and name not in dp_layers.CUSTOM_OBJECTS and name not in unknown:
+                    unknown.append(name)
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(config)
+    return [name for name in unknown if not _is_keras_object(name)]
+
+
+_KERAS_MODEL_CLASSES = ("Functional", "Sequential", "Model")
+
+
+def _is_keras_object(name: str) -> bool:
+    """Initialisers, regularisers, constraints and dtype policies are named in a config
+    too; only unknown layers matter."""
+    for module in (
+        tf.keras.initializers,
+        tf.keras.regularizers,
+        tf.keras.constraints,
+        tf.keras.mixed_precision,
+        tf.keras.activations,
+    ):
+        if hasattr(module, name):
+            return True
+    return name in ("Policy", "DTypePolicy", "TFOpLambda", "SlicingOpLambda", "__tensor__")
 
 
 def _python_template(spec: str, config: BackboneConfig) -> tf.keras.Model:
