@@ -48,7 +48,7 @@ _DEVICE_SIZES = {
     "dp_sgd_steps": 5,
     "dp_sgd_users": 96,
 }
-_NOISE_SEED = (1, 7)  # (noise seed, step), as `private_steps.run_steps` passes them
+_NOISE_SEED = (1, 7)  # (noise seed, step), as the training loop (`jobs/loop.py`) passes them
 _NOISE_PARAMETERS = 100_000
 
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,9 +23,11 @@ import tensorflow_federated as tff
 
 from beam_jobs import partition_job, synthetic
 from tff_algorithms.config import job_config
-from tff_algorithms.federated import training
+from tff_algorithms.federated import rounds
+from tff_algorithms.jobs import loop
+from tff_algorithms.jobs.checkpoints import StructureState
+from tff_algorithms.jobs.job_outputs import JobOutcome
 from tff_algorithms.privacy import accounting_spec
-from tff_algorithms.privacy.ledger import PrivacyLedger
 
 # The console script of the environment running the tests (setup.py installs it).
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "dp-fedemb")
@@ -200,37 +203,64 @@ def _toy_clients_for_round(round_num: int) -> list[str]:
     return [f"r{round_num}-c{i}" for i in range(3)]
 
 
-def _toy_ledger() -> PrivacyLedger:
-    spec = accounting_spec.AccountingSpec(
-        population=100, users_per_round=3, rounds=TOY_ROUNDS, noise_multiplier=1.0, delta=1e-5
-    )
-    return PrivacyLedger(spec)
-
-
-def toy_weights(process: tff.learning.templates.LearningProcess, state: Any) -> list[np.ndarray]:
-    """The toy model's trainable weights in `state`."""
-    return [np.asarray(w) for w in process.get_model_weights(state).trainable]
+TOY_SPEC = accounting_spec.AccountingSpec(
+    population=100, users_per_round=3, rounds=TOY_ROUNDS, noise_multiplier=1.0, delta=1e-5
+)
 
 
 def train_toy_rounds(
     process: tff.learning.templates.LearningProcess,
     directory: str,
-    rounds: int,
-    evaluate: Callable[[Any, int], Mapping[str, Any]] | None = None,
+    rounds_to_train: int,
+    evaluate: Callable[[tff.learning.models.ModelWeights], Mapping[str, Any]] | None = None,
     evaluate_every: int = 0,
     initial_state: Any = None,
-) -> tuple[training.TrainingResult, PrivacyLedger]:
+) -> JobOutcome:
     """Trains (or resumes, from DIRECTORY's checkpoints) the toy process on its clients
-    until `rounds` rounds are done, with a fresh ledger for a new run."""
-    return training.train(
-        process,
-        _toy_clients_for_round,
-        _toy_ledger(),
-        PrivacyLedger.from_json,
-        training.TrainingProgramConfig(rounds, directory, evaluate_every=evaluate_every),
-        evaluate,
-        initial_state=initial_state,
+    through the training loop (`jobs/loop.py`), as the federated trainer does, until
+    `rounds_to_train` rounds are done; the outcome's `backbone` is the model weights.
+    With `evaluate`, a fresh run evaluates its start (round 0) too."""
+    server = StructureState(process.initialize() if initial_state is None else initial_state)
+
+    def step(t: int, _: Any) -> None:
+        applied = rounds.run_round(process, server.get(), t, _toy_clients_for_round, None)
+        server.set(applied.output.state)
+
+    inputs = types.SimpleNamespace(
+        config=types.SimpleNamespace(
+            rounds=rounds_to_train, evaluate_every=evaluate_every, noise_seed=None
+        ),
+        spec=TOY_SPEC,
+        releases=None,
+        evaluator=evaluate or (lambda weights: {}),
+        checkpoint_dir=directory,
+        progress=None,
     )
+    return loop.run(
+        inputs,  # type: ignore[arg-type]  # what the loop reads of JobInputs
+        loop.Round(
+            step,
+            {"server_state": server.leaves},
+            lambda: process.get_model_weights(server.get()),
+            noisy=False,
+            evaluate_start=evaluate is not None,
+            checkpoint_every=1,
+        ),
+    )
+
+
+def remove_checkpoint(checkpoint_dir: str, step: int) -> None:
+    """Removes step `step`'s checkpoint files: what a kill before that step's save
+    leaves (the loop's checkpoint-state file is rewritten on resume)."""
+    names = tf.io.gfile.glob(os.path.join(checkpoint_dir, f"ckpt-{step}.*"))
+    assert names, os.listdir(checkpoint_dir)
+    for name in names:
+        os.remove(name)
+
+
+def toy_weights(outcome: JobOutcome) -> list[np.ndarray]:
+    """The toy model's trainable weights a `train_toy_rounds` run ended with."""
+    return [np.asarray(w) for w in outcome.backbone.trainable]
 
 
 def run_refused(*args: str, timeout: int = 900, cwd: str | None = None) -> tuple[str, Any]:

@@ -181,7 +181,7 @@ def test_production_runs_sample_different_users_and_a_resume_keeps_its_seed(
     # What a kill after round 1 leaves: the same job resumes with the recorded seed.
     resumed_dir = str(tmp_path / "resumed")
     shutil.copytree(runs[0].output_dir, resumed_dir)
-    shutil.rmtree(os.path.join(resumed_dir, job_files.CHECKPOINT_DIR, "round_2"))
+    support.remove_checkpoint(os.path.join(resumed_dir, job_files.CHECKPOINT_DIR), 2)
     shutil.rmtree(os.path.join(resumed_dir, job_files.SAVED_MODEL_DIR))
     resumed = train_job.run_train_job(PRODUCTION, *data, resumed_dir)
     assert resumed.metrics["resumed_from_round"] == 1

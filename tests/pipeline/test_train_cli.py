@@ -45,7 +45,7 @@ def trained(tmp_path_factory):
     with open(root / "first.log", "wb") as log:
         first = subprocess.Popen(_train_command(data, output), stdout=log, stderr=log)
         try:
-            _wait_for(os.path.join(output, "checkpoints", "round_1"), first, 300)
+            _wait_for(os.path.join(output, "checkpoints", "ckpt-1.index"), first, 300)
         finally:
             first.send_signal(signal.SIGTERM)
             first.wait(60)

@@ -1,9 +1,9 @@
-"""What every training loop decides the same way, whatever its checkpoint format: when
-held-out evaluation runs, and where the noise seed comes from.
+"""What the training loop decides for every algorithm: when held-out evaluation runs,
+and where the noise seed comes from.
 
-Imported by the step loop (`private_steps.run_steps`: centralized, logit-dp,
-user-level DP-SGD, FDML) and by the federated TFF program (`training.train`, whose
-aggregator `train_job` seeds with `job_noise_seed`). No TensorFlow.
+Imported by the training loop (`jobs/loop.py`) and by the algorithms whose noise seed
+lives in their own state (the federated aggregators, FDML's server), which draw it with
+`job_noise_seed`. No TensorFlow.
 """
 
 from __future__ import annotations
@@ -27,5 +27,6 @@ def fresh_noise_seed() -> int:
 def job_noise_seed(noise_seed: int | None) -> int:
     """The noise seed a job starts with: its fixed seed (allowed only behind
     `testing_fixed_noise`, `job_config`) or fresh OS entropy. Drawn once per job start;
-    each loop keeps it in its checkpoint, so a resumed job redraws the same noise."""
+    the loop or the algorithm's state keeps it in the checkpoint, so a resumed job redraws
+    the same noise."""
     return noise_seed if noise_seed is not None else fresh_noise_seed()

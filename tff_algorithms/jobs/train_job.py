@@ -19,10 +19,10 @@ train` and the TFX trainer component call, whatever the algorithm. It
    kept private).
 
 The trainers live with their algorithms: `algorithms/dp_fedemb/training.py` (the
-federated TFF program), `algorithms/centralized/training.py`,
+federated TFF process's rounds), `algorithms/centralized/training.py`,
 `algorithms/logit_dp/training.py`, `algorithms/user_dp_sgd/training.py` and
-`algorithms/fdml/training.py`; all but the federated one train through the step loop
-(`private_steps.run_steps`). Both seeds come from OS entropy unless a testing flag
+`algorithms/fdml/training.py`; each hands the one training loop (`loop.run`) its round.
+Both seeds come from OS entropy unless a testing flag
 allows a fixed one (`job_config`, `loop_schedule.job_noise_seed`).
 """
 

@@ -15,7 +15,6 @@ from beam_jobs import partition_job, spill, split_protocols, splits, synthetic
 from pipeline.commands import train_data
 from tests import support
 from tff_algorithms.base import job_files, owned_files
-from tff_algorithms.federated import training
 
 IMAGES = synthetic.SyntheticConfig(identities=4, images_per_identity=2, seed=1)
 
@@ -138,20 +137,24 @@ def test_the_data_layout_matches_a_real_preparation_and_what_a_killed_one_leaves
     assert not os.path.exists(prepared_dir)
 
 
-def test_a_users_file_in_an_old_checkpoint_stops_pruning_and_survives(tmp_path, tff_runtime):
+def test_pruning_checkpoints_removes_only_the_files_of_the_checkpoints_it_saved(
+    tmp_path, tff_runtime
+):
     process = support.toy_process()
     directory = str(tmp_path / "checkpoints")
-    support.train_toy_rounds(process, directory, rounds=1)
-    mine = os.path.join(directory, f"{training.CHECKPOINT_PREFIX}1", "notes.txt")
+    support.train_toy_rounds(process, directory, 1)
+    mine = os.path.join(directory, "notes.txt")
     open(mine, "w").close()
-    # keep_checkpoints is 3: saving round 4 would remove round 1.
-    with pytest.raises(owned_files.ForeignEntryError, match="notes.txt"):
-        support.train_toy_rounds(process, directory, rounds=4)
+    # The newest two are kept: saving rounds 2 to 4 removes rounds 1 and 2, file by file.
+    result = support.train_toy_rounds(process, directory, 4)
+    assert result.resumed_from_round == 1
     assert os.path.exists(mine)
-    os.remove(mine)
-    result, _ = support.train_toy_rounds(process, directory, rounds=4)
-    assert result.rounds_completed == 4
-    assert sorted(os.listdir(directory)) == [f"{training.CHECKPOINT_PREFIX}{n}" for n in (2, 3, 4)]
+    assert {name.split(".")[0] for name in os.listdir(directory)} == {
+        "checkpoint",
+        "ckpt-3",
+        "ckpt-4",
+        "notes",
+    }
 
 
 def test_remove_tree_checks_every_path_before_removing_any(tmp_path):

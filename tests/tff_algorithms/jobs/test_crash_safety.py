@@ -46,53 +46,42 @@ def process(tff_runtime):
     return support.toy_process()
 
 
-def _tear(version_dir: str, how: str) -> None:
-    if how == "empty":  # renamed, nothing flushed
-        shutil.rmtree(version_dir)
-        os.makedirs(version_dir)
+def _tear(prefix: str, how: str) -> None:
+    if how == "missing_index":  # renamed, nothing flushed
+        os.remove(f"{prefix}.index")
         return
-    if how == "truncated_graph":
-        path = os.path.join(version_dir, "saved_model.pb")
-        keep = 10
-    else:
-        [path] = tf.io.gfile.glob(os.path.join(version_dir, "variables", "variables.data-*"))
-        keep = os.path.getsize(path) // 2
+    [path] = tf.io.gfile.glob(f"{prefix}.index" if how == "truncated_index" else f"{prefix}.data-*")
     with open(path, "r+b") as f:
-        f.truncate(keep)
+        f.truncate(os.path.getsize(path) // 2)
 
 
-@pytest.mark.parametrize("how", ["empty", "truncated_graph", "truncated_variables"])
+@pytest.mark.parametrize("how", ["missing_index", "truncated_index", "truncated_data"])
 def test_torn_newest_checkpoint_is_removed_and_training_resumes_from_the_previous(
     process, tmp_path, how
 ):
-    straight, straight_ledger = support.train_toy_rounds(
-        process, str(tmp_path / "straight"), support.TOY_ROUNDS
-    )
+    straight = support.train_toy_rounds(process, str(tmp_path / "straight"), support.TOY_ROUNDS)
     directory = str(tmp_path / "torn")
     support.train_toy_rounds(process, directory, 2)
-    _tear(os.path.join(directory, "round_2"), how)
+    _tear(os.path.join(directory, "ckpt-2"), how)
 
-    resumed, resumed_ledger = support.train_toy_rounds(process, directory, support.TOY_ROUNDS)
+    resumed = support.train_toy_rounds(process, directory, support.TOY_ROUNDS)
 
     assert resumed.resumed_from_round == 1
-    for a, b in zip(
-        support.toy_weights(process, straight.state),
-        support.toy_weights(process, resumed.state),
-        strict=True,
-    ):
+    for a, b in zip(support.toy_weights(straight), support.toy_weights(resumed), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert resumed_ledger == straight_ledger
-    # Round 2 was trained and saved again, whole.
-    assert os.path.exists(os.path.join(directory, "round_2", "saved_model.pb"))
+    assert resumed.ledger.to_json() == straight.ledger.to_json()
+    # Round 2 was trained again; the newest two are kept, whole.
+    assert tf.train.latest_checkpoint(directory).endswith("ckpt-4")
+    assert os.path.exists(os.path.join(directory, "ckpt-3.index"))
 
 
 def test_checkpoint_that_reads_but_does_not_fit_is_an_error_not_a_torn_write(process, tmp_path):
     directory = str(tmp_path / "ckpt")
     support.train_toy_rounds(process, directory, 1)
     wrong_structure = {"state": process.initialize(), "other": 1}
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises(ValueError, match="reads back but does not fit this job"):
         support.train_toy_rounds(process, directory, 2, initial_state=wrong_structure)
-    assert os.path.exists(os.path.join(directory, "round_1", "saved_model.pb"))
+    assert os.path.exists(os.path.join(directory, "ckpt-1.index"))
 
 
 # Every algorithm: SIGKILL in a child at a random step, and a torn newest checkpoint.
@@ -111,18 +100,14 @@ def test_every_registered_algorithm_has_a_crash_job():
 
 def _tear_newest_checkpoint(checkpoint_dir: str) -> int:
     """Truncates the newest checkpoint's variable values to half (a save whose data was
-    never flushed), in either format: the step loop's ckpt-N.* or the federated
-    program's round_N/; returns N."""
+    never flushed); returns its step."""
     steps = [
         int(m.group(1))
         for name in os.listdir(checkpoint_dir)
-        if (m := re.match(r"^(?:ckpt-|round_)(\d+)(?:\.index|$)", name))
+        if (m := re.match(r"^ckpt-(\d+)\.index$", name))
     ]
     newest = max(steps)
     data = tf.io.gfile.glob(os.path.join(checkpoint_dir, f"ckpt-{newest}.data-*"))
-    data += tf.io.gfile.glob(
-        os.path.join(checkpoint_dir, f"round_{newest}", "variables", "variables.data-*")
-    )
     assert data, os.listdir(checkpoint_dir)
     for path in data:
         with open(path, "r+b") as f:
@@ -201,7 +186,7 @@ def _kill_while_saving(data: str, output: str, tmp_dir: str, round_num: int) -> 
     begun (its temporary directory exists) but not finished."""
     log_path = os.path.join(tmp_dir, f"killed-at-{round_num}.log")
     checkpoints = os.path.join(output, job_files.CHECKPOINT_DIR)
-    temporary = re.compile(rf"^round_{round_num}_temp\d+$")
+    temporary = re.compile(rf"^ckpt-{round_num}_temp")
     with open(log_path, "w") as log:
         child = subprocess.Popen(
             _command(data, output), stdout=log, stderr=log, env=_environment(tmp_dir)
@@ -298,7 +283,13 @@ def test_pipeline_killed_in_private_train_reruns_without_redoing_finished_compon
     with open(config_path, "w") as f:
         json.dump(_pipeline_config(output), f)
     checkpoint = os.path.join(
-        output, "pipeline_root", definition.PRIVATE_TRAIN, ".work", "*", "checkpoints", "round_1"
+        output,
+        "pipeline_root",
+        definition.PRIVATE_TRAIN,
+        ".work",
+        "*",
+        "checkpoints",
+        "ckpt-1.index",
     )
     with open(os.path.join(tmp_dir, "killed.log"), "w") as log:
         child = subprocess.Popen(

@@ -1,4 +1,4 @@
-"""The step loop's checkpoints (`private_steps.run_steps`) on a toy step: a newest
+"""The training loop's checkpoints (`loop.run`, `checkpoints`) on a toy step: a newest
 checkpoint that does not read back is removed and training resumes from the one before
 to the same end; one that reads but does not fit, and the earlier FDML and centralized
 formats, are one-line errors. (Every algorithm's jobs: tests/tff_algorithms/jobs/test_crash_safety.py.)"""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_algorithms.jobs import private_steps
+from tff_algorithms.jobs import checkpoints, loop
 from tff_algorithms.privacy import accounting_spec
 from tff_algorithms.privacy.ledger import PrivacyLedger
 
@@ -33,6 +33,7 @@ def _inputs(directory: str, stop_at: int | None = None) -> types.SimpleNamespace
     return types.SimpleNamespace(
         config=types.SimpleNamespace(rounds=STEPS, evaluate_every=0, noise_seed=5),
         spec=SPEC,
+        releases=None,
         evaluator=lambda weights: {"sum": float(np.sum(weights))},
         checkpoint_dir=directory,
         progress=progress,
@@ -45,12 +46,9 @@ def _train(directory: str, stop_at: int | None = None, shape: tuple[int, ...] = 
     def step(t, seed):
         weights.assign_add(tf.random.stateless_normal(shape, seed))
 
-    return private_steps.run_steps(
+    return loop.run(
         _inputs(directory, stop_at),
-        {"weights": weights},
-        step,
-        lambda: weights.numpy(),
-        checkpoint_every=1,
+        loop.Round(step, {"weights": weights}, lambda: weights.numpy(), checkpoint_every=1),
     )
 
 
@@ -89,7 +87,7 @@ def test_torn_newest_checkpoint_is_removed_and_training_resumes_from_the_previou
     assert [r["round"] for r in resumed.history] == [1, 2, 3, 4]
     # Step 3 was trained and saved again, whole; the state file names what is there.
     assert tf.train.latest_checkpoint(directory).endswith("ckpt-4")
-    assert private_steps._read_error(os.path.join(directory, "ckpt-3")) is None
+    assert checkpoints.read_error(os.path.join(directory, "ckpt-3")) is None
 
 
 def test_checkpoint_that_reads_but_does_not_fit_is_a_one_line_error(tmp_path):

@@ -67,9 +67,7 @@ def test_metrics_ledger_and_saved_model_are_written(straight_run):
 
 @ON_STRAIGHT_RUN
 def test_no_head_variable_in_checkpoint_or_export(straight_run):
-    checkpoint = os.path.join(
-        straight_run.output_dir, job_files.CHECKPOINT_DIR, "round_3", "variables", "variables"
-    )
+    checkpoint = os.path.join(straight_run.output_dir, job_files.CHECKPOINT_DIR, "ckpt-3")
     exported = os.path.join(straight_run.saved_model_dir, "variables", "variables")
     for path in (checkpoint, exported):
         shapes = {tuple(shape) for _, shape in tf.train.list_variables(path)}

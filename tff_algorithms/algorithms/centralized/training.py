@@ -1,6 +1,6 @@
 """The centralized oracle's trainer: non-private SGD with momentum over every training
-example (`processes.CentralizedTrainer`), one step of the step loop per epoch
-(`jobs.private_steps.run_steps`, which checkpoints the model, the Keras optimizer, the
+example (`processes.CentralizedTrainer`), one step of the training loop per epoch
+(`jobs/loop.py`, which checkpoints the model, the Keras optimizer, the
 epoch, the ledger, epsilon infinite from the first epoch, and the history). The
 learning rate and momentum are `server_learning_rate` / `server_momentum` (the paper
 lists the centralized learning rate in its server column); the DP fields are ignored.
@@ -19,7 +19,7 @@ from tff_algorithms.federated import (
     local_training,
     processes,
 )
-from tff_algorithms.jobs import private_steps
+from tff_algorithms.jobs import loop
 from tff_algorithms.jobs.job_inputs import JobInputs
 from tff_algorithms.jobs.job_outputs import JobOutcome
 from tff_algorithms.modeling import export, models
@@ -63,11 +63,13 @@ def train_centralized(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
         trainer.train_epoch(examples, e)  # its loss is not recorded, as before
 
     # One step is one epoch; each is checkpointed (an epoch is the oracle's long unit).
-    return private_steps.run_steps(
+    return loop.run(
         inputs,
-        trainer.checkpoint_objects(),
-        epoch,
-        lambda: models.backbone_weights(trainer.backbone),
-        noisy=False,
-        checkpoint_every=1,
+        loop.Round(
+            epoch,
+            trainer.checkpoint_objects(),
+            lambda: models.backbone_weights(trainer.backbone),
+            noisy=False,
+            checkpoint_every=1,
+        ),
     )

@@ -1,5 +1,6 @@
-"""DP-FedEmb's, DP-FTRL-FedEmb's and DP-FedAvg's trainer: the federated TFF program
-(`federated.training.train`) over the job's virtual-client schedule.
+"""DP-FedEmb's, DP-FTRL-FedEmb's and DP-FedAvg's trainer: the training loop
+(`jobs/loop.py`) given a round of the federated TFF process (`federated/rounds.py`) over
+the job's virtual-client schedule.
 
 `run_train_job` (tff_algorithms/jobs/train_job.py) resolves the job's inputs and calls
 `train_dp_fedemb` (local heads; DP-FTRL-FedEmb is the same trainer with the tree
@@ -7,7 +8,8 @@ mechanism and the epoch schedule its spec names) or `train_dp_fedavg` (a global 
 over the training identities, aggregated and noised with the backbone). The process is a
 shape (`processes.build_fedemb_process` / `build_fedavg_process`) given the aggregator
 `mechanisms.aggregator_for_spec` builds from the job's accounting spec, the one the
-ledger accounts with; its noise seed lives in the checkpointed aggregator state. A job
+ledger accounts with; its noise seed lives in the aggregator state, which the loop
+checkpoints every round as a `checkpoints.StructureState`. A job
 that trains a suffix of the backbone trains it on cached features of the frozen prefix
 (`feature_cache`); shared negatives release DPLC centres before their rounds
 (`shared_negatives`).
@@ -15,6 +17,7 @@ that trains a suffix of the backbone trains it on cached features of the frozen 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,13 +35,13 @@ from tff_algorithms.federated import (
     local_training,
     mechanisms,
     processes,
-    training,
+    rounds,
 )
-from tff_algorithms.jobs import job_outputs
+from tff_algorithms.jobs import job_outputs, loop
+from tff_algorithms.jobs.checkpoints import StructureState
 from tff_algorithms.jobs.job_inputs import JobInputs
 from tff_algorithms.jobs.job_outputs import JobOutcome
 from tff_algorithms.modeling import models
-from tff_algorithms.privacy.ledger import PrivacyLedger
 
 
 def _shared_negatives_hook(
@@ -140,12 +143,10 @@ def _with_backbone(
     return process.set_model_weights(state, weights)
 
 
-def _head_capacity_check(
-    config: TrainJobConfig, global_head: bool
-) -> Callable[[Mapping[str, Any], Any], None]:
+def _head_capacity_check(config: TrainJobConfig, global_head: bool) -> Callable[[int, Any], None]:
     capacity = config.client_config().head_capacity
 
-    def check(record: Mapping[str, Any], training_metrics: Any) -> None:
+    def check(round_number: int, training_metrics: Any) -> None:
         dropped = int(training_metrics["client_work"]["examples_over_head_capacity"])
         if dropped:
             cause = (
@@ -153,7 +154,7 @@ def _head_capacity_check(
                 if not global_head
                 else "have identities outside the training vocabulary"
             )
-            raise ValueError(f"round {record['round']}: {dropped} training examples {cause}")
+            raise ValueError(f"round {round_number}: {dropped} training examples {cause}")
 
     return check
 
@@ -210,7 +211,7 @@ def train_dp_fedavg(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
 
 
 def _train_federated(inputs: JobInputs, schedule_seed: int, *, global_head: bool) -> JobOutcome:
-    config, user_ids, spec = inputs.config, inputs.user_ids, inputs.spec
+    config, user_ids = inputs.config, inputs.user_ids
     plan = schedule_for(config, len(user_ids), schedule_seed)
     decision = feature_cache_decision(config)
     cut = decision.cut
@@ -226,40 +227,47 @@ def _train_federated(inputs: JobInputs, schedule_seed: int, *, global_head: bool
         inputs.partition_dir if suffix is None else suffix.cached.partition_dir, plan, user_ids
     )
     start = inputs.pretrained if suffix is None else suffix.start
-    initial_state = None
+    state = process.initialize()
     if start is not None:
-        initial_state = _with_backbone(process, process.initialize(), start)
+        state = _with_backbone(process, state, start)
+    # Replaced by the checkpoint's on resume.
+    server = StructureState(state)
 
     def backbone_of(state: Any) -> tff.learning.models.ModelWeights:
         trained = processes.backbone_model_weights(process.get_model_weights(state))
         return trained if suffix is None else suffix.backbone(trained)
 
     check_head = _head_capacity_check(config, global_head)
+    before_round = _shared_negatives_hook(inputs, process, backbone_of)
+    report_policy = config.report_policy()
 
-    def on_round(record: dict[str, Any], training_metrics: Any) -> None:
-        check_head(record, training_metrics)
-        # The record is saved after this call, so the counts survive a resume.
-        work = training_metrics["client_work"]
+    def round_step(t: int, _: Any) -> dict[str, Any]:
+        state = server.get()
+        if before_round is not None:
+            state = before_round(t, state)
+        applied = rounds.run_round(process, state, t, ids.for_round, report_policy)
+        metrics = applied.output.metrics
+        check_head(t + 1, metrics)
+        server.set(applied.output.state)
+        record: dict[str, Any] = {}
+        if applied.discarded_kept_clients:
+            record["discarded_attempts_kept_clients"] = applied.discarded_kept_clients
+        work = metrics["client_work"]
         record["clients"] = {name: int(work[name]) for name in job_outputs.CLIENT_COUNTS}
-        if inputs.progress is not None:
-            inputs.progress(record)
+        return record
 
-    result, ledger = training.train(
-        process,
-        ids.for_round,
-        PrivacyLedger(spec, inputs.releases),
-        lambda text: PrivacyLedger.from_json(
-            text, expected_spec=spec, expected_releases=inputs.releases
+    def backbone() -> tff.learning.models.ModelWeights:
+        return backbone_of(server.get())
+
+    outcome = loop.run(
+        inputs,
+        loop.Round(
+            round_step,
+            {"server_state": server.leaves},
+            backbone,
+            noisy=False,  # the noise seed is in the aggregator state
+            evaluate_start=True,
+            checkpoint_every=1,
         ),
-        training.TrainingProgramConfig(
-            config.rounds, inputs.checkpoint_dir, evaluate_every=config.evaluate_every
-        ),
-        evaluate=lambda state, _: inputs.evaluator(backbone_of(state)),
-        initial_state=initial_state,
-        on_round=on_round,
-        report_policy=config.report_policy(),
-        before_round=_shared_negatives_hook(inputs, process, backbone_of),
     )
-    return JobOutcome(
-        backbone_of(result.state), ledger, result.history, result.resumed_from_round, cache_facts
-    )
+    return dataclasses.replace(outcome, feature_cache=cache_facts)

@@ -25,9 +25,9 @@ gradient (UC, rate_p 1), so no round restarts or is abandoned; one that were wou
 still be charged as a full round by the ledger, an upper bound of its cost
 (`fdml_privacy`: an abandoned round costs its derivative release only).
 
-Checkpoints: the step loop's (`private_steps.run_steps`). The server state (weights,
-Adam state, round counter, noise seed) lives in variables (`_ServerState`), saved with
-the ledger and the history every `private_steps.CHECKPOINT_EVERY` rounds and on
+Checkpoints: the training loop's (`jobs/loop.py`). The server state (weights,
+Adam state, round counter, noise seed) lives in variables (`checkpoints.StructureState`),
+saved with the ledger and the history every `loop.CHECKPOINT_EVERY` rounds and on
 evaluation rounds; a re-run resumes from the newest intact checkpoint and redraws the
 same users, images and noise, so it ends where an uninterrupted run ends. Checkpoints
 of the earlier fdml-<round>.npz format are refused in one line. The server's monitoring
@@ -54,7 +54,8 @@ from tff_algorithms.config import loop_schedule
 from tff_algorithms.config.job_config import TrainJobConfig
 from tff_algorithms.evaluation import eer, metrics
 from tff_algorithms.federated import client_data
-from tff_algorithms.jobs import private_steps
+from tff_algorithms.jobs import loop
+from tff_algorithms.jobs.checkpoints import StructureState
 from tff_algorithms.jobs.job_outputs import JobOutcome
 
 if TYPE_CHECKING:
@@ -171,23 +172,6 @@ def _evaluate(inputs: JobInputs, weights: Any) -> dict[str, Any]:
     }
 
 
-class _ServerState:
-    """The FDML server state (weights, Adam state, round counter, noise seed) held in
-    variables (`leaves`), so the step loop's checkpoint saves it with the ledger and
-    history."""
-
-    def __init__(self, state: Any) -> None:
-        self._template = state
-        self.leaves = [tf.Variable(np.asarray(leaf)) for leaf in tf.nest.flatten(state)]
-
-    def get(self) -> Any:
-        return tf.nest.pack_sequence_as(self._template, [v.numpy() for v in self.leaves])
-
-    def set(self, state: Any) -> None:
-        for variable, leaf in zip(self.leaves, tf.nest.flatten(state), strict=True):
-            variable.assign(leaf)
-
-
 def train_fdml(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     """Trains `config.rounds` FDML rounds (module docstring); needs a TFF runtime."""
     config = inputs.config
@@ -200,7 +184,7 @@ def train_fdml(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
         backbone_seed=config.seed,
         initial_weights=inputs.pretrained,
     )
-    server = _ServerState(process.initialize())
+    server = StructureState(process.initialize())
     samples = _UserSamples(inputs, schedule_seed)
 
     def round_step(t: int, _: tf.Tensor | None) -> dict[str, Any]:
@@ -219,11 +203,13 @@ def train_fdml(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
     def backbone() -> Any:
         return fdml.backbone_weights(server.get())
 
-    return private_steps.run_steps(
+    return loop.run(
         inputs,
-        {"server_state": server.leaves},
-        round_step,
-        backbone,
-        noisy=False,  # the noise seed is in the server state
-        evaluate=lambda: _evaluate(inputs, backbone()),
+        loop.Round(
+            round_step,
+            {"server_state": server.leaves},
+            backbone,
+            noisy=False,  # the noise seed is in the server state
+            evaluate=lambda: _evaluate(inputs, backbone()),
+        ),
     )

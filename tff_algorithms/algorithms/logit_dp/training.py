@@ -26,7 +26,7 @@ The privacy unit is the user. Each step t:
 
 Which images form a pair is drawn from the secret schedule seed and the step (as the
 users are); the noise from the noise seed and the step. Both seeds are in the
-checkpoint (`private_steps.run_steps`), so a resumed job redraws the same pairs and
+checkpoint (`jobs/loop.py`), so a resumed job redraws the same pairs and
 noise and ends where an uninterrupted run ends. Nothing
 computed from the training pairs other than the noised gradient is recorded: the
 history holds epsilon, wall time and held-out evaluation only (a per-step training
@@ -44,7 +44,7 @@ from beam_jobs import schema
 from tff_algorithms.algorithms.logit_dp import mechanism as logit_dp
 from tff_algorithms.config.job_plan import schedule_for
 from tff_algorithms.federated import client_data
-from tff_algorithms.jobs import private_steps
+from tff_algorithms.jobs import loop
 from tff_algorithms.jobs.job_outputs import JobOutcome
 from tff_algorithms.modeling import models, optimizers
 
@@ -153,9 +153,11 @@ def train_logit_dp(inputs: JobInputs, schedule_seed: int) -> JobOutcome:
 
     optimizer.build(variables)
     source = PairSource(inputs, schedule_seed)
-    return private_steps.run_steps(
+    return loop.run(
         inputs,
-        {"model": model, "optimizer": optimizer},
-        lambda t, seed: step_fn(*source.pairs(t), seed),
-        lambda: models.backbone_weights(model),
+        loop.Round(
+            lambda t, seed: step_fn(*source.pairs(t), seed),
+            {"model": model, "optimizer": optimizer},
+            lambda: models.backbone_weights(model),
+        ),
     )

@@ -52,7 +52,7 @@ What a user's examples are and which model trains is pluggable (`UserExamples`):
 Seeds: which users and which of their examples from the schedule seed (kept in
 train_job.json), the noise from the noise seed (in the checkpoint) and the step, so a
 resumed job redraws the same steps and ends where an uninterrupted run ends.
-Checkpoints, ledger and history: `private_steps.run_steps` (the history holds epsilon,
+Checkpoints, ledger and history: the training loop (`jobs/loop.py`; the history holds epsilon,
 wall time and held-out evaluation only: a training loss would be an unaccounted
 release).
 
@@ -83,7 +83,7 @@ from tff_algorithms.algorithms.user_dp_sgd.config import EMBEDDING_LAYER, DpSgdS
 from tff_algorithms.config.client_config import SOFTMAX, HeadLossConfig
 from tff_algorithms.config.job_plan import schedule_for
 from tff_algorithms.federated import client_data, feature_cache, local_training
-from tff_algorithms.jobs import private_steps
+from tff_algorithms.jobs import loop
 from tff_algorithms.jobs.job_outputs import JobOutcome
 from tff_algorithms.modeling import models, optimizers
 
@@ -476,10 +476,7 @@ def train_user_dp_sgd(inputs: JobInputs, schedule_seed: int, *, last_layer: bool
     trained_state = {"model": backbone, "head": head, "optimizer": trainer.optimizer}
     if trainer.head_bias is not None:
         trained_state["head_bias"] = trainer.head_bias
-    outcome = private_steps.run_steps(
-        inputs,
-        trained_state,
-        step,
-        lambda: models.backbone_weights(backbone),
+    outcome = loop.run(
+        inputs, loop.Round(step, trained_state, lambda: models.backbone_weights(backbone))
     )
     return dataclasses.replace(outcome, feature_cache=cache_facts)

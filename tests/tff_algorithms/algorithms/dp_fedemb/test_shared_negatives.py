@@ -348,7 +348,7 @@ def test_resumed_run_equals_uninterrupted_with_the_released_centers(
     # checkpoint; the fixed testing noise seed makes the next release repeatable.
     resumed_dir = str(tmp_path / "resumed")
     shutil.copytree(run.output_dir, resumed_dir)
-    shutil.rmtree(os.path.join(resumed_dir, job_files.CHECKPOINT_DIR, "round_3"))
+    support.remove_checkpoint(os.path.join(resumed_dir, job_files.CHECKPOINT_DIR), 3)
     shutil.rmtree(os.path.join(resumed_dir, job_files.SAVED_MODEL_DIR))
     for name in (job_files.METRICS_FILE, job_files.LEDGER_FILE):
         os.remove(os.path.join(resumed_dir, name))
@@ -373,16 +373,14 @@ def test_no_head_row_or_center_in_the_export_and_no_head_in_the_checkpoint(run):
     head = (CONFIG.embedding_size, CONFIG.head_capacity)
     for shape in (head, head[::-1], NEGATIVES_SHAPE, NEGATIVES_SHAPE[::-1]):
         assert shape not in exported.values()
-    checkpoint_dir = os.path.join(run.output_dir, job_files.CHECKPOINT_DIR, "round_3")
-    checkpoint = _variables(os.path.join(checkpoint_dir, "variables", "variables"))
-    assert head not in checkpoint.values() and head[::-1] not in checkpoint.values()
+    checkpoint = os.path.join(run.output_dir, job_files.CHECKPOINT_DIR, "ckpt-3")
+    shapes = _variables(checkpoint)
+    assert head not in shapes.values() and head[::-1] not in shapes.values()
     # The released centers are server state: checkpointed, unit rows, the ones broadcast.
-    loaded = tf.saved_model.load(checkpoint_dir)
-    values = [
-        np.asarray(v.read_value() if isinstance(v, tf.Variable) else v)
-        for v in tf.nest.flatten(loaded())
+    reader = tf.train.load_checkpoint(checkpoint)
+    centers = [
+        reader.get_tensor(name) for name, shape in shapes.items() if shape == NEGATIVES_SHAPE
     ]
-    centers = [v for v in values if v.shape == NEGATIVES_SHAPE]
     assert len(centers) == 1
     np.testing.assert_allclose(np.linalg.norm(centers[0], axis=1), 1.0, rtol=1e-5)
 
