@@ -131,7 +131,8 @@ def check_last_layer_job(config: Any) -> None:
     if tuple(config.trainable_layers) != (EMBEDDING_LAYER,):
         raise ValueError(
             f"{name} trains the {EMBEDDING_LAYER} layer alone on cached features: set "
-            f'trainable_layers to ["{EMBEDDING_LAYER}"] (got {list(config.trainable_layers)})'
+            f'trainable_layers to ["{EMBEDDING_LAYER}"] (got {list(config.trainable_layers)}; '
+            f"a backbone of your own names its last layer {EMBEDDING_LAYER})"
         )
     if config.cache_features is False:
         raise ValueError(
