@@ -52,11 +52,15 @@ def first_line(error: BaseException) -> str:
 
 class StructureState:
     """A TFF state (nested structure of arrays) held in variables, one per leaf, so a
-    `tf.train.Checkpoint` saves and restores it; `get` rebuilds the structure."""
+    `tf.train.Checkpoint` saves and restores it; `get` rebuilds the structure. A leaf's
+    shape may change from round to round (DP-FTRL's tree state grows with its depth)."""
 
     def __init__(self, state: Any) -> None:
         self._template = state
-        self.leaves = [tf.Variable(np.asarray(leaf)) for leaf in tf.nest.flatten(state)]
+        self.leaves = [
+            tf.Variable(np.asarray(leaf), shape=tf.TensorShape(None))
+            for leaf in tf.nest.flatten(state)
+        ]
 
     def get(self) -> Any:
         return tf.nest.pack_sequence_as(self._template, [v.numpy() for v in self.leaves])
