@@ -18,7 +18,7 @@ Public data: matplotlib's toolbar icons and DejaVu pictographs, one identity per
 
 Each arm's trained model and the small CNN's are scored on the same test split with a
 paired bootstrap (`scoring.compare_saved_models`), so the difference's interval is the
-paired one. Writes bench/results/user_backbones[_quick].json.
+paired one. Writes bench/results/bench_user_backbones.json (`make bench` runs it too).
 
     python -m bench.bench_user_backbones [--quick] [--root /tmp/user_backbones]
 """
@@ -160,14 +160,12 @@ def _test_split(output: str) -> str:
     return test
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--root", default="/tmp/bench_user_backbones")
-    parser.add_argument("--shapes", default="shared,one_per_user")
-    args = parser.parse_args(argv)
-    sizes = SIZES["quick" if args.quick else "full"]
-    root = os.path.abspath(args.root)
+def run(
+    out_dir: str, quick: bool, root: str | None = None, shapes: str = "shared,one_per_user"
+) -> dict:
+    """Every arm on every shape (module docstring); `run_all`'s entry point."""
+    sizes = SIZES["quick" if quick else "full"]
+    root = os.path.abspath(root or os.path.join(out_dir, "bench_user_backbones_work"))
     os.makedirs(root, exist_ok=True)
     size = 64  # written at the largest input; each model resizes
     public = os.path.join(root, "public")
@@ -188,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     from tff_algorithms.evaluation import scoring
 
     results: dict = {"sizes": sizes, "train": TRAIN, "shapes": {}}
-    for shape in args.shapes.split(","):
+    for shape in shapes.split(","):
         inputs, mode = (shared, "identity") if shape == "shared" else (single, "auto")
         data = {"inputs": [inputs], "public_inputs": [public]}
         runs = {
@@ -206,9 +204,18 @@ def main(argv: list[str] | None = None) -> None:
             runs[arm]["recall_at_far_interval"] = compared[arm]["recall_at_far_interval"]
         results["shapes"][shape] = runs
         print(json.dumps({shape: runs}, indent=1), flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--root", default=None, help="where the data and runs go")
+    parser.add_argument("--shapes", default="shared,one_per_user")
+    args = parser.parse_args(argv)
+    results = run(RESULTS, args.quick, args.root, args.shapes)
     os.makedirs(RESULTS, exist_ok=True)
-    name = "user_backbones_quick.json" if args.quick else "user_backbones.json"
-    with open(os.path.join(RESULTS, name), "w") as f:
+    with open(os.path.join(RESULTS, "bench_user_backbones.json"), "w") as f:
         json.dump(results, f, indent=1, sort_keys=True)
 
 
