@@ -114,6 +114,10 @@ def test_a_changed_model_file_is_refused_as_a_different_job_in_one_line(tmp_path
     flags.append("--embedding-size=48")
     first = _train(data, output, *flags)
     assert first.returncode == 0, first.stderr[-3000:]
+    # The same file: the finished job is recognised, nothing trains again.
+    again = _train(data, output, *flags)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1])["already_finished"]
     _face_net(2).save(model_path)
     second = _train(data, output, *flags)
     assert second.returncode != 0
