@@ -11,7 +11,8 @@ the one served again), is pushed to a new version.
 
 A version appears whole or not at all: it is copied under a temporary name TF Serving
 ignores (it loads only all-digit names), synced, and renamed to its version number
-(issue 63). A temporary folder of an interrupted push, or a torn version an earlier
+(issue 63; on an object store, which renames no folder, it is written in place with
+saved_model.pb last, as TFX does). A temporary folder of an interrupted push, or a torn version an earlier
 release left (it copied straight into the version, so a kill left a version without a
 complete saved_model.pb), is removed before the next push, with one line; a torn
 version holding a file the product never writes there stops the push instead.
@@ -140,21 +141,21 @@ def remove_torn_versions(base_directory: str) -> list[str]:
     return removed
 
 
+def _fsync(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def _sync_tree(root: str) -> None:
-    """fsyncs every file and folder under a local `root`, so the rename publishes data
-    that is on disk (object stores have nothing to sync)."""
+    """fsyncs every file and folder under a local `root`, so that the rename publishes
+    data that is on disk."""
     for directory, _, files in os.walk(root):
         for name in files:
-            descriptor = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
-        descriptor = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+            _fsync(os.path.join(directory, name))
+        _fsync(directory)
 
 
 def push_new_version(model_path: str, base_directory: str) -> str:
@@ -166,18 +167,20 @@ def push_new_version(model_path: str, base_directory: str) -> str:
         int(v.rstrip("/")) for v in fileio.listdir(base_directory) if v.rstrip("/").isdigit()
     ]
     version = str(max([int(time.time()), *(v + 1 for v in versions)]))
-    temporary = os.path.join(base_directory, TEMPORARY_PREFIX + version)
-    # saved_model.pb last, as TFX copies it: a reader of the folder sees it only complete.
-    io_utils.copy_dir(model_path, temporary, deny_regex_patterns=[re.escape(SAVED_MODEL_FILE)])
-    io_utils.copy_file(
-        os.path.join(model_path, SAVED_MODEL_FILE), os.path.join(temporary, SAVED_MODEL_FILE)
-    )
-    if "://" not in base_directory:
-        _sync_tree(temporary)
     serving_path = os.path.join(base_directory, version)
-    fileio.rename(temporary, serving_path)
-    if "://" not in base_directory:
-        _sync_tree(base_directory)
+    local = "://" not in base_directory
+    # An object store renames no folder: there the version is written in place, as TFX
+    # does, and only saved_model.pb's coming last marks it complete.
+    target = os.path.join(base_directory, TEMPORARY_PREFIX + version) if local else serving_path
+    # saved_model.pb last, as TFX copies it: a reader of the folder sees it only complete.
+    io_utils.copy_dir(model_path, target, deny_regex_patterns=[re.escape(SAVED_MODEL_FILE)])
+    io_utils.copy_file(
+        os.path.join(model_path, SAVED_MODEL_FILE), os.path.join(target, SAVED_MODEL_FILE)
+    )
+    if local:
+        _sync_tree(target)
+        os.rename(target, serving_path)
+        _fsync(base_directory)  # the rename itself
     return serving_path
 
 
