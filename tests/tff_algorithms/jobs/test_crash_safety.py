@@ -1,8 +1,10 @@
 """Crash safety: SIGKILLed training resumes to the uninterrupted result; torn checkpoints.
 
-- `dp-fedemb train` is SIGKILLed in the middle of a checkpoint write at a random round
-  (seeded), then re-run to the end: the model and the privacy ledger equal those of an
-  uninterrupted run bit for bit. (A kill right after a round is reported is the
+- `dp-fedemb train` is SIGKILLed after the checkpoint of a random round (seeded), the
+  partial files of a save killed midway (TensorFlow's temporary folder, values without
+  their index) are added, and it is re-run to the end: the model and the privacy ledger
+  equal those of an uninterrupted run bit for bit. (A save takes milliseconds, too
+  short for a test to kill it inside without a timing race.) (A kill right after a round is reported is the
   every-algorithm test's, below, and SIGTERM is tests/pipeline/test_train_cli.py's.)
 - A newest checkpoint that does not read back (what a machine crash can leave after
   the rename: files never flushed, or a rename interrupted on an object store) is
@@ -181,29 +183,46 @@ def _run_to_completion(data: str, output: str, tmp_dir: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _kill_while_saving(data: str, output: str, tmp_dir: str, round_num: int) -> None:
-    """Starts training and SIGKILLs it once round `round_num`'s checkpoint write has
-    begun (its temporary directory exists) but not finished."""
-    log_path = os.path.join(tmp_dir, f"killed-at-{round_num}.log")
+def _kill_after_checkpoint(data: str, output: str, tmp_dir: str, round_num: int) -> int:
+    """Starts training, SIGKILLs it once round `round_num`'s checkpoint is saved (its
+    index exists), and returns the newest round whose checkpoint the kill left."""
+    log_path = os.path.join(tmp_dir, f"killed-after-{round_num}.log")
     checkpoints = os.path.join(output, job_files.CHECKPOINT_DIR)
-    temporary = re.compile(rf"^ckpt-{round_num}_temp")
+    index = os.path.join(checkpoints, f"ckpt-{round_num}.index")
     with open(log_path, "w") as log:
         child = subprocess.Popen(
             _command(data, output), stdout=log, stderr=log, env=_environment(tmp_dir)
         )
     try:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
+        while not os.path.exists(index):
             assert child.poll() is None, open(log_path).read()[-3000:]
-            entries = os.listdir(checkpoints) if os.path.isdir(checkpoints) else []
-            if any(temporary.match(e) for e in entries):
-                child.kill()
-                return
+            assert time.monotonic() < deadline, f"round {round_num} not reached in time"
             time.sleep(0.005)
-        raise AssertionError(f"round {round_num} not reached in time")
     finally:
         child.kill()
         child.wait(60)
+    return max(
+        int(m.group(1))
+        for name in os.listdir(checkpoints)
+        if (m := re.match(r"^ckpt-(\d+)\.index$", name))
+    )
+
+
+def _leave_an_interrupted_save(checkpoints: str, saved: int) -> None:
+    """What a kill inside the next round's save leaves: TensorFlow's temporary folder
+    with part of the values, and a values file whose index was never written."""
+    [values] = tf.io.gfile.glob(os.path.join(checkpoints, f"ckpt-{saved}.data-*"))
+    with open(values, "rb") as f:
+        half = f.read()[: os.path.getsize(values) // 2]
+    temporary = os.path.join(checkpoints, f"ckpt-{saved + 1}_temp")
+    os.makedirs(temporary, exist_ok=True)  # the kill may have left one
+    for path in (
+        os.path.join(temporary, "part-00000-of-00001.data-00000-of-00001"),
+        os.path.join(checkpoints, f"ckpt-{saved + 1}.data-00000-of-00001"),
+    ):
+        with open(path, "wb") as f:
+            f.write(half)
 
 
 @pytest.mark.slow
@@ -222,13 +241,16 @@ def test_sigkilled_training_resumes_to_exactly_the_uninterrupted_result(tmp_path
     for name in (job_files.CHECKPOINT_DIR, job_files.JOB_FILE):
         shutil.move(os.path.join(output, name), os.path.join(tmp_dir, f"reference-{name}"))
 
-    # Killed mid checkpoint write at a random round k >= 2: the write never completed, so
-    # the re-run resumes from round k - 1's checkpoint.
-    killed_round = random.Random(KILL_SEED).randint(2, CLI_ROUNDS - 1)
-    _kill_while_saving(data, output, tmp_dir, killed_round)
+    # Killed once a random round k >= 2 is saved, a later save's partial files added: the
+    # re-run removes them and resumes from the newest whole checkpoint.
+    saved_round = _kill_after_checkpoint(
+        data, output, tmp_dir, random.Random(KILL_SEED).randint(2, CLI_ROUNDS - 1)
+    )
+    checkpoints = os.path.join(output, job_files.CHECKPOINT_DIR)
+    _leave_an_interrupted_save(checkpoints, saved_round)
     summary = _run_to_completion(data, output, tmp_dir)
 
-    assert summary["resumed_from_round"] == killed_round - 1
+    assert summary["resumed_from_round"] == saved_round
     for a, b in zip(
         support.saved_backbone(os.path.join(reference_dir, job_files.SAVED_MODEL_DIR)),
         support.saved_backbone(os.path.join(output, job_files.SAVED_MODEL_DIR)),
