@@ -523,6 +523,11 @@ def test_pipeline_config_reaches_every_beam_job_tfx_component_and_the_tff_worker
         "worker_cert": "/tls/trainer.pem",
         "worker_key": "/tls/trainer.key",
         "allow_insecure_workers": False,
+        # A lost worker's bounds and policy (runtime.RuntimeConfig), their defaults.
+        "first_round_deadline_s": 900.0,
+        "round_deadline_factor": 10.0,
+        "min_round_deadline_s": 60.0,
+        "max_worker_losses": 2,
     }
 
 
