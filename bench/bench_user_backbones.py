@@ -140,7 +140,7 @@ def _run(root: str, name: str, data: dict, train: dict, split_mode: str) -> dict
     with open(os.path.join(evaluation, "evaluation.json")) as f:
         evaluated = json.load(f)
     [ledger] = glob.glob(
-        os.path.join(output, "pipeline_root", "PrivateTrain", "privacy_ledger", "*", "*.json")
+        os.path.join(output, "pipeline_root", "PrivateTrain", "privacy_ledger", "*", "ledger.json")
     )
     with open(ledger) as f:
         epsilon = json.load(f)["history"][-1]["epsilon"]
