@@ -133,16 +133,11 @@ def _run(root: str, name: str, data: dict, train: dict, split_mode: str) -> dict
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"{name}: dp-fedemb run failed: {done.stderr[-2000:]}")
-    [model] = glob.glob(os.path.join(output, "pipeline_root", "PrivateTrain", "model", "*"))
-    [evaluation] = glob.glob(
-        os.path.join(output, "pipeline_root", "EvaluateAndBless", "evaluation", "*")
-    )
+    model = _newest(output, "PrivateTrain", "model")
+    evaluation = _newest(output, "EvaluateAndBless", "evaluation")
     with open(os.path.join(evaluation, "evaluation.json")) as f:
         evaluated = json.load(f)
-    [ledger] = glob.glob(
-        os.path.join(output, "pipeline_root", "PrivateTrain", "privacy_ledger", "*", "ledger.json")
-    )
-    with open(ledger) as f:
+    with open(os.path.join(_newest(output, "PrivateTrain", "privacy_ledger"), "ledger.json")) as f:
         epsilon = json.load(f)["history"][-1]["epsilon"]
     return {
         "wall_seconds": round(seconds, 1),
@@ -153,11 +148,18 @@ def _run(root: str, name: str, data: dict, train: dict, split_mode: str) -> dict
     }
 
 
+def _newest(output: str, component: str, artifact: str) -> str:
+    """The folder of the component's newest execution (a re-run after a code change adds
+    one; TFX numbers them in order)."""
+    found = glob.glob(os.path.join(output, "pipeline_root", component, artifact, "*"))
+    return max(found, key=lambda path: int(os.path.basename(path)))
+
+
 def _test_split(output: str) -> str:
-    [test] = glob.glob(
+    found = glob.glob(
         os.path.join(output, "pipeline_root", "DeduplicateSplits", "*", "*", "Split-test")
     )
-    return test
+    return max(found, key=lambda path: int(path.split(os.sep)[-2]))
 
 
 def run(
