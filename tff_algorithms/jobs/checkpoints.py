@@ -18,6 +18,7 @@ and the oracle's checkpoints whose step was named "epoch" (docs/design.md sectio
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Mapping
@@ -175,6 +176,7 @@ class Checkpoints:
     construction (`resumed`), saved by step number, the newest `KEEP_CHECKPOINTS` kept."""
 
     def __init__(self, directory: str, trackables: Mapping[str, Any]) -> None:
+        self._directory = directory
         self._checkpoint = tf.train.Checkpoint(**trackables)
         latest = newest_intact_checkpoint(directory)
         self._manager = tf.train.CheckpointManager(
@@ -185,4 +187,12 @@ class Checkpoints:
         self.resumed = latest is not None
 
     def save(self, step: int) -> None:
-        self._manager.save(checkpoint_number=step)
+        try:
+            self._manager.save(checkpoint_number=step)
+        except BaseException:
+            # A save stopped by a full disk: its partial files go (the step is trained
+            # again on resume). The save's error is what the user must see.
+            with contextlib.suppress(OSError, tf.errors.OpError):
+                partial = _entries_by_step(self._directory).get(step, [])
+                _remove_entries(self._directory, partial)
+            raise
