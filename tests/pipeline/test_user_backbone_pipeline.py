@@ -51,14 +51,16 @@ def test_a_keras_file_with_batch_norm_runs_through_the_pipeline(tmp_path):
         "channels": 3,
         "embedding_size": 48,
     }
-    # The gate against the pretrained start is not what this test is about: a regression
-    # of up to 1 (any) is allowed, so the model is always pushed and its card written.
+    # Blessing is not what this test is about: two noisy rounds of the tiny pipeline at the
+    # default server step can leave the model significantly below its pretrained start,
+    # which the gate refuses (pipeline/components/evaluation.py); a small server step keeps
+    # it near the start, so the model is pushed and its card written.
     values = support.tiny_pipeline(
-        str(tmp_path / "output"), train=user_model, evaluate={"max_recall_regression": 1.0}
+        str(tmp_path / "output"), train={**user_model, "server_learning_rate": 1e-3}
     )
     config, _, process = support.run_pipeline(values, tmp_path)
     summary = local_run.summarize(config)
-    assert summary.epsilon > 0 and summary.pushed_to, process.stderr[-2000:]
+    assert summary.epsilon > 0 and summary.pushed_to, summary.not_blessed_because
     embeddings = _serve(summary.pushed_to)
     assert embeddings.shape == (3, 48)
     np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, atol=1e-5)
