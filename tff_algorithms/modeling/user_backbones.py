@@ -61,6 +61,10 @@ class _Template:
         self.values = values
 
 
+class _DownloadRefused(ValueError):
+    """A model asked Keras to download something (`_no_downloads`)."""
+
+
 @contextlib.contextmanager
 def _no_downloads(architecture: str) -> Iterator[None]:
     """Refuses Keras's downloads (pretrained weights) while a model is made."""
@@ -69,7 +73,7 @@ def _no_downloads(architecture: str) -> Iterator[None]:
     original = data_utils.get_file
 
     def refuse(fname: str | None = None, origin: str | None = None, *args: Any, **kwargs: Any):
-        raise ValueError(
+        raise _DownloadRefused(
             f"architecture {architecture} would download {origin or fname}: nothing downloads "
             "here; build it with weights=None (a start comes from public pretraining or a "
             "file: model)"
@@ -102,9 +106,9 @@ def _keras_template(name: str, config: BackboneConfig) -> tf.keras.Model:
             rescaled = tf.keras.layers.Rescaling(2.0, offset=-1.0, name="rescale")(inputs)
             trunk = constructor(input_tensor=rescaled, input_shape=config.image_shape, **kwargs)
             return tf.keras.Model(inputs, trunk.outputs[0], name=name)
+    except _DownloadRefused:
+        raise
     except ValueError as error:
-        if "would download" in str(error):
-            raise
         raise ValueError(
             f"architecture keras:{name} cannot take images of {_shape(config.image_shape)} "
             f"(train.image_size, train.channels): {_first_line(error)}"
@@ -224,9 +228,9 @@ def _python_template(spec: str, config: BackboneConfig) -> tf.keras.Model:
     try:
         with tf.init_scope(), _no_downloads(architecture):
             model = factory(config.image_shape, config.embedding_size)
+    except _DownloadRefused:
+        raise
     except ValueError as error:
-        if "would download" in str(error):
-            raise
         raise ValueError(
             f"architecture {architecture}: the factory raised ValueError: {_first_line(error)}"
         ) from None
