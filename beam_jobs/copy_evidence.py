@@ -147,8 +147,11 @@ def shared_noise(
     band-pass residuals correlated over the flat part of the overlap, away from edges
     of either image and from clipped pixels of either. `factor`: image pixels per
     thumbnail pixel (edges and borders are judged at the thumbnail's scale)."""
-    x = candidates.astype(np.float32)
-    y = aligned.astype(np.float32)
+    # float64: the flat-pixel mask is a threshold on blurred gradients, and a float32
+    # matrix product's rounding (which moves with the BLAS kernel and batch size) can
+    # flip a pixel at the threshold and move the correlation by 1e-4.
+    x = candidates.astype(np.float64)
+    y = aligned.astype(np.float64)
     border = max(_BORDER, round(_BORDER * factor))
     inner = valid.copy()
     inner[:, :border] = inner[:, x.shape[1] - border :] = False
@@ -162,7 +165,7 @@ def shared_noise(
     # The band in the image's own pixels: noise is per pixel, whatever the image size.
     band_x = _blur(x, _BAND[0]) - _blur(x, _BAND[1])
     band_y = _blur(y, _BAND[0]) - _blur(y, _BAND[1])
-    weights = flat.astype(np.float32)
+    weights = flat.astype(np.float64)
     pixels = weights.sum(axis=(1, 2))
     n = np.maximum(pixels, 1.0)
     band_x = (band_x - ((band_x * weights).sum(axis=(1, 2)) / n)[:, None, None]) * weights

@@ -89,13 +89,17 @@ def _blur_matrix(sigma: float, size: int) -> np.ndarray:
     for i in range(size):
         for offset, weight in zip(range(-radius, radius + 1), taps):
             matrix[i, min(max(i + offset, 0), size - 1)] += weight
-    return matrix.astype(np.float32)
+    return matrix
 
 
 def blur(images: np.ndarray, sigma: float) -> np.ndarray:
-    """Gaussian blur of [..., T, T] images (edges repeated), as two matrix products."""
-    matrix = _blur_matrix(sigma, images.shape[-1])
-    rows = matrix @ images.astype(np.float32).reshape(-1, *images.shape[-2:])
+    """Gaussian blur of [..., T, T] images (edges repeated), as two matrix products:
+    in float64 for float64 images, else in float32. BLAS sums a product in an order
+    that depends on its kernel and the batch size; in float64 those differences stay
+    ~1e-13, far below any threshold a decision compares a blurred value with."""
+    dtype = np.float64 if images.dtype == np.float64 else np.float32
+    matrix = _blur_matrix(sigma, images.shape[-1]).astype(dtype)
+    rows = matrix @ images.astype(dtype).reshape(-1, *images.shape[-2:])
     return (rows.reshape(-1, images.shape[-1]) @ matrix.T).reshape(images.shape)
 
 
