@@ -165,6 +165,9 @@ class PretrainSection:
 class RuntimeSection:
     """The TFF workers private training runs on (tff_algorithms.federated.runtime.RuntimeConfig).
 
+    executor: worker (TFF's worker_binary processes, the settings below) or in_process
+    (the round's TFF-compiled form run by the training step's own TensorFlow, client work
+    on every GPU it sees; docs/scaling.md, "Accelerators").
     worker_addresses: host:port of workers started by a cluster scheduler
     (docs/scaling.md); empty: `local_workers` workers started by the training step.
     Two or more split each round's virtual clients; DP noise is added once, after
@@ -180,6 +183,7 @@ class RuntimeSection:
     (tff_algorithms/federated/liveness.py).
     """
 
+    executor: str = "worker"
     worker_addresses: tuple[str, ...] = ()
     local_workers: int = 1
     worker_intra_op_threads: int = 1

@@ -2,7 +2,9 @@
 one algorithm's tiny job and SIGKILLs itself when step (round) K is reported, which is
 before that step's checkpoint is saved.
 
-usage: python -m tests.crash_child ALGORITHM PARTITION_DIR EVAL_DIR OUTPUT_DIR K
+usage: python -m tests.crash_child ALGORITHM PARTITION_DIR EVAL_DIR OUTPUT_DIR K [EXECUTOR]
+
+EXECUTOR: `runtime.RuntimeConfig.executor` (default: worker).
 
 `CRASH_JOBS` holds each registered algorithm's tiny job on `support.small_job_inputs`:
 every seed fixed (the schedule and noise seeds behind their testing flags, so two
@@ -19,6 +21,7 @@ from typing import Any
 
 from tests import support
 from tff_algorithms.config import job_config
+from tff_algorithms.federated import runtime
 from tff_algorithms.jobs import train_job
 
 CRASH_ROUNDS = 4
@@ -104,9 +107,14 @@ def _kill_at(step: int) -> Any:
 
 
 def main(argv: list[str]) -> None:
-    algorithm, partition_dir, eval_dir, output_dir, step = argv
+    algorithm, partition_dir, eval_dir, output_dir, step, *executor = argv
     train_job.run_train_job(
-        CRASH_JOBS[algorithm], partition_dir, eval_dir, output_dir, progress=_kill_at(int(step))
+        CRASH_JOBS[algorithm],
+        partition_dir,
+        eval_dir,
+        output_dir,
+        progress=_kill_at(int(step)),
+        runtime_config=runtime.RuntimeConfig(executor=executor[0]) if executor else None,
     )
     sys.exit(f"step {step} was never reported")
 

@@ -29,9 +29,10 @@ from beam_jobs import split_protocols  # no Beam or TensorFlow: the checks may u
 from pipeline import console
 from pipeline.commands import algorithm_flags, checks, train_config, train_data
 from tff_algorithms import algorithms
+from tff_algorithms.algorithms import registry
 from tff_algorithms.algorithms.dp_fedemb import shared_negatives_config
 from tff_algorithms.base import job_files, owned_files
-from tff_algorithms.config import client_config, model_config, recipes
+from tff_algorithms.config import client_config, executors, model_config, recipes
 from tff_algorithms.config import job_config as job_config_lib
 from tff_algorithms.privacy import accounting_spec
 
@@ -242,6 +243,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "naming the modes) (default: identity_and_user)",
     )
     define("integer", "num-shards", "user shards of the training partition", 16)
+    define(
+        "string",
+        "executor",
+        "what runs each round: worker (TFF's worker_binary) or in_process (TFF's compiled "
+        "round in this process, client work on every GPU TensorFlow sees)",
+        executors.WORKER,
+    )
     define("list", "workers", "host:port of remote TFF workers (default: local workers)", [])
     define("integer", "local-workers", "local TFF workers splitting each round's clients", 1)
     define(
@@ -401,6 +409,7 @@ _CHOICES = {
     "server-optimizer": model_config.OPTIMIZERS,
     "cache-features": ("auto", "true", "false"),
     "split-mode": (split_protocols.AUTO, *split_protocols.MODES),
+    "executor": executors.EXECUTORS,
 }
 _POSITIVE_INTS = (
     "rounds",
@@ -595,6 +604,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     # (its worker manager fails noisily at exit); SIGTERM/SIGINT stop the workers.
     try:
         runtime_config = runtime.RuntimeConfig(
+            executor=value["executor"],
             worker_addresses=tuple(value["workers"]),
             local_workers=value["local-workers"],
             worker_intra_op_threads=value["worker-intra-op-threads"],

@@ -28,6 +28,10 @@ order workers finish, so the last bits can vary between runs.
 Every call to a worker has a deadline, and a worker lost during a round is restarted
 (local) or dropped (remote) and the round tried again from the same state, within
 `max_worker_losses` (`liveness.py`, `TffRuntime.run_round`).
+
+With `executor` in_process no worker is started: the runtime installs
+`in_process_executor.InProcessContext`, which runs TFF's compiled form of each round
+with this process's TensorFlow (on its GPUs when it sees any).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ from tensorflow_federated.python.core.environments.tensorflow_frontend import (
 )
 
 from tff_algorithms.base import validation
-from tff_algorithms.federated import liveness, local_workers
+from tff_algorithms.config.executors import EXECUTORS, IN_PROCESS, WORKER
+from tff_algorithms.federated import in_process_executor, liveness, local_workers
 from tff_algorithms.federated.local_workers import LocalWorker
 
 _GRPC_MAX_MESSAGE_BYTES = 2 * 1000 * 1000 * 1000
@@ -73,6 +78,11 @@ class RuntimeConfig:
     """How training reaches its TFF workers.
 
     Attributes:
+      executor: what runs a round's computation: `worker` (TFF's `worker_binary`
+        processes, the settings below) or `in_process` (TFF's MapReduceForm of the
+        round run by this process's TensorFlow, client work on every GPU it sees;
+        `in_process_executor`). in_process takes no worker addresses and one "local
+        worker"; `worker_intra_op_threads` applies to its client work.
       worker_addresses: "host:port" of workers started elsewhere (e.g. by a cluster
         scheduler, docs/scaling.md). Empty means `local_workers` local workers
         started and owned by this process.
@@ -115,6 +125,7 @@ class RuntimeConfig:
         the worker; re-running resumes from the last checkpoint. 0: stop at the first.
     """
 
+    executor: str = WORKER
     worker_addresses: tuple[str, ...] = ()
     local_workers: int = 1
     max_concurrent_computation_calls: int = -1
@@ -136,6 +147,15 @@ class RuntimeConfig:
         return any(getattr(self, name) for name in _TLS_SETTINGS)
 
     def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(
+                f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}"
+            )
+        if self.executor == IN_PROCESS and (self.worker_addresses or self.local_workers != 1):
+            raise ValueError(
+                "executor in_process runs each round in the training process: drop "
+                "worker_addresses (--workers) and local_workers (--local-workers)"
+            )
         for address in self.worker_addresses:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
@@ -270,6 +290,7 @@ class TffRuntime:
         self._credentials: grpc.ChannelCredentials | None = None
         self._log_dir = ""
         self._started = False
+        self._context_installed = False
         self._lock = threading.Lock()
         self._temp_log_dir: str | None = None
 
@@ -313,6 +334,11 @@ class TffRuntime:
 
     def _start_workers_and_context(self) -> None:
         config = self.config
+        if config.executor == IN_PROCESS:
+            self._context = in_process_executor.InProcessContext(config.worker_intra_op_threads)
+            tff.framework.set_default_context(self._context)
+            self._register()
+            return
         # Before any worker starts: a bad TLS file fails without side effects.
         self._credentials = config.channel_credentials()
         if config.worker_addresses:
@@ -331,6 +357,11 @@ class TffRuntime:
             targets = [(worker.address, worker) for worker in self.local_workers]
         self._targets = [self._connect(address, worker) for address, worker in targets]
         self._install_context()
+        self._register()
+
+    def _register(self) -> None:
+        """Marks this runtime's context as the innermost running one."""
+        self._context_installed = True
         with _running_lock:
             _running.append(self)
         _collect_import_time_context()
@@ -436,13 +467,16 @@ class TffRuntime:
             workers, self.local_workers = self.local_workers, []
             channels, self._channels = self._channels, []
             self._targets = []
-        if not workers and not channels:
+            installed, self._context_installed = self._context_installed, False
+        if not workers and not channels and not installed:
             return
         with _running_lock:
             if self in _running:
                 _running.remove(self)
             previous = _running[-1]._context if _running else _StoppedContext()
         tff.framework.set_default_context(previous)
+        if isinstance(getattr(self, "_context", None), in_process_executor.InProcessContext):
+            self._context.close()
         for channel in channels:
             channel.close()
         clean = not self.worker_losses  # a lost worker's log is worth keeping
