@@ -9,10 +9,16 @@ TEST_WORKERS ?= 2
 # other savings; BENCHMARKS.md, "The test suite and CI").
 SLOW_TEST_WORKERS ?= 3
 
-.PHONY: setup test test-slow mutation-check bench bench-quick lint lock clean airflow-setup airflow-lock
+.PHONY: setup setup-gpu test test-slow mutation-check bench bench-quick lint lock clean airflow-setup airflow-lock
 
 setup:
 	@bash scripts/setup_env.sh
+
+# On a machine with an NVIDIA GPU: the CUDA 11.8 and cuDNN 8 libraries TensorFlow 2.14
+# loads (its wheel's and-cuda extra) into .venv, for `--executor in_process` and the step
+# loop (docs/scaling.md, "Accelerators"). Outside the lock: a CPU machine never needs them.
+setup-gpu: setup
+	$(PY) -m pip install "tensorflow[and-cuda]==2.14.1"
 
 # The default suite leaves out the tests marked slow (end to end, multi-minute); CI runs
 # them after it with test-slow (.ci/run). Together they are every test.
