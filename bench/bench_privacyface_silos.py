@@ -70,9 +70,9 @@ import tensorflow_federated as tff
 
 from beam_jobs import partition
 from bench import bench_training
+from tff_algorithms.algorithms.dp_fedemb import client_work, local_training
 from tff_algorithms.config import client_config, job_config
 from tff_algorithms.evaluation import scoring as evaluation
-from tff_algorithms.federated import client_work, local_training
 from tff_algorithms.modeling import export, models
 from tff_algorithms.privacy import dplc, dplc_releases
 

@@ -153,7 +153,8 @@ def _process(config):  # noqa: ANN001, ANN202 - a TrainJobConfig -> its TFF proc
     """The DP-FedEmb process (noise 0) reading data from ids; one per configuration, since
     tracing it costs more than the rounds of a quick run. Settings that differ only in
     the population or the workers share it."""
-    from tff_algorithms.federated import aggregators, client_data, client_work, processes
+    from tff_algorithms.algorithms.dp_fedemb import aggregators, client_work, processes
+    from tff_algorithms.federated import client_data
 
     image_shape = config.image_shape
     return processes.build_fedemb_process(
@@ -214,7 +215,8 @@ class _PlainLoop:
     def __init__(self, setting: _Setting, initial_weights) -> None:  # noqa: ANN001
         import tensorflow as tf
 
-        from tff_algorithms.federated import client_data, client_work, local_training
+        from tff_algorithms.algorithms.dp_fedemb import client_work, local_training
+        from tff_algorithms.federated import client_data
         from tff_algorithms.modeling import models
 
         config, client_config = setting.config, setting.client_config
@@ -464,8 +466,7 @@ def measure_flops(spec: dict) -> dict:
     """FLOPs of one local step (profiler, checked analytically) and measured peaks."""
     import tensorflow as tf
 
-    from tff_algorithms.federated import local_training
-    from tff_algorithms.modeling import models
+    from tff_algorithms.modeling import identity_heads, models
 
     config = _train_config(spec["flops_clients_per_round"], spec["users_per_virtual_client"])
     client_config = config.client_config()
@@ -476,10 +477,10 @@ def measure_flops(spec: dict) -> dict:
 
     def loss_and_grads(images, labels):  # noqa: ANN001, ANN202
         with tf.GradientTape() as tape:
-            logits = local_training.head_logits(
+            logits = identity_heads.head_logits(
                 backbone(images, training=True), head, labels, client_config.head_loss
             )
-            loss = local_training.head_loss(logits, labels, tf.ones_like(labels, tf.bool))
+            loss = identity_heads.head_loss(logits, labels, tf.ones_like(labels, tf.bool))
         return loss, tape.gradient(loss, variables)
 
     image_spec = tf.TensorSpec([batch, *config.image_shape], tf.float32)

@@ -160,7 +160,7 @@ def step_flops(
     import tensorflow as tf
     from tensorflow.python.framework import ops
 
-    from tff_algorithms.federated import local_training
+    from tff_algorithms.modeling import identity_heads
 
     model = trained_model(config, cached)
     head = tf.Variable(tf.zeros([config.embedding_size, head_rows]))
@@ -172,10 +172,10 @@ def step_flops(
         # their gradients' ops to the graph that the profiler counts.
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(trained)
-            logits = local_training.head_logits(
+            logits = identity_heads.head_logits(
                 model(inputs, training=True), head, labels, loss_config
             )
-            loss = local_training.head_loss(logits, labels, tf.ones_like(labels, tf.bool))
+            loss = identity_heads.head_loss(logits, labels, tf.ones_like(labels, tf.bool))
         return loss, tape.gradient(loss, trained)
 
     input_spec = tf.TensorSpec([batch, *model.input_shape[1:]], tf.float32)

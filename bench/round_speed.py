@@ -79,13 +79,8 @@ def configs(clients_per_round: int) -> dict:
 
 
 def _process(config, load_examples):  # noqa: ANN001, ANN202 - TrainJobConfig, loader
-    from tff_algorithms.federated import (
-        aggregators,
-        client_data,
-        client_work,
-        feature_cache,
-        processes,
-    )
+    from tff_algorithms.algorithms.dp_fedemb import aggregators, client_work, processes
+    from tff_algorithms.federated import client_data, feature_cache
 
     client_config = config.client_config()
     return processes.build_fedemb_process(
@@ -134,7 +129,8 @@ def _plain_share_function(config):  # noqa: ANN001, ANN202 - a TrainJobConfig ->
     clipped, summed in the graph."""
     import tensorflow as tf
 
-    from tff_algorithms.federated import client_data, client_work, local_training
+    from tff_algorithms.algorithms.dp_fedemb import client_work, local_training
+    from tff_algorithms.federated import client_data
     from tff_algorithms.modeling import models
 
     client_config, shape = config.client_config(), config.image_shape
@@ -286,8 +282,7 @@ def _step_op_types(config) -> dict[str, float]:  # noqa: ANN001
     step statistics, mean of 5 traced runs after 10 warm-up steps."""
     import tensorflow as tf
 
-    from tff_algorithms.federated import local_training
-    from tff_algorithms.modeling import models
+    from tff_algorithms.modeling import identity_heads, models
 
     client_config, batch = config.client_config(), config.batch_size
     graph = tf.Graph()
@@ -298,10 +293,10 @@ def _step_op_types(config) -> dict[str, float]:  # noqa: ANN001
         head = tf.Variable(tf.zeros([config.embedding_size, client_config.head_capacity]))
         trained = [*backbone.trainable_weights, head]
         with tf.GradientTape() as tape:
-            logits = local_training.head_logits(
+            logits = identity_heads.head_logits(
                 backbone(images, training=True), head, labels, client_config.head_loss, batch
             )
-            loss = local_training.head_loss(logits, labels, tf.ones([batch], tf.bool))
+            loss = identity_heads.head_loss(logits, labels, tf.ones([batch], tf.bool))
         grads = tape.gradient(loss, trained)
         step = tf.group([v.assign_sub(0.01 * g) for v, g in zip(trained, grads)])
         init = tf.compat.v1.global_variables_initializer()
@@ -328,7 +323,8 @@ def _profile_client(config, ids: list[str]) -> dict:  # noqa: ANN001 - the defau
     import tensorflow as tf
     import tensorflow_federated as tff
 
-    from tff_algorithms.federated import client_data, client_work, local_training
+    from tff_algorithms.algorithms.dp_fedemb import client_work, local_training
+    from tff_algorithms.federated import client_data
     from tff_algorithms.modeling import models
 
     client_config, shape = config.client_config(), config.image_shape
@@ -398,8 +394,7 @@ def _one_step_ms(config) -> float:  # noqa: ANN001
     """Best mean milliseconds of one local step (batch 8, in-memory batch, `tf.function`)."""
     import tensorflow as tf
 
-    from tff_algorithms.federated import local_training
-    from tff_algorithms.modeling import models
+    from tff_algorithms.modeling import identity_heads, models
 
     client_config, batch = config.client_config(), config.batch_size
     backbone = models.build_backbone(config.backbone_config)
@@ -411,10 +406,10 @@ def _one_step_ms(config) -> float:  # noqa: ANN001
     @tf.function
     def step():  # noqa: ANN202
         with tf.GradientTape() as tape:
-            logits = local_training.head_logits(
+            logits = identity_heads.head_logits(
                 backbone(images, training=True), head, labels, client_config.head_loss, batch
             )
-            loss = local_training.head_loss(logits, labels, tf.ones([batch], tf.bool))
+            loss = identity_heads.head_loss(logits, labels, tf.ones([batch], tf.bool))
         for v, g in zip(trained, tape.gradient(loss, trained)):
             v.assign_sub(0.01 * g)
         return loss

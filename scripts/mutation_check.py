@@ -90,7 +90,7 @@ class Mutant:
 
 _FDML = "tests/tff_algorithms/algorithms/fdml/test_fdml.py::"
 _FDML_PRIVACY = "tests/tff_algorithms/algorithms/fdml/test_fdml_privacy.py::"
-_AGGREGATORS = "tests/tff_algorithms/federated/test_aggregators.py::"
+_AGGREGATORS = "tests/tff_algorithms/algorithms/dp_fedemb/test_aggregators.py::"
 _TREES = "tests/tff_algorithms/privacy/test_tree_sensitivity.py::"
 _TIGHT = "tests/tff_algorithms/privacy/test_accounting_tight.py::"
 _LOGIT = "tests/tff_algorithms/algorithms/logit_dp/test_logit_dp.py::"
@@ -116,7 +116,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- clip bounds -----------------------------------------------------------------
     Mutant(
         "aggregator-gaussian-clip",
-        "tff_algorithms/federated/aggregators.py",
+        "tff_algorithms/algorithms/dp_fedemb/aggregators.py",
         "SeededGaussianSumQuery(clip_norm, clip_norm * noise_multiplier, noise_seed)",
         "SeededGaussianSumQuery(1e9, clip_norm * noise_multiplier, noise_seed)",
         (_AGGREGATORS + "test_each_virtual_client_is_clipped_to_the_bound",),
@@ -142,7 +142,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "aggregator-tree-clip",
-        "tff_algorithms/federated/aggregators.py",
+        "tff_algorithms/algorithms/dp_fedemb/aggregators.py",
         "build_l2_gaussian_query(\n        clip_norm,\n        noise_multiplier,",
         "build_l2_gaussian_query(\n        1e9,\n        noise_multiplier * clip_norm / 1e9,",
         (_AGGREGATORS + "test_tree_aggregation_clips_each_virtual_client[None]",),
@@ -204,25 +204,25 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- noise scale -------------------------------------------------------------------
     Mutant(
         "aggregator-gaussian-noise-scale",
-        "tff_algorithms/federated/aggregators.py",
+        "tff_algorithms/algorithms/dp_fedemb/aggregators.py",
         "SeededGaussianSumQuery(clip_norm, clip_norm * noise_multiplier, noise_seed)",
         "SeededGaussianSumQuery(clip_norm, 0.7 * clip_norm * noise_multiplier, noise_seed)",
         (_AGGREGATORS + "test_gaussian_noise_std_is_z_gamma_over_m",),
     ),
     Mutant(
         "aggregator-tree-noise-scale",
-        "tff_algorithms/federated/aggregators.py",
+        "tff_algorithms/algorithms/dp_fedemb/aggregators.py",
         "build_l2_gaussian_query(\n        clip_norm,\n        noise_multiplier,",
         "build_l2_gaussian_query(\n        clip_norm,\n        0.7 * noise_multiplier,",
         (_AGGREGATORS + "test_tree_prefix_sum_noise_follows_the_nodes_summed",),
     ),
     Mutant(
         "dp-ftrl-tree-restart",
-        "tff_algorithms/federated/mechanisms.py",
+        "tff_algorithms/algorithms/dp_fedemb/mechanisms.py",
         "restart_every_rounds = rounds_per_epoch if spec.restart_every_epoch else None",
         "restart_every_rounds = None",
         (
-            "tests/tff_algorithms/federated/test_mechanisms.py::"
+            "tests/tff_algorithms/algorithms/dp_fedemb/test_mechanisms.py::"
             "test_dpftrl_spec_gives_tree_noise_restarting_as_the_spec_says[True]",
         ),
     ),

@@ -7,10 +7,12 @@ import pytest
 import tensorflow as tf
 
 from beam_jobs import synthetic
+from tff_algorithms.algorithms.centralized import training as centralized_training
 from tff_algorithms.config import job_config, model_config, recipes
-from tff_algorithms.federated import local_training, processes
+from tff_algorithms.modeling import identity_heads
 
 IDENTITIES = 100
+ORACLE_BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 
 
 def _sketches() -> tuple[np.ndarray, np.ndarray]:
@@ -39,9 +41,9 @@ def test_pretraining_recipe_keeps_mobilenet_v2_features_apart():
     train = {**recipes.DEFAULT, "architecture": model_config.MOBILENET_V2, "image_size": 32}
     config = job_config.TrainJobConfig(**recipes.job_fields(recipes.pretrain_values(train, {})))
     images, identities = _sketches()
-    trainer = processes.CentralizedTrainer(
+    trainer = centralized_training.CentralizedTrainer(
         config.backbone_config,
-        local_training.identity_keys_vocabulary(list(range(IDENTITIES))),
+        identity_heads.identity_keys_vocabulary(list(range(IDENTITIES))),
         learning_rate=config.server_learning_rate,
         batch_size=config.batch_size,
         momentum=config.server_momentum,
@@ -56,3 +58,22 @@ def test_pretraining_recipe_keeps_mobilenet_v2_features_apart():
     # these steps clipped, 2e-5 unclipped (every image the same features).
     spread = _pooled_features(trainer.backbone, images[::4]).std(axis=0).mean()
     assert spread > 2e-3
+
+
+def test_centralized_oracle_reduces_its_loss():
+    rng = np.random.default_rng(6)
+    identities = np.array(["a", "b", "c"] * 8)
+    means = {"a": 0.2, "b": 0.5, "c": 0.8}
+    images = np.stack(
+        [np.clip(rng.normal(means[i], 0.05, (28, 28, 1)), 0, 1) for i in identities]
+    ).astype(np.float32)
+    examples = tf.data.Dataset.from_tensor_slices({"image": images, "identity": identities})
+    trainer = centralized_training.CentralizedTrainer(
+        ORACLE_BACKBONE,
+        identity_heads.identity_keys_vocabulary(["a", "b", "c"]),
+        learning_rate=0.05,
+        batch_size=8,
+    )
+    losses = [trainer.train_epoch(examples, epoch) for epoch in range(4)]
+    assert trainer.head.shape == (ORACLE_BACKBONE.embedding_size, 3)
+    assert losses[-1] < losses[0]

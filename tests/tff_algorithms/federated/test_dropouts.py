@@ -13,8 +13,9 @@ import tensorflow as tf
 from beam_jobs import schedule, synthetic
 from pipeline import config as config_lib
 from tests import support
+from tff_algorithms.algorithms.dp_fedemb import aggregators, client_work, processes
 from tff_algorithms.config import client_config, job_config, job_plan, model_config, report_policy
-from tff_algorithms.federated import aggregators, client_data, client_work, dropouts, processes
+from tff_algorithms.federated import client_data, dropouts
 from tff_algorithms.jobs import train_job
 from tff_algorithms.modeling import models
 from tff_algorithms.privacy import accounting, accounting_spec

@@ -16,9 +16,10 @@ from tensorflow_federated.python.core.impl.execution_contexts import (
 from beam_jobs import synthetic
 from pipeline import cli
 from tests import support
+from tff_algorithms.algorithms.dp_fedemb import aggregators, client_work, processes
 from tff_algorithms.config import model_config
 from tff_algorithms.config.client_config import ClientConfig
-from tff_algorithms.federated import aggregators, client_work, local_workers, processes, runtime
+from tff_algorithms.federated import local_workers, runtime
 from tff_algorithms.jobs import train_job
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.

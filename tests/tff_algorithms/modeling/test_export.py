@@ -6,8 +6,8 @@ import numpy as np
 import tensorflow as tf
 from PIL import Image
 
+from tff_algorithms.algorithms.dp_fedemb import aggregators, client_work, processes
 from tff_algorithms.config import client_config, model_config
-from tff_algorithms.federated import aggregators, client_work, processes
 from tff_algorithms.modeling import export, models
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)

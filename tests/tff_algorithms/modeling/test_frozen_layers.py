@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 
 from pipeline import config as pipeline_config
+from tff_algorithms.algorithms.dp_fedemb import aggregators, client_work, processes
 from tff_algorithms.config import client_config, job_config, model_config
-from tff_algorithms.federated import aggregators, client_work, processes
 from tff_algorithms.modeling import export, models
 
 FULL = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)

@@ -5,7 +5,17 @@ backbone's update is clipped and noised (`mechanisms`). DP-FedEmb and DP-FTRL-Fe
 train a local head per virtual client (shared negatives may extend it); DP-FedAvg
 trains the backbone and a global head with one optimizer (paper, Alg. 2).
 DP-FTRL-FedEmb adds tree-aggregated noise and samples users in epochs. The trainers
-are `training.train_dp_fedemb` and `train_dp_fedavg`. No TensorFlow.
+are `training.train_dp_fedemb` and `train_dp_fedavg`. No TensorFlow here.
+
+The family's implementation lives beside this spec, one builder per process shape as in
+TFF: `processes` (`build_fedemb_process`, DP-FedEmb and DP-FTRL-FedEmb, by their
+aggregator; `build_fedavg_process`, DP-FedAvg; the server optimizers, with
+`server_optimizers`' Adam and LAMB), `client_work` and `local_training` (one virtual
+client's round inside TFF), `aggregators` and `mechanisms` (clipping and Gaussian or
+tree-aggregated noise, built from the accounting spec), `training` (the trainers),
+`shared_negatives` and `shared_negatives_config`. The building blocks other algorithms
+use too stay in shared packages: the identity head in `modeling/identity_heads.py`,
+client data and the runtime in `federated/`.
 """
 
 from __future__ import annotations

@@ -25,23 +25,16 @@ from typing import Any
 import tensorflow_federated as tff
 
 from beam_jobs import schedule
+from tff_algorithms.algorithms.dp_fedemb import client_work, mechanisms, processes
 from tff_algorithms.config import loop_schedule
 from tff_algorithms.config.job_config import TrainJobConfig
 from tff_algorithms.config.job_plan import schedule_for
-from tff_algorithms.federated import (
-    client_data,
-    client_work,
-    feature_cache,
-    local_training,
-    mechanisms,
-    processes,
-    rounds,
-)
+from tff_algorithms.federated import client_data, feature_cache, rounds
 from tff_algorithms.jobs import job_outputs, loop
 from tff_algorithms.jobs.checkpoints import StructureState
 from tff_algorithms.jobs.job_inputs import JobInputs
 from tff_algorithms.jobs.job_outputs import JobOutcome
-from tff_algorithms.modeling import models
+from tff_algorithms.modeling import identity_heads, models
 
 
 def _shared_negatives_hook(
@@ -113,7 +106,7 @@ def _build_process(
         ),
     )
     if global_head:
-        vocabulary = local_training.training_identity_vocabulary(inputs.reader, inputs.user_ids)
+        vocabulary = identity_heads.training_identity_vocabulary(inputs.reader, inputs.user_ids)
         return processes.build_fedavg_process(
             config.backbone_config,
             client_config,

@@ -64,8 +64,7 @@ import tensorflow_federated as tff
 from tff_algorithms.algorithms.fdml import triplet
 from tff_algorithms.algorithms.fdml.round_config import AS, FdmlConfig
 from tff_algorithms.config import model_config
-from tff_algorithms.federated import local_training
-from tff_algorithms.modeling import models
+from tff_algorithms.modeling import identity_heads, models
 
 
 def clip_rows(derivatives: tf.Tensor, row_clip: float | None) -> tf.Tensor:
@@ -141,7 +140,7 @@ class _ClientModel:
 
         def put(state, example):  # noqa: ANN001, ANN202 - tf.data reduce function
             images, keys, count = state
-            key = local_training.identity_keys(tf.reshape(example["identity"], [1]))
+            key = identity_heads.identity_keys(tf.reshape(example["identity"], [1]))
             images = tf.tensor_scatter_nd_update(images, [[count]], [example["image"]])
             keys = tf.tensor_scatter_nd_update(keys, [[count]], key)
             return images, keys, count + 1

@@ -82,10 +82,10 @@ from beam_jobs import partition
 from tff_algorithms.algorithms.user_dp_sgd.config import EMBEDDING_LAYER, DpSgdSettings
 from tff_algorithms.config.client_config import SOFTMAX, HeadLossConfig
 from tff_algorithms.config.job_plan import schedule_for
-from tff_algorithms.federated import client_data, feature_cache, local_training
+from tff_algorithms.federated import client_data, feature_cache
 from tff_algorithms.jobs import loop
 from tff_algorithms.jobs.job_outputs import JobOutcome
-from tff_algorithms.modeling import models, optimizers
+from tff_algorithms.modeling import identity_heads, models, optimizers
 
 if TYPE_CHECKING:
     from tff_algorithms.jobs.job_inputs import JobInputs
@@ -219,7 +219,7 @@ class UserDpSgd:
 
     model: image (or features) -> embedding; its trainable variables train.
     head: the global head kernel [embedding_size, identities].
-    vocabulary: `local_training.training_identity_vocabulary`.
+    vocabulary: `identity_heads.training_identity_vocabulary`.
     settings: the `dp_sgd` section: which optimizer applies the noised gradient, and
       the sigmoid head (None: its defaults, momentum SGD and softmax).
 
@@ -266,8 +266,8 @@ class UserDpSgd:
 
     def user_gradient(self, x: tf.Tensor, identity: tf.Tensor, real: tf.Tensor) -> list[tf.Tensor]:
         """The clipped gradient of one user's mean loss over its real examples."""
-        labels, usable = local_training.labels_in_vocabulary(
-            local_training.identity_keys(identity), self._vocabulary, self._rows
+        labels, usable = identity_heads.labels_in_vocabulary(
+            identity_heads.identity_keys(identity), self._vocabulary, self._rows
         )
         with tf.GradientTape() as tape:
             embeddings = self.model(x, training=False)  # per example: no batch statistics
@@ -277,11 +277,11 @@ class UserDpSgd:
         gradients = tape.gradient(
             loss, self.variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
-        gradients, _ = local_training.zero_if_not_finite(gradients)
+        gradients, _ = identity_heads.zero_if_not_finite(gradients)
         return clip_by_global_norm(gradients, self._clip)
 
     def _logits(self, embeddings: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
-        logits = local_training.head_logits(embeddings, self.head, labels, self._loss)
+        logits = identity_heads.head_logits(embeddings, self.head, labels, self._loss)
         return logits if self.head_bias is None else logits + self.head_bias
 
     def _example_loss(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
@@ -326,13 +326,13 @@ class UserDpSgd:
         dense = self._dense
         n, m = tf.shape(x)[0], tf.shape(x)[1]
         features = tf.reshape(x, [n * m, -1])
-        labels, usable = local_training.labels_in_vocabulary(
-            local_training.identity_keys(tf.reshape(identity, [-1])), self._vocabulary, self._rows
+        labels, usable = identity_heads.labels_in_vocabulary(
+            identity_heads.identity_keys(tf.reshape(identity, [-1])), self._vocabulary, self._rows
         )
         weight = tf.reshape(
             tf.cast(tf.logical_and(tf.reshape(real, [-1]), usable), tf.float32), [n, m]
         )
-        # Each user's loss is the mean over its real examples (`local_training.head_loss`).
+        # Each user's loss is the mean over its real examples (`identity_heads.head_loss`).
         weight = tf.reshape(weight / tf.maximum(tf.reduce_sum(weight, 1, keepdims=True), 1.0), [-1])
         with tf.GradientTape() as tape:
             embeddings = dense(features)
@@ -443,7 +443,7 @@ def train_user_dp_sgd(inputs: JobInputs, schedule_seed: int, *, last_layer: bool
     else:
         examples, trained = image_examples(inputs.partition_dir, config.image_shape), backbone
         cache_facts = {"used": False, "reason": "dp-sgd-centralized trains on images"}
-    vocabulary = local_training.training_identity_vocabulary(inputs.reader, inputs.user_ids)
+    vocabulary = identity_heads.training_identity_vocabulary(inputs.reader, inputs.user_ids)
     head = tf.Variable(
         models.initial_head_kernel(
             tf.constant([config.seed, -1], tf.int64), config.embedding_size, len(vocabulary)

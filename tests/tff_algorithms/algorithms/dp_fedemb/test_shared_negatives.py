@@ -21,8 +21,8 @@ from tests import support
 from tff_algorithms.algorithms.dp_fedemb import shared_negatives, shared_negatives_config
 from tff_algorithms.base import job_files
 from tff_algorithms.config import client_config, job_config, job_plan
-from tff_algorithms.federated.local_training import MASKED_LOGIT, head_logits, head_loss
 from tff_algorithms.jobs import train_job
+from tff_algorithms.modeling.identity_heads import MASKED_LOGIT, head_logits, head_loss
 from tff_algorithms.privacy import accounting, accounting_spec, budget, calibration, dplc_releases
 from tff_algorithms.privacy.ledger import PrivacyLedger
 
@@ -406,8 +406,8 @@ def test_centers_come_from_the_current_backbone_with_one_row_per_pool_user(tff_r
 
 
 def test_a_client_trains_against_the_broadcast_rows_and_returns_only_its_backbone():
+    from tff_algorithms.algorithms.dp_fedemb import client_work
     from tff_algorithms.config import model_config
-    from tff_algorithms.federated import client_work
     from tff_algorithms.modeling import models
 
     backbone = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tff_algorithms.algorithms.dp_fedemb import client_work, local_training
 from tff_algorithms.config import client_config, model_config
-from tff_algorithms.federated import client_work, local_training
-from tff_algorithms.modeling import models
+from tff_algorithms.modeling import identity_heads, models
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
 CONFIG = client_config.ClientConfig(
@@ -66,7 +66,7 @@ def _hand_computed_update(weights, images, identities, config, round_num=0):
     """Plain eager SGD on the backbone (β1) and local head (β2) over the same batches."""
     backbone = models.build_backbone(BACKBONE)
     models.assign_backbone_weights(backbone, weights)
-    keys = local_training.identity_keys(tf.constant(identities))
+    keys = identity_heads.identity_keys(tf.constant(identities))
     vocabulary = tf.sort(tf.unique(keys).y)
     if config.head_init == client_config.HEAD_INIT_CLASS_MEANS:
         # Row j: the mean unit embedding of local identity j, rescaled to the row norm.
@@ -85,16 +85,16 @@ def _hand_computed_update(weights, images, identities, config, round_num=0):
     theta = [tf.constant(w) for w in weights.trainable]
     for start in range(0, len(identities), config.batch_size):
         batch_keys = keys[start : start + config.batch_size]
-        labels, usable = local_training.labels_in_vocabulary(
+        labels, usable = identity_heads.labels_in_vocabulary(
             batch_keys, vocabulary, config.head_capacity
         )
         with tf.GradientTape() as tape:
             tape.watch(head)
             embeddings = backbone(images[start : start + config.batch_size], training=True)
-            logits = local_training.head_logits(
+            logits = identity_heads.head_logits(
                 embeddings, head, labels, config.head_loss, tf.size(vocabulary)
             )
-            loss = local_training.head_loss(logits, labels, usable)
+            loss = identity_heads.head_loss(logits, labels, usable)
         grads, head_grad = tape.gradient(loss, (backbone.trainable_weights, head))
         for variable, grad in zip(backbone.trainable_weights, grads):
             variable.assign_sub(config.client_learning_rate * grad)
@@ -219,7 +219,7 @@ def test_identities_beyond_head_capacity_are_dropped_and_counted(tff_runtime, in
 
 def test_labels_are_ranks_among_the_clients_identities():
     vocabulary = tf.constant([10, 20, 30], tf.int64)
-    labels, usable = local_training.labels_in_vocabulary(
+    labels, usable = identity_heads.labels_in_vocabulary(
         tf.constant([30, 10, 25, 99, 20], tf.int64), vocabulary, 3
     )
     np.testing.assert_array_equal(usable, [True, True, False, False, True])
@@ -231,7 +231,7 @@ def test_masked_rows_get_zero_probability():
     kernel = tf.random.stateless_normal([8, 6], seed=[3, 4])
     labels = tf.constant([0, 1, 2, 0, 1])
     for loss in client_config.HEAD_LOSSES:
-        logits = local_training.head_logits(
+        logits = identity_heads.head_logits(
             embeddings, kernel, labels, client_config.HeadLossConfig(loss), 3
         )
         probabilities = tf.nn.softmax(logits).numpy()
@@ -249,14 +249,14 @@ def test_margin_logits_match_their_definitions():
     onehot = np.eye(3)[labels.numpy()] > 0
     scale, margin = 16.0, 0.3
 
-    cosface = local_training.head_logits(
+    cosface = identity_heads.head_logits(
         embeddings, kernel, labels, client_config.HeadLossConfig("cosface", scale, margin)
     )
     np.testing.assert_allclose(
         cosface, scale * np.where(onehot, cosine - margin, cosine), rtol=1e-5, atol=1e-5
     )
 
-    arcface = local_training.head_logits(
+    arcface = identity_heads.head_logits(
         embeddings, kernel, labels, client_config.HeadLossConfig("arcface", scale, margin)
     )
     theta = np.arccos(np.clip(cosine, -1, 1))
@@ -269,7 +269,7 @@ def test_margin_logits_match_their_definitions():
         arcface, scale * np.where(onehot, target, cosine), rtol=1e-4, atol=1e-4
     )
 
-    softmax = local_training.head_logits(embeddings, kernel, labels, client_config.HeadLossConfig())
+    softmax = identity_heads.head_logits(embeddings, kernel, labels, client_config.HeadLossConfig())
     np.testing.assert_allclose(softmax, embeddings.numpy() @ kernel.numpy(), rtol=1e-5, atol=1e-5)
 
 
@@ -297,7 +297,7 @@ def test_nonsense_client_config_is_rejected(kwargs):
 
 
 def test_identity_vocabulary_is_sorted_and_distinct():
-    vocabulary = local_training.identity_keys_vocabulary(["x", "y", "z", "x"])
+    vocabulary = identity_heads.identity_keys_vocabulary(["x", "y", "z", "x"])
     assert len(vocabulary) == 3 and np.all(np.diff(vocabulary) > 0)
 
 
@@ -359,11 +359,11 @@ def test_shared_negatives_take_the_cap_margin_of_privacyface(loss):
     config = client_config.HeadLossConfig(loss, scale, margin)
 
     def loss_of(f, cap):
-        logits = local_training.head_logits(
+        logits = identity_heads.head_logits(
             f, tf.constant(kernel, tf.float32), tf.constant(labels), config, 3,
             tf.constant(negatives, tf.float32), negative_cap=cap,
         )  # fmt: skip
-        return logits, local_training.head_loss(logits, tf.constant(labels), tf.ones([4], tf.bool))
+        return logits, identity_heads.head_loss(logits, tf.constant(labels), tf.ones([4], tf.bool))
 
     f = tf.Variable(embeddings, dtype=tf.float32)
     with tf.GradientTape() as tape:
@@ -408,7 +408,7 @@ def test_softmax_heads_cap_the_negatives_on_their_own_scale():
     units = negatives / np.linalg.norm(negatives, axis=1, keepdims=True)
     embeddings = _at_angles(units[[0, 0, 1]], [0.3, 1.5, 2.9], rng) * [[2.0], [0.5], [4.0]]
     kernel = rng.normal(size=(8, 4))
-    logits = local_training.head_logits(
+    logits = identity_heads.head_logits(
         tf.constant(embeddings, tf.float32), tf.constant(kernel, tf.float32),
         tf.constant([0, 1, 2]), client_config.HeadLossConfig(), 3,
         tf.constant(negatives, tf.float32), negative_cap=rho,
@@ -524,7 +524,7 @@ def test_the_class_mean_pass_embeds_every_example_past_its_batch_of_64(initial_w
     vocabulary, head = trainer._first_pass(
         local_training.read_client(_client_dataset(images, identities, config))
     )
-    keys = local_training.identity_keys(tf.constant(identities)).numpy()
+    keys = identity_heads.identity_keys(tf.constant(identities)).numpy()
     assert vocabulary.numpy().tolist() == sorted(set(keys.tolist()))
     # The same means from one forward pass of all 150 at once, in numpy.
     unit = trainer.backbone(images, training=False).numpy().astype(np.float64)

@@ -79,13 +79,14 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_algorithms.algorithms.dp_fedemb.local_training import LocalTrainer
 from tff_algorithms.config import model_config
 from tff_algorithms.config.client_config import (
     ClientConfig,
 )
 from tff_algorithms.federated import client_data
-from tff_algorithms.federated.local_training import KEY_BUCKETS, LocalTrainer
 from tff_algorithms.modeling import models
+from tff_algorithms.modeling.identity_heads import KEY_BUCKETS
 
 
 def client_element_spec(

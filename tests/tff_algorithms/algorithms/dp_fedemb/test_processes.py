@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tff_algorithms.algorithms.dp_fedemb import aggregators, client_work, mechanisms, processes
 from tff_algorithms.config import client_config, model_config
-from tff_algorithms.federated import aggregators, client_work, local_training, mechanisms, processes
-from tff_algorithms.modeling import models
+from tff_algorithms.modeling import identity_heads, models
 from tff_algorithms.privacy import accounting_spec
 
 BACKBONE = model_config.BackboneConfig(model_config.SMALL_CNN, (28, 28, 1), embedding_size=8)
@@ -208,7 +208,7 @@ def test_dp_ftrl_process_runs_with_tree_noise_and_restarts(tff_runtime):
 
 
 def test_dp_fedavg_aggregates_and_noises_the_global_head(tff_runtime):
-    vocabulary = local_training.identity_keys_vocabulary(["a", "b", "c"])
+    vocabulary = identity_heads.identity_keys_vocabulary(["a", "b", "c"])
     process = processes.build_fedavg_process(
         BACKBONE,
         CONFIG,
@@ -230,22 +230,3 @@ def test_dp_fedavg_aggregates_and_noises_the_global_head(tff_runtime):
     assert len(_backbone(process, output.state).trainable) == len(
         models.build_backbone(BACKBONE).trainable_weights
     )
-
-
-def test_centralized_oracle_reduces_its_loss():
-    rng = np.random.default_rng(6)
-    identities = np.array(["a", "b", "c"] * 8)
-    means = {"a": 0.2, "b": 0.5, "c": 0.8}
-    images = np.stack(
-        [np.clip(rng.normal(means[i], 0.05, (28, 28, 1)), 0, 1) for i in identities]
-    ).astype(np.float32)
-    examples = tf.data.Dataset.from_tensor_slices({"image": images, "identity": identities})
-    trainer = processes.CentralizedTrainer(
-        BACKBONE,
-        local_training.identity_keys_vocabulary(["a", "b", "c"]),
-        learning_rate=0.05,
-        batch_size=8,
-    )
-    losses = [trainer.train_epoch(examples, epoch) for epoch in range(4)]
-    assert trainer.head.shape == (BACKBONE.embedding_size, 3)
-    assert losses[-1] < losses[0]

@@ -1,6 +1,6 @@
-"""Learning processes: the FedEmb and FedAvg process shapes, and the centralized oracle.
+"""DP-FedEmb's family of learning processes: the FedEmb and FedAvg process shapes.
 
-As in `tff.learning.algorithms`, privacy is the aggregator parameter: a builder takes
+As in `tff.learning.algorithms`, one builder per process shape, and privacy is the aggregator parameter: a builder takes
 an aggregator factory and a server optimizer and composes
 `compose_learning_process(initial_weights_fn, broadcast, client_work, aggregator,
 finalizer)`. DP-FedEmb and DP-FTRL-FedEmb are `build_fedemb_process`, DP-FedAvg is
@@ -40,13 +40,11 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_algorithms.algorithms.dp_fedemb import client_work, server_optimizers
 from tff_algorithms.config import model_config
-from tff_algorithms.config.client_config import ClientConfig, HeadLossConfig
-from tff_algorithms.federated import client_work, local_training, server_optimizers
+from tff_algorithms.config.client_config import ClientConfig
 from tff_algorithms.federated.feature_cache import FeatureCut
 from tff_algorithms.modeling import models
-
-_SOFTMAX_LOSS = HeadLossConfig()
 
 
 def _trained_model(
@@ -215,7 +213,7 @@ def build_fedavg_process(
     DP-FedAvg (paper Alg. 2): the Gaussian aggregator of `mechanisms.aggregator_for_spec`
     clips and noises the backbone and global head together.
 
-    `identity_vocabulary` is `local_training.identity_keys_vocabulary(all training identities)`;
+    `identity_vocabulary` is `identity_heads.identity_keys_vocabulary(all training identities)`;
     `max_reports`, `feature_cut` and `client_loader` as in `build_fedemb_process`.
     """
     initial_weights_fn = _initial_fedavg_weights_fn(
@@ -256,80 +254,3 @@ def backbone_model_weights(
     return tff.learning.models.ModelWeights(
         trainable=list(model_weights.trainable), non_trainable=list(model_weights.non_trainable)
     )
-
-
-class CentralizedTrainer:
-    """Non-private oracle: the backbone and a global head, plain SGD with momentum.
-
-    Not a TFF process: one Keras model and optimizer, trained by `train_job`'s own epoch
-    loop. One `train_epoch` call is one pass over all training examples, shuffled with a seed
-    that depends only on (seed, epoch), so a run restored from a checkpoint of
-    `checkpoint_objects()` after epoch e continues exactly as an uninterrupted run.
-
-    Args:
-      identity_vocabulary: `local_training.identity_keys_vocabulary` of the training identities.
-      initial_backbone: start from these backbone weights (e.g. pretrained) instead of
-        the seeded initialisation.
-      gradient_clip_norm: clip each step's gradient (backbone and head together) to this
-        global L2 norm; None: no clip.
-    """
-
-    def __init__(
-        self,
-        backbone_config: model_config.BackboneConfig,
-        identity_vocabulary: np.ndarray,
-        *,
-        learning_rate: float,
-        batch_size: int = 32,
-        momentum: float = 0.9,
-        shuffle_buffer: int = 10_000,
-        head_loss: HeadLossConfig = _SOFTMAX_LOSS,
-        seed: int = 0,
-        initial_backbone: tff.learning.models.ModelWeights | None = None,
-        gradient_clip_norm: float | None = None,
-    ) -> None:
-        self.backbone = models.build_backbone(backbone_config, seed)
-        if initial_backbone is not None:
-            models.assign_backbone_weights(self.backbone, initial_backbone)
-        self._vocabulary = tf.constant(identity_vocabulary, tf.int64)
-        self._num_rows = len(identity_vocabulary)
-        self.head = tf.Variable(
-            models.initial_head_kernel(
-                tf.constant([seed, -1], tf.int64), backbone_config.embedding_size, self._num_rows
-            )
-        )
-        self.optimizer = tf.keras.optimizers.SGD(
-            learning_rate=learning_rate, momentum=momentum, global_clipnorm=gradient_clip_norm
-        )
-        self._batch_size = batch_size
-        self._shuffle_buffer = shuffle_buffer
-        self._head_loss = head_loss
-        self._seed = seed
-        self._variables = list(self.backbone.trainable_weights) + [self.head]
-        # Graph-first like `LocalTrainer.train`: AutoGraph would only rewrite it.
-        self._train_step = tf.function(self._step, autograph=False)
-
-    def checkpoint_objects(self) -> dict[str, object]:
-        """What a `tf.train.Checkpoint` must hold to resume: weights and optimizer state."""
-        return {"backbone": self.backbone, "head": self.head, "optimizer": self.optimizer}
-
-    def _step(self, batch: dict[str, tf.Tensor]) -> tf.Tensor:
-        keys = local_training.identity_keys(batch["identity"])
-        labels, usable = local_training.labels_in_vocabulary(keys, self._vocabulary, self._num_rows)
-        with tf.GradientTape() as tape:
-            embeddings = self.backbone(batch["image"], training=True)
-            loss = local_training.head_loss(
-                local_training.head_logits(embeddings, self.head, labels, self._head_loss),
-                labels,
-                usable,
-            )
-        self.optimizer.apply_gradients(zip(tape.gradient(loss, self._variables), self._variables))
-        return loss
-
-    def train_epoch(self, examples: tf.data.Dataset, epoch: int) -> float:
-        """One pass over per-example `{"image", "identity"}`; returns the mean batch loss."""
-        batches = examples.shuffle(self._shuffle_buffer, seed=self._seed * 1_000_003 + epoch).batch(
-            self._batch_size
-        )
-        losses = [float(self._train_step(batch)) for batch in batches]
-        return float(np.mean(losses)) if losses else float("nan")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tff_algorithms.algorithms.dp_fedemb import aggregators, client_work, processes
 from tff_algorithms.config import client_config, job_config, model_config, recipes
-from tff_algorithms.federated import aggregators, client_work, processes
 
 BETA1, BETA2, EPSILON = 0.9, 0.999, 1e-8
 

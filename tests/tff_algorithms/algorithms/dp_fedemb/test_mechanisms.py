@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tests import support
-from tff_algorithms.federated import mechanisms
+from tff_algorithms.algorithms.dp_fedemb import mechanisms
 from tff_algorithms.privacy import accounting_spec
 
 _NUM_COORDINATES = 20_000

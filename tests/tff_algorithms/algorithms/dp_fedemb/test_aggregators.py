@@ -8,7 +8,7 @@ import tensorflow_federated as tff
 from tensorflow_federated.python.aggregators import differential_privacy
 
 from tests import support
-from tff_algorithms.federated import aggregators
+from tff_algorithms.algorithms.dp_fedemb import aggregators
 
 # Noise tests draw this many i.i.d. coordinates per release.
 _NUM_COORDINATES = 20_000

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import tensorflow_federated as tff
 
-from tff_algorithms.federated import aggregators
+from tff_algorithms.algorithms.dp_fedemb import aggregators
 from tff_algorithms.privacy import accounting_spec
 
 
