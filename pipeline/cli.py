@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 from absl import flags
 
-from pipeline import console
+from pipeline import console, help_screen
 from pipeline.commands import checks
 
 # Subcommand name -> module implementing it.
@@ -154,20 +154,22 @@ def renamed_flags(
     return out
 
 
-def _print_help(name: str, command, flag_values: flags.FlagValues) -> None:
+def _print_help(name: str, command, flag_values: flags.FlagValues, full: bool) -> None:
     defaults = getattr(command, "help_defaults", dict)()
     for flag_name, text in defaults.items():
         if flag_name in flag_values and flag_values[flag_name].default is None:
             flag_values[flag_name].help += f" (effective default: {text})"
-    print(f"dp-fedemb {name}: {(command.__doc__ or '').strip().splitlines()[0]}")
-    print(flag_values.get_help())
+    print(help_screen.command_help(name, command, flag_values, full))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
-    if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
-        print(_usage(), file=sys.stdout if len(argv) >= 2 else sys.stderr)
-        return 0 if len(argv) >= 2 else EXIT_USAGE
+    if len(argv) < 2:
+        print(_usage(), file=sys.stderr)
+        return EXIT_USAGE
+    if argv[1] in ("-h", "--help", "help"):
+        print(help_screen.command_list(COMMANDS))
+        return 0
     name = argv[1]
     if name not in COMMANDS:
         hint = checks.did_you_mean(name, COMMANDS)
@@ -187,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     flag_values = flags.FlagValues()
     command.define_flags(flag_values)
     if any(a in ("-h", "--help", "--helpfull") for a in argv[2:]):
-        _print_help(name, command, flag_values)
+        _print_help(name, command, flag_values, full="--helpfull" in argv[2:])
         return 0
     args = renamed_flags(name, getattr(command, "RENAMED_FLAGS", {}), flag_values, argv[2:])
     try:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from beam_jobs import split_protocols  # no Beam or TensorFlow: the checks may use it
+from pipeline import help_screen
 from pipeline.commands import checks
 from tff_algorithms.base import owned_files
 
@@ -124,6 +125,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     # Beam
     define("string", "runner", "DirectRunner", "Beam runner (named explicitly)")
     define("string", "beam-args", "", "further Beam pipeline options, shell-quoted")
+
+
+def help_groups(flag_values: flags.FlagValues) -> list[tuple[str, list[str]]]:
+    """`--help`'s groups: where data comes from and goes, then each verb's flags."""
+    return help_screen.prefixed_groups(
+        flag_values, ("input", "out", "seed"), {verb: f"{verb} only" for verb in VERBS}
+    )
 
 
 def _required(flag_values: flags.FlagValues, *names: str) -> None:

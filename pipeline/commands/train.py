@@ -273,6 +273,76 @@ def define_flags(flag_values: flags.FlagValues) -> None:
     define("string", "beam-args", "further Beam pipeline options, shell-quoted", "")
 
 
+# `--help`'s groups (pipeline/help_screen.py), the flags a user needs first at the top;
+# each algorithm's own section follows them (`help_groups`). tests/pipeline/test_help.py
+# checks that every flag is in one.
+HELP_GROUPS = (
+    (
+        "Start here",
+        ("data", "output", "algorithm", "recipe", "target-epsilon", "delta", "rounds")
+        + ("architecture", "pretrained"),
+    ),
+    (
+        "Privacy and budget",
+        ("noise-multiplier", "clip-norm", "max-epsilon", "restart-every-epoch")
+        + ("budget-ledger", "dataset-budget-epsilon", "override-budget")
+        + ("accept-repaired-budget-ledger",),
+    ),
+    (
+        "Schedule and seeds",
+        ("users-per-virtual-client", "virtual-clients-per-round", "evaluate-every", "seed")
+        + ("schedule-seed", "noise-seed", "testing-fixed-schedule", "testing-fixed-noise"),
+    ),
+    (
+        "Model",
+        ("batch-norm", "embedding-size", "image-size", "channels", "trainable-layers")
+        + ("cache-features",),
+    ),
+    (
+        "Local and server steps",
+        ("client-learning-rate", "client-momentum", "local-epochs", "batch-size")
+        + ("max-examples-per-client", "server-learning-rate", "server-momentum")
+        + ("server-optimizer",),
+    ),
+    (
+        "Local heads",
+        ("head-capacity", "head-init", "head-loss", "head-loss-scale", "head-loss-margin")
+        + ("head-lr-scale", "class-means-norm"),
+    ),
+    (
+        "Shared negatives (dp-fedemb family)",
+        ("shared-negatives", "shared-negatives-every-rounds", "shared-negatives-pool-users")
+        + ("shared-negatives-num-clusters", "shared-negatives-cluster-size")
+        + ("shared-negatives-margin", "shared-negatives-noise-multiplier")
+        + ("shared-negatives-logit",),
+    ),
+    (
+        "Data preparation (Beam)",
+        ("validation-fraction", "test-fraction", "split-seed", "split-mode", "num-shards")
+        + ("runner", "beam-args"),
+    ),
+    (
+        "Runtime (TFF workers)",
+        ("executor", "workers", "local-workers", "worker-intra-op-threads", "worker-ca")
+        + ("worker-cert", "worker-key", "allow-insecure-workers"),
+    ),
+)
+
+
+def help_groups(flag_values: flags.FlagValues) -> list[tuple[str, list[str]]]:
+    """`HELP_GROUPS`, then each registered algorithm section's flags under the algorithms
+    that read it."""
+    del flag_values  # the groups are fixed; every flag of train is defined in them
+    by_section: dict[str, list[str]] = {}
+    for flag, (section, _) in algorithm_flags.section_flags().items():
+        by_section.setdefault(section, []).append(flag)
+    sections = [
+        (f"{section} settings ({', '.join(registry.section_users(section))} only)", names)
+        for section, names in by_section.items()
+    ]
+    return [(title, list(names)) for title, names in HELP_GROUPS] + sections
+
+
 def _budget_policy(value: Mapping[str, Any]):  # noqa: ANN202 - imports TF lazily
     """The cross-run budget from --budget-ledger and --dataset-budget-epsilon, or None."""
     from tff_algorithms.privacy import budget
