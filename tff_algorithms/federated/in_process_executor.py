@@ -22,8 +22,9 @@ computation (`get_model_weights`) as it is, a server-only one (`initialize`) aft
 TFF reduces it to TensorFlow. What TFF's forms cannot express (two aggregations in one
 round, such as over-selection's first-M reports; secure sums; client datasets passed
 as values) is refused in one line naming `runtime.executor`. A form is compiled once
-per process and computation (`compiled_rounds`, keyed by the computation's serialized
-proto), and how long TFF took is logged and kept (`CompiledRound.compile_seconds`).
+per process and computation (`compiled_rounds`, keyed by a hash of the computation's
+serialized proto): a job's rounds share its `next`'s; how long TFF took is logged and
+kept (`CompiledRound.compile_seconds`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -53,6 +53,7 @@ from tensorflow_federated.python.core.environments.tensorflow_frontend import (
     tensorflow_computation,
 )
 from tensorflow_federated.python.core.impl.compiler import building_blocks
+from tensorflow_federated.python.core.impl.computation import computation_impl
 from tensorflow_federated.python.core.impl.types import type_conversions, type_serialization
 from tensorflow_federated.python.core.impl.utils import tensorflow_utils
 from tensorflow_federated.python.tensorflow_libs import serialization_utils
@@ -375,8 +376,9 @@ class InProcessContext(tff.framework.SyncContext):
             graph.close()
 
 
-# Compiled once per process, computation, client devices and threads: a second job
-# with the same `next` (a resumed job, a test module's runs) reuses TFF's lowering.
+# Compiled once per process, computation, client devices and threads: every round of a
+# job reuses its `next`'s lowering. (A second job builds its `next` anew, and TFF's
+# tracing names differ between builds, so it compiles again.)
 _COMPILED: dict[tuple[str, tuple[str, ...], int], CompiledRound] = {}
 
 
@@ -395,18 +397,13 @@ def _graphs_of(
 
 
 def _key(comp: Any) -> str:
-    """The computation's identity across objects: a hash of its serialized proto (built
-    once per computation object: TFF takes seconds to serialize a round)."""
-    known = _KEYS.get(id(comp))
-    if known is not None and known[0]() is comp:
-        return known[1]
-    key = hashlib.sha256(_proto(comp).SerializeToString(deterministic=True)).hexdigest()
-    address = id(comp)
-    _KEYS[address] = (weakref.ref(comp, lambda _: _KEYS.pop(address, None)), key)
-    return key
-
-
-_KEYS: dict[int, tuple[weakref.ref, str]] = {}
+    """The computation's identity: a hash of its serialized proto, so that the same
+    computation object (or an identical one) reuses what was compiled for it."""
+    if isinstance(comp, computation_impl.ConcreteComputation):
+        proto = computation_impl.ConcreteComputation.get_proto(comp)  # no re-serialization
+    else:
+        proto = _proto(comp)
+    return hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()
 
 
 def _is_round(type_signature: Any) -> bool:
