@@ -12,13 +12,17 @@ its own. Each child starts its own TFF worker and records:
 - the devices its TensorFlow sees, and whether the CUDA driver library is mapped into
   it and into its TFF `worker_binary` (/proc/PID/maps);
 - three jobs of `bench_transfer`'s rows, through `train_job.run_train_job` (the product
-  path): the default DP-FedEmb recipe and the embedding-only cached one (TFF rounds), and
+  path): the default DP-FedEmb recipe and the embedding-only cached one (TFF rounds, each
+  on both executors, `runtime.executor` worker and in_process), the default recipe on
+  MobileNetV2 at 112 px (in_process, `bench.executor_round.mobilenet_row`), and
   dp-sgd-centralized (the step loop, in the child itself); per job the median round
-  seconds (the first round, which traces, left out), wall seconds and the cache's build;
+  seconds (the first round, which traces, left out), wall seconds and the cache's build,
+  and for in_process the devices its client work ran on;
 - a digest of one DP noise draw made as user-level DP-SGD makes it
   (`stateless_fold_in` of the step's seed, then `stateless_normal`), so that the two
   children's digests tell whether a GPU draws the same noise bits as the CPU.
-OUT.json holds both children's figures and the GPU / CPU ratio of each job's median round.
+OUT.json holds both children's figures and the GPU / CPU ratio of each job's median round
+(a TFF row's per executor: "<row> [worker]", "<row> [in_process]").
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ ROWS = (
     "dp-fedemb embedding cached",
     "dp-sgd-centralized",
 )
+# The TFF rows, timed on each executor (`runtime.RuntimeConfig.executor`).
+TFF_ROWS = ROWS[:2]
+EXECUTORS = ("worker", "in_process")
+MOBILENET_ROW = "dp-fedemb mobilenet_v2 112px default"
 # bench_transfer's quick sizes, with a round of the default recipe's 12 virtual clients
 # of 8 users, a few rounds to take a median of, and DP-SGD steps of as many users.
 _DEVICE_SIZES = {
@@ -78,28 +86,39 @@ def _sizes(quick: bool) -> dict:
 def _child(spec: dict) -> dict:
     import tensorflow as tf
 
-    from bench import bench_transfer
-    from tff_algorithms.federated import dropouts, runtime
+    from bench import bench_transfer, executor_round
+    from tff_algorithms.federated import dropouts, in_process_executor, runtime
     from tff_algorithms.jobs import train_job
 
     gpus = tf.config.list_physical_devices("GPU")
     jobs, unavailable = bench_transfer.configs(_sizes(spec["quick"]))
+    planned = [(f"{name} [{e}]", name, e) for name in TFF_ROWS for e in EXECUTORS]
+    planned += [(name, name, "worker") for name in ROWS if name not in TFF_ROWS]
+    if spec.get("mobilenet_partition_dir"):
+        jobs[MOBILENET_ROW] = executor_round.mobilenet_row(jobs[TFF_ROWS[0]])
+        planned.append((f"{MOBILENET_ROW} [in_process]", MOBILENET_ROW, "in_process"))
     rows: dict[str, dict] = {}
     with runtime.session(handle_signals=False) as tff_runtime:
-        for name in ROWS:
+        for label, name, executor in planned:
             if name not in jobs:
-                rows[name] = {"failed": unavailable.get(name, "no such row")}
+                rows[label] = {"failed": unavailable.get(name, "no such row")}
                 continue
-            work = os.path.join(spec["work"], name)
+            work = os.path.join(spec["work"], label)
+            data = (spec["partition_dir"], spec["eval_dir"])
+            if name == MOBILENET_ROW:
+                data = (spec["mobilenet_partition_dir"], spec["mobilenet_eval_dir"])
             try:
                 result = train_job.run_train_job(
-                    jobs[name], spec["partition_dir"], spec["eval_dir"], work
+                    jobs[name],
+                    *data,
+                    work,
+                    runtime_config=runtime.RuntimeConfig(executor=executor),
                 )
-            except dropouts.RoundBelowMinimumReports as error:  # diverged: still a result
-                rows[name] = {"failed": str(error)}
+            except (dropouts.RoundBelowMinimumReports, ValueError) as error:  # still a result
+                rows[label] = {"failed": str(error)}
                 continue
             described = bench_transfer._describe(result)
-            rows[name] = {
+            rows[label] = {
                 key: described[key]
                 for key in (
                     "rounds",
@@ -110,6 +129,10 @@ def _child(spec: dict) -> dict:
                     "feature_cache",
                 )
             }
+            if executor == "in_process":
+                compiled = in_process_executor.compiled_rounds()[-1]
+                rows[label]["client_devices"] = [graph.device for graph in compiled.work]
+                rows[label]["compile_seconds"] = compiled.compile_seconds
         workers_map_cuda = [_mapped_cuda_driver(w.process.pid) for w in tff_runtime.local_workers]
     figures = {
         "tensorflow": tf.__version__,
@@ -152,12 +175,17 @@ def run(out_json: str, quick: bool) -> dict:
         partition_dir, eval_dir = bench_training._write_data(
             work, sizes["identities"], sizes["images"]
         )
+        mobilenet_dirs = bench_training._write_data(
+            os.path.join(work, "mobilenet"), sizes["identities"], sizes["images"], 112
+        )
         children = {}
         for device, env in settings.items():
             spec = {
                 "quick": quick,
                 "partition_dir": partition_dir,
                 "eval_dir": eval_dir,
+                "mobilenet_partition_dir": mobilenet_dirs[0],
+                "mobilenet_eval_dir": mobilenet_dirs[1],
                 "work": os.path.join(work, device),
             }
             children[device] = _run_child(spec, env, os.path.join(work, f"{device}.json"))
@@ -165,8 +193,8 @@ def run(out_json: str, quick: bool) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     cpu, gpu = children["cpu"], children["gpu"]
     ratios = {}
-    for name in ROWS:
-        cpu_row, gpu_row = cpu["rows"][name], gpu["rows"][name]
+    for name in cpu["rows"]:
+        cpu_row, gpu_row = cpu["rows"][name], gpu["rows"].get(name, {})
         if "median_round_seconds" in cpu_row and "median_round_seconds" in gpu_row:
             ratios[name] = gpu_row["median_round_seconds"] / cpu_row["median_round_seconds"]
     report = {
