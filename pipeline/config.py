@@ -34,6 +34,7 @@ from typing import Any
 from beam_jobs import copy_evidence
 from pipeline import config_checks
 from tff_algorithms import algorithms
+from tff_algorithms.algorithms import rules
 from tff_algorithms.base import bounded_load
 from tff_algorithms.config import job_config, recipes
 
@@ -304,6 +305,8 @@ class PipelineConfig:
             values = recipes.private_contrastive_values(self.train, self.pretrain.job)
         else:
             values = recipes.pretrain_values(self.train, self.pretrain.job)
+        chosen = algorithms.get(values["algorithm"])
+        values = rules.without_inapplicable_defaults(values, self.pretrain.job, chosen)
         return _train_job_config(values, "pretrain.job").to_dict()
 
 
@@ -419,6 +422,13 @@ def _overlay_default(field: dataclasses.Field, value: Any) -> Any:
         default = recipes.own_recipe_values(default, algorithm.recipe)
     if field.name == "train":
         default = recipes.for_architecture(default, value.get("architecture"))
+        chosen = algorithms.find(
+            value.get("algorithm", default.get("algorithm", job_config.TrainJobConfig.algorithm))
+        )
+        if chosen is not None:
+            return rules.without_inapplicable_defaults(
+                recipes.overlay(default, value), value, chosen
+            )
     return recipes.overlay(default, value)
 
 

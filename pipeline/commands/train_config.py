@@ -13,6 +13,7 @@ from typing import Any
 
 from pipeline.commands import algorithm_flags
 from tff_algorithms import algorithms
+from tff_algorithms.algorithms import rules
 from tff_algorithms.algorithms.dp_fedemb import shared_negatives_config
 from tff_algorithms.config import job_config as job_config_lib
 from tff_algorithms.config import recipes
@@ -122,6 +123,5 @@ def job_config(value: Mapping[str, Any]) -> job_config_lib.TrainJobConfig:
         # a random one, every layer trains.
         values["trainable_layers"] = list(recipes.EVERY_LAYER)
     # The recipes' flat counts move into the algorithm's section below the flags' (from_dict).
-    return job_config_lib.TrainJobConfig.from_dict(
-        recipes.job_fields(recipes.overlay(values, given))
-    )
+    layered = rules.without_inapplicable_defaults(recipes.overlay(values, given), given, algorithm)
+    return job_config_lib.TrainJobConfig.from_dict(recipes.job_fields(layered))

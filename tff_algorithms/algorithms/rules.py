@@ -7,6 +7,7 @@ the mechanism. No TensorFlow.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from beam_jobs import schedule
@@ -87,6 +88,31 @@ def check_gradient_clip_norm(config: Any) -> None:
             f"{config.algorithm}'s, which clips each user's update with clip_norm: leave "
             "gradient_clip_norm unset (pretrain.job.gradient_clip_norm sets pretraining's)"
         )
+
+
+def chosen_optimizer(values: Mapping[str, Any], algorithm: registry.Algorithm) -> str:
+    """What applies the job's update in layered `values`: its section's `optimizer`
+    where its section has one (dp_sgd, logit_dp), else `server_optimizer`."""
+    section = algorithm.section
+    if section is not None and "optimizer" in section.keys():
+        own = values.get(section.name) or {}
+        return own.get("optimizer") or section.settings().optimizer
+    return values.get("server_optimizer") or model_config.SGD
+
+
+def without_inapplicable_defaults(
+    values: Mapping[str, Any], given: Mapping[str, Any], algorithm: registry.Algorithm
+) -> dict[str, Any]:
+    """Layered `values` (recipes over defaults, the user's `given` on top) without the
+    defaults that do not apply to the job's chosen optimizer: a recipe's server_momentum
+    is sgd's, so with adam or lamb (whose momentum is beta1) it becomes 0, unless the
+    user set it, which `check_server_optimizer` then refuses in one line (None, a
+    config's null, means the default: not set)."""
+    values = dict(values)
+    unset = given.get("server_momentum") is None
+    if unset and chosen_optimizer(values, algorithm) != model_config.SGD:
+        values["server_momentum"] = 0.0
+    return values
 
 
 def check_server_optimizer(config: Any) -> None:
