@@ -130,6 +130,7 @@ def test_yaml_file_and_overrides(tmp_path):
         ("train.class_means_norm=0", "config train: class_means_norm"),
         ("train.head_loss_margin=-0.1", "config train: head_loss_margin"),
         ("pipeline.enable_cache=maybe", "must be true or false"),
+        ("runtime.executor=gpu", "config runtime: executor must be one of worker, in_process"),
         ("data.inputs=[/does/not/exist]", "does not exist"),
         ("data.public_inputs=[/does/not/exist]", "data.public_inputs: /does/not/exist does not"),
         ("data.synthetic_public.style=oil", "config data.synthetic_public: style must be one of"),
