@@ -42,7 +42,7 @@ CANDIDATE, REFERENCE = "candidate", "reference"
 SHARED_IDS = "shared_ids"  # tagged outputs of join_bucket
 EXACT_PAIRS = "exact_pairs"
 RECORDS = "records"  # tagged output of fingerprints_and_records
-_BUCKETS = 16  # key buckets of the join: its parallelism
+BUCKETS = 16  # key buckets of the join: its parallelism
 # Key matches joined at once (per thread): LSH's matches grow with the square of the
 # images (synthetic look-alikes share many band keys), so a bucket is joined in chunks
 # of candidate images of about this many matches (~60 bytes each while filtered: ~16 MB).
@@ -123,7 +123,7 @@ def pair(kind: str, candidate: dict, reference: dict, **measures) -> dict:
 
 
 def _bucket(text: str) -> int:
-    return zlib.crc32(text.encode()) % _BUCKETS
+    return zlib.crc32(text.encode()) % BUCKETS
 
 
 def _table(**columns: np.ndarray) -> np.ndarray:
@@ -183,7 +183,7 @@ def bucket_entries(
     arrays = _band_arrays(fp, side == probed_side, max_shift, flips, bands)
     entries = {
         int(bucket): {"bands": part}
-        for bucket, part in _split_by(arrays, arrays["key"] % _BUCKETS).items()
+        for bucket, part in _split_by(arrays, arrays["key"] % BUCKETS).items()
     }
     for row, sha in enumerate(fp.pixel_sha256):
         bucket = entries.setdefault(_bucket(sha), {})
@@ -350,6 +350,8 @@ _SHARED, _NOT_SHARED = "shared", "not shared"
 # Untestable: the reference has no noise to share (digit scans scaled up, flat graphics),
 # or too few flat unclipped pixels are left to tell (frame-filling icons, clipped copies).
 _NO_NOISE, _FEW_PIXELS = "no noise", "few pixels"
+# Passed the shape test with testable noise not shared: the filter's prediction decides.
+_PREDICTION = "prediction"
 
 
 def _noise_tests(
@@ -480,78 +482,96 @@ def _copy_evidence(
             and references[i] is not None
         ],
     )
-    evidence = []
+    # Each pair's evidence short of the filter's prediction, which one more test decides.
+    provisional: list[str | None] = []
     for i in range(len(pairs)):
-        candidate, reference = candidates[i], references[i]
         if noise[i] is None:
-            evidence.append(None)
-            continue
-        if noise[i] == _SHARED:
-            evidence.append("shared_noise")
+            provisional.append(None)
+        elif noise[i] == _SHARED:
+            provisional.append("shared_noise")
         elif same_pixels[i]:
-            evidence.append("same_pixels")
+            provisional.append("same_pixels")
         elif not shape[i]:
-            evidence.append(None)
+            provisional.append(None)
         elif noise[i] in (_NO_NOISE, _FEW_PIXELS):
             # No floor without the detail allowance here: it lost resized photo copies
             # (busy, few flat pixels; BENCHMARKS.md, "Same pixels"); the prediction check
             # below asks the allowance's question instead.
-            evidence.append("shape_only")
-        elif (
-            _unexplained(measured, i, candidate, reference, candidate_jpeg[pairs[i, 0]])
-            <= copy_prediction.MAX_PREDICTED
-        ):
-            # A lossless candidate whose pixels a filter of the reference predicts to
-            # within a render's noise: a resampled copy (a crop resized back) whose
-            # noise correlation resampling weakened; another render carries its own.
-            evidence.append("predicted_pixels")
+            provisional.append("shape_only")
         else:
-            form = candidate_jpeg[pairs[i, 0]]
-            difference = (
-                copy_evidence.reencode_difference(
-                    reference,
-                    form,
-                    float(measured["dx"][i]),
-                    float(measured["dy"][i]),
-                    float(measured["scale"][i]),
+            provisional.append(_PREDICTION)
+    unexplained = _unexplained(
+        measured,
+        candidates,
+        references,
+        [candidate_jpeg[row] for row in pairs[:, 0]],
+        [
+            i
+            for i, e in enumerate(provisional)
+            if e == _PREDICTION
+            or (e in ("shared_noise", "shape_only") and measured["residual"][i] > config.max_residual)
+        ],
+    )
+    evidence = []
+    for i, found in enumerate(provisional):
+        if found == _PREDICTION:
+            if unexplained[i] <= copy_prediction.MAX_PREDICTED:
+                # A lossless candidate whose pixels a filter of the reference predicts to
+                # within a render's noise: a resampled copy (a crop resized back) whose
+                # noise correlation resampling weakened; another render carries its own.
+                found = "predicted_pixels"
+            else:
+                form, reference = candidate_jpeg[pairs[i, 0]], references[i]
+                difference = (
+                    copy_evidence.reencode_difference(
+                        reference,
+                        form,
+                        float(measured["dx"][i]),
+                        float(measured["dy"][i]),
+                        float(measured["scale"][i]),
+                    )
+                    if form is not None and reference is not None
+                    else float("inf")
                 )
-                if form is not None and reference is not None
-                else float("inf")
-            )
-            evidence.append("jpeg_reencode" if difference <= config.jpeg_tolerance else None)
-        if (
-            evidence[-1] in ("shared_noise", "shape_only")
+                found = "jpeg_reencode" if difference <= config.jpeg_tolerance else None
+        elif (
+            found in ("shared_noise", "shape_only")
             and measured["residual"][i] > config.max_residual
-            and _unexplained(measured, i, candidate, reference, candidate_jpeg[pairs[i, 0]])
-            > copy_prediction.MAX_UNEXPLAINED
+            and unexplained[i] > copy_prediction.MAX_UNEXPLAINED
         ):
             # It passed only by the detail allowance (or shared "noise" past the shape):
             # a lossless copy that lost detail is still its reference through a filter;
             # another render of the shape is not (copy_prediction).
-            evidence[-1] = None
+            found = None
+        evidence.append(found)
     return evidence
 
 
 def _unexplained(
     measured: dict[str, np.ndarray],
-    i: int,
-    candidate: np.ndarray | None,
-    reference: np.ndarray | None,
-    jpeg: copy_evidence.JpegForm | None,
-) -> float:
-    """Grey levels of pair i's lossless candidate that no filter of the reference predicts
-    (copy_prediction.unexplained); nan when it cannot be told (a JPEG, whose own error is
-    unexplained too; no native pixels; too few pixels): a nan passes no comparison, so an
-    untold pair stays as the other tests judged it."""
-    if jpeg is not None or candidate is None or reference is None:
-        return float("nan")
-    return copy_prediction.unexplained(
-        candidate,
-        reference,
-        float(measured["dx"][i]),
-        float(measured["dy"][i]),
-        float(measured["scale"][i]),
-    )
+    candidates: list[np.ndarray | None],
+    references: list[np.ndarray | None],
+    jpeg: list[copy_evidence.JpegForm | None],
+    asked: list[int],
+) -> np.ndarray:
+    """[P] grey levels of pair i's (of `asked`) lossless candidate that no filter of the
+    reference predicts (copy_prediction.unexplained_pairs, all asked pairs together);
+    nan when it cannot be told (a JPEG, whose own error is unexplained too; no native
+    pixels; too few pixels; a pair not asked): a nan passes no comparison, so an untold
+    pair stays as the other tests judged it."""
+    values = np.full(len(candidates), np.nan)
+    told = [
+        i
+        for i in asked
+        if jpeg[i] is None and candidates[i] is not None and references[i] is not None
+    ]
+    if told:
+        values[told] = copy_prediction.unexplained_pairs(
+            [candidates[i] for i in told],
+            [references[i] for i in told],
+            np.stack([measured["dx"][told], measured["dy"][told], measured["scale"][told]], 1),
+        )
+    return values
 
 
 def verified_pairs(joined: tuple[Any, Any], config: "DedupConfig") -> Iterator[Any]:
@@ -583,7 +603,17 @@ def verified_pairs(joined: tuple[Any, Any], config: "DedupConfig") -> Iterator[A
             for (_, request), start in zip(attached, starts)
         ]
     )
-    measured = nd.verify(fp.thumbnails, thumbnails, pairs[:, :4], config.max_shift + 1)
+    # Pairs both of whose images carry their pixels test their noise there only
+    # (_noise_tests): the thumbnails' test would be thrown away.
+    measured = nd.verify(
+        fp.thumbnails,
+        thumbnails,
+        pairs[:, :4],
+        config.max_shift + 1,
+        thumbnail_noise=np.array(
+            [fp.native[c] is None or native[r] is None for c, r in pairs[:, :2]], dtype=bool
+        ),
+    )
     evidence = _copy_evidence(measured, fp.native, fp.jpeg, native, pairs, config)
     allowed = config.max_residual + config.residual_per_detail * measured["detail"]
     Metrics.counter(METRICS_NAMESPACE, "pairs_verified").inc(len(pairs))

@@ -432,31 +432,37 @@ def verify(
     pairs: np.ndarray,
     search: int,
     chunk: int = 1024,
+    thumbnail_noise: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """MEASURES -> [P] of uint8 thumbnails [N, T, T] paired by `pairs` [P, 4]: candidate
     index, reference index, and the shift (dx, dy) of the reference at which their hashes
     matched (module docstring): coarse correlation, residual and detail; the shared-noise
     test of the aligned pair (beam_jobs/copy_evidence.py); the alignment. Pairs whose
     coarse correlation (best integer shift within a pixel of that, best of three scales)
-    is below GATE are not refined: their residual is inf, their shared noise 0."""
+    is below GATE are not refined: their residual is inf, their shared noise 0.
+    `thumbnail_noise` [P]: the pairs whose shared-noise test is wanted on the thumbnails
+    (None: all); the others' is left at 0 (a caller that tests them at their own
+    resolution: copy_evidence.native_shared_noise)."""
+    wanted = np.ones(len(pairs), dtype=bool) if thumbnail_noise is None else thumbnail_noise
 
-    def verified(part: np.ndarray) -> tuple[np.ndarray, ...]:
+    def verified(start: int) -> tuple[np.ndarray, ...]:
+        part = pairs[start : start + chunk]
         return _verify(
             candidates[part[:, 0]].astype(np.float32),
             references[part[:, 1]].astype(np.float32),
             part[:, 2].astype(np.float32),
             part[:, 3].astype(np.float32),
             search,
+            wanted[start : start + chunk],
         )
 
-    parts = [pairs[start : start + chunk] for start in range(0, len(pairs), chunk)]
-    results = parallel_map(verified, parts)
+    results = parallel_map(verified, list(range(0, len(pairs), chunk)))
     if not results:
         return {name: np.zeros(0, dtype=np.float32) for name in MEASURES}
     return {name: np.concatenate(parts) for name, parts in zip(MEASURES, zip(*results))}
 
 
-def _verify(x, y, dx, dy, search):
+def _verify(x, y, dx, dy, search, noise_wanted):
     dx, dy = _integer_alignment(x, y, dx, dy, search)
     scale = np.ones(len(x), dtype=np.float32)
     coarse = _correlation(x, *_sample(y, scale, dx, dy))
@@ -471,8 +477,11 @@ def _verify(x, y, dx, dy, search):
     if len(close):
         best, valid, alignment = _refine(x[close], y[close], dx[close], dy[close], scale[close])
         residual[close], measured[0][close] = _residual(x[close], best, valid)
-        for column, values in zip(measured[1:], copy_evidence.shared_noise(x[close], best, valid)):
-            column[close] = values
+        noise = np.flatnonzero(noise_wanted[close])
+        if len(noise):
+            tested = copy_evidence.shared_noise(x[close[noise]], best[noise], valid[noise])
+            for column, values in zip(measured[1:], tested):
+                column[close[noise]] = values
         dx, dy, scale = dx.copy(), dy.copy(), scale.copy()
         dx[close], dy[close], scale[close] = alignment
     return (coarse, residual, *measured, dx, dy, scale)
