@@ -43,6 +43,7 @@ import json
 import math
 import os
 import pickle
+from collections.abc import Iterator
 
 import apache_beam as beam
 import tensorflow as tf
@@ -222,6 +223,16 @@ def _join_spilled_bucket(bucket_paths, *args):  # no hints: Beam would check the
     yield from batches.join_bucket((bucket, entries), *args)
 
 
+_VERIFIED_IMAGES = "verified_images"  # tagged output of the Verify step
+
+
+def _verified_and_counted(joined: tuple, config: DedupConfig) -> Iterator:
+    """`batches.verified_pairs`, then (tagged _VERIFIED_IMAGES) how many candidate images
+    the batch held: the verification's progress, counted in images of a known total."""
+    yield from batches.verified_pairs(joined, config)
+    yield beam.pvalue.TaggedOutput(_VERIFIED_IMAGES, len(joined[1]["fp"][0]))
+
+
 def _unpickled(step, *fields: str):
     """`step` of (key, {field: [values], ...}) on the spilled values' pickled bytes."""
 
@@ -297,7 +308,10 @@ class FindDuplicates(beam.PTransform):
             ]
             | "AllEntries" >> beam.Flatten()
             | "ByBucket" >> beam.GroupByKey()
-            | "Progress" >> progress.Progress("dedup", f"{self._name} band buckets joined")
+            | "Progress"
+            >> progress.Progress(
+                "dedup", f"{self._name} band buckets joined", total=batches.BUCKETS
+            )
             | "Join"
             >> beam.FlatMap(
                 _join_spilled_bucket, config.hamming_threshold, config.references_verified
@@ -320,7 +334,7 @@ class FindDuplicates(beam.PTransform):
             for side, fps in sides.items()
         }
         attach = _unpickled(batches.attach_references, "fp")
-        verify = _unpickled(batches.verified_pairs, "fp", "references")
+        verify = _unpickled(_verified_and_counted, "fp", "references")
         # The attached references (thumbnails, pixels: ~2 KB per request, up to
         # references_verified requests a candidate image) wait for their candidate batch
         # in spill files too: grouped, the runner would hold them all (docs/scaling.md).
@@ -332,15 +346,20 @@ class FindDuplicates(beam.PTransform):
             | "PickleReferences" >> beam.MapTuple(lambda key, refs: (key, pickle.dumps(refs)))
             | "SpillReferences" >> spill.SpillByKey(spill_dir)
         )
-        near = (
+        verified = (
             {"fp": by_key[_CANDIDATE], "references": attached}
             | "JoinCandidates" >> beam.CoGroupByKey()
-            | "VerifyProgress"
-            >> progress.Progress("dedup", f"{self._name} candidate batches verified")
             | "Verify"
             >> beam.ParDo(
                 spill.WithSpilledRecords(spill_dir, verify, config, fields=("fp", "references"))
-            )
+            ).with_outputs(_VERIFIED_IMAGES, main="pairs")
+        )
+        near = verified.pairs
+        _ = verified[_VERIFIED_IMAGES] | "VerifyProgress" >> progress.Progress(
+            "dedup",
+            f"{self._name} candidate images verified",
+            total=self._sizes[_CANDIDATE] if self._sizes is not None else None,
+            weight=int,
         )
         removed = (
             (joined[batches.EXACT_PAIRS], near)

@@ -5,7 +5,12 @@ minutes without a line (BENCHMARKS.md, "Data jobs at 10^4-10^6 users"). `Progres
 pass-through step placed after a job's long stages. It counts what flows through it in
 the process that runs it and, at most every `every_seconds`, writes one line such as
 
-    dedup: train images fingerprinted 120,000 of 320,000 (38%), 1,850/s, 1 min 5 s
+    dedup: train images fingerprinted 120,000 of 320,000 (37%), 1,850/s, 1 min 4 s, 1 min 48 s left
+
+The time left assumes the rest goes at the rate so far (a stage's elements are alike:
+batches of images, users' records). Every long stage of the jobs gives its total: the
+callers count what is coming first where the job's input says (records in files, a
+split's images) or know it by construction (key buckets, shards).
 
 The first line comes `every_seconds` after the stage's first element, so a job shorter
 than that prints nothing. Counts are per process: on a runner with several worker
@@ -101,10 +106,13 @@ def progress_line(
     job: str, what: str, seen: int, total: int | None, seconds: float, pid: int | None
 ) -> str:
     """One progress line (module docstring); `pid` names a worker process, None the
-    process that built the pipeline."""
+    process that built the pipeline. With a total, the time left at the rate so far."""
     count = f"{seen:,}"
+    left = ""
     if total:
         count += f" of {total:,} ({100 * seen // total}%)"
+        if 0 < seen < total:
+            left = f", {_duration(seconds * (total - seen) / seen)} left"
     per_second = seen / seconds if seconds > 0 else None
     # Slow stages (a batch every few seconds) keep two digits instead of showing 0/s.
     if per_second is None:
@@ -114,7 +122,7 @@ def progress_line(
     else:
         rate = f"{per_second:.2g}/s"
     where = f" [worker process {pid}]" if pid is not None else ""
-    return f"{job}: {what} {count}, {rate}, {_duration(seconds)}{where}"
+    return f"{job}: {what} {count}, {rate}, {_duration(seconds)}{left}{where}"
 
 
 class _CountFn(beam.DoFn):

@@ -110,6 +110,11 @@ class SpillByKey(beam.PTransform):
         return keyed | beam.ParDo(_SpillByKeyFn(self._spill_dir))
 
 
+def records_referenced(reference: tuple[str, bytes]) -> int:
+    """How many records one of `SpillByKey`'s references points to."""
+    return len(reference[1]) // _OFFSET.size
+
+
 class SpillReader:
     """Reads records back from `SpillByKey`'s references; keeps its files open (one per
     bundle that spilled) until `close`."""

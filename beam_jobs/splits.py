@@ -152,6 +152,11 @@ def _split_summary(
     }
 
 
+def _spilled_records(grouped: tuple) -> int:
+    """How many records a user's spill references (spill.SpillByKey) point to."""
+    return sum(spill.records_referenced(reference) for reference in grouped[1])
+
+
 class SplitRecords(beam.PTransform):
     """Serialized canonical records -> {split name: records, "summary": one dict}, by
     `config.mode` (not auto: `run_split` resolves it first).
@@ -163,9 +168,16 @@ class SplitRecords(beam.PTransform):
 
     Records cross the groupings by user and identity as spill files under `spill_dir`
     (`spill.SpillByKey`; default `spill.folder`), removed once the summary is made.
+    `records`: how many records come in, when the caller knows it: the progress line's
+    total.
     """
 
-    def __init__(self, config: split_protocols.SplitConfig, spill_dir: str | None = None):
+    def __init__(
+        self,
+        config: split_protocols.SplitConfig,
+        spill_dir: str | None = None,
+        records: int | None = None,
+    ):
         super().__init__()
         if config.mode not in split_protocols.MODES:
             raise ValueError(
@@ -173,6 +185,7 @@ class SplitRecords(beam.PTransform):
             )
         self._config = config
         self._spill_dir = spill_dir
+        self._records = records
 
     def expand(self, inputs):
         config = self._config
@@ -202,7 +215,10 @@ class SplitRecords(beam.PTransform):
             | "FlattenSources" >> beam.Flatten()
             | "SpillByUser" >> spill.SpillByKey(spill_dir)
             | "GroupByUser" >> beam.GroupByKey()
-            | "Progress" >> progress.Progress("split", "users assigned")
+            | "Progress"
+            >> progress.Progress(
+                "split", "records assigned", total=self._records, weight=_spilled_records
+            )
             | "AssignUsers"
             >> beam.ParDo(spill.WithSpilledRecords(spill_dir, _assign_user, config)).with_outputs(
                 "dropped", "input", *config.splits
@@ -423,7 +439,15 @@ def run_split(
                 for name, directory in others.items()
                 if directory is not None
             }
-        split = records | "Split" >> SplitRecords(config, os.path.join(out_dir, spill.SPILL_DIR))
+        # Counted first (a pass over the record framing): the progress line's total.
+        total = sum(
+            records_io.count_records(directory)
+            for directory in (input_dir, public_input_dir, evaluation_input_dir)
+            if directory is not None
+        )
+        split = records | "Split" >> SplitRecords(
+            config, os.path.join(out_dir, spill.SPILL_DIR), total
+        )
         for name in config.splits:
             _ = split[name] | f"Write{name}" >> records_io.WriteRecords(os.path.join(out_dir, name))
         _ = (

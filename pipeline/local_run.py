@@ -46,6 +46,12 @@ class ComponentProgress(logging.Handler):
         self._cached = False
         self._started = 0.0
 
+    def running(self) -> str:
+        """ "[i/n] Component:" of the component running now, or "" between components."""
+        if self._current is None:
+            return ""
+        return f"[{self._node_ids.index(self._current) + 1}/{len(self._node_ids)}] {self._current}:"
+
     def _line(self, text: str) -> None:
         self._stream.write(text + "\n")
         self._stream.flush()
@@ -65,6 +71,21 @@ class ComponentProgress(logging.Handler):
             )
             self._line(f"[{position}/{len(self._node_ids)}] {self._current}: {outcome}")
             self._current = None
+
+
+class BesideComponent:
+    """A stream for the Beam jobs' progress lines (beam_jobs.progress.lines_to): each
+    line after the running component's "[i/n] Component:", as its own line will be."""
+
+    def __init__(self, components: ComponentProgress, stream: TextIO):
+        self._components, self._stream = components, stream
+
+    def write(self, text: str) -> None:
+        running = self._components.running()
+        self._stream.write(f"{running} {text}" if running and text.strip() else text)
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 @contextlib.contextmanager
@@ -193,9 +214,10 @@ def run_pipeline(
         if unknown:
             raise ValueError(f"unknown component {unknown[0]} (components: {', '.join(node_ids)})")
         run_options = tfx_pipeline.RunOptions(from_nodes=list(from_nodes)) if from_nodes else None
+        components = ComponentProgress(node_ids, progress) if progress else None
         with (
-            _progress_logging(ComponentProgress(node_ids, progress) if progress else None),
-            beam_progress.lines_to(progress),
+            _progress_logging(components),
+            beam_progress.lines_to(BesideComponent(components, progress) if components else None),
         ):
             LocalDagRunner().run(pipeline, run_options=run_options)
         return summarize(config)

@@ -169,8 +169,8 @@ def test_run_dedup_keeps_evaluation_splits_and_writes_report(tmp_path, monkeypat
     for line in (
         "dedup: train images fingerprinted 40 of 40 (100%),",
         "dedup: validation images fingerprinted 15 of 15 (100%),",
-        "dedup: train_vs_evaluation band buckets joined ",
-        "dedup: train_vs_evaluation candidate batches verified ",
+        f"dedup: train_vs_evaluation band buckets joined {dedup_batches.BUCKETS} of ",
+        "dedup: train_vs_evaluation candidate images verified 40 of 40 (100%),",
     ):
         assert line in err, err
     assert (section["removed_exact"], section["removed_near"], section["kept"]) == (3, 7, 30)

@@ -8,7 +8,16 @@ import pytest
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from beam_jobs import partition_job, progress, records_io, split_protocols, splits, synthetic
+from beam_jobs import (
+    dedup,
+    dedup_batches,
+    partition_job,
+    progress,
+    records_io,
+    split_protocols,
+    splits,
+    synthetic,
+)
 
 
 def _lines(text: str, prefix: str) -> list[str]:
@@ -41,8 +50,20 @@ def test_progress_writes_nothing_before_every_seconds(capsys):
 def test_progress_line_names_a_worker_process_and_has_no_total_when_unknown():
     line = progress.progress_line("dedup", "buckets joined", 1234, None, 65.0, 4242)
     assert line == "dedup: buckets joined 1,234, 19/s, 1 min 5 s [worker process 4242]"
+
+
+def test_progress_line_with_a_total_says_the_time_left_at_the_rate_so_far():
+    # A quarter done in 2 hours: three quarters left take 6 more.
     line = progress.progress_line("ingest", "images read", 50, 200, 7200.0, None)
-    assert line == "ingest: images read 50 of 200 (25%), 0.0069/s, 2 h 0 min"
+    assert line == "ingest: images read 50 of 200 (25%), 0.0069/s, 2 h 0 min, 6 h 0 min left"
+    line = progress.progress_line("dedup", "images verified", 3, 4, 90.0, 7)
+    assert (
+        line
+        == "dedup: images verified 3 of 4 (75%), 0.033/s, 1 min 30 s, 30 s left [worker process 7]"
+    )
+    # Nothing left to estimate once done, or before anything is done.
+    assert progress.progress_line("job", "n", 4, 4, 9.0, None).endswith(", 9 s")
+    assert progress.progress_line("job", "n", 0, 4, 9.0, None).endswith(", 9 s")
 
 
 def test_lines_to_points_the_lines_of_in_process_jobs_elsewhere(capsys):
@@ -64,15 +85,32 @@ def test_bad_progress_seconds_is_one_line_naming_the_variable(monkeypatch, text)
         progress.Progress("job", "n")
 
 
-def test_split_and_partition_report_progress(tmp_path, monkeypatch, capsys):
+def test_split_dedup_and_partition_report_progress_against_their_totals(
+    tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv(progress.EVERY_SECONDS_ENV, "0")
     config = synthetic.SyntheticConfig(identities=20, images_per_identity=2, seed=3)
     source = str(tmp_path / "in")
     with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
         _ = pipeline | synthetic.SyntheticRecords(config) | records_io.WriteRecords(source)
-    splits.run_split(source, str(tmp_path / "split"), split_protocols.SplitConfig(0.2, 0.2))
+    split_dir = str(tmp_path / "split")
+    summary = splits.run_split(source, split_dir, split_protocols.SplitConfig(0.2, 0.2))
+    dedup.run_dedup(split_dir, str(tmp_path / "dedup"), dedup.DedupConfig())
     partition_job.run_partition(source, str(tmp_path / "partition"), num_shards=3)
     err = capsys.readouterr().err
-    assert _lines(err, "split: users assigned 20,"), err
-    assert _lines(err, "partition: records read 40,"), err
-    assert _lines(err, "partition: shards written 3 of 3 (100%),"), err
+    # Every stage's last line has seen its whole total (the records counted before the
+    # job, the key buckets and shards by construction).
+    train = summary["records"][split_protocols.TRAIN]
+    for expected in (
+        "split: records assigned 40 of 40 (100%),",
+        f"dedup: train images fingerprinted {train} of {train} (100%),",
+        f"dedup: train_vs_evaluation candidate images verified {train} of {train} (100%),",
+        f"dedup: train_vs_evaluation band buckets joined {dedup_batches.BUCKETS} of "
+        f"{dedup_batches.BUCKETS} (100%),",
+        "partition: records read 40 of 40 (100%),",
+        "partition: shards written 3 of 3 (100%),",
+    ):
+        assert _lines(err, expected), (expected, err)
+    # Lines before a stage's end say how long is left.
+    unfinished = [line for line in err.splitlines() if ": " in line and "(100%)" not in line]
+    assert all(line.endswith(" left") for line in unfinished if " of " in line), unfinished
