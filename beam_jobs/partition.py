@@ -41,6 +41,8 @@ INDEX_DIR = "index"
 # Manifest key: {distinct identities a user holds: users holding that many}, what a local
 # head must have room for (`most_identities_of_users`).
 IDENTITIES_PER_USER = "identities_per_user"
+# The distinct identities of the partition's records (manifests from before have none).
+IDENTITIES = "identities"
 SHARD_HASH = "blake2b-64 of UTF-8 user id, big endian, mod num_shards"
 
 

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from beam_jobs import progress, records_io, schema, spill
 from beam_jobs.partition import (
+    IDENTITIES,
     IDENTITIES_PER_USER,
     INDEX_DIR,
     MANIFEST_FILE,
@@ -29,6 +30,8 @@ from beam_jobs.partition import (
 
 # Under the partition directory while the job runs; removed after the manifest.
 SPILL_DIR = spill.SPILL_DIR
+# _WriteShardFn's second output: each identity a shard holds, once.
+_IDENTITIES_TAG = "identities"
 
 
 def identities_per_user_histogram(records: Iterable[tuple[str, str]]) -> dict[str, int]:
@@ -72,7 +75,8 @@ def _spilled_records(paths: Iterable[str]) -> Iterable[tuple[str, str, bytes]]:
 
 class _WriteShardFn(beam.DoFn):
     """(shard, spill file names) -> part files and the shard index (`write_shard`); yields
-    the shard's counts, with its users' identity counts (`partition.IDENTITIES_PER_USER`)."""
+    the shard's counts, with its users' identity counts (`partition.IDENTITIES_PER_USER`),
+    and each identity the shard holds once (tagged `_IDENTITIES_TAG`)."""
 
     def __init__(self, partition_dir: str, max_part_bytes: int):
         self._partition_dir = partition_dir
@@ -89,12 +93,16 @@ class _WriteShardFn(beam.DoFn):
 
         counts = write_shard(self._partition_dir, shard, user_records(), self._max_part_bytes)
         yield {**counts, IDENTITIES_PER_USER: identities_per_user_histogram(held)}
+        for identity in {identity for _, identity in held}:
+            yield beam.pvalue.TaggedOutput(_IDENTITIES_TAG, identity)
 
 
-def _manifest_without_spill(shard_counts: list[dict], spill_dir: str, *args) -> dict:
+def _manifest_without_spill(
+    shard_counts: list[dict], spill_dir: str, *args, identities: int
+) -> dict:
     # Every shard is written once the counts are all here: the spill files are spent.
     spill.remove(spill_dir)
-    return build_manifest(shard_counts, *args)
+    return {**build_manifest(shard_counts, *args), IDENTITIES: identities}
 
 
 class PartitionByUser(beam.PTransform):
@@ -113,15 +121,32 @@ class PartitionByUser(beam.PTransform):
         spill_dir = os.path.join(partition_dir, SPILL_DIR)
         tf.io.gfile.makedirs(os.path.join(partition_dir, INDEX_DIR))
         tf.io.gfile.makedirs(spill_dir)
-        manifest = (
+        written = (
             records
             | "SpillByShard" >> beam.ParDo(_SpillByShardFn(spill_dir, num_shards))
             | "GroupByShard" >> beam.GroupByKey()
             | "Progress" >> progress.Progress("partition", "shards written", total=num_shards)
-            | "WriteShards" >> beam.ParDo(_WriteShardFn(partition_dir, self._max_part_bytes))
+            | "WriteShards"
+            >> beam.ParDo(_WriteShardFn(partition_dir, self._max_part_bytes)).with_outputs(
+                _IDENTITIES_TAG, main="counts"
+            )
+        )
+        identities = (
+            written[_IDENTITIES_TAG]
+            | "DistinctIdentities" >> beam.Distinct()
+            | "CountIdentities" >> beam.combiners.Count.Globally()
+        )
+        manifest = (
+            written.counts
             | "ShardCounts" >> beam.combiners.ToList()
             | "Manifest"
-            >> beam.Map(_manifest_without_spill, spill_dir, num_shards, self._max_part_bytes)
+            >> beam.Map(
+                _manifest_without_spill,
+                spill_dir,
+                num_shards,
+                self._max_part_bytes,
+                identities=beam.pvalue.AsSingleton(identities),
+            )
         )
         _ = manifest | "WriteManifest" >> records_io.WriteJson(
             os.path.join(partition_dir, MANIFEST_FILE)

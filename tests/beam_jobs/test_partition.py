@@ -126,3 +126,20 @@ def test_manifest_counts_the_identities_each_user_holds(partition_dir):
     assert partition.most_identities_of_users(manifest, 35) == 30 * 2 + 5
     assert partition.most_identities_of_users(manifest, 100) == 70
     assert partition.most_identities_of_users({"users": 3}, 2) is None  # an older manifest
+    # The distinct identities of all the records, counted across shards.
+    assert manifest[partition.IDENTITIES] == len(set().union(*held.values())) == 70
+
+
+def test_manifest_counts_identities_users_share_once(tmp_path):
+    """Writers of the same characters: 12 users over 3 shards, each holding 3 of 5
+    shared identities; the manifest counts 5, not 36."""
+    records = [
+        schema.serialize(schema.CanonicalRecord(f"writer{u}", f"char{(u + j) % 5}", b"x"))
+        for u in range(12)
+        for j in range(3)
+    ]
+    with TestPipeline(options=records_io.pipeline_options()) as pipeline:
+        _ = pipeline | beam.Create(records) | partition_job.PartitionByUser(str(tmp_path), 3)
+    manifest = partition.read_manifest(str(tmp_path))
+    assert manifest[partition.IDENTITIES] == 5
+    assert manifest[partition.IDENTITIES_PER_USER] == {"3": 12}

@@ -135,7 +135,11 @@ def run_train_job(
     # epsilon is used: the budget checks, the ledger, metrics.json.
     planned = dplc_releases.composed_privacy(spec, releases)
     _check_budget(config, planned)
-    local_heads.check_local_heads_fit(config, reader.manifest.get(partition.IDENTITIES_PER_USER))
+    local_heads.check_local_heads_fit(
+        config,
+        reader.manifest.get(partition.IDENTITIES_PER_USER),
+        reader.manifest.get(partition.IDENTITIES),
+    )
     evaluator = HeldOutEvaluator(config.backbone_config, eval_records, split_mode)
     pretrained = (
         models.backbone_weights(

@@ -1,6 +1,8 @@
 """The training job: no head anywhere, outputs, refusals (resume: tests/tff_algorithms/jobs/test_crash_safety.py)."""
 
+import collections
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -278,6 +280,32 @@ def test_local_heads_too_small_for_shared_identities_are_refused_before_training
     # DP-FedAvg's head is global: no local head to fit.
     fedavg = dataclasses.replace(CONFIG, algorithm=job_config.DP_FEDAVG, head_capacity=None)
     local_heads.check_local_heads_fit(fedavg, {"3": 20})
+
+
+def test_shared_identities_bound_a_virtual_client_by_the_identities_there_are():
+    """Issue 67: 270 writers of 62 characters (an identity split leaves 48 in training),
+    each writer holding all 48: 8 writers hold 48 distinct characters, not 8 x 48 = 384.
+    Checked against every 8-writer subset's union of a small shared population too."""
+    default = job_config.TrainJobConfig(client_learning_rate=0.01)
+    local_heads.check_local_heads_fit(default, {"48": 270}, identities=48)
+    with pytest.raises(ValueError, match="set head_capacity .* to at least 384$"):
+        local_heads.check_local_heads_fit(default, {"48": 270})  # identities not counted
+    with pytest.raises(ValueError, match=r"70 identities \(the training data's identities"):
+        local_heads.check_local_heads_fit(default, {"48": 270}, identities=70)
+    # The bound is never below what some virtual client really holds.
+    rng = np.random.default_rng(3)
+    small = dataclasses.replace(default, users_per_virtual_client=3)
+    for _ in range(20):
+        pool = int(rng.integers(2, 9))
+        held = [
+            set(rng.choice(pool, int(rng.integers(1, pool + 1)), replace=False)) for _ in range(7)
+        ]
+        histogram = collections.Counter(len(h) for h in held)
+        bound, _ = local_heads.identities_a_client_may_hold(
+            small, {str(n): c for n, c in histogram.items()}, len(set().union(*held))
+        )
+        truth = max(len(set().union(*group)) for group in itertools.combinations(held, 3))
+        assert bound >= truth
 
 
 def test_the_default_head_capacity_is_the_client_configs_and_fits_eight_of_eight():
