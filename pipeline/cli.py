@@ -107,6 +107,12 @@ def _flag_error(flag_values: flags.FlagValues, error: flags.Error) -> str:
         hint = checks.did_you_mean(name, list(flag_values), "--")
         return f"unknown flag --{checks.shown(name)}{hint} (see --help)"
     message = _one_line(str(error))
+    # absl's required-flag check reads "flag --delta=None: Flag --delta must have a value
+    # other than None." once per missing flag: one line naming them all instead.
+    missing = re.findall(r"Flag --([\w-]+) must have a value other than None", message)
+    if missing:
+        names = ", ".join(f"--{name}" for name in missing)
+        return f"missing required flag{'s' if len(missing) > 1 else ''} {names} (see --help)"
     match = re.match(r"flag --([\w-]+)=(.*): value should be one of <", message)
     if match and match.group(1) in flag_values:
         parser = flag_values[match.group(1)].parser
@@ -165,7 +171,7 @@ def _print_help(name: str, command, flag_values: flags.FlagValues, full: bool) -
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2:
-        print(_usage(), file=sys.stderr)
+        print(help_screen.command_list(COMMANDS), file=sys.stderr)
         return EXIT_USAGE
     if argv[1] in ("-h", "--help", "help"):
         print(help_screen.command_list(COMMANDS))

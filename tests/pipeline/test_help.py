@@ -74,3 +74,18 @@ def test_data_help_groups_flags_by_the_job_that_reads_them(capsys):
 def test_helpfull_is_absls_complete_listing(capsys):
     out = _help(capsys, "evaluate", "--helpfull")
     assert "--flagfile" in out and "--model" in out
+
+
+def test_missing_required_flags_are_named_in_one_line(capsys):
+    """absl says "Flag --delta must have a value other than None." once per flag."""
+    assert cli.main(["dp-fedemb", "privacy", "--users=100", "--rounds=2"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "dp-fedemb privacy: error: missing required flags --users-per-round, --delta (see --help)"
+    )
+
+
+def test_no_command_lists_the_commands_and_fails(capsys):
+    assert cli.main(["dp-fedemb"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert all(f"  {name} " in err for name in cli.COMMANDS)
