@@ -40,24 +40,11 @@ ACCOUNTANT_LABELS = {
         "dominating pair of docs/privacy.md)"
     ),
 }
-MECHANISM_LABELS = {
-    accounting_spec.Mechanism.DPSGD.value: "Gaussian noise added independently every round",
-    accounting_spec.Mechanism.DPFTRL.value: "tree-aggregated Gaussian noise (DP-FTRL)",
-    accounting_spec.Mechanism.LOGIT_DP.value: (
-        "Logit-DP: per-pair clipped contrastive gradient, Gaussian noise every step"
-    ),
-    accounting_spec.Mechanism.FDML.value: (
-        "FDML: Gaussian noise on the triplet derivatives and on the gradient sum every round"
-    ),
-}
-# A private run in a model's composition, by its mechanism.
-STAGE_LABELS = {
-    accounting_spec.Mechanism.DPSGD.value: "private training",
-    accounting_spec.Mechanism.DPFTRL.value: "private training (DP-FTRL)",
-    accounting_spec.Mechanism.LOGIT_DP.value: "Logit-DP contrastive pretraining",
-    accounting_spec.Mechanism.FDML.value: "private training (FDML)",
-}
-ROUND_UNITS = {accounting_spec.Mechanism.LOGIT_DP.value: "steps"}
+# How a report names a mechanism, a private run of it in a model's composition, and its
+# rounds: its `Release` says (`accounting_spec.RELEASES`).
+MECHANISM_LABELS = {m.value: release.label for m, release in accounting_spec.RELEASES.items()}
+STAGE_LABELS = {m.value: release.stage for m, release in accounting_spec.RELEASES.items()}
+ROUND_UNITS = {m.value: release.step for m, release in accounting_spec.RELEASES.items()}
 SAMPLING_LABELS = {
     accounting_spec.Sampling.UNIFORM.value: "a fixed number of users drawn without replacement each round",
     accounting_spec.Sampling.POISSON.value: "each user independently with probability M / N",
@@ -240,7 +227,8 @@ def accounting_rows(
         ("accountant", ACCOUNTANT_LABELS.get(spec["accountant"], spec["accountant"])),
         ("convention", convention_text(spec)),
     ]
-    if spec["mechanism"] == accounting_spec.Mechanism.DPFTRL.value:
+    release = accounting_spec.release_of(spec["mechanism"])
+    if release is not None and release.noise is accounting_spec.Noise.TREE:
         rows.append(("tree restarted every epoch", "yes" if spec["restart_every_epoch"] else "no"))
         if spec.get("min_separation") is not None:
             rows.append(

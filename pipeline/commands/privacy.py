@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from absl import flags
 
 from pipeline.commands import checks
-from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
+from tff_algorithms import algorithms
 from tff_algorithms.privacy import accounting, accounting_spec, calibration
 
 
@@ -184,12 +184,13 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     errors; the accountant checks them again, with the combinations."""
     checks.no_arguments(args)
     value = {name: flag_values[name].value for name in flag_values}
-    if _is_fdml_paper(value):
-        _check_fdml_paper(value)
+    if _paper_theorem(value) is not None:
+        _check_paper_theorem(value)
         return
     for name in ("derivative-bound", "laplace-scale"):
         if value[name] is not None:
-            raise ValueError(f"--{name} applies only to --mechanism fdml --convention paper")
+            stating = " or ".join(sorted(_theorem_mechanisms()))
+            raise ValueError(f"--{name} applies only to --mechanism {stating} --convention paper")
     if (value["noise-multiplier"] is None) == (value["target-epsilon"] is None):
         raise ValueError("give exactly one of --noise-multiplier and --target-epsilon")
     checks.number("users", value["users"], 1, accounting_spec.MAX_POPULATION)
@@ -217,35 +218,47 @@ def check(flag_values: flags.FlagValues, args: Sequence[str]) -> None:
     checks.number("calibration-tolerance", value["calibration-tolerance"], 1e-9, 1, high_open=True)
 
 
-def _is_fdml_paper(value: dict) -> bool:
-    return (
-        value["mechanism"] == accounting_spec.Mechanism.FDML.value
-        and value["convention"] == accounting_spec.Convention.PAPER.value
-    )
+def _theorem_mechanisms() -> dict[str, algorithms.Algorithm]:
+    """The mechanisms whose algorithm's paper states its own figure
+    (`Algorithm.paper_theorem`), each with that algorithm."""
+    found: dict[str, algorithms.Algorithm] = {}
+    for name in algorithms.names(lambda a: a.paper_theorem is not None and a.mechanism):
+        algorithm = algorithms.get(name)
+        found.setdefault(algorithm.mechanism.value, algorithm)
+    return found
 
 
-def _check_fdml_paper(value: dict) -> None:
+def _paper_theorem(value: dict) -> algorithms.Algorithm | None:
+    """The algorithm whose paper theorem `--convention paper` prints for `--mechanism`,
+    or None: the paper convention is then accounted like any other."""
+    if value["convention"] != accounting_spec.Convention.PAPER.value:
+        return None
+    return _theorem_mechanisms().get(value["mechanism"])
+
+
+def _check_paper_theorem(value: dict) -> None:
     if value["target-epsilon"] is not None:
         raise ValueError(
             "--target-epsilon calibrates a user-level epsilon: use --convention strict"
         )
     for name in ("derivative-bound", "laplace-scale"):
         if value[name] is None:
-            raise ValueError(f"--convention paper with --mechanism fdml needs --{name}")
+            raise ValueError(
+                f"--convention paper with --mechanism {value['mechanism']} needs --{name}"
+            )
         checks.number(name, value[name], 0, low_open=True)
     checks.number("embedding-drop-rate", value["embedding-drop-rate"], 0, 1, high_open=True)
 
 
-def _run_fdml_paper(value: dict) -> int:
-    """Theorem V.1 as the paper states it (module docstring): never a guarantee."""
-    _check_fdml_paper(value)
-    epsilon = fdml_privacy.paper_theorem_v1_epsilon(
+def _run_paper_theorem(value: dict, algorithm: algorithms.Algorithm) -> int:
+    """The paper's theorem as the paper states it (module docstring): never a guarantee."""
+    _check_paper_theorem(value)
+    epsilon, label = algorithm.load_paper_theorem()(
         value["embedding-drop-rate"], value["derivative-bound"], value["laplace-scale"]
     )
-    label = fdml_privacy.PAPER_THEOREM_V1_LABEL
     if value["json"]:
         output = {
-            "mechanism": accounting_spec.Mechanism.FDML.value,
+            "mechanism": value["mechanism"],
             "convention": accounting_spec.Convention.PAPER.value,
             "epsilon": epsilon,
             "delta": 0.0,
@@ -271,8 +284,9 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     if args:
         raise ValueError(f"unexpected arguments: {' '.join(args)}")
     value = {name: flag_values[name].value for name in flag_values}
-    if _is_fdml_paper(value):
-        return _run_fdml_paper(value)
+    theorem = _paper_theorem(value)
+    if theorem is not None:
+        return _run_paper_theorem(value, theorem)
     noise = flag_values["noise-multiplier"].value
     target_epsilon = flag_values["target-epsilon"].value
     if (noise is None) == (target_epsilon is None):

@@ -141,6 +141,10 @@ class Algorithm:
       tff_runtime: it trains inside a TFF runtime session (`runtime.session`).
       server_optimizer: it applies its round's noised aggregate with the job's
         `server_optimizer` (sgd, adam or lamb); the others refuse adam and lamb there.
+      paper_theorem: "module:function" of the privacy figure its paper states instead of
+        a user-level epsilon, `(drop_rate, bound, noise_scale) -> (epsilon, label)`:
+        what `dp-fedemb privacy --mechanism M --convention paper` prints for its
+        mechanism, labelled as not user-level (its `Release.paper_figure`); None: none.
     """
 
     name: str
@@ -166,6 +170,7 @@ class Algorithm:
     canary_audit: bool = False
     tff_runtime: bool = False
     server_optimizer: bool = False
+    paper_theorem: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -191,8 +196,18 @@ class Algorithm:
 
     def load_trainer(self) -> Callable[..., Any]:
         """The trainer function, imported now (TensorFlow, for most)."""
-        module, _, function = self.trainer.partition(":")
-        return getattr(importlib.import_module(module), function)
+        return _load(self.trainer)
+
+    def load_paper_theorem(self) -> Callable[..., tuple[float, str]]:
+        """Its `paper_theorem` function, imported now."""
+        if self.paper_theorem is None:
+            raise ValueError(f"algorithm {self.name} states no paper theorem")
+        return _load(self.paper_theorem)
+
+
+def _load(target: str) -> Callable[..., Any]:
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 _REGISTERED: dict[str, Algorithm] = {}

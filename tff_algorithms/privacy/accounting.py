@@ -4,8 +4,10 @@ This is the one module that computes epsilons. As in TF Privacy, the mechanism i
 described separately from its accounting: an `AccountingSpec`
 (`tff_algorithms.privacy.accounting_spec`: the schedules, the sensitivity conventions
 and the input bounds) describes a training schedule, `dp_event_for` turns it into a
-`dp_accounting` event, and `compute_privacy` composes that event with an RDP or PLD
-accountant.
+`dp_accounting` event by its mechanism's `Release` (its noise: sampled Gaussians or a
+tree), and `compute_privacy` composes that event with an RDP or PLD accountant. An
+algorithm that builds the event of its own release (FDML) has it accounted by
+`event_rdp_epsilon`, the same RDP accountant.
 
 Cost: independent noise and restarted trees are O(1) in the rounds (one event
 self-composed); a single tree without restart uses TF Privacy's exact worst-case search
@@ -46,12 +48,11 @@ import numpy as np
 
 from tff_algorithms.privacy import wor_pld
 from tff_algorithms.privacy.accounting_spec import (
-    SAMPLED_GAUSSIAN_MECHANISMS,
     Accountant,
     AccountingSpec,
     Convention,
-    Mechanism,
     NeighboringRelation,
+    Noise,
     Sampling,
 )
 from tff_algorithms.privacy.tree_sensitivity import (
@@ -133,7 +134,7 @@ def _epoch_step_counts(spec: AccountingSpec) -> list[int]:
 
 def tree_squared_sensitivity(spec: AccountingSpec) -> float:
     """Squared L2 sensitivity S of a DP-FTRL schedule's whole tree release (per unit clip)."""
-    if spec.mechanism is not Mechanism.DPFTRL:
+    if spec.release.noise is not Noise.TREE:
         raise ValueError("tree sensitivity is defined only for the dpftrl mechanism")
     if spec.restart_every_epoch:
         return float(sum(tree_depth(steps) for steps in _epoch_step_counts(spec)))
@@ -148,7 +149,7 @@ def dp_event_for(spec: AccountingSpec) -> dp_accounting.DpEvent:
     import dp_accounting
 
     z = spec.effective_noise_multiplier
-    if spec.mechanism in SAMPLED_GAUSSIAN_MECHANISMS:
+    if spec.release.noise is Noise.GAUSSIAN:
         gaussian = dp_accounting.GaussianDpEvent(z)
         if spec.sampling is Sampling.FULL:  # no sampling: the Gaussian itself each round
             return dp_accounting.SelfComposedDpEvent(gaussian, spec.rounds)
@@ -191,6 +192,23 @@ def _rdp_curve_of(event: dp_accounting.DpEvent, relation: NeighboringRelation) -
     return rdp_accountant.rdp
 
 
+def event_rdp_epsilon(
+    event: dp_accounting.DpEvent,
+    delta: float,
+    relation: NeighboringRelation = NeighboringRelation.REPLACE_ONE,
+) -> float:
+    """Epsilon at `delta` of any dp_accounting event, under the RDP accountant at
+    `RDP_ORDERS`: how a release whose algorithm builds its own event is accounted (FDML's
+    two Gaussians a round, `algorithms/fdml/privacy.py`)."""
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    accountant = rdp_privacy_accountant.RdpAccountant(
+        list(RDP_ORDERS), _dp_accounting_relation(relation)
+    )
+    accountant.compose(event)
+    return float(accountant.get_epsilon(delta))
+
+
 # Sampled-Gaussian RDP is the costly part (a fraction of a second per round event);
 # events are frozen attrs classes, hence hashable.
 @functools.lru_cache(maxsize=512)
@@ -217,7 +235,8 @@ def rdp_curve(spec: AccountingSpec) -> np.ndarray:
 
 
 def _analysis_name(spec: AccountingSpec) -> str:
-    if spec.mechanism in SAMPLED_GAUSSIAN_MECHANISMS:
+    release = spec.release
+    if release.noise is Noise.GAUSSIAN:
         sampling = {
             Sampling.UNIFORM: "uniform sampling without replacement",
             Sampling.POISSON: "Poisson sampling",
@@ -229,10 +248,7 @@ def _analysis_name(spec: AccountingSpec) -> str:
         )
         if spec.sampling is Sampling.UNIFORM and spec.accountant is Accountant.PLD:
             what += ", symmetric dominating pair (tight)"
-        if spec.mechanism is Mechanism.LOGIT_DP:
-            what += ", Logit-DP per-pair clipping"
-        if spec.mechanism is Mechanism.FDML:
-            what += ", FDML derivatives and gradient sum composed per round"
+        what += release.analysis_note
     elif spec.restart_every_epoch:
         what = "tree aggregation restarted every epoch"
     else:
@@ -242,10 +258,8 @@ def _analysis_name(spec: AccountingSpec) -> str:
         NeighboringRelation.ADD_OR_REMOVE_ONE: "add-or-remove-one",
         NeighboringRelation.REPLACE_SPECIAL: "add-or-remove with special element",
     }[spec.neighboring_relation]
-    if spec.mechanism is Mechanism.LOGIT_DP:
-        convention = "strict convention (noise relative to the sensitivity C(n, s, B))"
-    elif spec.mechanism is Mechanism.FDML and spec.convention is Convention.STRICT:
-        convention = "strict convention (noise relative to 2 C_r sqrt(g s) and 2 C_g)"
+    if release.sensitivity_note is not None and spec.convention is Convention.STRICT:
+        convention = f"strict convention ({release.sensitivity_note})"
     elif spec.convention is Convention.STRICT:
         convention = f"strict convention (sensitivity {spec.sensitivity_in_clips:g} x clip)"
     else:
@@ -296,15 +310,12 @@ def _compute_privacy(spec: AccountingSpec) -> PrivacyResult:
     from dp_accounting.pld import pld_privacy_accountant
     from dp_accounting.rdp import rdp_privacy_accountant
 
-    if spec.mechanism is Mechanism.FDML and spec.convention is Convention.PAPER:
-        # The paper's only privacy figure (Theorem V.1) is per sample and per round, with
-        # other parameters (r, T, b): no user-level epsilon to compute.
-        raise ValueError(
-            "the fdml paper convention is Theorem V.1, per sample and per round, not "
-            "user-level (fdml_privacy.paper_theorem_v1_epsilon); use the strict convention"
-        )
+    if spec.release.paper_figure is not None and spec.convention is Convention.PAPER:
+        # The paper's figure is of another kind (FDML's Theorem V.1: per sample and per
+        # round, other parameters): no user-level epsilon to compute.
+        raise ValueError(spec.release.paper_figure)
     z = spec.effective_noise_multiplier
-    is_tree = spec.mechanism is Mechanism.DPFTRL
+    is_tree = spec.release.noise is Noise.TREE
     if z == 0:  # no noise: no guarantee
         return PrivacyResult(
             epsilon=math.inf,

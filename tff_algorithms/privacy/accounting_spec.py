@@ -1,8 +1,9 @@
 """The accounting spec: a training schedule and the guarantee it is accounted under.
 
 `AccountingSpec` with its enums (mechanism, sampling, neighbouring relation, sensitivity
-convention, accountant), the combinations that have an analysis, the input bounds and
-their checks, and `default_accountant`. A spec's epsilon is computed by
+convention, accountant), each mechanism's `Release` (its noise, the combinations that
+have an analysis, what it refuses, how reports name it), the input bounds and their
+checks, and `default_accountant`. A spec's epsilon is computed by
 `tff_algorithms.privacy.accounting` (docs/design.md section 5); this module imports
 neither dp_accounting nor scipy, so the config and the command line check a schedule
 cheaply.
@@ -93,7 +94,11 @@ from tff_algorithms.base import validation
 
 
 class Mechanism(str, enum.Enum):
-    """How noise is added each round."""
+    """A release's name in accounting specs and ledgers (its value is what they store).
+
+    What each one is, its noise, analyses, refusals and report wording, is its `Release`
+    in `RELEASES`; nothing else tests which one a spec names.
+    """
 
     DPSGD = "dpsgd"  # independent Gaussian noise (DP-FedEmb, DP-FedAvg)
     DPFTRL = "dpftrl"  # tree-aggregated noise (DP-FTRL-FedEmb)
@@ -136,44 +141,123 @@ class Accountant(str, enum.Enum):
     PLD = "pld"
 
 
-# (mechanism, sampling, relation) -> accountants with a valid analysis.
-_SUPPORTED = {
-    (Mechanism.DPSGD, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (
-        Accountant.RDP,
-        Accountant.PLD,
+class Noise(str, enum.Enum):
+    """The shape of a mechanism's noise: what decides its dp_accounting event
+    (`accounting.dp_event_for`)."""
+
+    GAUSSIAN = "gaussian"  # independent Gaussian noise each round, on the round's users
+    TREE = "tree"  # tree-aggregated Gaussian noise (DP-FTRL)
+
+
+_BOTH = (Accountant.RDP, Accountant.PLD)
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """What the accountant and the reports know of one mechanism's release, declared
+    once here so that no module tests which mechanism (or algorithm) it serves.
+
+    Attributes:
+      noise: its noise's shape, which decides its event (`accounting.dp_event_for`).
+      analyses: (sampling, relation) -> the accountants with a valid analysis of it;
+        the first entry's sampling is the default.
+      relative_to_sensitivity: its noise multiplier is already relative to the L2
+        sensitivity its algorithm derives, not to a clip norm (sensitivity 1).
+      strict_only: why it has no paper convention, refused with the spec; None: it has one.
+      paper_figure: why the accountant refuses its paper convention (the paper states a
+        figure of another kind, `registry.Algorithm.paper_theorem`); None: accounted.
+      single_users: why users per virtual client must be 1; None: any.
+      analysis_note: appended to the analysis line of a report.
+      sensitivity_note: the strict convention's sensitivity on that line, for a
+        multiplier relative to the sensitivity; None: `sensitivity_in_clips` x clip.
+      label: how a report names its noise; stage: a private run of it in a model's
+        composition; step: what one of its rounds is called.
+    """
+
+    noise: Noise
+    analyses: Mapping[tuple[Sampling, NeighboringRelation], tuple[Accountant, ...]]
+    label: str
+    stage: str
+    relative_to_sensitivity: bool = False
+    strict_only: str | None = None
+    paper_figure: str | None = None
+    single_users: str | None = None
+    analysis_note: str = ""
+    sensitivity_note: str | None = None
+    step: str = "rounds"
+
+    @property
+    def default_sampling(self) -> Sampling:
+        return next(iter(self.analyses))[0]
+
+
+_UNIFORM_SUBSTITUTE_ONE = {(Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): _BOTH}
+RELEASES: Mapping[Mechanism, Release] = {
+    Mechanism.DPSGD: Release(
+        Noise.GAUSSIAN,
+        {
+            (Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): _BOTH,
+            (Sampling.POISSON, NeighboringRelation.ADD_OR_REMOVE_ONE): _BOTH,
+            (Sampling.FULL, NeighboringRelation.REPLACE_ONE): _BOTH,
+        },
+        label="Gaussian noise added independently every round",
+        stage="private training",
     ),
-    (Mechanism.DPSGD, Sampling.POISSON, NeighboringRelation.ADD_OR_REMOVE_ONE): (
-        Accountant.RDP,
-        Accountant.PLD,
+    Mechanism.DPFTRL: Release(
+        Noise.TREE,
+        {(Sampling.EPOCH, NeighboringRelation.REPLACE_SPECIAL): _BOTH},
+        label="tree-aggregated Gaussian noise (DP-FTRL)",
+        stage="private training (DP-FTRL)",
     ),
-    (Mechanism.DPSGD, Sampling.FULL, NeighboringRelation.REPLACE_ONE): (
-        Accountant.RDP,
-        Accountant.PLD,
+    Mechanism.LOGIT_DP: Release(
+        Noise.GAUSSIAN,
+        _UNIFORM_SUBSTITUTE_ONE,
+        label="Logit-DP: per-pair clipped contrastive gradient, Gaussian noise every step",
+        stage="Logit-DP contrastive pretraining",
+        relative_to_sensitivity=True,
+        strict_only=(
+            "the logit_dp mechanism has no paper convention: its noise is calibrated "
+            "to the derived sensitivity C(n, s, B) (the paper's Eq. 6 is below the "
+            "true worst case); use the strict convention"
+        ),
+        single_users=(
+            "the logit_dp mechanism samples single users (one positive pair each): "
+            "users per virtual client must be 1"
+        ),
+        analysis_note=", Logit-DP per-pair clipping",
+        sensitivity_note="noise relative to the sensitivity C(n, s, B)",
+        step="steps",
     ),
-    (Mechanism.DPFTRL, Sampling.EPOCH, NeighboringRelation.REPLACE_SPECIAL): (
-        Accountant.RDP,
-        Accountant.PLD,
-    ),
-    (Mechanism.LOGIT_DP, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (
-        Accountant.RDP,
-        Accountant.PLD,
-    ),
-    (Mechanism.FDML, Sampling.UNIFORM, NeighboringRelation.REPLACE_ONE): (
-        Accountant.RDP,
-        Accountant.PLD,
+    Mechanism.FDML: Release(
+        Noise.GAUSSIAN,
+        _UNIFORM_SUBSTITUTE_ONE,
+        label=(
+            "FDML: Gaussian noise on the triplet derivatives and on the gradient sum every round"
+        ),
+        stage="private training (FDML)",
+        relative_to_sensitivity=True,
+        paper_figure=(
+            "the fdml paper convention is Theorem V.1, per sample and per round, not "
+            "user-level (fdml_privacy.paper_theorem_v1_epsilon); use the strict convention"
+        ),
+        single_users=(
+            "the fdml mechanism's noise multiplier already counts the triplet group "
+            "(sensitivity 2 C_r sqrt(g s)): users per virtual client must be 1"
+        ),
+        analysis_note=", FDML derivatives and gradient sum composed per round",
+        sensitivity_note="noise relative to 2 C_r sqrt(g s) and 2 C_g",
     ),
 }
 
-_DEFAULT_SAMPLING = {
-    Mechanism.DPSGD: Sampling.UNIFORM,
-    Mechanism.DPFTRL: Sampling.EPOCH,
-    Mechanism.LOGIT_DP: Sampling.UNIFORM,
-    Mechanism.FDML: Sampling.UNIFORM,
-}
-# Independent Gaussian noise each round or step, over a sampled set of users.
-SAMPLED_GAUSSIAN_MECHANISMS = (Mechanism.DPSGD, Mechanism.LOGIT_DP, Mechanism.FDML)
-# Mechanisms whose noise multiplier is already relative to the L2 sensitivity.
-_RELATIVE_TO_SENSITIVITY = (Mechanism.LOGIT_DP, Mechanism.FDML)
+
+def release_of(mechanism: Any) -> Release | None:
+    """The `Release` of a mechanism (a member or its value), or None for an unknown one."""
+    try:
+        return RELEASES[Mechanism(mechanism)]
+    except ValueError:
+        return None
+
+
 _DEFAULT_RELATION = {
     Sampling.UNIFORM: NeighboringRelation.REPLACE_ONE,
     Sampling.POISSON: NeighboringRelation.ADD_OR_REMOVE_ONE,
@@ -236,7 +320,7 @@ class AccountingSpec:
         # compare equal whether built from enums, strings or JSON.
         mechanism = _enum_value(Mechanism, self.mechanism, "mechanism")
         sampling = (
-            _DEFAULT_SAMPLING[mechanism]
+            RELEASES[mechanism].default_sampling
             if self.sampling is None
             else _enum_value(Sampling, self.sampling, "sampling")
         )
@@ -266,6 +350,11 @@ class AccountingSpec:
         object.__setattr__(self, "restart_every_epoch", bool(self.restart_every_epoch))
         if self.min_separation is not None:
             object.__setattr__(self, "min_separation", int(self.min_separation))
+
+    @property
+    def release(self) -> Release:
+        """What is known of its mechanism's release (`RELEASES`)."""
+        return RELEASES[self.mechanism]
 
     def _validate(self) -> None:
         _check_int("population (users)", self.population, 1, MAX_POPULATION)
@@ -302,7 +391,7 @@ class AccountingSpec:
                 f"restart_every_epoch must be a boolean, got {self.restart_every_epoch!r}"
             )
         if self.min_separation is not None:
-            if self.mechanism is not Mechanism.DPFTRL:
+            if self.release.noise is not Noise.TREE:
                 raise ValueError("min separation applies only to the dpftrl mechanism")
             _check_int("min separation", self.min_separation, 0)
             if self.min_separation > self.population // self.users_per_round:
@@ -311,20 +400,13 @@ class AccountingSpec:
                     f"epoch ({self.population // self.users_per_round}): a user returns "
                     "every epoch"
                 )
-        if self.restart_every_epoch and self.mechanism is not Mechanism.DPFTRL:
+        if self.restart_every_epoch and self.release.noise is not Noise.TREE:
             raise ValueError("tree restart applies only to the dpftrl mechanism")
-        if self.mechanism is Mechanism.LOGIT_DP:
-            if self.convention is not Convention.STRICT:
-                raise ValueError(
-                    "the logit_dp mechanism has no paper convention: its noise is calibrated "
-                    "to the derived sensitivity C(n, s, B) (the paper's Eq. 6 is below the "
-                    "true worst case); use the strict convention"
-                )
-            if self.users_per_virtual_client != 1:
-                raise ValueError(
-                    "the logit_dp mechanism samples single users (one positive pair each): "
-                    "users per virtual client must be 1"
-                )
+        release = self.release
+        if release.strict_only is not None and self.convention is not Convention.STRICT:
+            raise ValueError(release.strict_only)
+        if release.single_users is not None and self.users_per_virtual_client != 1:
+            raise ValueError(release.single_users)
         if self.sampling is Sampling.FULL:
             if self.users_per_round != self.population:
                 raise ValueError(
@@ -336,13 +418,7 @@ class AccountingSpec:
                     "full sampling has no paper convention (no published number to "
                     "reproduce): use the strict convention"
                 )
-        if self.mechanism is Mechanism.FDML and self.users_per_virtual_client != 1:
-            raise ValueError(
-                "the fdml mechanism's noise multiplier already counts the triplet group "
-                "(sensitivity 2 C_r sqrt(g s)): users per virtual client must be 1"
-            )
-        combination = (self.mechanism, self.sampling, self.neighboring_relation)
-        accountants = _SUPPORTED.get(combination)
+        accountants = release.analyses.get((self.sampling, self.neighboring_relation))
         if accountants is None:
             raise ValueError(
                 f"no privacy analysis for mechanism {self.mechanism.value} with "
@@ -360,10 +436,10 @@ class AccountingSpec:
     def sensitivity_in_clips(self) -> float:
         """L2 sensitivity of the noised sum to one user, in clip norms (docstring table).
 
-        logit_dp, fdml: 1, because their noise multiplier is already relative to the
-        sensitivity.
+        1 for a release whose noise multiplier is already relative to the sensitivity
+        (`Release.relative_to_sensitivity`: logit_dp, fdml).
         """
-        if self.mechanism in _RELATIVE_TO_SENSITIVITY:
+        if self.release.relative_to_sensitivity:
             return 1.0
         if self.neighboring_relation is NeighboringRelation.REPLACE_ONE:
             return 1.0 if self.convention is Convention.PAPER else 2.0
@@ -428,7 +504,7 @@ def default_accountant(
     if sampling is Sampling.FULL:
         return Accountant.PLD
     if (
-        mechanism in SAMPLED_GAUSSIAN_MECHANISMS
+        RELEASES[mechanism].noise is Noise.GAUSSIAN
         and sampling is Sampling.UNIFORM
         and relation is NeighboringRelation.REPLACE_ONE
         and convention is Convention.STRICT
@@ -440,5 +516,6 @@ def default_accountant(
 def _supported_summary() -> str:
     return "; ".join(
         f"{m.value}+{s.value}+{r.value} ({'/'.join(a.value for a in accountants)})"
-        for (m, s, r), accountants in _SUPPORTED.items()
+        for m, release in RELEASES.items()
+        for (s, r), accountants in release.analyses.items()
     )

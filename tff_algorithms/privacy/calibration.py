@@ -1,12 +1,19 @@
 """Noise calibration to a target epsilon, and extrapolation of a schedule's epsilon.
 
-Both are searches over `accounting.compute_privacy` (the accounting conventions and
-bounds are `tff_algorithms.privacy.accounting_spec`'s):
+One calibration, generic over releases, as dp_accounting's `mechanism_calibration` is
+over events: `calibrate_noise` finds the smallest noise multiplier z for which a release
+built with z (any function z -> epsilon, non-increasing in z) costs at most a target
+epsilon. It brackets z by doubling or halving from 1 within
+[`MIN_CALIBRATED_NOISE_MULTIPLIER`, `accounting_spec.MAX_NOISE_MULTIPLIER`], then bisects
+log z: about 15 accountant calls for a typical target, at most ~35. What it searches over:
 
-- `calibrate_noise_multiplier` finds the smallest noise multiplier whose schedule costs
-  at most a target epsilon. It brackets z by doubling or halving from 1 within
-  [`MIN_CALIBRATED_NOISE_MULTIPLIER`, `accounting_spec.MAX_NOISE_MULTIPLIER`], then bisects
-  log z: about 15 accountant calls for a typical target, at most ~35.
+- `calibrate_noise_multiplier`: a job's accounting spec (`accounting.compute_privacy`,
+  composed with its shared-negatives releases), what every algorithm's job and
+  `dp-fedemb privacy --target-epsilon` calibrate;
+- `event_epsilon`: the dp_accounting event an algorithm builds of its own release (FDML's
+  two Gaussians a round, `algorithms/fdml/privacy.py`), under the RDP accountant.
+
+Also:
 - `extrapolate_privacy` moves a schedule to a larger population at several users per
   round, with the noise scaled to keep the utility (paper Fig. 2c/2d, 6b/6c), and
   `write_extrapolation_plot` draws the result.
@@ -17,9 +24,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from tff_algorithms.privacy import accounting, accounting_spec, dplc_releases
+
+if TYPE_CHECKING:
+    import dp_accounting
 
 CALIBRATION_RELATIVE_TOLERANCE = 1e-3
 # The bracket's lower end: below it the accountants are slow (PLD) and a target that
@@ -44,12 +55,29 @@ def calibrate_noise_multiplier(
     `spec` costs at most `target_epsilon` at `spec.delta`.
 
     `releases`: shared-negatives releases whose fixed cost the schedule composes with
-    (`dplc_releases.composed_privacy`): the target is then the total.
+    (`dplc_releases.composed_privacy`): the target is then the total. The search is
+    `calibrate_noise`'s; `spec.noise_multiplier` is ignored.
+    """
 
-    Bisection on z, using that epsilon is non-increasing in z. The result z satisfies
-    epsilon(z) <= target_epsilon, and epsilon(z * (1 - relative_tolerance)) > target_epsilon:
-    it overshoots the exact smallest z by at most a fraction `relative_tolerance`.
-    `spec.noise_multiplier` is ignored.
+    def epsilon_at(z: float) -> float:
+        return dplc_releases.composed_privacy(spec.with_noise_multiplier(z), releases).epsilon
+
+    return calibrate_noise(epsilon_at, target_epsilon, relative_tolerance)
+
+
+def calibrate_noise(
+    epsilon_at: Callable[[float], float],
+    target_epsilon: float,
+    relative_tolerance: float = CALIBRATION_RELATIVE_TOLERANCE,
+) -> float:
+    """Smallest noise multiplier z for which `epsilon_at(z)` is at most `target_epsilon`.
+
+    `epsilon_at(z)`: the epsilon of the release built with noise multiplier z, for any
+    release whose epsilon is non-increasing in z (a spec's, `calibrate_noise_multiplier`;
+    an event's, `event_epsilon`). Bisection on log z: the result z satisfies
+    epsilon_at(z) <= target_epsilon, and epsilon_at(z * (1 - relative_tolerance)) >
+    target_epsilon: it overshoots the exact smallest z by at most a fraction
+    `relative_tolerance`.
     """
     if isinstance(target_epsilon, bool) or not (
         isinstance(target_epsilon, (int, float)) and math.isfinite(target_epsilon)
@@ -62,9 +90,6 @@ def calibrate_noise_multiplier(
         )
     if not 1e-9 <= relative_tolerance < 1:
         raise ValueError(f"relative tolerance must be in [1e-9, 1), got {relative_tolerance}")
-
-    def epsilon_at(z: float) -> float:
-        return dplc_releases.composed_privacy(spec.with_noise_multiplier(z), releases).epsilon
 
     # epsilon is non-increasing in z. Bracket the target by doubling or halving from
     # z = 1 (the accountants are slow or unstable at the extremes, so they are only
@@ -93,6 +118,17 @@ def calibrate_noise_multiplier(
         else:
             high = middle
     return high
+
+
+def event_epsilon(
+    make_event: Callable[[float], dp_accounting.DpEvent],
+    delta: float,
+    relation: accounting_spec.NeighboringRelation = accounting_spec.NeighboringRelation.REPLACE_ONE,
+) -> Callable[[float], float]:
+    """z -> the RDP epsilon at `delta` of the event `make_event(z)`, under `relation`
+    (`accounting.event_rdp_epsilon`): what `calibrate_noise` searches for a release whose
+    algorithm builds its own event."""
+    return lambda z: accounting.event_rdp_epsilon(make_event(z), delta, relation)
 
 
 # Extrapolation (paper Fig. 2c/2d, 6b/6c).

@@ -192,7 +192,7 @@ class PrivacyLedger:
                 "this run's; resuming would misreport epsilon"
             )
         ledger = cls(spec, releases)
-        is_tree = spec.mechanism is accounting_spec.Mechanism.DPFTRL
+        is_tree = spec.release.noise is accounting_spec.Noise.TREE
         for position, item in enumerate(data.get("history") or [], start=1):
             if item.get("round") != position:
                 raise ValueError(

@@ -1,7 +1,8 @@
 """The algorithm registry (tff_algorithms/algorithms/): one place declares each algorithm.
 
 An algorithm registered from this file alone trains through `dp-fedemb train`; no
-product module outside the registry compares against an algorithm's name; the
+product module outside the registry compares against an algorithm's name or tests its
+mechanism (privacy/ and pipeline/ never test which algorithm they serve); the
 registry is TensorFlow-free and every registered trainer resolves.
 """
 
@@ -198,6 +199,56 @@ def test_the_scan_finds_a_branch_on_a_name():
     constants = {"DP_FEDEMB", "CENTRALIZED", "FDML"}
     lines = _names_compared(ast.parse(source), set(algorithms.names()), constants)
     assert lines == [1, 2, 3, 4]
+
+
+# Mechanisms named for one algorithm (issue 64): only the algorithm's own package, and the
+# one table that declares each release (accounting_spec.RELEASES), may name them.
+ALGORITHM_MECHANISMS = {"LOGIT_DP": "logit_dp", "FDML": "fdml"}
+
+
+def _mechanisms_tested(tree: ast.AST) -> list[int]:
+    """Lines where an algorithm's mechanism (`Mechanism.FDML`, or its value) is compared
+    or tested for membership: a branch on which algorithm a module serves."""
+
+    def names_one(node: ast.AST) -> bool:
+        if isinstance(node, ast.Attribute):
+            return node.attr in ALGORITHM_MECHANISMS or names_one(node.value)
+        if isinstance(node, ast.Constant):
+            return node.value in ALGORITHM_MECHANISMS.values()
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(names_one(element) for element in node.elts)
+        return False
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(
+            names_one(operand) for operand in [node.left, *node.comparators]
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_privacy_and_pipeline_never_test_which_algorithm_they_serve():
+    branches = []
+    for package in PRODUCT_PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            if REGISTRY_PACKAGE in path.parents:
+                continue
+            tree = ast.parse(path.read_text(), str(path))
+            branches += [f"{path.relative_to(REPO)}:{line}" for line in _mechanisms_tested(tree)]
+    assert not branches, f"tests of an algorithm's mechanism outside its package: {branches}"
+
+
+def test_the_scan_finds_a_test_of_a_mechanism():
+    source = (
+        "if spec.mechanism is Mechanism.FDML: pass\n"
+        "if spec.mechanism in (Mechanism.DPSGD, accounting_spec.Mechanism.LOGIT_DP): pass\n"
+        "if value['mechanism'] == accounting_spec.Mechanism.FDML.value: pass\n"
+        "if spec['mechanism'] == 'logit_dp': pass\n"
+        "if spec.mechanism is Mechanism.DPFTRL: pass\n"
+        "LABELS = {Mechanism.FDML: 'x'}\n"
+    )
+    assert _mechanisms_tested(ast.parse(source)) == [1, 2, 3, 4]
 
 
 @pytest.mark.slow

@@ -76,5 +76,6 @@ FDML = registry.register(
         "gradients up)",
         pipeline_trains=True,
         tff_runtime=True,
+        paper_theorem="tff_algorithms.algorithms.fdml.privacy:paper_theorem",
     )
 )

@@ -97,7 +97,7 @@ import math
 from typing import TYPE_CHECKING
 
 from tff_algorithms.base import validation
-from tff_algorithms.privacy.accounting import RDP_ORDERS
+from tff_algorithms.privacy import accounting, calibration
 
 if TYPE_CHECKING:
     import dp_accounting
@@ -223,20 +223,16 @@ def dp_event(spec: FdmlPrivacySpec) -> dp_accounting.DpEvent:
 
 
 def compute_epsilon(spec: FdmlPrivacySpec, delta: float) -> float:
-    """Strict user-level epsilon at `delta` over all rounds (RDP, substitute-one)."""
-    import dp_accounting
-
+    """Strict user-level epsilon at `delta` over all rounds: this module's event
+    (`dp_event`) under the product's RDP accountant (`accounting.event_rdp_epsilon`,
+    substitute-one)."""
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
     if spec.rounds + spec.abandoned_rounds == 0:
         return 0.0
     if min(spec.derivative_noise_multiplier, spec.gradient_noise_multiplier) == 0:
         return math.inf
-    accountant = dp_accounting.rdp.RdpAccountant(
-        list(RDP_ORDERS), dp_accounting.NeighboringRelation.REPLACE_ONE
-    )
-    accountant.compose(dp_event(spec))
-    return float(accountant.get_epsilon(delta))
+    return accounting.event_rdp_epsilon(dp_event(spec), delta)
 
 
 def paper_theorem_v1_epsilon(drop_rate: float, bound: float, laplace_scale: float) -> float:
@@ -250,28 +246,34 @@ def paper_theorem_v1_epsilon(drop_rate: float, bound: float, laplace_scale: floa
     return math.log((1 - drop_rate) * math.exp(2 * bound / laplace_scale) + drop_rate)
 
 
+def paper_theorem(drop_rate: float, bound: float, laplace_scale: float) -> tuple[float, str]:
+    """`paper_theorem_v1_epsilon` and its label (`PAPER_THEOREM_V1_LABEL`): what
+    `dp-fedemb privacy --mechanism fdml --convention paper` prints
+    (`registry.Algorithm.paper_theorem`)."""
+    return paper_theorem_v1_epsilon(drop_rate, bound, laplace_scale), PAPER_THEOREM_V1_LABEL
+
+
 def calibrate(
     spec: FdmlPrivacySpec,
     target_epsilon: float,
     delta: float,
     *,
     derivative_share: float = 0.5,
-    relative_tolerance: float = 1e-3,
+    relative_tolerance: float = calibration.CALIBRATION_RELATIVE_TOLERANCE,
 ) -> FdmlPrivacySpec:
     """`spec` with the smallest noise that keeps its rounds within `target_epsilon`.
 
     A round costs what one Gaussian of multiplier z costs, 1/z^2 = 1/z1^2 + 1/z2^2 (module
     docstring); `derivative_share` of 1/z^2 goes to the derivatives (R1), the rest to the
     aggregate (R2): z1 = z / sqrt(share), z2 = z / sqrt(1 - share), then z_d = 2 sqrt(g s) z1
-    and z_g = 2 z2. z is found by bisection on `compute_epsilon` (which only grows as z
-    shrinks), to within `relative_tolerance`; the returned spec's epsilon is at most the target.
-    Cost: about 10-20 accountant evaluations; with `Sampling.UNIFORM` each takes 1-4 s here
-    (dp_accounting's RDP of sampling without replacement), without sampling milliseconds.
+    and z_g = 2 z2. z is the product's one calibration (`calibration.calibrate_noise`)
+    over this module's event (`dp_event`), to within `relative_tolerance`; the returned
+    spec's epsilon is at most the target. With `Sampling.UNIFORM` each accountant call
+    takes 1-4 s here (dp_accounting's RDP of sampling without replacement), without
+    sampling milliseconds.
     """
     if not 0 < derivative_share < 1:
         raise ValueError(f"derivative_share must be in (0, 1), got {derivative_share}")
-    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
-        raise ValueError(f"target_epsilon must be positive, got {target_epsilon}")
     rows = derivative_sensitivity(1.0, spec.users_per_group, spec.samples_per_user)
 
     def with_noise(z: float) -> FdmlPrivacySpec:
@@ -281,15 +283,9 @@ def calibrate(
             gradient_noise_multiplier=2.0 * z / math.sqrt(1 - derivative_share),
         )
 
-    low, high = 0.0, 1.0
-    while compute_epsilon(with_noise(high), delta) > target_epsilon:
-        low, high = high, 2 * high
-        if high > 1e6:
-            raise ValueError(f"epsilon {target_epsilon} is out of reach for this schedule")
-    while high - low > relative_tolerance * high:
-        middle = (low + high) / 2
-        if compute_epsilon(with_noise(middle), delta) > target_epsilon:
-            low = middle
-        else:
-            high = middle
-    return with_noise(high)
+    z = calibration.calibrate_noise(
+        calibration.event_epsilon(lambda z: dp_event(with_noise(z)), delta),
+        target_epsilon,
+        relative_tolerance,
+    )
+    return with_noise(z)
