@@ -297,6 +297,11 @@ class InProcessContext(tff.framework.SyncContext):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=per_device * len(self._devices), thread_name_prefix="in_process_client"
         )
+        logging.info(
+            "in_process executor: client work on %s, %d virtual clients at a time on each",
+            ", ".join(self._devices),
+            per_device,
+        )
         self._local: dict[str, _Graph] = {}
         self._lock = threading.Lock()
 
