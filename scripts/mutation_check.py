@@ -282,6 +282,13 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/tff_algorithms/privacy/test_accounting.py::test_virtual_clients_halve_noise_under_add_or_remove_relations",
         ),
     ),
+    Mutant(
+        "release-relative-to-sensitivity",
+        "tff_algorithms/privacy/accounting_spec.py",
+        "        if self.release.relative_to_sensitivity:\n            return 1.0",
+        "        if False:\n            return 1.0",
+        (_FDML_PRIVACY + "test_the_jobs_spec_charges_what_fdmls_own_event_costs",),
+    ),
     # --- the tight PLD of fixed-size sampling (docs/privacy.md) --------------------------
     Mutant(
         "wor-pld-sampling-rate",

@@ -24,6 +24,7 @@ import tensorflow_federated as tff
 from tff_algorithms.algorithms.fdml import privacy as fdml_privacy
 from tff_algorithms.algorithms.fdml import protocol as fdml
 from tff_algorithms.algorithms.fdml import round_config
+from tff_algorithms.privacy import accounting, accounting_spec
 
 PIXELS, DIM, USERS, SAMPLES = 4, 2, 4, 2
 MARGIN = 0.5
@@ -288,6 +289,28 @@ def test_a_round_is_one_gaussian_of_the_combined_multiplier():
     accountant.compose(dp_accounting.GaussianDpEvent(combined))
     assert fdml_privacy.compute_epsilon(spec, 1e-5) == pytest.approx(
         accountant.get_epsilon(1e-5), rel=1e-9
+    )
+
+
+def test_the_jobs_spec_charges_what_fdmls_own_event_costs():
+    """A job's ledger charges the fdml AccountingSpec: one Gaussian of the combined
+    multiplier, already relative to the sensitivities (its `Release`, no clip factor).
+    Under RDP, over sampled rounds, that costs what this module's own two-release event
+    costs."""
+    spec = _spec(rounds=50)
+    z1 = spec.derivative_event_noise_multiplier
+    z2 = spec.gradient_event_noise_multiplier
+    job = accounting_spec.AccountingSpec(
+        spec.population,
+        spec.users_per_round,
+        spec.rounds,
+        1 / math.sqrt(1 / z1**2 + 1 / z2**2),
+        1e-5,
+        mechanism=accounting_spec.Mechanism.FDML,
+        accountant=accounting_spec.Accountant.RDP,
+    )
+    assert accounting.compute_privacy(job).epsilon == pytest.approx(
+        fdml_privacy.compute_epsilon(spec, 1e-5), rel=1e-6
     )
 
 
