@@ -1,0 +1,88 @@
+"""Dedup's decisions on the benchmark sets stay as recorded (issue 66).
+
+Work on the verification's speed (tests batched over pairs, tests skipped whose outcome
+no decision reads) must not change what dedup removes. On bench/bench_dedup.py's quick
+sets (photos and digit scans with a copy of each reference per transformation, and
+rendered characters and icons in both split modes: real files matplotlib ships,
+bench/real_images.py and bench/rendered_images.py), through the Beam transform, which
+candidates are removed, against which reference, by what kind and evidence, must be
+what tests/golden/dedup_decisions.json recorded: the code of commit ae3cdb7, before
+that work, made it (`python -m tests.beam_jobs.test_dedup_decisions` writes it again).
+Recorded per set: the number removed, recall and distinct images removed (the figures
+BENCHMARKS.md reports) and a SHA-256 of every (candidate, reference, kind, evidence),
+sorted. Measures (residuals, correlations) are not recorded: they may move in the last
+bits with another CPU's summation order; a decision that such a move flips is a
+threshold's coincidence, and would show here.
+"""
+
+import hashlib
+import json
+import sys
+
+import pytest
+
+from beam_jobs import dedup
+from bench import bench_dedup, real_images, rendered_images
+from tests.paths import GOLDEN
+
+RECORD = GOLDEN / "dedup_decisions.json"
+_DIGITS_PER_CLASS, _RENDERS = 8, 2  # bench_dedup's quick sizes
+
+
+def _originals(name: str) -> list[real_images.Original]:
+    source, _, rest = name.partition(":")
+    if source == "real":
+        return real_images.originals(int(rest), _DIGITS_PER_CLASS)
+    mode, _, size = rest.partition(":")
+    return rendered_images.originals(int(size), mode, _RENDERS, source)
+
+
+def set_names(size: int) -> list[str]:
+    return [f"real:{size}"] + [
+        f"{source}:{mode}:{size}"
+        for source in rendered_images.SOURCES
+        for mode in rendered_images.SPLIT_MODES
+    ]
+
+
+def decisions(name: str) -> dict:
+    """What dedup (the Beam transform, default config) decides on one bench set."""
+    references, candidates = bench_dedup.benchmark_set(_originals(name))
+    removed = bench_dedup.run_dedup(references, candidates, dedup.DedupConfig())
+    scored = bench_dedup.score(candidates, removed)
+    listed = sorted(
+        (
+            candidate,
+            pair["reference"]["user_id"],
+            pair["kind"],
+            pair.get("evidence", ""),
+        )
+        for candidate, pair in removed.items()
+    )
+    return {
+        "removed": len(removed),
+        "recall": scored["recall"],
+        "recall_own_original": scored["recall_own_original"],
+        "distinct_removed": round(scored["distinct"]["removed_fraction"] or 0.0, 4),
+        "sha256": hashlib.sha256(json.dumps(listed).encode()).hexdigest(),
+    }
+
+
+@pytest.mark.slow  # the 28-pixel bench sets through the Beam transform: minutes
+@pytest.mark.parametrize("name", set_names(28))
+def test_dedup_decides_as_recorded_on_the_bench_sets(name):
+    recorded = json.loads(RECORD.read_text())[name]
+    assert decisions(name) == recorded
+
+
+def main(sizes: list[int]) -> None:
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    for size in sizes:
+        for name in set_names(size):
+            record[name] = decisions(name)
+            print(name, record[name], flush=True)
+            RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main([int(size) for size in sys.argv[1:]] or [28])
