@@ -528,6 +528,8 @@ def test_pipeline_config_reaches_every_beam_job_tfx_component_and_the_tff_worker
         "round_deadline_factor": 10.0,
         "min_round_deadline_s": 60.0,
         "max_worker_losses": 2,
+        # Who runs the rounds (runtime.executor): TFF's workers, the default.
+        "executor": "worker",
     }
 
 
