@@ -509,7 +509,10 @@ def _copy_evidence(
             i
             for i, e in enumerate(provisional)
             if e == _PREDICTION
-            or (e in ("shared_noise", "shape_only") and measured["residual"][i] > config.max_residual)
+            or (
+                e in ("shared_noise", "shape_only")
+                and measured["residual"][i] > config.max_residual
+            )
         ],
     )
     evidence = []
