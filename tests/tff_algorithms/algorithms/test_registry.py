@@ -164,6 +164,14 @@ def _names_compared(tree: ast.AST, known: set[str], constants: set[str]) -> list
     return lines
 
 
+def _modules_outside_the_algorithms():
+    """(path, parsed module) of every product module outside tff_algorithms/algorithms/."""
+    for package in PRODUCT_PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            if REGISTRY_PACKAGE not in path.parents:
+                yield path, ast.parse(path.read_text(), str(path))
+
+
 def test_no_module_outside_the_registry_branches_on_an_algorithm_name():
     known = set(algorithms.names())
     # The name constants other code configures jobs with (job_config.DP_FEDEMB, ...).
@@ -173,16 +181,11 @@ def test_no_module_outside_the_registry_branches_on_an_algorithm_name():
         if isinstance(value, str) and value in known
     }
     assert {"DP_FEDEMB", "CENTRALIZED", "FDML"} <= constants
-    branches = []
-    for package in PRODUCT_PACKAGES:
-        for path in sorted((REPO / package).rglob("*.py")):
-            if REGISTRY_PACKAGE in path.parents:
-                continue
-            tree = ast.parse(path.read_text(), str(path))
-            branches += [
-                f"{path.relative_to(REPO)}:{line}"
-                for line in _names_compared(tree, known, constants)
-            ]
+    branches = [
+        f"{path.relative_to(REPO)}:{line}"
+        for path, tree in _modules_outside_the_algorithms()
+        for line in _names_compared(tree, known, constants)
+    ]
     assert not branches, f"algorithm-name branches outside the registry: {branches}"
 
 
@@ -229,13 +232,11 @@ def _mechanisms_tested(tree: ast.AST) -> list[int]:
 
 
 def test_privacy_and_pipeline_never_test_which_algorithm_they_serve():
-    branches = []
-    for package in PRODUCT_PACKAGES:
-        for path in sorted((REPO / package).rglob("*.py")):
-            if REGISTRY_PACKAGE in path.parents:
-                continue
-            tree = ast.parse(path.read_text(), str(path))
-            branches += [f"{path.relative_to(REPO)}:{line}" for line in _mechanisms_tested(tree)]
+    branches = [
+        f"{path.relative_to(REPO)}:{line}"
+        for path, tree in _modules_outside_the_algorithms()
+        for line in _mechanisms_tested(tree)
+    ]
     assert not branches, f"tests of an algorithm's mechanism outside its package: {branches}"
 
 
