@@ -485,7 +485,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dedup-prediction-skipped",
         "beam_jobs/dedup_batches.py",
-        'and measured["residual"][i] > config.max_residual\n',
+        'and measured["residual"][i] > config.max_residual\n'
+        "            and unexplained[i] > copy_prediction.MAX_UNEXPLAINED\n",
         "and False\n",
         (_FRAME_FILLING_ICONS,),
     ),
