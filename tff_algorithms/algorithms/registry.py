@@ -186,6 +186,15 @@ class Algorithm:
                 f"{schedule.EPOCH!r}, got {self.schedule_mode!r}"
             )
 
+    @property
+    def noise(self) -> accounting_spec.Noise | None:
+        """The shape of its release's noise (`accounting_spec.RELEASES`); None: no noise.
+        What a rule that depends on the noise (tree restarts, a linear server step) reads,
+        rather than which mechanism it is."""
+        if self.mechanism is None:
+            return None
+        return accounting_spec.RELEASES[self.mechanism].noise
+
     def starting_values(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """The values a job of it starts from, given the chosen recipe's `values`."""
         if self.start_values is not None:

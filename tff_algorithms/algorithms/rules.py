@@ -1,8 +1,9 @@
 """Accounting and schedule rules several algorithms share (`registry.Algorithm`).
 
 A job's config is passed as it is (`job_config.TrainJobConfig`, which imports this
-package: not imported here); its algorithm's `Algorithm` gives the schedule mode and
-the mechanism. No TensorFlow.
+package: not imported here); its algorithm's `Algorithm` gives the schedule mode, the
+mechanism and its noise's shape (`Algorithm.noise`, from `accounting_spec.RELEASES`).
+No TensorFlow.
 """
 
 from __future__ import annotations
@@ -49,16 +50,16 @@ def scheduled_accounting(
     """Accounting from the virtual-client schedule's participation statistics, with the
     algorithm's mechanism (tree noise: the minimum separation of a user's rounds, unless
     the tree restarts every epoch)."""
-    mechanism = registry.get(config.algorithm).mechanism
+    algorithm = registry.get(config.algorithm)
     stats = schedule_shape(config, num_users).participation_stats(config.rounds)
-    is_tree = mechanism is accounting_spec.Mechanism.DPFTRL
+    is_tree = algorithm.noise is accounting_spec.Noise.TREE
     return accounting_spec.AccountingSpec(
         population=stats.sampling_units,
         users_per_round=stats.units_per_round,
         rounds=stats.rounds,
         noise_multiplier=config.noise_multiplier,
         delta=delta,
-        mechanism=mechanism,
+        mechanism=algorithm.mechanism,
         users_per_virtual_client=config.users_per_virtual_client,
         restart_every_epoch=config.restart_every_epoch,
         min_separation=stats.min_separation if is_tree and not config.restart_every_epoch else None,
@@ -130,7 +131,7 @@ def check_server_optimizer(config: Any) -> None:
     algorithm = registry.get(config.algorithm)
     if not algorithm.server_optimizer:
         takers = " and ".join(registry.names(lambda other: other.server_optimizer))
-        if algorithm.mechanism is accounting_spec.Mechanism.DPFTRL:
+        if algorithm.noise is accounting_spec.Noise.TREE:
             why = "its tree-aggregated noise cancels across rounds only in the linear sgd step"
         elif algorithm.section is not None and "optimizer" in algorithm.section.keys():
             why = f"it takes its optimizer from {algorithm.section.name}.optimizer"

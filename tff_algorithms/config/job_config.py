@@ -337,10 +337,8 @@ class TrainJobConfig:
         validation.check_bool("restart_every_epoch", self.restart_every_epoch)
         if algorithm.check_job is not None:
             algorithm.check_job(self)
-        if self.restart_every_epoch and algorithm.mechanism is not accounting_spec.Mechanism.DPFTRL:
-            tree_noise = algorithms.names(
-                lambda other: other.mechanism is accounting_spec.Mechanism.DPFTRL
-            )
+        if self.restart_every_epoch and algorithm.noise is not accounting_spec.Noise.TREE:
+            tree_noise = algorithms.names(lambda other: other.noise is accounting_spec.Noise.TREE)
             raise ValueError(f"restart_every_epoch applies only to {' and '.join(tree_noise)}")
         if isinstance(self.trainable_layers, str) or not all(
             isinstance(p, str) for p in self.trainable_layers
