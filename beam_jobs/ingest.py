@@ -12,6 +12,12 @@ IngestToCanonical flattens any number of readers and adds a summary (counts per 
 reason, bad share, limit); run_ingest writes records and summary and fails with one
 clear line when the bad share is over the limit.
 
+Each reader's progress line (`beam_jobs.progress`) counts its own unit against a total
+counted when the reader is built: an image folder's user folders read (the user folders
+listed once more), a TFRecord pattern's records read (the files' framing read once
+more, as split and partition count their input) and a SQLite file's rows read (one
+COUNT query).
+
 Hostile input is a counted skip (a BadInput with its reason), never a crash: invalid
 names (`schema.check_name`: control characters, undecodable bytes in a user, identity,
 file or client name, ...), FIFOs, devices and other files that are not regular files
@@ -37,6 +43,9 @@ from beam_jobs import image_files, progress, records_io, schema
 
 BAD_TAG = "bad"
 _ROW_CLIENT_TAG = "row_client"
+# How much of its input a reading step has finished (a user folder, a row range's rows):
+# what the reader's progress line counts.
+_DONE_TAG = "done"
 METRICS_NAMESPACE = "dp_fedemb.ingest"
 # Modes decode without conversion; others are converted and counted (module docstring).
 _NATIVE_IMAGE_MODES = ("L", "RGB")
@@ -80,6 +89,7 @@ class _ReadUserFolderFn(beam.DoFn):
     def process(self, user_folder: bytes):
         for image in image_files.read_user_folder(user_folder, self._max_pixels):
             yield from _outputs(image)
+        yield beam.pvalue.TaggedOutput(_DONE_TAG, 1)
 
 
 class ReadImageFolder(beam.PTransform):
@@ -91,6 +101,9 @@ class ReadImageFolder(beam.PTransform):
             raise ValueError(f"image folder {root} does not exist or is not a directory")
         self._root = root
         self._max_pixels = _checked_limit(max_image_pixels)
+        # The progress line's total. The job lists them again in a worker: a list of
+        # every user in the pipeline itself would outgrow what a runner accepts.
+        self._user_folders = len(image_files.list_user_folders(root))
 
     def expand(self, pbegin):
         outputs = (
@@ -100,7 +113,12 @@ class ReadImageFolder(beam.PTransform):
             # Users are listed by one worker; spread them before reading images.
             | "Reshuffle" >> beam.Reshuffle()
             | "ReadUsers"
-            >> beam.ParDo(_ReadUserFolderFn(self._max_pixels)).with_outputs(BAD_TAG, main="records")
+            >> beam.ParDo(_ReadUserFolderFn(self._max_pixels)).with_outputs(
+                BAD_TAG, _DONE_TAG, main="records"
+            )
+        )
+        _ = outputs[_DONE_TAG] | "Progress" >> progress.Progress(
+            "ingest", "user folders read", total=self._user_folders
         )
         return {"records": outputs.records, "bad": outputs[BAD_TAG]}
 
@@ -122,6 +140,16 @@ def _validate_serialized(serialized: bytes, source: str, max_pixels: int):
     yield from _checked(record, source, max_pixels)
 
 
+def _framed_records(file_pattern: str) -> int | None:
+    """Records in the files of `file_pattern`; None (no total) where they do not read as
+    uncompressed TFRecords: the job's own read then decompresses them by their name or
+    fails with Beam's error, as it did before the count."""
+    try:
+        return records_io.count_matching_records(file_pattern)
+    except tf.errors.DataLossError:
+        return None
+
+
 class ReadCanonicalTFRecords(beam.PTransform):
     """TFRecord files of canonical examples (validated) -> {"records", "bad"}."""
 
@@ -130,12 +158,14 @@ class ReadCanonicalTFRecords(beam.PTransform):
         records_io.require_matches(file_pattern, "TFRecord files")
         self._file_pattern = file_pattern
         self._max_pixels = _checked_limit(max_image_pixels)
+        self._records = _framed_records(file_pattern)
 
     def expand(self, pbegin):
         pattern = self._file_pattern
         outputs = (
             pbegin
             | "Read" >> beam.io.ReadFromTFRecord(pattern)
+            | "Progress" >> progress.Progress("ingest", "records read", total=self._records)
             | "Validate"
             >> beam.FlatMap(_validate_serialized, pattern, self._max_pixels).with_outputs(
                 BAD_TAG, main="records"
@@ -298,6 +328,7 @@ class _ReadSqlRowsFn(beam.DoFn):
             rows = connection.execute(
                 _ROWS_QUERY + clause, (self._max_bytes, *rowid_range, *params)
             ).fetchall()
+        yield beam.pvalue.TaggedOutput(_DONE_TAG, len(rows))
         for rowid, client_type, client_id, proto_type, proto_bytes, serialized in rows:
             source = f"{self._database}#rowid={rowid}"
             if client_type == "text":
@@ -316,6 +347,16 @@ class _ReadSqlRowsFn(beam.DoFn):
                 yield _bad(e.reason, source, str(e))
                 continue
             yield from _checked(record, source, self._max_pixels)
+
+
+def _row_count(database: str, split_name: str | None) -> int:
+    """The rows the readers will read (their progress line's total)."""
+    clause, params = _split_clause(split_name)
+    with _connect(database) as connection:
+        (rows,) = connection.execute(
+            f"SELECT COUNT(*) FROM examples WHERE 1=1{clause}", params
+        ).fetchone()
+    return rows
 
 
 def _client_key(client_id: str) -> bytes:
@@ -428,6 +469,7 @@ class ReadSqlClientData(beam.PTransform):
         self._identity_feature = identity_feature
         self._rows_per_read = rows_per_read
         self._max_pixels = _checked_limit(max_image_pixels)
+        self._rows = _row_count(database, split_name)
 
     def expand(self, pbegin):
         database, split_name = self._database, self._split_name
@@ -439,7 +481,10 @@ class ReadSqlClientData(beam.PTransform):
             | "ReadRows"
             >> beam.ParDo(
                 _ReadSqlRowsFn(database, split_name, self._identity_feature, self._max_pixels)
-            ).with_outputs(BAD_TAG, _ROW_CLIENT_TAG, main="records")
+            ).with_outputs(BAD_TAG, _ROW_CLIENT_TAG, _DONE_TAG, main="records")
+        )
+        _ = outputs[_DONE_TAG] | "Progress" >> progress.Progress(
+            "ingest", "rows read", total=self._rows, weight=int
         )
         seen_clients = (
             outputs[_ROW_CLIENT_TAG]
@@ -559,11 +604,7 @@ def run_ingest(
     summary_path = os.path.join(out_dir, SUMMARY_FILE)
     with beam.Pipeline(options=records_io.pipeline_options(beam_args)) as pipeline:
         ingested = pipeline | "Ingest" >> IngestToCanonical(readers, max_bad_fraction)
-        _ = (
-            ingested["records"]
-            | "Progress" >> progress.Progress("ingest", "images read")
-            | "WriteRecords" >> records_io.WriteRecords(out_dir)
-        )
+        _ = ingested["records"] | "WriteRecords" >> records_io.WriteRecords(out_dir)
         _ = ingested["summary"] | "WriteSummary" >> records_io.WriteJson(summary_path)
     summary = records_io.read_json(summary_path)
     if not summary["within_limit"]:

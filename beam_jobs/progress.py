@@ -8,9 +8,9 @@ the process that runs it and, at most every `every_seconds`, writes one line suc
     dedup: train images fingerprinted 120,000 of 320,000 (37%), 1,850/s, 1 min 4 s, 1 min 48 s left
 
 The time left assumes the rest goes at the rate so far (a stage's elements are alike:
-batches of images, users' records). The jobs' long stages give their totals (the
-callers count records in files first, or know the number by construction: key buckets,
-shards), all but ingest's, whose input (an image folder's files) is not counted first.
+batches of images, users' records). The jobs' long stages give their totals: the
+callers count what they will read first (records in files, an image folder's user
+folders, a SQLite file's rows) or know the number by construction (key buckets, shards).
 
 The first line comes `every_seconds` after the stage's first element, so a job shorter
 than that prints nothing. Counts are per process: on a runner with several worker

@@ -175,7 +175,13 @@ def read_json(path: str) -> dict:
 
 def count_records(directory: str) -> int:
     """Number of records in DIR/records-*.tfrecord (reads the framing, parses nothing)."""
-    files = tf.io.gfile.glob(records_pattern(directory))
+    return count_matching_records(records_pattern(directory))
+
+
+def count_matching_records(file_pattern: str) -> int:
+    """Number of records in the TFRecord files matching `file_pattern` (reads the
+    framing, parses nothing; tf.errors.DataLossError where it is corrupt)."""
+    files = tf.io.gfile.glob(file_pattern)
     return int(tf.data.TFRecordDataset(files).reduce(np.int64(0), lambda count, _: count + 1))
 
 

@@ -1,19 +1,25 @@
 """Progress lines of the Beam jobs: a pass-through step that counts, and the jobs' lines."""
 
 import io
+import os
 import re
+import sqlite3
 
 import apache_beam as beam
+import numpy as np
 import pytest
+import tensorflow as tf
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from beam_jobs import (
     dedup,
     dedup_batches,
+    ingest,
     partition_job,
     progress,
     records_io,
+    schema,
     split_protocols,
     splits,
     synthetic,
@@ -114,3 +120,69 @@ def test_split_dedup_and_partition_report_progress_against_their_totals(
     # Lines before a stage's end say how long is left.
     unfinished = [line for line in err.splitlines() if ": " in line and "(100%)" not in line]
     assert all(line.endswith(" left") for line in unfinished if " of " in line), unfinished
+
+
+def _image_folder(root: str) -> None:
+    png = schema.encode_png(np.full((6, 6), 9, dtype=np.uint8))
+    for user, identity, name, data in [
+        ("alice", "a", "0.png", png),
+        ("alice", "b", "1.png", png),
+        ("bob", "a", "0.png", png),
+        ("bob", "a", "broken.png", b"not a png"),
+        ("carol", "c", "0.png", png),
+    ]:
+        os.makedirs(os.path.join(root, user, identity), exist_ok=True)
+        with open(os.path.join(root, user, identity, name), "wb") as f:
+            f.write(data)
+    os.makedirs(os.path.join(root, "dave"))  # an empty user is still a folder read
+
+
+def _tff_database(path: str, rows: list[tuple[str, str, object]]) -> None:
+    with sqlite3.connect(path) as connection:
+        connection.execute(
+            "CREATE TABLE examples (split_name TEXT, client_id TEXT, serialized_example_proto BLOB)"
+        )
+        connection.execute(
+            "CREATE TABLE client_metadata (client_id TEXT, split_name TEXT, num_examples INTEGER)"
+        )
+        connection.executemany("INSERT INTO examples VALUES (?, ?, ?)", rows)
+
+
+def test_ingest_reports_each_readers_progress_against_its_total(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(progress.EVERY_SECONDS_ENV, "0")
+    folder = str(tmp_path / "images")
+    _image_folder(folder)
+    records = str(tmp_path / "records")
+    config = synthetic.SyntheticConfig(identities=10, images_per_identity=2, seed=5)
+    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
+        _ = pipeline | synthetic.SyntheticRecords(config) | records_io.WriteRecords(records)
+    example = tf.train.Example()
+    example.features.feature["pixels"].float_list.value.extend([0.5] * 16)
+    example.features.feature["label"].int64_list.value.append(1)
+    database = str(tmp_path / "tff.sqlite")
+    # Rows of another split are not read, so not counted; a bad row is read and counted.
+    rows = [("train", f"c{i % 2}", example.SerializeToString()) for i in range(5)]
+    rows += [("train", "c2", 7), ("test", "c3", example.SerializeToString())]
+    _tff_database(database, rows)
+    readers = [
+        ingest.ReadImageFolder(folder),
+        ingest.ReadCanonicalTFRecords(records_io.records_pattern(records)),
+        ingest.ReadSqlClientData(database, split_name="train", rows_per_read=2),
+    ]
+    with beam.Pipeline(options=records_io.pipeline_options()) as pipeline:
+        _ = pipeline | ingest.IngestToCanonical(readers, max_bad_fraction=1.0)
+    err = capsys.readouterr().err
+    for expected in (
+        "ingest: user folders read 4 of 4 (100%),",
+        "ingest: records read 20 of 20 (100%),",
+        "ingest: rows read 6 of 6 (100%),",
+    ):
+        assert _lines(err, expected), (expected, err)
+    unfinished = [line for line in _lines(err, "ingest: ") if "(100%)" not in line]
+    assert all(line.endswith(" left") for line in unfinished), unfinished
+
+
+def test_ingest_of_tfrecords_whose_framing_is_corrupt_has_no_total(tmp_path):
+    path = tmp_path / "bad.tfrecord"
+    path.write_bytes(b"\x05" * 40)
+    assert ingest.ReadCanonicalTFRecords(str(path))._records is None
