@@ -9,7 +9,7 @@ TEST_WORKERS ?= 2
 # other savings; BENCHMARKS.md, "The test suite and CI").
 SLOW_TEST_WORKERS ?= 3
 
-.PHONY: setup setup-gpu test test-slow mutation-check bench bench-quick lint lock clean airflow-setup airflow-lock
+.PHONY: setup setup-gpu test test-slow mutation-check bench bench-quick lint lock clean airflow-setup airflow-lock peer-env
 
 setup:
 	@bash scripts/setup_env.sh
@@ -56,8 +56,16 @@ airflow-setup: setup
 airflow-lock: setup
 	bash scripts/lock_airflow.sh
 
+# Optional: the peer benchmark's own environment (bench/peer_pfl_round.py; BENCHMARKS.md,
+# "Against the best peer: pfl-research"): pfl 0.6 with PyTorch's CPU build in .venv-pfl,
+# outside the product's lock. pfl wants Python 3.10-3.12; torch 2.13.0 is the CPU wheel.
+PEER_PYTHON ?= python3.11
+peer-env:
+	@test -x .venv-pfl/bin/python || $(PEER_PYTHON) -m venv .venv-pfl
+	.venv-pfl/bin/python -m pip install -q torch==2.13.0 "pfl[pytorch]==0.6.0"
+
 clean:
-	rm -rf .venv .venv-airflow .cache .pytest_cache
+	rm -rf .venv .venv-airflow .venv-pfl .cache .pytest_cache
 
 .PHONY: run
 RUN_ARGS ?=
