@@ -3,6 +3,7 @@ pfl-research's FedAvg with central DP on the same work, wall and CPU per round a
 ratios from interleaved runs.
 
     python -m bench.peer_pfl_round OUT.json [--quick] [--in-process] [--pfl-default-threads]
+        [--check]
 
 Needs `.venv-pfl` (`make peer-env`: pfl 0.6 and PyTorch in their own environment; the
 product's lock has neither). The pfl side is `bench/peer_pfl_runner.py`, run in it.
@@ -31,6 +32,10 @@ The first round (tracing, compiling; pfl's evaluation of the first cohort) and t
 (our held-out evaluation follows it) are left out; each run's figure is the median of
 the rounds between, and a ratio is the median over repeats of ours / pfl.
 
+`--check` first runs the same-work check (`same_work_check`): two rounds with no noise
+and one local step per client, after which our trained backbone and pfl's must agree
+to float32 rounding, far below how far the rounds moved it.
+
 Accounting differs and the output says how: ours samples a fixed number of virtual
 clients without replacement, neighbours substitute one user, sensitivity 2 x clip
 (docs/privacy.md); pfl's accountants assume Poisson sampling, add-or-remove-one, and
@@ -40,6 +45,7 @@ sensitivity 1 x clip. pfl's convention's epsilon comes from pfl's own accountant
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -81,6 +87,8 @@ QUICK_SIZES = {
     "rounds": 4,
     "repeats": 2,
 }
+# The same-work check (`same_work_check`): two rounds, one local step per client.
+CHECK_SIZES = {**QUICK_SIZES, "rounds": 2, "repeats": 1}
 OURS_ACCOUNTING = (
     "fixed-size sampling of virtual clients without replacement, substitute-one user "
     "neighbours, sensitivity 2 x clip (noise std z x clip)"
@@ -241,12 +249,14 @@ def _middle_rounds(wall: Sequence[float], cpu: Sequence[float]) -> dict:
     return {
         "round_wall_seconds": wall,
         "round_cpu_seconds": cpu,
-        "median_round_wall_seconds": statistics.median(wall),
-        "median_round_cpu_seconds": statistics.median(cpu),
+        # None for a run too short to have such rounds (the same-work check's).
+        "median_round_wall_seconds": statistics.median(wall) if wall else None,
+        "median_round_cpu_seconds": statistics.median(cpu) if cpu else None,
     }
 
 
-def run_ours(config: Any, data: tuple[str, str], work: str, executor: str) -> dict:
+def _train(config: Any, data: tuple[str, str], work: str, executor: str) -> tuple[Any, dict]:
+    """Our job, and its per-round figures (module docstring)."""
     from tff_algorithms.federated import runtime
     from tff_algorithms.jobs import train_job
 
@@ -259,7 +269,7 @@ def run_ours(config: Any, data: tuple[str, str], work: str, executor: str) -> di
         progress=lambda record: marks.append((time.perf_counter(), _cpu_seconds())),
         runtime_config=runtime.RuntimeConfig(executor=executor),
     )
-    return {
+    return result, {
         "side": f"dp-fedemb dp-fedavg ({executor})",
         # A mark follows each round: their differences are rounds 2 .. R.
         **_middle_rounds(
@@ -271,18 +281,17 @@ def run_ours(config: Any, data: tuple[str, str], work: str, executor: str) -> di
     }
 
 
-def run_pfl(work_npz: str, work: str, threads: int) -> dict:
+def run_pfl(work_npz: str, work: str, threads: int, weights_npz: str | None = None) -> dict:
     out = os.path.join(work, f"pfl-{time.monotonic_ns()}.json")
     env = dict(os.environ)
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    command = [PFL_PYTHON, PFL_RUNNER, work_npz, out, "--threads", str(threads)]
+    if weights_npz is not None:
+        command += ["--weights", weights_npz]
     began = time.perf_counter()
     done = subprocess.run(
-        [PFL_PYTHON, PFL_RUNNER, work_npz, out, "--threads", str(threads)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=PFL_TIMEOUT_SECONDS,
+        command, env=env, capture_output=True, text=True, timeout=PFL_TIMEOUT_SECONDS
     )
     if done.returncode:
         raise RuntimeError(f"pfl runner failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -298,11 +307,50 @@ def run_pfl(work_npz: str, work: str, threads: int) -> dict:
     }
 
 
+def same_work_check(work: str) -> dict:
+    """Whether the two sides train the same rounds: at the check's sizes with no noise and
+    one local step per client (a batch holds all of a client's examples, so their order,
+    which differs between the sides, cannot matter), our trained backbone after
+    `CHECK_SIZES` rounds and pfl's, both in PyTorch's layout, against how far training
+    moved it."""
+    from tff_algorithms.modeling import models
+
+    sizes = CHECK_SIZES
+    config = dataclasses.replace(
+        job_config(sizes),
+        noise_multiplier=0.0,
+        batch_size=sizes["users_per_virtual_client"] * sizes["images"],
+    )
+    data = bench_training._write_data(
+        os.path.join(work, "check_data"), sizes["identities"], sizes["images"], config.image_size
+    )
+    work_npz = os.path.join(work, "check.npz")
+    export_work(config, data[0], work_npz)
+    result, _ = _train(config, data, os.path.join(work, "check_ours"), "worker")
+    ours = backbone_in_torch_layout(
+        models.load_pretrained_backbone(config.backbone_config, result.saved_model_dir)
+    )
+    theirs_npz = os.path.join(work, "check_pfl.npz")
+    run_pfl(work_npz, work, 1, theirs_npz)
+    theirs, start = np.load(theirs_npz), np.load(work_npz)
+    difference = max(float(np.abs(ours[k] - theirs[k]).max()) for k in ours)
+    moved = max(float(np.abs(ours[k] - start[f"weight/{k}"]).max()) for k in ours)
+    return {
+        "sizes": sizes,
+        "noise_multiplier": 0.0,
+        "batch_size": config.batch_size,
+        "max_abs_difference_ours_vs_pfl": difference,
+        "max_abs_change_from_start": moved,
+    }
+
+
 def _ratio(ours: list[dict], theirs: list[dict], key: str) -> float:
     return statistics.median(a[key] / b[key] for a, b in zip(ours, theirs))
 
 
-def run(out_json: str, quick: bool, in_process: bool, pfl_default_threads: bool) -> dict:
+def run(
+    out_json: str, quick: bool, in_process: bool, pfl_default_threads: bool, check: bool
+) -> dict:
     if not os.path.exists(PFL_PYTHON):
         raise SystemExit(f"peer_pfl_round: {PFL_PYTHON} is missing; run `make peer-env` first")
     sizes = dict(QUICK_SIZES if quick else SIZES)
@@ -315,7 +363,11 @@ def run(out_json: str, quick: bool, in_process: bool, pfl_default_threads: bool)
     if pfl_default_threads:
         sides.append("pfl_default_threads")
     runs: dict[str, list[dict]] = {side: [] for side in sides}
+    checked = None
     try:
+        if check:
+            checked = same_work_check(work)
+            print(f"same work: {checked}", flush=True)
         data = bench_training._write_data(
             os.path.join(work, "data"), sizes["identities"], sizes["images"], config.image_size
         )
@@ -326,7 +378,7 @@ def run(out_json: str, quick: bool, in_process: bool, pfl_default_threads: bool)
                 out = os.path.join(work, f"{side}-{repeat}")
                 if side.startswith("ours"):
                     executor = "worker" if side == "ours_worker" else "in_process"
-                    figures = run_ours(config, data, out, executor)
+                    _, figures = _train(config, data, out, executor)
                 else:
                     figures = run_pfl(work_npz, work, 1 if side == "pfl_1_thread" else 0)
                 runs[side].append(figures)
@@ -370,6 +422,7 @@ def run(out_json: str, quick: bool, in_process: bool, pfl_default_threads: bool)
         "timing": "per round, rounds 2 .. R-1 of each run, median; ratios: median over "
         "repeats of ours / pfl (below 1: ours faster)",
         "ratios": ratios,
+        "same_work_check": checked,
         "accounting": {
             "ours": {
                 "convention": OURS_ACCOUNTING,
@@ -397,17 +450,21 @@ def run(out_json: str, quick: bool, in_process: bool, pfl_default_threads: bool)
 
 
 def _main(argv: list[str]) -> int:
-    flags = {"--quick", "--in-process", "--pfl-default-threads"}
+    flags = {"--quick", "--in-process", "--pfl-default-threads", "--check"}
     options = set(argv[1:])
     if not argv or argv[0].startswith("-") or not options <= flags:
         print(
             "usage: python -m bench.peer_pfl_round OUT.json [--quick] [--in-process] "
-            "[--pfl-default-threads]",
+            "[--pfl-default-threads] [--check]",
             file=sys.stderr,
         )
         return 2
     report = run(
-        argv[0], "--quick" in options, "--in-process" in options, "--pfl-default-threads" in options
+        argv[0],
+        "--quick" in options,
+        "--in-process" in options,
+        "--pfl-default-threads" in options,
+        "--check" in options,
     )
     print(json.dumps(report["ratios"], indent=2))
     return 0

@@ -2,6 +2,7 @@
 (`make peer-env`: pfl 0.6 and PyTorch, outside the product's lock), never in `.venv`.
 
     .venv-pfl/bin/python bench/peer_pfl_runner.py WORK.npz OUT.json [--threads N]
+        [--weights FINAL.npz]
 
 WORK.npz is what `bench/peer_pfl_round.py` exports from a dp-fedavg job: the small
 CNN's starting weights in PyTorch's layout (`torch_layout`), every round's virtual
@@ -14,7 +15,8 @@ z x clip on the sum, the sum divided by the cohort) and momentum SGD on the serv
 Per round (pfl's `after_central_iteration`): wall seconds and this process's CPU
 seconds. Also pfl's own accountants' epsilon for the same z, rounds and sampling rate
 (Poisson sampling, add-or-remove-one, sensitivity 1 x clip). `--threads N` sets
-PyTorch's intra-op threads (0: PyTorch's default).
+PyTorch's intra-op threads (0: PyTorch's default); `--weights FINAL.npz` also writes the
+trained parameters.
 """
 
 from __future__ import annotations
@@ -72,7 +74,10 @@ def _network(settings: dict, torch):  # noqa: ANN001, ANN202 - torch is the modu
 
 def pfl_epsilons(settings: dict) -> dict:
     """pfl's accountants' epsilon for the job: Poisson sampling at the per-user rate,
-    add-or-remove-one neighbours, noise z relative to sensitivity 1 x clip."""
+    add-or-remove-one neighbours, noise z relative to sensitivity 1 x clip (none at z = 0,
+    where no accountant bounds anything)."""
+    if not settings["noise_multiplier"]:
+        return {}
     from pfl.privacy import PLDPrivacyAccountant, PRVPrivacyAccountant, RDPPrivacyAccountant
 
     values = {}
@@ -93,7 +98,7 @@ def pfl_epsilons(settings: dict) -> dict:
     return values
 
 
-def run(work_npz: str, threads: int) -> dict:
+def run(work_npz: str, threads: int, weights_npz: str | None = None) -> dict:
     import functools
 
     import numpy as np
@@ -183,6 +188,8 @@ def run(work_npz: str, threads: int) -> dict:
         callbacks=[RoundClock()],
     )
     final = {name: p.detach().numpy() for name, p in network.named_parameters()}
+    if weights_npz is not None:
+        np.savez(weights_npz, **final)
     return {
         "threads": torch.get_num_threads(),
         "round_wall_seconds": [b[0] - a[0] for a, b in zip(marks, marks[1:])],
@@ -201,7 +208,7 @@ def _version(package: str) -> str:
 
 def main(argv: list[str]) -> int:
     args = list(argv[1:])
-    threads = 0
+    threads, weights = 0, None
     if "--threads" in args:
         at = args.index("--threads")
         try:
@@ -210,14 +217,21 @@ def main(argv: list[str]) -> int:
             print("peer_pfl_runner: --threads needs a whole number", file=sys.stderr)
             return 2
         del args[at : at + 2]
+    if "--weights" in args:
+        at = args.index("--weights")
+        if at + 1 == len(args):
+            print("peer_pfl_runner: --weights needs a file name", file=sys.stderr)
+            return 2
+        weights = args[at + 1]
+        del args[at : at + 2]
     if len(args) != 2 or not os.path.isfile(args[0]):
         print(
-            "usage: peer_pfl_runner.py WORK.npz OUT.json [--threads N] "
+            "usage: peer_pfl_runner.py WORK.npz OUT.json [--threads N] [--weights FINAL.npz] "
             "(WORK.npz from bench/peer_pfl_round.py)",
             file=sys.stderr,
         )
         return 2
-    result = run(args[0], threads)
+    result = run(args[0], threads, weights)
     with open(args[1], "w") as f:
         json.dump(result, f, indent=2)
     return 0
