@@ -276,6 +276,11 @@ def _train(config: Any, data: tuple[str, str], work: str, executor: str) -> tupl
             [b[0] - a[0] for a, b in zip(marks, marks[1:])],
             [b[1] - a[1] for a, b in zip(marks, marks[1:])],
         ),
+        # The loop's own round_seconds (the step and the ledger, before the checkpoint
+        # and the progress call), of the same rounds.
+        "loop_round_seconds": [
+            r["round_seconds"] for r in result.metrics["history"] if 2 <= r["round"] < config.rounds
+        ],
         "job_wall_seconds": time.perf_counter() - began,
         "epsilon": result.metrics["epsilon"],
     }
