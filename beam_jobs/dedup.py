@@ -217,9 +217,10 @@ class _SpillEntriesFn(beam.DoFn):
 
 
 def _join_spilled_bucket(bucket_paths, *args):  # no hints: Beam would check them
-    """`batches.join_bucket` of the entries in a bucket's spill files."""
+    """`batches.join_bucket` of the entries in a bucket's spill files, read one file at a
+    time as the join takes them (nothing here holds them all)."""
     bucket, paths = bucket_paths
-    entries = [pickle.loads(e) for path in sorted(paths) for e in spill.read_file(path)]
+    entries = (pickle.loads(e) for path in sorted(paths) for e in spill.read_file(path))
     yield from batches.join_bucket((bucket, entries), *args)
 
 
@@ -244,10 +245,35 @@ def _unpickled(step, *fields: str):
     return unpickled
 
 
+class _ClosestReferencesFn(beam.CombineFn):
+    """A candidate batch's join outputs, reduced as they come to each candidate image's k
+    closest references (`batches.closest_of`): what the runner holds per candidate image
+    is those k pairs, not k for every key bucket (up to 16 k; grouped, the largest state
+    the in-memory runner kept, docs/scaling.md)."""
+
+    def __init__(self, k: int):
+        self._k = k
+
+    def create_accumulator(self):
+        return [], None
+
+    def add_input(self, closest, part):
+        return batches.closest_of([closest, part], self._k)
+
+    def merge_accumulators(self, accumulators):
+        return batches.closest_of(accumulators, self._k)
+
+    def extract_output(self, closest):
+        return closest
+
+
 class FindDuplicates(beam.PTransform):
     """{"candidates", "reference"} Fingerprints -> {"removed": (record id, pair) for each
     candidate image equal or near a reference; "sizes": number of images per side}.
-    Steps in beam_jobs/dedup_batches.py.
+    Steps in beam_jobs/dedup_batches.py. A side may be a tuple of PCollections (several
+    splits): each is stepped on its own and only the steps' small outputs are
+    flattened, since a flattened PCollection of fingerprints is one the in-memory runner
+    holds whole (~2 KB an image) until its consumer runs.
 
     `sizes`: the number of images per side when the caller knows it (`run_dedup` counts
     the record files): "sizes" is then that dict, and the job spends no stages counting.
@@ -276,16 +302,25 @@ class FindDuplicates(beam.PTransform):
 
     def expand(self, inputs):
         config, spill_dir = self._config, self._spill_dir
-        sides = {_CANDIDATE: inputs["candidates"], _REFERENCE: inputs["reference"]}
+        sides = {
+            side: [
+                (f"{side}{i}" if i else side, fps)
+                for i, fps in enumerate(parts if isinstance(parts, tuple) else (parts,))
+            ]
+            for side, parts in (
+                (_CANDIDATE, inputs["candidates"]),
+                (_REFERENCE, inputs["reference"]),
+            )
+        }
         if self._sizes is not None:
             sizes = self._sizes
             probed_side = _probed_side(sizes[_CANDIDATE], sizes[_REFERENCE])
         else:
             sizes = {
-                side: fps
-                | f"Sizes{side}" >> beam.Map(len)
+                side: [fps | f"Sizes{label}" >> beam.Map(len) for label, fps in parts]
+                | f"AllSizes{side}" >> beam.Flatten()
                 | f"Count{side}" >> beam.CombineGlobally(sum)
-                for side, fps in sides.items()
+                for side, parts in sides.items()
             }
             probed_side = beam.pvalue.AsSingleton(
                 sizes[_CANDIDATE]
@@ -295,7 +330,7 @@ class FindDuplicates(beam.PTransform):
         joined = (
             [
                 fps
-                | f"Entries{side}"
+                | f"Entries{label}"
                 >> beam.ParDo(
                     _SpillEntriesFn(spill_dir),
                     side,
@@ -304,7 +339,8 @@ class FindDuplicates(beam.PTransform):
                     config.flipped_bits,
                     bands,
                 )
-                for side, fps in sides.items()
+                for side, parts in sides.items()
+                for label, fps in parts
             ]
             | "AllEntries" >> beam.Flatten()
             | "ByBucket" >> beam.GroupByKey()
@@ -324,14 +360,18 @@ class FindDuplicates(beam.PTransform):
         )
         requests = (
             joined.close
-            | "ByCandidateBatch" >> beam.GroupByKey()
-            | "Closest" >> beam.FlatMap(batches.closest_references, config.references_verified)
+            | "Closest" >> beam.CombinePerKey(_ClosestReferencesFn(config.references_verified))
+            | "Requests" >> beam.FlatMapTuple(batches.requests)
         )
         by_key = {
-            side: fps
-            | f"Key{side}" >> beam.Map(lambda fp: (fp.key, pickle.dumps(fp)))
-            | f"Spill{side}" >> spill.SpillByKey(spill_dir)
-            for side, fps in sides.items()
+            side: [
+                fps
+                | f"Key{label}" >> beam.Map(lambda fp: (fp.key, pickle.dumps(fp)))
+                | f"Spill{label}" >> spill.SpillByKey(spill_dir)
+                for label, fps in parts
+            ]
+            | f"Spilled{side}" >> beam.Flatten()
+            for side, parts in sides.items()
         }
         attach = _unpickled(batches.attach_references, "fp")
         verify = _unpickled(_verified_and_counted, "fp", "references")
@@ -404,9 +444,9 @@ def _report(
 
 
 class Deduplicate(beam.PTransform):
-    """{"candidates", "reference": Fingerprints, "records": the candidates' batches of
-    (batch key, records) from Fingerprint} -> {"kept", "removed", "report"}, as
-    RemoveNearDuplicates; `sizes` as FindDuplicates.
+    """{"candidates", "reference": Fingerprints (or tuples of them, as FindDuplicates),
+    "records": the candidates' batches of (batch key, records) from Fingerprint} ->
+    {"kept", "removed", "report"}, as RemoveNearDuplicates; `sizes` as FindDuplicates.
 
     The candidates' records wait for the removed ids in spill files, as the joins' band
     keys and fingerprints do (FindDuplicates), under `spill_dir` (default `spill.folder`),
@@ -545,9 +585,8 @@ def run_dedup(
             >> progress.Progress("dedup", f"{s} images fingerprinted", total=sizes[s], weight=len)
             for s, out in prints.items()
         }
-        evaluation = [
-            fps[s] for s in split_protocols.EVALUATION_SPLITS
-        ] | "Evaluation" >> beam.Flatten()
+        # Sides of several splits are tuples, not flattened (FindDuplicates).
+        evaluation = tuple(fps[s] for s in split_protocols.EVALUATION_SPLITS)
         train = {
             "candidates": fps[split_protocols.TRAIN],
             "reference": evaluation,
@@ -566,7 +605,7 @@ def run_dedup(
             private = (split_protocols.TRAIN, *split_protocols.EVALUATION_SPLITS)
             public = {
                 "candidates": fps[split_protocols.PUBLIC],
-                "reference": [fps[s] for s in private] | "Private" >> beam.Flatten(),
+                "reference": tuple(fps[s] for s in private),
                 "records": prints[split_protocols.PUBLIC]["records"],
             } | "PublicVsPrivate" >> Deduplicate(
                 config,

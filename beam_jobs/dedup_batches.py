@@ -10,8 +10,8 @@ The join, in Beam stages:
    pixel SHA-256s and user/identity ids.
 3. `join_bucket` (after grouping by bucket): ids on both sides, exact pairs, and pairs
    whose hashes share a band and differ in few bits, by candidate batch.
-4. `closest_references` (by candidate batch): each candidate's k closest references by
-   hash distance, requested from their batches.
+4. `closest_of` (combined per candidate batch as the join's parts come) and `requests`:
+   each candidate's k closest references by hash distance, requested from their batches.
 5. `attach_references` (with each reference batch): the requested thumbnails.
 6. `verified_pairs` (with each candidate batch): pixel verification (near_duplicates).
 
@@ -22,7 +22,7 @@ and any batching give the same pairs.
 import dataclasses
 import hashlib
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -264,8 +264,11 @@ def join_bucket(joined: tuple[Any, Any], threshold: int, k: int) -> Iterator[Any
         yield pvalue.TaggedOutput(EXACT_PAIRS, exact)
     if not bands[CANDIDATE] or not bands[REFERENCE]:
         return
-    candidate_keys, c, c_batch = _concatenated(bands[CANDIDATE])
-    reference_keys, r, r_batch = _concatenated(bands[REFERENCE])
+    # Each side's batch tables go once concatenated: the bucket's band tables are the
+    # join's largest state (docs/scaling.md), held once, not twice.
+    del entries, joined, entry
+    candidate_keys, c, c_batch = _concatenated(bands.pop(CANDIDATE))
+    reference_keys, r, r_batch = _concatenated(bands.pop(REFERENCE))
     right_sorted = nd.sorted_keys(r["key"])
     candidate = (c_batch.astype(np.int64) << 32) | c["row"].astype(np.int64)
 
@@ -303,13 +306,18 @@ def join_bucket(joined: tuple[Any, Any], threshold: int, k: int) -> Iterator[Any
         yield candidate_keys[batch], (reference_keys, part)
 
 
-def closest_references(grouped: tuple[Any, Any], k: int) -> Iterator[Any]:
-    """Each candidate's k closest references (by hash distance, then reference id),
-    requested from their batches: (reference batch key, (candidate batch key, arrays))."""
-    candidate_key, parts = grouped
-    parts = list(parts)
-    reference_keys = sorted({key for keys, _ in parts for key in keys})
-    index = {key: i for i, key in enumerate(reference_keys)}
+def closest_of(parts: Iterable[tuple[list[str], Any]], k: int) -> tuple[list[str], Any]:
+    """One candidate batch's (reference batch keys, pairs) parts, from `join_bucket` or
+    from this function, as one part of each candidate's k closest references (by hash
+    distance, then reference id), numbered by the keys it returns (those its pairs name);
+    ([], None) holds none. A candidate's k closest of a union of parts are among its k
+    closest in each part that holds them, so any grouping and order of the parts gives
+    the same pairs: a combiner's."""
+    parts = [(keys, table) for keys, table in parts if table is not None]
+    if not parts:
+        return [], None
+    union = sorted({key for keys, _ in parts for key in keys})
+    index = {key: i for i, key in enumerate(union)}
     merged = np.concatenate([table for _, table in parts])
     # Each part numbers its reference batches by its own key list: renumber by the union.
     merged["reference_batch"] = np.concatenate(
@@ -319,6 +327,17 @@ def closest_references(grouped: tuple[Any, Any], k: int) -> Iterator[Any]:
         ]
     )
     merged = _closest_first(merged, merged["row"].astype(np.int64), k)
+    used, renumbered = np.unique(merged["reference_batch"], return_inverse=True)
+    merged["reference_batch"] = renumbered
+    return [union[i] for i in used], merged
+
+
+def requests(candidate_key: str, closest: tuple[list[str], Any]) -> Iterator[Any]:
+    """`closest_of`'s pairs requested from their reference batches: (reference batch
+    key, (candidate batch key, arrays))."""
+    reference_keys, merged = closest
+    if merged is None:
+        return
     requested = _table(
         row=merged["row"],
         reference_row=merged["reference_row"],
@@ -327,6 +346,13 @@ def closest_references(grouped: tuple[Any, Any], k: int) -> Iterator[Any]:
     )
     for batch, part in _split_by(requested, merged["reference_batch"]).items():
         yield reference_keys[batch], (candidate_key, part)
+
+
+def closest_references(grouped: tuple[Any, Any], k: int) -> Iterator[Any]:
+    """Each candidate's k closest references (by hash distance, then reference id) of a
+    candidate batch's grouped parts, requested from their batches (`requests`)."""
+    candidate_key, parts = grouped
+    yield from requests(candidate_key, closest_of(parts, k))
 
 
 def attach_references(joined: tuple[Any, Any]) -> Iterator[Any]:

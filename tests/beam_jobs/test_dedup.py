@@ -390,3 +390,33 @@ def test_a_degenerate_bucket_is_joined_in_bounded_chunks_with_the_same_pairs(mon
     for (key, (references, pairs)), (key_, (references_, pairs_)) in zip(chunked, whole):
         assert (key, references) == (key_, references_)
         assert pairs.tobytes() == pairs_.tobytes() and len(pairs) == 100 * 4
+
+
+def test_closest_references_combined_part_by_part_in_any_order_are_those_of_all_parts_at_once():
+    # Four buckets' join outputs for the same two candidate batches, each bucket meeting
+    # its own reference batches: many ties in hash distance, broken by reference id.
+    candidates = _bucket_entries(dedup_batches.CANDIDATE, 2, 30, 0)
+    parts = {}
+    for bucket in range(4):
+        references = [
+            (side, f"{key}-of-bucket-{bucket}", entry)
+            for side, key, entry in _bucket_entries(dedup_batches.REFERENCE, 2, 20, bucket + 1)
+        ]
+        for key, part in dedup_batches.join_bucket((bucket, candidates + references), 16, 4):
+            parts.setdefault(key, []).append(part)
+    assert len(parts) == 2
+    for key, key_parts in parts.items():
+        whole = list(dedup_batches.closest_references((key, key_parts), 4))
+        rng = np.random.default_rng(7)
+        for _ in range(3):
+            order = rng.permutation(len(key_parts))
+            # A combiner's way: parts added one at a time, and two accumulators merged.
+            halves = [([], None), ([], None)]
+            for i, j in enumerate(order):
+                halves[i % 2] = dedup_batches.closest_of([halves[i % 2], key_parts[j]], 4)
+            combined = dedup_batches.closest_of(halves, 4)
+            assert np.bincount(combined[1]["row"]).max() <= 4  # k pairs a candidate image
+            out = list(dedup_batches.requests(key, combined))
+            assert [(r, c) for r, (c, _) in out] == [(r, c) for r, (c, _) in whole]
+            assert all(a.tobytes() == b.tobytes() for (_, (_, a)), (_, (_, b)) in zip(out, whole))
+        assert sum(len(t) for _, (_, t) in whole) == 30 * 4
