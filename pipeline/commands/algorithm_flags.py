@@ -4,7 +4,8 @@ Each registered section (`tff_algorithms.algorithms.registry.Section`) gives one
 key, `--<section>-<key>` in kebab case (`--fdml-groups-per-round` sets
 `fdml.groups_per_round`, `--logit-dp-users-per-step` sets `logit_dp.users_per_step`).
 The flat flags of the release before that a section replaced (`--samples-per-user`,
-`--logit-scale`; `--virtual-clients-per-round` of an fdml, logit-dp or DP-SGD job) are
+`--logit-scale`, `--restart-every-epoch`; `--virtual-clients-per-round` of an fdml,
+logit-dp or DP-SGD job) are
 still accepted, each with one deprecation line on stderr naming the new flag
 (`registry.user_layer`), until the release after `registry.LEGACY_UNTIL`. No
 TensorFlow: `check` reads them before anything heavy is imported.
@@ -25,7 +26,14 @@ from tff_algorithms.config import job_config
 
 # absl flag kinds of the settings' annotations (as written: `from __future__` keeps them
 # strings).
-_KINDS = {"int": "integer", "float": "float", "str": "string", "bool": "boolean"}
+_KINDS = {
+    "int": "integer",
+    "float": "float",
+    "str": "string",
+    "bool": "boolean",
+    "int | None": "integer",
+    "float | None": "float",
+}
 # The schedule field a shape key sets -> its flag kind: a count of units may be `auto`.
 _SHAPE_KINDS = {"users_per_virtual_client": "integer", "virtual_clients_per_round": "string"}
 

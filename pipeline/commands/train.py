@@ -169,7 +169,6 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "testing-fixed-noise",
         "tests and benchmarks only: allow a fixed --noise-seed (default: OS entropy)",
     )
-    define("boolean", "restart-every-epoch", "dp-ftrl-fedemb: restart the noise tree every epoch")
     # Each algorithm's own settings (--fdml-groups-per-round, ...) and the flat flags
     # of the release before they replaced.
     algorithm_flags.define(flag_values)
@@ -284,7 +283,7 @@ HELP_GROUPS = (
     ),
     (
         "Privacy and budget",
-        ("noise-multiplier", "clip-norm", "max-epsilon", "restart-every-epoch")
+        ("noise-multiplier", "clip-norm", "max-epsilon")
         + ("budget-ledger", "dataset-budget-epsilon", "override-budget")
         + ("accept-repaired-budget-ledger",),
     ),

@@ -56,7 +56,6 @@ _CONFIG_FIELDS = (
     "testing_fixed_schedule",
     "noise_seed",
     "testing_fixed_noise",
-    "restart_every_epoch",
     "max_epsilon",
 )
 CONFIG_FLAGS = {field.replace("_", "-"): field for field in _CONFIG_FIELDS}
@@ -95,7 +94,7 @@ def config_values(value: Mapping[str, Any], warn: Any = None) -> dict[str, Any]:
     if value["cache-features"] not in (None, "auto"):
         given["cache_features"] = value["cache-features"] == "true"
     # Boolean flags default to None; an explicit false keeps the config's default too.
-    for name in ("restart-every-epoch", "testing-fixed-noise", "testing-fixed-schedule"):
+    for name in ("testing-fixed-noise", "testing-fixed-schedule"):
         if not value[name]:
             given.pop(CONFIG_FLAGS[name], None)
     shared = {

@@ -346,7 +346,10 @@ def test_a_user_across_sources_and_splits_lands_in_one_split(tmp_path, capsys):
 WRONG_CONFIGS = [
     ("train:\n  rounds: five\n", "train: rounds must be an integer"),
     ("train:\n  noise_multiplier: [1]\n", "noise_multiplier must be a number"),
-    ("train:\n  restart_every_epoch: 'yes'\n", "restart_every_epoch must be a boolean"),
+    (
+        "train:\n  dp_fedemb:\n    restart_every_epoch: 'yes'\n",
+        "dp_fedemb.restart_every_epoch must be a boolean",
+    ),
     ("pipeline:\n  enable_cache: 1\n", "pipeline.enable_cache must be true or false"),
     ("data:\n  inputs: /a/path\n", "data.inputs must be a list"),
     ("data:\n  max_image_pixels: 0\n", "data.max_image_pixels must be >= 1"),

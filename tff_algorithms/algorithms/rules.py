@@ -53,6 +53,8 @@ def scheduled_accounting(
     algorithm = registry.get(config.algorithm)
     stats = schedule_shape(config, num_users).participation_stats(config.rounds)
     is_tree = algorithm.noise is accounting_spec.Noise.TREE
+    # Tree restarts are a setting of the tree-noise algorithms' section (`dp_fedemb`).
+    restart_every_epoch = is_tree and config.settings.restart_every_epoch
     return accounting_spec.AccountingSpec(
         population=stats.sampling_units,
         users_per_round=stats.units_per_round,
@@ -61,8 +63,8 @@ def scheduled_accounting(
         delta=delta,
         mechanism=algorithm.mechanism,
         users_per_virtual_client=config.users_per_virtual_client,
-        restart_every_epoch=config.restart_every_epoch,
-        min_separation=stats.min_separation if is_tree and not config.restart_every_epoch else None,
+        restart_every_epoch=restart_every_epoch,
+        min_separation=stats.min_separation if is_tree and not restart_every_epoch else None,
     )
 
 

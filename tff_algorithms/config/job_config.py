@@ -7,8 +7,8 @@ schedule rules, which settings apply to them) is read from each one's
 `algorithms.Algorithm` (`tff_algorithms/algorithms/`), never by comparing names;
 shared negatives are configured and checked in `shared_negatives_config`.
 
-An algorithm's own settings are its section (`registry.Section`: `fdml`, `logit_dp`,
-`dp_sgd`; docs/config.md): `TrainJobConfig.settings` holds them, checked for its jobs
+An algorithm's own settings are its section (`registry.Section`: `dp_fedemb`, `fdml`,
+`logit_dp`, `dp_sgd`; docs/config.md): `TrainJobConfig.settings` holds them, checked for its jobs
 only; a section may name the shared schedule's counts in the algorithm's words
 (`fdml.groups_per_round` sets `virtual_clients_per_round`). `to_dict` writes the section
 and `from_dict` reads it, and a record of the release before (flat keys) too.
@@ -37,7 +37,7 @@ from tff_algorithms.algorithms import rules
 from tff_algorithms.algorithms.dp_fedemb.shared_negatives_config import SharedNegativesConfig
 from tff_algorithms.base import validation
 from tff_algorithms.config import client_config, job_plan, model_config, report_policy
-from tff_algorithms.privacy import accounting_spec, calibration
+from tff_algorithms.privacy import calibration
 
 # The algorithms' names, for code that configures a job of one (tests, benchmarks);
 # what each is and does is its `algorithms.Algorithm`.
@@ -133,10 +133,14 @@ class TrainJobConfig:
         so it is refused unless `testing_fixed_noise` is set.
       testing_fixed_noise: the explicit testing flag that allows a fixed `noise_seed`:
         for tests and benchmarks only; recorded in metrics.json.
-      restart_every_epoch: DP-FTRL only: restart the noise tree every epoch.
       settings: the algorithm's own settings (its `Algorithm.section`'s dataclass, or
         a mapping of its fields); None: their defaults. Must be None for an algorithm
-        without a section.
+        without a section; another algorithm's section at its defaults (what
+        `dataclasses.replace(job, algorithm=...)` carries along) is dropped, and one set
+        away from them refused. The DP-FedEmb family's `dp_fedemb` section
+        (`tff_algorithms/algorithms/dp_fedemb/settings.py`) holds its tree restarts
+        (`restart_every_epoch`) and straggler limits (`max_local_steps`,
+        `max_client_seconds`).
 
     `logit-dp` (private contrastive training, `tff_algorithms.algorithms.logit_dp.training`)
     reads its `logit_dp` section: `rounds` steps, each sampling `users_per_step` users
@@ -176,8 +180,6 @@ class TrainJobConfig:
       min_report_fraction: a round with fewer than ceil(f·M) reporting virtual clients
         is retried with a fresh selection, never applied.
       max_round_attempts: attempts per round before the job stops with an error.
-      max_local_steps / max_client_seconds: a virtual client needing more local steps
-        or wall-clock seconds is a straggler and is dropped (None: no limit).
       failure_injection_rate: fraction of virtual clients made to fail their read, to
         measure dropout robustness (tests and benchmarks only).
       shared_negatives: None (off), or `SharedNegativesConfig` (a mapping of its fields
@@ -220,13 +222,10 @@ class TrainJobConfig:
     testing_fixed_schedule: bool = False
     noise_seed: int | None = None
     testing_fixed_noise: bool = False
-    restart_every_epoch: bool = False
     max_epsilon: float | None = None
     over_selection: float = 0.0
     min_report_fraction: float = 0.5
     max_round_attempts: int = 3
-    max_local_steps: int | None = None
-    max_client_seconds: float | None = None
     failure_injection_rate: float = 0.0
     trainable_layers: tuple[str, ...] = model_config.ALL_LAYERS
     shared_negatives: SharedNegativesConfig | None = None
@@ -235,6 +234,7 @@ class TrainJobConfig:
 
     def __post_init__(self) -> None:
         algorithm = algorithms.get(self.algorithm)
+        self._drop_another_sections_defaults(algorithm)
         if algorithm.section is None:
             if self.settings is not None:
                 with_sections = ", ".join(algorithms.registry.sections())
@@ -273,10 +273,6 @@ class TrainJobConfig:
                 )
         else:
             validation.check_int("virtual_clients_per_round", self.virtual_clients_per_round, 1)
-        if self.max_local_steps is not None:
-            validation.check_int("max_local_steps", self.max_local_steps, 1)
-        if self.max_client_seconds is not None:
-            validation.check_number("max_client_seconds", self.max_client_seconds, 0, low_open=True)
         validation.check_number("over_selection", self.over_selection, 0, 100, low_open=False)
         for name in ("min_report_fraction", "failure_injection_rate"):
             validation.check_fraction(name, getattr(self, name))
@@ -334,12 +330,8 @@ class TrainJobConfig:
             validation.check_number("delta", self.delta, 0, 1, low_open=True)
         if self.max_epsilon is not None:
             validation.check_number("max_epsilon", self.max_epsilon, 0, low_open=True)
-        validation.check_bool("restart_every_epoch", self.restart_every_epoch)
         if algorithm.check_job is not None:
             algorithm.check_job(self)
-        if self.restart_every_epoch and algorithm.noise is not accounting_spec.Noise.TREE:
-            tree_noise = algorithms.names(lambda other: other.noise is accounting_spec.Noise.TREE)
-            raise ValueError(f"restart_every_epoch applies only to {' and '.join(tree_noise)}")
         if isinstance(self.trainable_layers, str) or not all(
             isinstance(p, str) for p in self.trainable_layers
         ):
@@ -353,6 +345,27 @@ class TrainJobConfig:
         _ = self.backbone_config
         if self.cache_features is True:
             self._check_cache_features()
+
+    def _drop_another_sections_defaults(self, algorithm: algorithms.Algorithm) -> None:
+        """Another algorithm's section at its defaults, as a job of that algorithm
+        carries it into `dataclasses.replace(job, algorithm=...)`, holds no choice:
+        dropped (this algorithm's defaults apply). Set away from its defaults, it is
+        refused in one line, never silently lost."""
+        settings = self.settings
+        own = algorithm.section
+        for section in algorithms.registry.sections().values():
+            if section is own or not isinstance(settings, section.settings):
+                continue
+            defaults = dataclasses.asdict(section.settings())
+            changed = sorted(k for k, v in dataclasses.asdict(settings).items() if defaults[k] != v)
+            if changed:
+                raise ValueError(
+                    f"settings hold {section.name}.{changed[0]}, a setting of "
+                    f"{' and '.join(algorithms.registry.section_users(section.name))}, not of "
+                    f"{self.algorithm}: leave settings unset"
+                )
+            object.__setattr__(self, "settings", None)
+            return
 
     def _check_cache_features(self) -> None:
         reason = None
@@ -501,8 +514,10 @@ class TrainJobConfig:
             head_init=self.head_init,
             class_means_norm=self.class_means_norm,
             head_loss=self.head_loss_config,
-            max_local_steps=self.max_local_steps,
-            max_seconds=self.max_client_seconds,
+            # The family's straggler limits (its `dp_fedemb` section): only its jobs
+            # build a client config.
+            max_local_steps=self.settings.max_local_steps,
+            max_seconds=self.settings.max_client_seconds,
             failure_injection_rate=float(self.failure_injection_rate),
             shared_negative_rows=(
                 0 if self.shared_negatives is None else self.shared_negatives.num_clusters

@@ -1,5 +1,5 @@
-"""Each algorithm's own settings in its own section (issue 39, item 3): `fdml`,
-`logit_dp`, `dp_sgd`, declared by the registry and read through it by the job config,
+"""Each algorithm's own settings in its own section (issue 39, item 3; issue 64, item 4):
+`dp_fedemb`, `fdml`, `logit_dp`, `dp_sgd`, declared by the registry and read through it by the job config,
 the pipeline config and `dp-fedemb train`; the flat keys and flags of the release
 before accepted with one deprecation line, refused when they disagree with the new
 ones. Fast: no training (old output directories: tests/tff_algorithms/algorithms/fdml/test_fdml_job.py)."""
@@ -18,6 +18,7 @@ from tff_algorithms.config import job_config
 FDML = job_config.FDML
 LOGIT_DP = job_config.LOGIT_DP
 DP_SGD = job_config.DP_SGD_CENTRALIZED
+DP_FTRL = job_config.DP_FTRL_FEDEMB
 
 
 @pytest.fixture(autouse=True)
@@ -32,11 +33,15 @@ def _stderr_lines(capsys) -> list[str]:
 
 def test_the_registry_declares_each_section_and_its_users():
     sections = algorithms.registry.sections()
-    assert set(sections) == {"fdml", "logit_dp", "dp_sgd"}
+    assert set(sections) == {"dp_fedemb", "fdml", "logit_dp", "dp_sgd"}
     assert algorithms.registry.section_users("dp_sgd") == (DP_SGD, job_config.DP_LAST_LAYER)
+    assert algorithms.registry.section_users("dp_fedemb") == (
+        job_config.DP_FEDEMB,
+        job_config.DP_FEDAVG,
+        DP_FTRL,
+    )
     assert sections["fdml"].keys()[:2] == ("groups_per_round", "users_per_group")
-    for name in (job_config.DP_FEDEMB, job_config.CENTRALIZED):
-        assert algorithms.get(name).section is None
+    assert algorithms.get(job_config.CENTRALIZED).section is None
 
 
 @pytest.mark.parametrize(
@@ -45,6 +50,7 @@ def test_the_registry_declares_each_section_and_its_users():
         (FDML, {"groups_per_round": 3, "users_per_group": 2, "samples_per_user": 4}, (2, 3)),
         (LOGIT_DP, {"users_per_step": 20, "scale": 0.5}, (1, 20)),
         (DP_SGD, {"users_per_step": 40}, (1, 40)),
+        (DP_FTRL, {"restart_every_epoch": True, "max_local_steps": 5}, (8, 32)),
     ],
 )
 def test_a_section_sets_the_settings_and_the_schedule_counts_and_is_recorded(
@@ -57,8 +63,10 @@ def test_a_section_sets_the_settings_and_the_schedule_counts_and_is_recorded(
     assert (config.users_per_virtual_client, config.virtual_clients_per_round) == counts
     record = config.to_dict()
     assert {k: record[name][k] for k in section} == section
-    # The schedule's counts are recorded in the algorithm's words only.
-    assert not {"users_per_virtual_client", "virtual_clients_per_round"} & set(record)
+    # The schedule's counts are recorded in the algorithm's words only (the DP-FedEmb
+    # family's words for them are the shared ones: virtual clients).
+    if algorithms.get(algorithm).section.shape:
+        assert not {"users_per_virtual_client", "virtual_clients_per_round"} & set(record)
     assert job_config.TrainJobConfig.from_dict(record) == config
 
 
@@ -75,6 +83,12 @@ def test_a_section_sets_the_settings_and_the_schedule_counts_and_is_recorded(
         (LOGIT_DP, {"weight_decay": 0.1}, "logit_dp.weight_decay applies to the adam and lamb"),
         (DP_SGD, {"optimizer": "lamb", "adam_beta1": -0.1}, "dp_sgd.adam_beta1 must be finite"),
         (DP_SGD, {"users_per_step": 0}, "virtual_clients_per_round must be >= 1"),
+        (DP_FTRL, {"max_client_seconds": -1}, "dp_fedemb.max_client_seconds must be finite"),
+        (
+            job_config.DP_FEDAVG,
+            {"restart_every_epoch": True},
+            "dp_fedemb.restart_every_epoch applies only to dp-ftrl-fedemb, not dp-fedavg",
+        ),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_it(algorithm, section, message):
@@ -95,15 +109,29 @@ def test_a_job_is_checked_by_its_own_algorithms_rules_only(monkeypatch):
         original(settings)
 
     monkeypatch.setattr(fdml_fields.FdmlSettings, "__post_init__", counted)
-    for algorithm in (job_config.DP_FEDEMB, job_config.CENTRALIZED, DP_SGD):
+    for algorithm in (job_config.DP_FEDEMB, job_config.CENTRALIZED, DP_SGD, DP_FTRL):
         config = job_config.TrainJobConfig(algorithm=algorithm, users_per_virtual_client=1)
         assert config.settings is None or not isinstance(config.settings, fdml_fields.FdmlSettings)
     assert checked == []
     job_config.TrainJobConfig(algorithm=FDML)
     assert len(checked) == 1
     # Settings are refused for an algorithm without a section, not ignored.
-    with pytest.raises(ValueError, match="dp-fedemb has no settings of its own") as e:
-        job_config.TrainJobConfig(settings={"samples_per_user": 4})
+    with pytest.raises(ValueError, match="centralized has no settings of its own") as e:
+        job_config.TrainJobConfig(algorithm=job_config.CENTRALIZED, settings={"seed": 4})
+    assert "\n" not in str(e.value)
+
+
+def test_another_algorithm_s_default_section_is_dropped_and_a_set_one_refused():
+    # `dataclasses.replace(job, algorithm=...)` carries the job's section along.
+    federated = job_config.TrainJobConfig()
+    assert dataclasses.replace(federated, algorithm=job_config.CENTRALIZED).settings is None
+    assert dataclasses.replace(federated, algorithm=FDML).settings == fdml_fields.FdmlSettings()
+    restarting = job_config.TrainJobConfig(
+        algorithm=DP_FTRL, settings={"restart_every_epoch": True}
+    )
+    with pytest.raises(ValueError) as e:
+        dataclasses.replace(restarting, algorithm=job_config.CENTRALIZED)
+    assert "settings hold dp_fedemb.restart_every_epoch" in str(e.value)
     assert "\n" not in str(e.value)
 
 
@@ -125,6 +153,25 @@ def test_a_record_of_the_release_before_reads_as_the_same_job():
     record = dp_sgd.to_dict()
     before = {**record, "dp_sgd": {"users_per_step": record["dp_sgd"]["users_per_step"]}}
     assert job_config.current_layout(before) == record
+
+
+@pytest.mark.parametrize("algorithm", [job_config.DP_FEDEMB, DP_FTRL, LOGIT_DP, FDML])
+def test_a_flat_record_of_the_dp_fedemb_family_s_settings_reads_as_the_same_job(algorithm):
+    # Every record before the `dp_fedemb` section held these flat keys, whatever its
+    # algorithm: the family's jobs read them as their section, the others drop them.
+    config = job_config.TrainJobConfig.from_dict({"algorithm": algorithm, "noise_multiplier": 1.0})
+    if algorithm == DP_FTRL:
+        config = dataclasses.replace(config, settings={"restart_every_epoch": True})
+    record = config.to_dict()
+    own = record.get("dp_fedemb", {"restart_every_epoch": False})
+    flat = {k: v for k, v in record.items() if k != "dp_fedemb"}
+    flat.update(
+        restart_every_epoch=own["restart_every_epoch"],
+        max_local_steps=None,
+        max_client_seconds=None,
+    )
+    assert job_config.current_layout(flat) == record
+    assert job_config.TrainJobConfig.from_dict(flat) == config
 
 
 # The pipeline's config file.
@@ -228,6 +275,19 @@ def _train_lines(capsys, tmp_path, *flags: str) -> tuple[int, list[str]]:
         ]
     )
     return code, _stderr_lines(capsys)
+
+
+def test_the_old_tree_restart_flag_gives_one_deprecation_line_and_the_same_job(tmp_path, capsys):
+    code, lines = _train_lines(capsys, tmp_path, f"--algorithm={DP_FTRL}", "--restart-every-epoch")
+    assert code != 0
+    assert lines == [
+        f"dp-fedemb train: warning: --restart-every-epoch is deprecated for {DP_FTRL}: use "
+        "--dp-fedemb-restart-every-epoch (the old name is refused after release 0.1.0)",
+        f"dp-fedemb train: error: --data {tmp_path / 'missing'} does not exist",
+    ]
+    old = _flag_job(f"--algorithm={DP_FTRL}", "--restart-every-epoch")
+    assert old == _flag_job(f"--algorithm={DP_FTRL}", "--dp-fedemb-restart-every-epoch")
+    assert old.settings.restart_every_epoch
 
 
 def test_an_old_flag_gives_one_deprecation_line(tmp_path, capsys):

@@ -293,7 +293,9 @@ def test_over_selection_is_accounted_with_the_selected_sampling():
 def test_dropouts_never_reduce_the_reported_epsilon():
     # The spec (hence every ledger entry) depends on the plan only, not on who reports.
     dropping = dataclasses.replace(
-        JOB, failure_injection_rate=0.3, max_local_steps=1, max_client_seconds=5.0
+        JOB,
+        failure_injection_rate=0.3,
+        settings={"max_local_steps": 1, "max_client_seconds": 5.0},
     )
     assert job_plan.accounting_spec_for(dropping, 1000) == job_plan.accounting_spec_for(JOB, 1000)
 
@@ -304,8 +306,8 @@ def test_dropouts_never_reduce_the_reported_epsilon():
         ({"min_report_fraction": 1.5}, "min_report_fraction must be a fraction"),
         ({"over_selection": -0.1}, "over_selection must be"),
         ({"max_round_attempts": 0}, "max_round_attempts must be >= 1"),
-        ({"max_local_steps": 0}, "max_local_steps must be >= 1"),
-        ({"max_client_seconds": 0.0}, "max_client_seconds must be"),
+        ({"settings": {"max_local_steps": 0}}, "dp_fedemb.max_local_steps must be >= 1"),
+        ({"settings": {"max_client_seconds": 0.0}}, "dp_fedemb.max_client_seconds must be"),
         ({"failure_injection_rate": "0.1"}, "failure_injection_rate must be a number"),
     ],
 )
@@ -377,8 +379,16 @@ def test_a_training_job_with_injected_failures_reports_them_and_is_charged_as_pl
         ("train.over_selection=lots", "config train: over_selection must be a number"),
         ("train.min_report_fraction=1.2", "config train: min_report_fraction must be a fraction"),
         ("train.max_round_attempts=2.5", "config train: max_round_attempts must be an integer"),
-        ("train.max_local_steps=true", "config train: max_local_steps must be an integer"),
-        ("train.max_client_seconds=soon", "config train: max_client_seconds must be a number"),
+        (
+            "train.dp_fedemb.max_local_steps=true",
+            "config train: dp_fedemb.max_local_steps must be an integer",
+        ),
+        (
+            "train.dp_fedemb.max_client_seconds=soon",
+            "config train: dp_fedemb.max_client_seconds must be a number",
+        ),
+        # The flat key of the release before moves into the section (one deprecation line).
+        ("train.max_local_steps=true", "config train: dp_fedemb.max_local_steps must be an"),
         ("train.failure_injection_rate=[0.1]", "config train: failure_injection_rate must be"),
     ],
 )
@@ -395,8 +405,8 @@ def test_pipeline_config_accepts_the_dropout_settings():
             "train.over_selection=0.25",
             "train.min_report_fraction=0.6",
             "train.max_round_attempts=5",
-            "train.max_local_steps=40",
-            "train.max_client_seconds=30",
+            "train.dp_fedemb.max_local_steps=40",
+            "train.dp_fedemb.max_client_seconds=30",
             "train.failure_injection_rate=0.1",
         ],
     )
@@ -404,7 +414,8 @@ def test_pipeline_config_accepts_the_dropout_settings():
     assert job.report_policy() == report_policy.ReportPolicy(
         job.virtual_clients_per_round, 0.25, 0.6, 5
     )
-    assert (job.max_local_steps, job.max_client_seconds, job.failure_injection_rate) == (
+    limits = (job.settings.max_local_steps, job.settings.max_client_seconds)
+    assert (*limits, job.failure_injection_rate) == (
         40,
         30,
         0.1,

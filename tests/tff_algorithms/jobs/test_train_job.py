@@ -230,7 +230,11 @@ def test_config_round_trips_and_keeps_paper_momentum():
         ({"delta": 1.0}, "delta"),
         ({"head_capacity": 0}, "head_capacity"),
         ({"max_epsilon": 0.0}, "max_epsilon"),
-        ({"restart_every_epoch": True}, "restart_every_epoch"),
+        (
+            {"settings": {"restart_every_epoch": True}},
+            "dp_fedemb.restart_every_epoch applies only to",
+        ),
+        ({"settings": {"max_local_steps": 0}}, "dp_fedemb.max_local_steps must be >= 1"),
         ({"architecture": "mobilenet_v2"}, "32x32"),
         ({"users_per_virtual_client": 2.5}, "integer"),
         ({"head_lr_scale": 0.0}, "head_lr_scale"),

@@ -4,7 +4,8 @@ Virtual clients of `users_per_virtual_client` users train one round each; the
 backbone's update is clipped and noised (`mechanisms`). DP-FedEmb and DP-FTRL-FedEmb
 train a local head per virtual client (shared negatives may extend it); DP-FedAvg
 trains the backbone and a global head with one optimizer (paper, Alg. 2).
-DP-FTRL-FedEmb adds tree-aggregated noise and samples users in epochs. The trainers
+DP-FTRL-FedEmb adds tree-aggregated noise and samples users in epochs. The three
+share one section of their own settings, `dp_fedemb` (`settings.SECTION`). The trainers
 are `training.train_dp_fedemb` and `train_dp_fedavg`. No TensorFlow here.
 
 The family's implementation lives beside this spec, one builder per process shape as in
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from beam_jobs import schedule
 from tff_algorithms.algorithms import registry, rules
+from tff_algorithms.algorithms.dp_fedemb import settings
 from tff_algorithms.privacy import accounting_spec
 
 DP_FEDEMB = registry.register(
@@ -33,6 +35,8 @@ DP_FEDEMB = registry.register(
         trainer="tff_algorithms.algorithms.dp_fedemb.training:train_dp_fedemb",
         accounting_rule=rules.scheduled_accounting,
         mechanism=accounting_spec.Mechanism.DPSGD,
+        section=settings.SECTION,
+        check_job=settings.check_job,
         check_round_fill=rules.check_schedule_fills,
         local_heads=True,
         cacheable=True,
@@ -50,6 +54,8 @@ DP_FEDAVG = registry.register(
         trainer="tff_algorithms.algorithms.dp_fedemb.training:train_dp_fedavg",
         accounting_rule=rules.scheduled_accounting,
         mechanism=accounting_spec.Mechanism.DPSGD,
+        section=settings.SECTION,
+        check_job=settings.check_job,
         check_round_fill=rules.check_schedule_fills,
         # One optimizer trains backbone and global head: at DP-FedEmb's 100 the global
         # head's update fills the clipped delta (BENCHMARKS.md, "Training").
@@ -71,6 +77,8 @@ DP_FTRL_FEDEMB = registry.register(
         accounting_rule=rules.scheduled_accounting,
         mechanism=accounting_spec.Mechanism.DPFTRL,
         schedule_mode=schedule.EPOCH,
+        section=settings.SECTION,
+        check_job=settings.check_job,
         check_round_fill=rules.check_schedule_fills,
         local_heads=True,
         cacheable=True,
