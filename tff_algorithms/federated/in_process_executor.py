@@ -403,12 +403,22 @@ def _graphs_of(
 
 def _key(comp: Any) -> str:
     """The computation's identity: a hash of its serialized proto, so that the same
-    computation object (or an identical one) reuses what was compiled for it."""
+    computation object (or an identical one) reuses what was compiled for it. Kept per
+    object (hashing `next` takes ~30 ms, and every round asks twice); the entry holds the
+    object, so its id is not reused while the entry lives."""
+    held = _KEYS.get(id(comp))
+    if held is not None and held[0] is comp:
+        return held[1]
     if isinstance(comp, computation_impl.ConcreteComputation):
         proto = computation_impl.ConcreteComputation.get_proto(comp)  # no re-serialization
     else:
         proto = _proto(comp)
-    return hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()
+    key = hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()
+    _KEYS[id(comp)] = (comp, key)
+    return key
+
+
+_KEYS: dict[int, tuple[Any, str]] = {}
 
 
 def _is_round(type_signature: Any) -> bool:
