@@ -229,12 +229,13 @@ def tff_rows(draw) -> dict:
 @FUZZ
 @given(names, tff_rows())
 def test_tff_client_data_rows_are_a_record_or_a_counted_reason(client_id, features):
-    """ingest's ReadSqlClientData row reader, on a real one-row SQLite file: every row
-    marks its client as seen and becomes either the record its features describe or a
+    """ingest's ReadSqlClientData row reader, on a real one-row SQLite file: the read
+    counts its one row for the progress line, every row marks its client as seen and becomes either the record its features describe or a
     BadInput with a known reason (what the ingest summary counts, per reason)."""
     database = _one_row_database(client_id, _example(features))
     reader = ingest._ReadSqlRowsFn(database, None, None, schema.DEFAULT_MAX_IMAGE_PIXELS)
-    seen, *outputs = list(reader.process((1, 1)))
+    done, seen, *outputs = list(reader.process((1, 1)))
+    assert (done.tag, done.value) == (ingest._DONE_TAG, 1)  # the progress line's count
     assert seen.tag == ingest._ROW_CLIENT_TAG
     assert seen.value == client_id.encode("utf-8", "surrogateescape")
     assert len(outputs) == 1, outputs
