@@ -266,10 +266,15 @@ def test_shared_synthetic_identities_keep_at_least_90_percent(tmp_path, mode):
     kept = sum(summary["records"].values())
     assert kept >= 0.9 * len(records) and summary["records"]["test"] > 0
     # Eight training users may hold more identities than a local head of one row per
-    # user: the pipeline stops right after this split, naming the rows needed.
-    needed = partition.most_identities_of_users(
+    # user: the pipeline stops right after this split, naming the rows needed, the least
+    # of what the 8 users holding the most hold and the training data's identities.
+    most_of_eight = partition.most_identities_of_users(
         {partition.IDENTITIES_PER_USER: summary[splits.TRAIN_IDENTITIES_PER_USER]}, 8
     )
+    (train,) = _read_splits(tmp_path / "out", ["train"]).values()
+    train_identities = len({r.identity for r in train})
+    assert summary["identities"][split_protocols.TRAIN] == train_identities
+    needed = min(most_of_eight, train_identities)
     assert 8 < needed <= 8 * synth.identities_per_user
     job = job_config.TrainJobConfig(
         rounds=2, users_per_virtual_client=8, virtual_clients_per_round=2, noise_multiplier=1.0
