@@ -111,10 +111,11 @@ def _refuse_old_formats(directory: str) -> None:
 def newest_intact_checkpoint(directory: str) -> str | None:
     """The prefix of the newest checkpoint in `directory` that reads back whole, or None.
 
-    Newer ones that do not (torn writes, partial saves) are removed, and the
-    checkpoint-state file is rewritten to list the ones that remain, so training
-    resumes from the one before and saves the removed steps again, and the older ones
-    are pruned as new ones are saved.
+    Newer ones that do not (torn writes, partial saves) are removed, as are the values
+    of older ones whose index a killed prune already removed, and the checkpoint-state
+    file is rewritten to list the ones that remain, so training resumes from the one
+    before and saves the removed steps again, and the older ones are pruned as new ones
+    are saved.
     """
     tf.io.gfile.makedirs(directory)
     _refuse_old_formats(directory)
@@ -132,8 +133,13 @@ def newest_intact_checkpoint(directory: str) -> str | None:
             error,
         )
         _remove_entries(directory, entries.pop(step))
-    for names in entries.values():  # a save killed before its merge
-        _remove_entries(directory, [n for n in names if "_temp" in n])
+    for step, names in list(entries.items()):
+        if f"ckpt-{step}.index" not in names:
+            # A prune killed between the index and the values (TF removes the index
+            # first): older than the one resumed from, so nothing is lost.
+            _remove_entries(directory, entries.pop(step))
+        else:  # a save killed before its merge
+            _remove_entries(directory, [n for n in names if "_temp" in n])
     kept = [os.path.join(directory, f"ckpt-{step}") for step in sorted(entries)]
     state_file = os.path.join(directory, _STATE_FILE)
     if kept:

@@ -90,6 +90,21 @@ def test_torn_newest_checkpoint_is_removed_and_training_resumes_from_the_previou
     assert checkpoints.read_error(os.path.join(directory, "ckpt-3")) is None
 
 
+def test_a_prune_killed_between_index_and_values_leaves_a_job_that_resumes(straight, tmp_path):
+    # The manager removes an old checkpoint's index, then its values: killed between,
+    # the values stay without an index, older than the checkpoint resumed from.
+    directory = str(tmp_path / "ckpt")
+    _stopped_at(directory, 4)  # checkpoints of steps 2 and 3 kept
+    os.remove(os.path.join(directory, "ckpt-2.index"))
+
+    resumed = _train(directory)
+
+    assert resumed.resumed_from_round == 3
+    np.testing.assert_array_equal(resumed.backbone, straight.backbone)
+    assert resumed.ledger.to_json() == straight.ledger.to_json()
+    assert not glob.glob(os.path.join(directory, "ckpt-2.*"))
+
+
 def test_checkpoint_that_reads_but_does_not_fit_is_a_one_line_error(tmp_path):
     directory = str(tmp_path / "ckpt")
     _stopped_at(directory, 2)
