@@ -51,14 +51,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     hooks: xdist's own (xdist/remote.py) turns the marker into the `@group` node-id suffix
     its scheduler reads, so a marker added after it would group nothing."""
     for item in items:
-        # Slow tests are left to spread over the workers test by test (a module fixture
-        # may then be built on both): their modules are few and long, and one worker
-        # holding each whole would leave the other idle at the end of `make test-slow`.
-        if (
-            item.get_closest_marker("xdist_group") is None
-            and item.get_closest_marker("slow") is None
+        # Slow tests spread over the workers test by test, but those that use a
+        # module-scoped fixture (a trained job, a partition, namespaces), which each worker
+        # would build again: a slow module's tests are long, and one worker holding each
+        # whole module would leave the others idle at the end of `make test-slow`.
+        if item.get_closest_marker("xdist_group") is None and (
+            item.get_closest_marker("slow") is None or _uses_a_module_fixture(item)
         ):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    definitions = getattr(item, "_fixtureinfo", None)
+    if definitions is None:
+        return False
+    return any(d.scope == "module" for defs in definitions.name2fixturedefs.values() for d in defs)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

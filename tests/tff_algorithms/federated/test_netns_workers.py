@@ -39,7 +39,8 @@ from tff_algorithms.federated import liveness, local_workers, loopback_shim, run
 from tff_algorithms.jobs import train_job
 
 # End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
-pytestmark = pytest.mark.slow
+# On one xdist worker: the namespaces, the data and the one-local-worker run are made once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("netns_workers")]
 
 SYNTH = synthetic.SyntheticConfig(identities=36, images_per_identity=5, seed=7)
 TRAIN_IDENTITIES = 28

@@ -22,8 +22,9 @@ from tests.tff_algorithms.federated import faults
 from tff_algorithms.federated import liveness, runtime
 from tff_algorithms.jobs import train_job
 
-# End to end or multi-minute: `make test-slow` (CI) runs it, `make test` leaves it out.
-pytestmark = pytest.mark.slow
+# The runs with a fault: `make test-slow` (CI) runs them, `make test` leaves them out. On
+# one xdist worker, so the module's data and uninterrupted run are built once.
+ON_ONE_WORKER = pytest.mark.xdist_group("worker_loss")
 
 SYNTH = synthetic.SyntheticConfig(identities=36, images_per_identity=5, seed=7)
 TRAIN_IDENTITIES = 28
@@ -96,6 +97,8 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+@pytest.mark.slow
+@ON_ONE_WORKER
 def test_lost_local_worker_is_restarted_and_the_run_ends_as_uninterrupted(
     data, uninterrupted, tmp_path, signum
 ):
@@ -112,6 +115,8 @@ def test_lost_local_worker_is_restarted_and_the_run_ends_as_uninterrupted(
     _assert_same_outputs(uninterrupted, _outputs(result))
 
 
+@pytest.mark.slow
+@ON_ONE_WORKER
 def test_a_loss_past_max_worker_losses_stops_in_one_line_and_a_rerun_resumes(
     data, uninterrupted, tmp_path
 ):
