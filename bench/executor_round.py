@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -31,7 +30,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench import bench_training, bench_transfer
+from bench import bench_training, bench_transfer, run_all
 
 EXECUTORS = ("worker", "in_process")
 ORDER = ("worker", "in_process", "in_process", "worker")
@@ -131,12 +130,8 @@ def run(out_json: str, quick: bool, mobilenet: bool) -> dict:
     report = {
         "quick": quick,
         "sizes": {k: sizes[k] for k in (*SIZES, "users_per_virtual_client") if k in sizes},
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(),
-            "load_average_1_5_15_start": load_start,
-            "load_average_1_5_15_end": [round(x, 2) for x in os.getloadavg()],
-        },
+        # run_all's record of the machine (its load average at the end), and at the start.
+        "machine": {**run_all.machine(), "load_average_1_5_15_start": load_start},
         "rows": rows,
     }
     with open(out_json, "w") as f:

@@ -35,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 
+from bench import run_all  # no TensorFlow
+
 # bench_transfer's rows this check times (its DEFAULT, EMBEDDING + CACHED and
 # DP_SGD_CENTRALIZED; spelled out so that the parent imports no TensorFlow): two TFF
 # jobs and one step-loop job.
@@ -203,8 +205,7 @@ def run(out_json: str, quick: bool) -> dict:
         "gpu_seen": bool(gpu["gpus"]),
         "gpu_over_cpu_median_round": ratios,
         "same_noise_bits": cpu["noise_sha256"] == gpu["noise_sha256"],
-        "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
-        "cpu_count": os.cpu_count(),
+        "machine": run_all.machine(),
         "children": children,
     }
     with open(out_json, "w") as f:

@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -60,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import bench_training
+from bench import bench_training, run_all
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PFL_PYTHON = os.path.join(REPO, ".venv-pfl", "bin", "python")
@@ -441,12 +440,8 @@ def run(
                 "sampling_probability": settings["sampling_probability"],
             },
         },
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(),
-            "load_average_1_5_15_start": load_start,
-            "load_average_1_5_15_end": [round(x, 2) for x in os.getloadavg()],
-        },
+        # run_all's record of the machine (its load average at the end), and at the start.
+        "machine": {**run_all.machine(), "load_average_1_5_15_start": load_start},
         "runs": runs,
     }
     with open(out_json, "w") as f:
