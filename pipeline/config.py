@@ -36,7 +36,7 @@ from pipeline import config_checks
 from tff_algorithms import algorithms
 from tff_algorithms.algorithms import rules
 from tff_algorithms.base import bounded_load
-from tff_algorithms.config import job_config, recipes
+from tff_algorithms.config import executors, job_config, recipes
 
 # The image the Dockerfile builds (`docker build -t dp-fedemb:0.1.0 .`): every pipeline
 # step, the TFF workers and the Beam SDK harness run in it. Tag = setup.py's version.
@@ -192,10 +192,10 @@ class RuntimeSection:
     worker_cert: str | None = None
     worker_key: str | None = None
     allow_insecure_workers: bool = False
-    first_round_deadline_s: float = 900.0
-    round_deadline_factor: float = 10.0
-    min_round_deadline_s: float = 60.0
-    max_worker_losses: int = 2
+    first_round_deadline_s: float = executors.FIRST_ROUND_DEADLINE_S
+    round_deadline_factor: float = executors.ROUND_DEADLINE_FACTOR
+    min_round_deadline_s: float = executors.MIN_ROUND_DEADLINE_S
+    max_worker_losses: int = executors.MAX_WORKER_LOSSES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from absl import flags
 
@@ -35,6 +35,9 @@ from tff_algorithms.base import job_files, owned_files
 from tff_algorithms.config import client_config, executors, model_config, recipes
 from tff_algorithms.config import job_config as job_config_lib
 from tff_algorithms.privacy import accounting_spec
+
+if TYPE_CHECKING:  # TFF is imported only when a command runs
+    from tff_algorithms.federated.runtime import RuntimeConfig
 
 # Old spelling -> the flag it was renamed to (issue 25), accepted with one deprecation
 # line on stderr (`cli.main`) for one release: remove in the release after 0.1.0.
@@ -268,6 +271,33 @@ def define_flags(flag_values: flags.FlagValues) -> None:
         "a network nothing else can reach: whoever reaches a worker reads the private data)",
         False,
     )
+    define(
+        "float",
+        "first-round-deadline-s",
+        "seconds a call to a TFF worker may take before any round was measured (the first, "
+        "which compiles); a worker silent longer is lost",
+        executors.FIRST_ROUND_DEADLINE_S,
+    )
+    define(
+        "float",
+        "round-deadline-factor",
+        "a round's deadline, as a multiple of the longest round measured (at least 1)",
+        executors.ROUND_DEADLINE_FACTOR,
+    )
+    define(
+        "float",
+        "min-round-deadline-s",
+        "the shortest round deadline, in seconds",
+        executors.MIN_ROUND_DEADLINE_S,
+    )
+    define(
+        "integer",
+        "max-worker-losses",
+        "lost TFF workers a run survives (a local one restarted, a remote one dropped, the "
+        "round run again from the same state); one more stops training, and the same "
+        "command resumes",
+        executors.MAX_WORKER_LOSSES,
+    )
     define("string", "runner", "Beam runner for data preparation", "DirectRunner")
     define("string", "beam-args", "further Beam pipeline options, shell-quoted", "")
 
@@ -323,7 +353,8 @@ HELP_GROUPS = (
     (
         "Runtime (TFF workers)",
         ("executor", "workers", "local-workers", "worker-intra-op-threads", "worker-ca")
-        + ("worker-cert", "worker-key", "allow-insecure-workers"),
+        + ("worker-cert", "worker-key", "allow-insecure-workers", "first-round-deadline-s")
+        + ("round-deadline-factor", "min-round-deadline-s", "max-worker-losses"),
     ),
 )
 
@@ -660,6 +691,27 @@ def _keep_log(output: str) -> None:
     console.keep_log_in(output, "train")
 
 
+def runtime_config_of(value: Mapping[str, Any]) -> "RuntimeConfig":
+    """The `runtime.RuntimeConfig` the runtime flags in `value` (flag name -> value) ask
+    for; a ValueError names a setting that cannot work."""
+    from tff_algorithms.federated import runtime
+
+    return runtime.RuntimeConfig(
+        executor=value["executor"],
+        worker_addresses=tuple(value["workers"]),
+        local_workers=value["local-workers"],
+        worker_intra_op_threads=value["worker-intra-op-threads"],
+        worker_ca=value["worker-ca"],
+        worker_cert=value["worker-cert"],
+        worker_key=value["worker-key"],
+        allow_insecure_workers=value["allow-insecure-workers"],
+        first_round_deadline_s=value["first-round-deadline-s"],
+        round_deadline_factor=value["round-deadline-factor"],
+        min_round_deadline_s=value["min-round-deadline-s"],
+        max_worker_losses=value["max-worker-losses"],
+    )
+
+
 def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     if args:
         raise ValueError(f"unexpected arguments: {' '.join(args)}")
@@ -672,16 +724,7 @@ def run(flag_values: flags.FlagValues, args: Sequence[str]) -> int:
     # Started before anything can fail, so TFF's own import-time context never lingers
     # (its worker manager fails noisily at exit); SIGTERM/SIGINT stop the workers.
     try:
-        runtime_config = runtime.RuntimeConfig(
-            executor=value["executor"],
-            worker_addresses=tuple(value["workers"]),
-            local_workers=value["local-workers"],
-            worker_intra_op_threads=value["worker-intra-op-threads"],
-            worker_ca=value["worker-ca"],
-            worker_cert=value["worker-cert"],
-            worker_key=value["worker-key"],
-            allow_insecure_workers=value["allow-insecure-workers"],
-        )
+        runtime_config = runtime_config_of(value)
     except ValueError:
         if runtime.active() is None:
             runtime.release_import_time_context()

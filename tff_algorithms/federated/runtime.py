@@ -60,6 +60,7 @@ from tensorflow_federated.python.core.environments.tensorflow_frontend import (
 )
 
 from tff_algorithms.base import validation
+from tff_algorithms.config import executors
 from tff_algorithms.config.executors import EXECUTORS, IN_PROCESS, WORKER
 from tff_algorithms.federated import in_process_executor, liveness, local_workers
 from tff_algorithms.federated.local_workers import LocalWorker
@@ -137,10 +138,10 @@ class RuntimeConfig:
     worker_cert: str | None = None
     worker_key: str | None = None
     allow_insecure_workers: bool = False
-    first_round_deadline_s: float = 900.0
-    round_deadline_factor: float = 10.0
-    min_round_deadline_s: float = 60.0
-    max_worker_losses: int = 2
+    first_round_deadline_s: float = executors.FIRST_ROUND_DEADLINE_S
+    round_deadline_factor: float = executors.ROUND_DEADLINE_FACTOR
+    min_round_deadline_s: float = executors.MIN_ROUND_DEADLINE_S
+    max_worker_losses: int = executors.MAX_WORKER_LOSSES
 
     @property
     def uses_tls(self) -> bool:
