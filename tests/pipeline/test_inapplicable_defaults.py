@@ -88,3 +88,28 @@ def test_a_pipeline_config_takes_the_same_rule(tmp_path):
         pipeline_config.load_config(
             None, ["train.server_optimizer=adam", "train.server_momentum=0.9"]
         ).train_job_dict()
+
+
+# The same for an algorithm's own setting: dp_sgd.sigmoid_head scores the softmax head,
+# and the private recipe's head_loss (cosface, the federated algorithms') refused it.
+@pytest.mark.parametrize("algorithm", ["dp-sgd-centralized", "dp-last-layer"])
+def test_the_sigmoid_head_alone_builds_the_job_on_the_softmax_head(algorithm):
+    chosen = _job(f"--algorithm={algorithm}", "--dp-sgd-sigmoid-head")
+    assert chosen.settings.sigmoid_head and chosen.head_loss == "softmax"
+
+
+def test_without_the_sigmoid_head_the_recipes_head_loss_stays():
+    assert _job("--algorithm=dp-sgd-centralized").head_loss == "cosface"
+
+
+def test_a_head_loss_set_explicitly_with_the_sigmoid_head_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="set head_loss to softmax") as refused:
+        _job("--algorithm=dp-sgd-centralized", "--dp-sgd-sigmoid-head", "--head-loss=cosface")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_pipeline_config_takes_the_sigmoid_heads_rule():
+    config = pipeline_config.load_config(
+        None, ["train.algorithm=dp-sgd-centralized", "train.dp_sgd.sigmoid_head=true"]
+    )
+    assert config.train_job_dict()["head_loss"] == "softmax"

@@ -124,6 +124,10 @@ class Algorithm:
       section: its own settings (`Section`), or None: it reads the shared fields only.
         Checked for its jobs only; several algorithms may share one.
       check_job: its own checks of a job of it (run for its jobs only).
+      without_inapplicable: (layered values, the user's given values) -> the values
+        without the defaults its own chosen settings make inapplicable (a recipe's
+        default that the user did not set and that would refuse the setting they chose);
+        None: none. Run after the shared rule (`rules.without_inapplicable_defaults`).
       check_round_fill: (config, num_users): one line when the users cannot fill one
         of its rounds; None: any population fills one.
       eligible_users: (reader, user_ids, config) -> the users it trains on (lazily
@@ -159,6 +163,9 @@ class Algorithm:
     keeps_recipe_layers: bool = False
     section: Section | None = None
     check_job: ConfigCheck | None = None
+    without_inapplicable: (
+        Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]] | None
+    ) = None
     check_round_fill: Callable[[Any, int], Any] | None = None
     eligible_users: Callable[[Any, list[str], Any], list[str]] | None = None
     round_groups: str = VIRTUAL_CLIENTS

@@ -110,11 +110,14 @@ def without_inapplicable_defaults(
     defaults that do not apply to the job's chosen optimizer: a recipe's server_momentum
     is sgd's, so with adam or lamb (whose momentum is beta1) it becomes 0, unless the
     user set it, which `check_server_optimizer` then refuses in one line (None, a
-    config's null, means the default: not set)."""
+    config's null, means the default: not set); then those the algorithm's own settings
+    make inapplicable (`Algorithm.without_inapplicable`)."""
     values = dict(values)
     unset = given.get("server_momentum") is None
     if unset and chosen_optimizer(values, algorithm) != model_config.SGD:
         values["server_momentum"] = 0.0
+    if algorithm.without_inapplicable is not None:  # its own settings' defaults
+        values = algorithm.without_inapplicable(values, given)
     return values
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from tff_algorithms.algorithms import registry, rules
 from tff_algorithms.algorithms.user_dp_sgd.config import (
     DESCRIBE,
+    ZERO_INIT_HEAD_LOSS,
     DpSgdSettings,
     check_full_batch_fills,
     check_last_layer_job,
@@ -38,6 +39,17 @@ SECTION = registry.Section(
     legacy={"virtual_clients_per_round": "users_per_step"},
     describe=DESCRIBE,
 )
+
+
+def _without_inapplicable(values: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """With dp_sgd.sigmoid_head chosen, the recipe's head_loss (cosface, for the
+    federated algorithms) gives way to the softmax head it scores, unless the user set
+    head_loss, which `check_user_dp_sgd_job` then refuses in one line."""
+    values = dict(values)
+    if (values.get(SECTION.name) or {}).get("sigmoid_head") and given.get("head_loss") is None:
+        values["head_loss"] = ZERO_INIT_HEAD_LOSS
+    return values
+
 
 # Layered over the private recipe: a step's users are `dp_sgd.users_per_step`; the rest of the private recipe (target epsilon 8 at
 # delta 1e-4, the model) stays. First values, not yet tuned on the default data (the
@@ -118,6 +130,7 @@ DP_SGD_CENTRALIZED = registry.register(
         recipe=DP_SGD_CENTRALIZED_RECIPE,
         section=SECTION,
         check_job=check_user_dp_sgd_job,
+        without_inapplicable=_without_inapplicable,
         check_round_fill=check_full_batch_fills,
         rounds_are="user-level DP-SGD steps (one clipped gradient per sampled user)",
         pipeline_trains=True,
@@ -137,6 +150,7 @@ DP_LAST_LAYER = registry.register(
         keeps_recipe_layers=True,
         section=SECTION,
         check_job=check_last_layer_job,
+        without_inapplicable=_without_inapplicable,
         check_round_fill=check_full_batch_fills,
         rounds_are="user-level DP-SGD steps of the embedding layer on cached features",
         # Always on the cache of its frozen prefix (`user_dp_sgd`).
