@@ -24,7 +24,7 @@ rendered with their own pose, blur and noise) shape alone took a third to a half
 other renders of a shape for copies (BENCHMARKS.md, "Dedup: copies vs look-alikes").
 
 The Beam job moves numpy arrays per batch of images and key bucket
-(beam_jobs/dedup_batches.py), not one element per image and hash band: its cost is the
+(beam_jobs/dedup_batches.py, dedup_verification.py), not one element per image and hash band: its cost is the
 numpy work, not the runner's per-element bookkeeping. Joins run by bucket of keys and by
 batch, so no worker holds a whole side.
 
@@ -48,7 +48,14 @@ from collections.abc import Iterator
 import apache_beam as beam
 import tensorflow as tf
 
-from beam_jobs import copy_evidence, progress, records_io, spill, split_protocols
+from beam_jobs import (
+    copy_evidence,
+    dedup_verification,
+    progress,
+    records_io,
+    spill,
+    split_protocols,
+)
 from beam_jobs import dedup_batches as batches
 from beam_jobs import near_duplicates as nd
 from beam_jobs.dedup_batches import EXACT, NEAR
@@ -228,9 +235,9 @@ _VERIFIED_IMAGES = "verified_images"  # tagged output of the Verify step
 
 
 def _verified_and_counted(joined: tuple, config: DedupConfig) -> Iterator:
-    """`batches.verified_pairs`, then (tagged _VERIFIED_IMAGES) how many candidate images
+    """`dedup_verification.verified_pairs`, then (tagged _VERIFIED_IMAGES) how many candidate images
     the batch held: the verification's progress, counted in images of a known total."""
-    yield from batches.verified_pairs(joined, config)
+    yield from dedup_verification.verified_pairs(joined, config)
     yield beam.pvalue.TaggedOutput(_VERIFIED_IMAGES, len(joined[1]["fp"][0]))
 
 

@@ -21,6 +21,7 @@ from apache_beam import pvalue
 
 from beam_jobs import (
     dedup,
+    dedup_verification,
     ingest,
     partition,
     partition_job,
@@ -133,7 +134,7 @@ def _plain_dedup(split_dir: str, out_dir: str) -> int:
     )
     for key, references in attached.items():
         joined = (key, {"fp": [by_key[batches.CANDIDATE][key]], "references": references})
-        for record, pair in batches.verified_pairs(joined, config):
+        for record, pair in dedup_verification.verified_pairs(joined, config):
             removed[record].append(pair)
     kept = 0
     for name, items in records.items():  # as run_dedup: train filtered, the rest copied

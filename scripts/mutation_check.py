@@ -415,7 +415,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "dedup-verification",
-        "beam_jobs/dedup_batches.py",
+        "beam_jobs/dedup_verification.py",
         "for i in np.flatnonzero([e is not None for e in evidence]):",
         "for i in range(len(pairs)):",
         (
@@ -444,7 +444,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # A look-alike taken for a copy: the copy evidence's two tests.
     Mutant(
         "dedup-shared-noise",
-        "beam_jobs/dedup_batches.py",
+        "beam_jobs/dedup_verification.py",
         "found.append(_SHARED if correlation >= config.min_shared_noise else _NOT_SHARED)",
         "found.append(_SHARED)",
         (_ALIGNED_LOOKALIKE,),
@@ -452,7 +452,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # A copy taken for a look-alike: the whole-pixel alignment of clipped copies.
     Mutant(
         "dedup-whole-pixel-alignment",
-        "beam_jobs/dedup_batches.py",
+        "beam_jobs/dedup_verification.py",
         "if whole is not None and whole != alignment:",
         "if False:",
         (_CLIPPED_COPY,),
@@ -461,14 +461,14 @@ MUTANTS: tuple[Mutant, ...] = (
     # aligned look-alike taken for a copy.
     Mutant(
         "dedup-same-pixels-skipped",
-        "beam_jobs/dedup_batches.py",
+        "beam_jobs/dedup_verification.py",
         "elif same_pixels[i]:",
         "elif False:",
         (_SHIFTED_FRAME_FILLING_COPY,),
     ),
     Mutant(
         "dedup-same-pixels-tolerance",
-        "beam_jobs/dedup_batches.py",
+        "beam_jobs/dedup_verification.py",
         "<= copy_evidence.SAME_PIXELS_TOLERANCE",
         '<= float("inf")',
         (_SHIFTED_FRAME_FILLING_COPY,),
@@ -477,14 +477,14 @@ MUTANTS: tuple[Mutant, ...] = (
     # vetoed (copies kept: the privacy fault), or none (another render removed).
     Mutant(
         "dedup-prediction-vetoes-copies",
-        "beam_jobs/dedup_batches.py",
+        "beam_jobs/dedup_verification.py",
         "> copy_prediction.MAX_UNEXPLAINED",
         ">= 0.0",
         (_FRAME_FILLING_ICONS,),
     ),
     Mutant(
         "dedup-prediction-skipped",
-        "beam_jobs/dedup_batches.py",
+        "beam_jobs/dedup_verification.py",
         'and measured["residual"][i] > config.max_residual\n'
         "            and unexplained[i] > copy_prediction.MAX_UNEXPLAINED\n",
         "and False\n",
@@ -493,21 +493,21 @@ MUTANTS: tuple[Mutant, ...] = (
     # Both ways for predicted_pixels: a resampled copy kept, or another render removed.
     Mutant(
         "dedup-predicted-pixels-skipped",
-        "beam_jobs/dedup_batches.py",
+        "beam_jobs/dedup_verification.py",
         "<= copy_prediction.MAX_PREDICTED",
         "<= -1.0",
         (_CROP_RESIZED_BACK,),
     ),
     Mutant(
         "dedup-predicted-pixels-tolerance",
-        "beam_jobs/dedup_batches.py",
+        "beam_jobs/dedup_verification.py",
         "<= copy_prediction.MAX_PREDICTED",
         '<= float("inf")',
         (_CROP_RESIZED_BACK,),
     ),
     Mutant(
         "dedup-jpeg-reencode",
-        "beam_jobs/dedup_batches.py",
+        "beam_jobs/dedup_verification.py",
         '"jpeg_reencode" if difference <= config.jpeg_tolerance else None',
         '"jpeg_reencode"',
         (_ALIGNED_LOOKALIKE,),

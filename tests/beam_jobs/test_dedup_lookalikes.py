@@ -20,7 +20,7 @@ from beam_jobs import (
     copy_evidence,
     copy_prediction,
     dedup,
-    dedup_batches,
+    dedup_verification,
     near_duplicates,
     records_io,
     schema,
@@ -148,7 +148,7 @@ def _aligned_pair_evidence(
         "scale": one(scale),
     }
     candidate = np.asarray(Image.open(io.BytesIO(candidate_bytes)).convert("L"))
-    [evidence] = dedup_batches._copy_evidence(
+    [evidence] = dedup_verification._copy_evidence(
         measured,
         [candidate],
         [copy_evidence.jpeg_form(candidate_bytes)],
@@ -243,7 +243,7 @@ def _verified_evidence(candidates: list[bytes], reference: np.ndarray) -> list[s
     measured = near_duplicates.verify(
         thumbnails, near_duplicates.thumbnail(reference)[None], pairs, config.max_shift + 1
     )
-    return dedup_batches._copy_evidence(
+    return dedup_verification._copy_evidence(
         measured,
         pixels,
         [copy_evidence.jpeg_form(c) for c in candidates],
