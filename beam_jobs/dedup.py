@@ -24,9 +24,9 @@ rendered with their own pose, blur and noise) shape alone took a third to a half
 other renders of a shape for copies (BENCHMARKS.md, "Dedup: copies vs look-alikes").
 
 The Beam job moves numpy arrays per batch of images and key bucket
-(beam_jobs/dedup_batches.py, dedup_verification.py), not one element per image and hash band: its cost is the
-numpy work, not the runner's per-element bookkeeping. Joins run by bucket of keys and by
-batch, so no worker holds a whole side.
+(beam_jobs/dedup_batches.py, dedup_verification.py), not one element per image and hash
+band: its cost is the numpy work, not the runner's per-element bookkeeping. Joins run
+by bucket of keys and by batch, so no worker holds a whole side.
 
 Only the candidate side (train, public) ever loses records; reference records (the
 evaluation splits, the private data) pass through untouched. Users or identities on both
@@ -235,8 +235,9 @@ _VERIFIED_IMAGES = "verified_images"  # tagged output of the Verify step
 
 
 def _verified_and_counted(joined: tuple, config: DedupConfig) -> Iterator:
-    """`dedup_verification.verified_pairs`, then (tagged _VERIFIED_IMAGES) how many candidate images
-    the batch held: the verification's progress, counted in images of a known total."""
+    """`dedup_verification.verified_pairs`, then (tagged _VERIFIED_IMAGES) how many
+    candidate images the batch held: the verification's progress, counted in images of a
+    known total."""
     yield from dedup_verification.verified_pairs(joined, config)
     yield beam.pvalue.TaggedOutput(_VERIFIED_IMAGES, len(joined[1]["fp"][0]))
 
